@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print numbers (``python -m kvlab.bench blocks|kernels``), never timed tests."""

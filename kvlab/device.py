@@ -1,0 +1,44 @@
+"""The one place that decides whether kvlab's Triton kernels run compiled on a GPU or interpreted on CPU.
+
+Without CUDA, Triton can still run every kernel through its interpreter, but only if
+``TRITON_INTERPRET=1`` is in the environment *before* the first ``@triton.jit`` decorator runs. Every
+kernel module imports this module first, so importing kvlab is enough; nothing here touches the Triton
+driver (which fails without a GPU) or prints anything.
+"""
+
+import os
+import platform
+
+import torch
+
+# A user who sets TRITON_INTERPRET=1 on a GPU machine asks for the interpreter (handy for debugging a
+# kernel with print statements); we respect it.
+ON_GPU: bool = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+#: Where kvlab puts tensors by default: the GPU when there is one, else the CPU (interpreter mode).
+DEVICE: torch.device = torch.device("cuda" if ON_GPU else "cpu")
+
+
+def mode() -> str:
+    """``"gpu"`` when kernels are compiled for CUDA, ``"interpreter"`` when they run on CPU."""
+    return "gpu" if ON_GPU else "interpreter"
+
+
+def report() -> str:
+    """A few lines saying which mode is active and with which versions (``python -m kvlab info``)."""
+    import triton  # imported here so that `import kvlab.device` stays cheap
+
+    import kvlab
+
+    lines = [
+        f"kvlab {kvlab.__version__}",
+        f"mode: {mode()} ({'compiled Triton kernels on ' + torch.cuda.get_device_name() if ON_GPU else 'TRITON_INTERPRET=1, kernels run on CPU'})",
+        f"python {platform.python_version()}, torch {torch.__version__}, triton {triton.__version__}",
+    ]
+    if ON_GPU:
+        major, minor = torch.cuda.get_device_capability()
+        lines.append(f"cuda {torch.version.cuda}, compute capability {major}.{minor}, "
+                     f"bf16 {'yes' if torch.cuda.is_bf16_supported() else 'no'}")
+    return "\n".join(lines)

@@ -1,0 +1,34 @@
+"""kvlab's exception types.
+
+Every error kvlab raises on purpose derives from ``KvlabError``, and also from the builtin a caller
+would expect (``ValueError`` for a bad argument, ``RuntimeError`` for an operation that is not valid
+now), so ``except ValueError`` keeps working. Raising one never leaves kvlab's state half-changed.
+"""
+
+
+class KvlabError(Exception):
+    """Base class of every error kvlab raises on purpose."""
+
+
+class InvalidArgumentError(KvlabError, ValueError):
+    """An argument has the wrong type, value, shape, dtype, device or range."""
+
+
+class SequenceStateError(KvlabError, RuntimeError):
+    """The operation is not valid for this sequence now (unknown, already freed, not allocated...)."""
+
+
+class OutOfBlocksError(KvlabError, RuntimeError):
+    """Not enough free blocks for the operation; nothing was allocated."""
+
+
+class InvariantViolation(KvlabError, AssertionError):
+    """``check_invariants()`` found the block manager's bookkeeping inconsistent."""
+
+
+class TraceFormatError(KvlabError, ValueError):
+    """A trace file is malformed; the message names the file and the line."""
+
+
+class NeedsGPUError(KvlabError, RuntimeError):
+    """A GPU-only feature (e.g. the kernel benchmark) was called on a machine without CUDA."""

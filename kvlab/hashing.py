@@ -1,0 +1,41 @@
+"""Chained block hashes: the key under which the prefix cache finds a full block.
+
+A block's hash covers its parent's hash and its own token ids, so equal hashes mean (up to collisions)
+equal prefixes, not merely equal blocks: the same tokens after a different prefix have different K/V and
+must not hit. The default is xxh64 over the block's tokens as little-endian int64 bytes, seeded with the
+parent's hash (the first block's seed is 0). Collisions are harmless for correctness: the pool compares
+the tokens and the parent block before it shares anything (see ``BlockPool.lookup``).
+"""
+
+import sys
+from array import array
+from typing import Callable, Optional
+
+import xxhash
+
+from kvlab.errors import InvalidArgumentError
+
+#: ``hash_fn(parent_hash_or_None, token_ids_tuple) -> int``, to replace the default in experiments/tests.
+HashFn = Callable[[Optional[int], tuple], int]
+
+assert sys.byteorder == "little", "kvlab hashes tokens as native int64 bytes; big-endian is unsupported"
+
+
+def block_hashes(tokens: array, block_size: int, start: int, stop: int, parent: Optional[int],
+                 hash_fn: Optional[HashFn] = None) -> tuple[list[int], list[bytes]]:
+    """Hashes and token bytes of full blocks ``start..stop-1`` of ``tokens``, chained from ``parent``
+    (the hash of block ``start - 1``, or None for the first block)."""
+    raw = memoryview(tokens).cast("B")
+    width = 8 * block_size
+    hashes, contents = [], []
+    for i in range(start, stop):
+        content = raw[i * width:(i + 1) * width].tobytes()
+        if hash_fn is None:
+            parent = xxhash.xxh64_intdigest(content, parent or 0)
+        else:
+            parent = hash_fn(parent, tuple(tokens[i * block_size:(i + 1) * block_size]))
+            if isinstance(parent, bool) or not isinstance(parent, int):
+                raise InvalidArgumentError(f"hash_fn must return an int, got {type(parent).__name__}")
+        hashes.append(parent)
+        contents.append(content)
+    return hashes, contents
