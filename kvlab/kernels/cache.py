@@ -1,0 +1,84 @@
+"""Allocating paged KV caches: one ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` tensor per layer.
+
+Memory comes from ``torch.empty`` on purpose: a fresh cache holds garbage, exactly as on a real server, so
+tests can poison it (fill with NaN) and prove a kernel only touched the slots it was told to.
+"""
+
+import torch
+
+from kvlab.errors import InvalidArgumentError
+from kvlab.kernels._checks import CACHE_DTYPES
+
+
+def _check_positive_ints(**values):
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_dtype(dtype):
+    if dtype not in CACHE_DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in CACHE_DTYPES)
+        raise InvalidArgumentError(f"dtype {dtype} is not a cache dtype; allowed: {names}")
+
+
+def bytes_per_block(num_layers, num_kv_heads, head_dim, *, block_size=16, dtype) -> int:
+    """Bytes one block id costs across the whole model: K and V for ``block_size`` tokens in every layer."""
+    _check_positive_ints(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+    _check_dtype(dtype)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * element_size
+
+
+def num_blocks_for_budget(num_layers, num_kv_heads, head_dim, *, block_size=16, dtype, memory_budget_bytes) -> int:
+    """How many blocks fit in ``memory_budget_bytes`` for this model shape (rounded down, may be 0)."""
+    if isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, int) or memory_budget_bytes < 0:
+        raise InvalidArgumentError(f"memory_budget_bytes must be an int >= 0, got {memory_budget_bytes!r}")
+    per_block = bytes_per_block(num_layers, num_kv_heads, head_dim, block_size=block_size, dtype=dtype)
+    return memory_budget_bytes // per_block
+
+
+def _resolve_num_blocks(num_layers, num_kv_heads, head_dim, block_size, dtype, memory_budget_bytes, num_blocks):
+    if (memory_budget_bytes is None) == (num_blocks is None):
+        raise InvalidArgumentError("pass exactly one of num_blocks and memory_budget_bytes")
+    if num_blocks is None:
+        num_blocks = num_blocks_for_budget(num_layers, num_kv_heads, head_dim, block_size=block_size, dtype=dtype,
+                                           memory_budget_bytes=memory_budget_bytes)
+        if num_blocks == 0:
+            per_block = bytes_per_block(num_layers, num_kv_heads, head_dim, block_size=block_size, dtype=dtype)
+            raise InvalidArgumentError(f"memory_budget_bytes={memory_budget_bytes} holds no block; one block "
+                                       f"needs {per_block} bytes for this model shape")
+    _check_positive_ints(num_blocks=num_blocks)
+    return num_blocks
+
+
+def allocate_kv_cache(num_layers, num_kv_heads, head_dim, *, block_size=16, dtype, device, memory_budget_bytes=None,
+                      num_blocks=None) -> list:
+    """One uninitialised cache tensor per layer, each ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``.
+
+    Give either ``num_blocks`` or ``memory_budget_bytes`` (then as many blocks as fit, counting all layers).
+    """
+    _check_positive_ints(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+    _check_dtype(dtype)
+    num_blocks = _resolve_num_blocks(num_layers, num_kv_heads, head_dim, block_size, dtype, memory_budget_bytes,
+                                     num_blocks)
+    shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
+    return [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+def allocate_cpu_cache(num_layers, num_kv_heads, head_dim, *, num_blocks, block_size=16, dtype,
+                       pin_memory=None) -> list:
+    """Host-side caches for swapping, same layout as ``allocate_kv_cache``.
+
+    ``pin_memory`` (default: whenever CUDA is available) page-locks the host memory so that GPU<->CPU copies
+    are real asynchronous DMA; pageable memory would make every swap a synchronous staged copy.
+    """
+    _check_positive_ints(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                         num_blocks=num_blocks)
+    _check_dtype(dtype)
+    if pin_memory is None:
+        pin_memory = torch.cuda.is_available()
+    if pin_memory and not torch.cuda.is_available():
+        raise InvalidArgumentError("pin_memory=True needs CUDA (pinned memory is for GPU DMA); pass pin_memory=False")
+    shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
+    return [torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin_memory) for _ in range(num_layers)]

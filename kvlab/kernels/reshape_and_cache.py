@@ -1,0 +1,73 @@
+"""reshape_and_cache: scatter each new token's K/V into the paged cache slot the block manager chose for it.
+
+The block manager hands out ``slot = block_id * block_size + offset`` per token (``-1`` = skip: the token's
+block was dropped by the sliding window, or it is padding). One program copies one token's K and V tile
+``[heads, head_dim]``, so tokens never share a program and distinct slots never share a store.
+"""
+
+import triton
+import triton.language as tl
+
+import kvlab.device  # noqa: F401  (selects the Triton interpreter before @triton.jit when there is no GPU)
+from kvlab.errors import InvalidArgumentError
+from kvlab.kernels._checks import check_kv_cache, check_slot_mapping, check_tensor
+
+#: Largest [heads, head_dim] tile one program copies; wider tokens are split over grid axis 1.
+MAX_TILE_ELEMENTS = 8192
+
+
+@triton.jit
+def reshape_and_cache_kernel(
+    key_ptr, value_ptr, cache_ptr, slot_mapping_ptr,
+    num_kv_heads, head_dim,
+    key_stride_token, key_stride_head, value_stride_token, value_stride_head,
+    cache_stride_block, cache_stride_kv, cache_stride_slot, cache_stride_head,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    dims = tl.arange(0, BLOCK_D)                                # [BLOCK_D], padded past head_dim
+    slot = tl.load(slot_mapping_ptr + token)                    # int64; -1 = skip this token
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    # A skipped token masks every head. (The interpreter rejects `tensor_mask & scalar_bool`, hence the where.)
+    live_heads = tl.where(slot >= 0, num_kv_heads, 0)
+    mask = (heads[:, None] < live_heads) & (dims[None, :] < head_dim)
+
+    key = tl.load(key_ptr + token * key_stride_token + heads[:, None] * key_stride_head + dims[None, :], mask=mask)
+    value = tl.load(value_ptr + token * value_stride_token + heads[:, None] * value_stride_head + dims[None, :],
+                    mask=mask)
+    dst = cache_ptr + block * cache_stride_block + offset * cache_stride_slot \
+        + heads[:, None] * cache_stride_head + dims[None, :]
+    tl.store(dst, key, mask=mask)
+    tl.store(dst + cache_stride_kv, value, mask=mask)
+
+
+def reshape_and_cache(key, value, kv_cache, slot_mapping):
+    """Write ``key``/``value [num_tokens, num_kv_heads, head_dim]`` into ``kv_cache`` at ``slot_mapping``
+    (int64 ``[num_tokens]``, -1 = skip). In place; returns ``kv_cache``. Raises InvalidArgumentError (before
+    writing anything) on bad shapes, dtypes, devices, out-of-range or duplicate slots."""
+    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache, arithmetic=False)
+    for name, t in (("key", key), ("value", value)):
+        check_tensor(t, name, ndim=3, dtypes=(kv_cache.dtype,), device=kv_cache.device)
+        if tuple(t.shape[1:]) != (num_kv_heads, head_dim):
+            raise InvalidArgumentError(f"{name} has shape {tuple(t.shape)}; it must be [num_tokens, {num_kv_heads}, "
+                                       f"{head_dim}] to match the cache's kv heads and head_dim")
+    num_tokens = key.shape[0]
+    if value.shape[0] != num_tokens:
+        raise InvalidArgumentError(f"key has {num_tokens} tokens but value has {value.shape[0]}; they must match")
+    check_slot_mapping(slot_mapping, num_tokens, num_blocks * block_size, device=kv_cache.device)
+    if num_tokens == 0:
+        return kv_cache
+
+    block_d = triton.next_power_of_2(head_dim)
+    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, MAX_TILE_ELEMENTS // block_d))
+    grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
+    reshape_and_cache_kernel[grid](
+        key, value, kv_cache, slot_mapping,
+        num_kv_heads, head_dim,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_D=block_d,
+    )
+    return kv_cache

@@ -1,0 +1,227 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 04 · From slot mapping to cache: `reshape_and_cache`
+#
+# The block manager decides *where* each token's keys and values live: a **slot** in the shared pool of
+# KV-cache blocks, `slot = block_id * block_size + offset`. The `reshape_and_cache` kernel then scatters
+# the K/V vectors a model layer just computed into those slots. This notebook follows one batch from the
+# manager's bookkeeping to the bytes in the cache, and checks the kernel against a plain-torch reference.
+#
+# On a CPU the kernel runs in the Triton interpreter with small sizes; on a GPU it runs compiled with
+# realistic ones.
+
+# %%
+# Colab: install kvlab when it is not importable (torch and Triton are never reinstalled).
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+KVLAB_GIT_URL = "git+https://github.com/kvlab/kvlab.git"  # the repository this notebook comes from
+if importlib.util.find_spec("kvlab") is None:
+    checkout = Path.cwd().parent
+    if (checkout / "kvlab" / "__init__.py").is_file():  # running from notebooks/ in a checkout
+        sys.path.insert(0, str(checkout))
+    else:
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", KVLAB_GIT_URL])
+
+# %%
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+from matplotlib.colors import ListedColormap
+
+from kvlab import BlockManager, Sequence
+from kvlab.device import DEVICE, ON_GPU, mode
+from kvlab.kernels.reshape_and_cache import reshape_and_cache
+from kvlab.reference import reshape_and_cache_ref
+
+torch.manual_seed(0)
+if ON_GPU:   # realistic head shapes, a pool of a few dozen blocks
+    BLOCK_SIZE, NUM_BLOCKS, NUM_KV_HEADS, HEAD_DIM = 16, 24, 8, 128
+    PROMPT_LENS = {"A": 150, "C": 90}
+else:        # tiny, so that the interpreter finishes in seconds and every cell of the picture is readable
+    BLOCK_SIZE, NUM_BLOCKS, NUM_KV_HEADS, HEAD_DIM = 8, 10, 2, 64
+    PROMPT_LENS = {"A": 20, "C": 11}
+DTYPE = torch.float16
+print(f"kernels run in {mode()} mode on {DEVICE}; block_size={BLOCK_SIZE}, {NUM_BLOCKS} blocks, "
+      f"{NUM_KV_HEADS} kv heads x head_dim {HEAD_DIM}")
+
+# %% [markdown]
+# ## 1. The block manager hands out blocks
+#
+# Three prompts arrive. `B` starts with the same full blocks as `A` (think: a shared system prompt), so
+# with prefix caching the manager gives `B` *A's* blocks for that prefix and fresh blocks only for the rest.
+
+# %%
+vocab = 1000
+prompt_a = torch.randint(vocab, (PROMPT_LENS["A"],)).tolist()
+shared = (PROMPT_LENS["A"] // BLOCK_SIZE) * BLOCK_SIZE      # A's full blocks
+prompts = {"A": prompt_a,
+           "B": prompt_a[:shared] + torch.randint(vocab, (BLOCK_SIZE - 1,)).tolist(),
+           "C": torch.randint(vocab, (PROMPT_LENS["C"],)).tolist()}
+
+manager = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
+seqs = {name: Sequence(tokens, block_size=BLOCK_SIZE) for name, tokens in prompts.items()}
+for name, seq in seqs.items():
+    manager.allocate(seq)
+    print(f"{name}: {len(seq):>3} tokens, block table {manager.get_block_table(seq)}, "
+          f"{seq.num_cached_tokens} tokens already cached")
+
+# %% [markdown]
+# Token position `p` of a sequence lives in logical block `p // block_size` at offset `p % block_size`;
+# the block table turns the logical block into a physical one. Here is that arithmetic for one token,
+# next to what `manager.slot_mapping` returns:
+
+# %%
+seq, p = seqs["B"], len(seqs["B"]) - 1
+block = manager.get_block_table(seq)[p // BLOCK_SIZE]
+print(f"B's token {p}: logical block {p // BLOCK_SIZE} -> physical block {block}, offset {p % BLOCK_SIZE}, "
+      f"slot {block} * {BLOCK_SIZE} + {p % BLOCK_SIZE} = {block * BLOCK_SIZE + p % BLOCK_SIZE}")
+print("manager.slot_mapping(B, p, p + 1) =", manager.slot_mapping(seq, p, p + 1))
+
+# %% [markdown]
+# ## 2. A picture of the pool
+#
+# Each row is a physical block, each cell a slot. A cell is coloured by the sequence whose token sits
+# there (labelled with the token's position); blocks that two sequences share get their own colour.
+
+
+# %%
+def pool_picture(ax, owners, title):
+    """owners: dict (block, offset) -> list of (sequence name, position)."""
+    names = list(seqs)
+    grid = np.full((NUM_BLOCKS, BLOCK_SIZE), -1)
+    for (block, offset), tokens in owners.items():
+        grid[block, offset] = len(names) if len({n for n, _ in tokens}) > 1 else names.index(tokens[0][0])
+    colors = ["#f0f0f0", "#4c72b0", "#dd8452", "#55a868", "#c44e52"]  # empty, A, B, C, shared
+    ax.imshow(grid + 1, cmap=ListedColormap(colors), vmin=0, vmax=len(colors) - 1, aspect="auto")
+    if BLOCK_SIZE <= 8:
+        for (block, offset), tokens in owners.items():
+            label = "/".join(f"{n}{p}" for n, p in tokens)
+            ax.text(offset, block, label, ha="center", va="center", fontsize=7, color="white")
+    ax.set(title=title, xlabel="offset in block", ylabel="physical block",
+           xticks=range(0, BLOCK_SIZE, max(1, BLOCK_SIZE // 8)), yticks=range(0, NUM_BLOCKS, max(1, NUM_BLOCKS // 12)))
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors[1:]]
+    ax.legend(handles, names + ["shared"], loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    ax.set_xticks(np.arange(-0.5, BLOCK_SIZE), minor=True)  # white lines between slots and between blocks
+    ax.set_yticks(np.arange(-0.5, NUM_BLOCKS), minor=True)
+    ax.grid(which="minor", color="white", linewidth=1)
+    ax.tick_params(which="minor", length=0)
+
+
+def planned_owners(positions):
+    """Where the manager put every token in ``positions`` (name -> range): (block, offset) -> [(name, p)]."""
+    owners = {}
+    for name, rng in positions.items():
+        for p, slot in zip(rng, manager.slot_mapping(seqs[name], rng.start, rng.stop)):
+            owners.setdefault(divmod(slot, BLOCK_SIZE), []).append((name, p))
+    return owners
+
+
+fig, ax = plt.subplots(figsize=(7, 4))
+pool_picture(ax, planned_owners({n: range(len(s)) for n, s in seqs.items()}), "every token's slot, per the manager")
+plt.show()
+
+# %% [markdown]
+# ## 3. The batch's slot mapping
+#
+# The engine runs all three prompts through the model as one batch of tokens. Only tokens whose K/V is
+# *not* in the cache yet must be written: for `B`, that skips the prefix it shares with `A`. The batch's
+# `slot_mapping` is the concatenation of each sequence's `manager.slot_mapping(seq, num_cached_tokens,
+# len(seq))`. Engines pad a batch to a fixed size (for CUDA graphs); a padding token gets slot `-1` and
+# the kernel skips it.
+
+# %%
+to_write = {name: range(seq.num_cached_tokens, len(seq)) for name, seq in seqs.items()}
+num_padding = 3
+slot_mapping = [slot for name, rng in to_write.items()
+                for slot in manager.slot_mapping(seqs[name], rng.start, rng.stop)]
+slot_mapping = torch.tensor(slot_mapping + [-1] * num_padding, dtype=torch.int64, device=DEVICE)
+num_tokens = len(slot_mapping)
+print(f"{num_tokens} tokens in the batch ({num_padding} of them padding); "
+      f"B skips {seqs['B'].num_cached_tokens} cached tokens")
+print("slot_mapping:", slot_mapping.tolist())
+
+# %% [markdown]
+# ## 4. Run the kernel
+#
+# The model layer produced `key` and `value`, each `[num_tokens, num_kv_heads, head_dim]`. The cache is
+# one tensor `[num_blocks, 2 (K, V), block_size, num_kv_heads, head_dim]`. We fill it with NaN first: any
+# slot the kernel should not touch must still be NaN afterwards.
+
+# %%
+def written_slots(cache):
+    """[num_blocks, block_size] bool: slots whose K or V no longer holds the NaN poison."""
+    return ~cache.isnan().flatten(3).all(dim=-1).all(dim=1)
+
+
+kv_cache = torch.full((NUM_BLOCKS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), float("nan"), dtype=DTYPE, device=DEVICE)
+expected = kv_cache.clone()
+key = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, device=DEVICE).to(DTYPE)
+value = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, device=DEVICE).to(DTYPE)
+
+reshape_and_cache(key, value, kv_cache, slot_mapping)
+reshape_and_cache_ref(key, value, expected, slot_mapping)
+same = torch.equal(kv_cache.view(torch.int16), expected.view(torch.int16))  # bitwise, so NaN == NaN
+written = written_slots(kv_cache)
+print(f"kernel == reference, bit for bit: {same}; slots written: {int(written.sum())} "
+      f"(non-padding tokens: {int((slot_mapping >= 0).sum())})")
+assert same and int(written.sum()) == int((slot_mapping >= 0).sum())
+
+# %% [markdown]
+# The right-hand picture is read back from the cache itself: a cell is coloured when its slot no longer
+# holds NaN. It matches the manager's plan, including B's shared prefix (written once, by A) and the
+# skipped padding tokens.
+
+# %%
+written_cells = {cell: owners for cell, owners in planned_owners({n: range(len(s)) for n, s in seqs.items()}).items()
+                 if bool(written[cell])}
+fig, (left, right) = plt.subplots(1, 2, figsize=(14, 4))
+pool_picture(left, planned_owners(to_write), "tokens this batch writes (manager)")
+pool_picture(right, written_cells, "slots holding data after the kernel (cache)")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## 5. A decode step
+#
+# While generating, every sequence adds one token per step. `append_slots` gives it a slot (a new block
+# when the last one is full), and the batch's slot mapping has exactly one slot per sequence.
+
+# %%
+for seq in seqs.values():
+    seq.append_token(int(torch.randint(vocab, ())))
+    assert manager.append_slots(seq) == []  # no shared partial block here, so no copy-on-write
+decode_slots = torch.tensor([manager.slot_mapping(s, len(s) - 1, len(s))[0] for s in seqs.values()], device=DEVICE)
+new_key, new_value = (torch.randn(len(seqs), NUM_KV_HEADS, HEAD_DIM, device=DEVICE).to(DTYPE) for _ in range(2))
+reshape_and_cache(new_key, new_value, kv_cache, decode_slots)
+reshape_and_cache_ref(new_key, new_value, expected, decode_slots)
+print("decode slots:", dict(zip(seqs, decode_slots.tolist())))
+print("kernel == reference after the decode step:", torch.equal(kv_cache.view(torch.int16), expected.view(torch.int16)))
+
+# %%
+written = written_slots(kv_cache)
+owners_now = planned_owners({n: range(len(s)) for n, s in seqs.items()})
+fig, ax = plt.subplots(figsize=(7, 4))
+pool_picture(ax, {cell: o for cell, o in owners_now.items() if bool(written[cell])}, "cache after one decode step")
+plt.show()
+
+# %% [markdown]
+# ## Takeaways
+#
+# * The block manager never touches tensors: it only hands out integers, and `slot_mapping` is the whole
+#   interface between its bookkeeping and the kernel.
+# * Prefix-cached tokens are simply not in the slot mapping, and padding is `-1`: the kernel writes exactly
+#   the slots it is given, each by one token (the launcher rejects duplicates, which would race).
+# * Checking against NaN-poisoned memory shows both halves of correctness: the right values in the right
+#   slots, and nothing anywhere else.
