@@ -1,0 +1,16 @@
+"""Matplotlib pictures of a live BlockManager: tokens in logical blocks, the pool, the block tables, the
+event timeline, and a step-through of recorded snapshots.
+
+Every drawing takes a manager (plus the sequences whose tables to draw) or a recorded ``snapshot``, and an
+optional Axes; it returns the Axes (``ax.figure`` is the Figure) and never calls ``plt.show()``.
+"""
+
+from kvlab.viz.pool import draw_block_tables, draw_pool
+from kvlab.viz.snapshot import STATE_COLORS, STATE_NAMES, PoolView, TableView, snapshot
+from kvlab.viz.timeline import EVENT_KINDS, draw_timeline, event_label
+from kvlab.viz.tokens import draw_tokens
+from kvlab.viz.widget import show_steps, snapshot_grid, step_widget
+
+__all__ = ["draw_tokens", "draw_pool", "draw_block_tables", "draw_timeline", "snapshot", "snapshot_grid",
+           "step_widget", "show_steps", "event_label", "PoolView", "TableView", "STATE_COLORS", "STATE_NAMES",
+           "EVENT_KINDS"]

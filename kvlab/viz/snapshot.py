@@ -1,0 +1,126 @@
+"""A frozen copy of what kvlab.viz draws: each GPU block's state and ref count, and the block tables.
+
+Drawings work on a ``PoolView`` rather than on the live manager so that a sequence of steps can be recorded
+(``snapshot`` after each operation) and drawn later side by side or in a step-through widget. Every public
+drawing function also accepts a live ``BlockManager`` and takes the snapshot itself.
+
+Only the manager's public API is read. One consequence: the CPU pool has no public size or ref counts, so
+CPU blocks are known only through the swapped sequences passed in (their tables hold CPU block ids).
+"""
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvlab.block_manager import NULL_BLOCK, BlockManager
+from kvlab.errors import InvalidArgumentError
+from kvlab.sequence import Sequence, SequenceStatus
+
+# Block states, in legend order. SHARED is a used block with ref count > 1 (several table entries point at
+# it): the blocks that prefix hits and forks save, highlighted because they are what the notebooks teach.
+FREE, WARM, USED, SHARED, NULL = range(5)
+STATE_NAMES = ("free", "warm (free, cached)", "used", "shared (ref > 1)", "null (sliding window)")
+STATE_COLORS = ("#e4e4e4", "#f2b447", "#4e79a7", "#d1495b", "#2b2b2b")
+CPU_COLOR = "#59a89c"  # blocks of swapped-out sequences, in the CPU pool
+
+
+@dataclass(frozen=True)
+class TableView:
+    """One sequence's block table at snapshot time. ``blocks`` are CPU block ids when ``on_cpu``."""
+    seq_id: int
+    status: str
+    num_tokens: int
+    blocks: tuple
+    on_cpu: bool
+    num_released: int = 0  # leading entries the sliding window released (they point at the null block)
+
+    def tokens_in(self, i: int, block_size: int) -> int:
+        """How many token slots of logical block ``i`` are filled (block_size except maybe the last)."""
+        return max(0, min(block_size, self.num_tokens - i * block_size))
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """The GPU pool at one moment. Arrays are indexed by block id, shape ``[num_blocks]``."""
+    num_blocks: int
+    block_size: int
+    states: np.ndarray        # int8, one of FREE/WARM/USED/SHARED/NULL
+    refs: np.ndarray          # int32 ref counts
+    cached: np.ndarray        # bool: a prefix lookup can hit the block now (in use or warm)
+    reuse_rank: np.ndarray    # int32: position in the free list (0 = reused next); -1 if not free
+    tables: tuple = ()        # TableView per sequence passed to ``snapshot``, in that order
+    num_free_cpu_blocks: int = 0
+    label: str = ""
+    cpu_refs: dict = field(default_factory=dict)  # CPU block id -> entries of the given swapped tables
+
+    def count(self, state: int) -> int:
+        return int(np.count_nonzero(self.states == state))
+
+    def summary(self) -> str:
+        """E.g. ``"3 used, 1 shared, 2 warm, 10 free"`` (states that occur, legend order)."""
+        parts = [f"{self.count(s)} {STATE_NAMES[s].split(' ')[0]}" for s in (USED, SHARED, WARM, FREE, NULL)
+                 if self.count(s)]
+        return ", ".join(parts)
+
+
+def _check_seqs(seqs) -> list:
+    if isinstance(seqs, Sequence):
+        return [seqs]
+    seqs = list(seqs)
+    for seq in seqs:
+        if not isinstance(seq, Sequence):
+            raise InvalidArgumentError(f"expected kvlab.Sequence objects, got {type(seq).__name__}")
+    return seqs
+
+
+def _num_released(manager, seq, blocks, on_cpu) -> int:
+    """Leading table entries released by the sliding window. On the GPU they are exactly the leading
+    NULL_BLOCK entries (block 0 is reserved); a swapped table holds CPU ids, where 0 is a real block, so
+    the count comes from the window rule (blocks wholly before position num_tokens - window)."""
+    window = manager.sliding_window
+    if window is None or not blocks:
+        return 0
+    leading = next((i for i, b in enumerate(blocks) if b != NULL_BLOCK), len(blocks))
+    if not on_cpu:
+        return leading
+    return min(leading, max(0, (seq.num_tokens - window) // manager.block_size))
+
+
+def snapshot(manager: BlockManager, seqs=(), label: str = "") -> PoolView:
+    """Copy the pool state of ``manager`` and the block tables of ``seqs`` (any iterable of Sequence; a
+    finished or waiting sequence shows as an empty table). O(num_blocks)."""
+    if not isinstance(manager, BlockManager):
+        raise InvalidArgumentError(f"expected a kvlab.BlockManager, got {type(manager).__name__}")
+    seqs = _check_seqs(seqs)
+    n = manager.num_blocks
+    refs = np.fromiter((manager.ref_count(b) for b in range(n)), dtype=np.int32, count=n)
+    cached = np.fromiter((manager.is_cached(b) for b in range(n)), dtype=bool, count=n)
+    states = np.full(n, FREE, dtype=np.int8)
+    states[refs > 0] = USED
+    states[refs > 1] = SHARED
+    states[(refs == 0) & cached] = WARM
+    if manager.sliding_window is not None:
+        states[NULL_BLOCK] = NULL  # reserved: released table entries point at it; never free, never used
+    reuse_rank = np.full(n, -1, dtype=np.int32)
+    free = manager.free_block_ids()
+    reuse_rank[free] = np.arange(len(free), dtype=np.int32)
+    tables, cpu_refs = [], Counter()
+    for seq in seqs:
+        on_cpu = seq.status is SequenceStatus.SWAPPED
+        blocks = tuple(seq.block_table)
+        released = _num_released(manager, seq, blocks, on_cpu)
+        if on_cpu:
+            cpu_refs.update(blocks[released:])
+        tables.append(TableView(seq.seq_id, seq.status.name.lower(), seq.num_tokens, blocks, on_cpu, released))
+    return PoolView(n, manager.block_size, states, refs, cached, reuse_rank, tuple(tables),
+                    manager.num_free_cpu_blocks, label, dict(cpu_refs))
+
+
+def as_view(pool, seqs=()) -> PoolView:
+    """``pool`` itself if it is a PoolView (``seqs`` must then be empty), else ``snapshot(pool, seqs)``."""
+    if isinstance(pool, PoolView):
+        if _check_seqs(seqs):
+            raise InvalidArgumentError("pass sequences to snapshot(), not alongside an existing PoolView")
+        return pool
+    return snapshot(pool, seqs)

@@ -1,0 +1,400 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 02 · Prefix caching
+#
+# Many requests start the same way: a system prompt, few-shot examples, the earlier turns of a chat. Their
+# keys and values for that shared prefix are identical, so a server can compute them once and let every
+# request **share the same physical blocks**. The block manager finds shareable blocks by a **hash chained
+# over the prefix**: a block's hash covers its parent's hash and its own tokens.
+#
+# This notebook shows why the chain matters, how hits on blocks in use differ from hits on freed-but-cached
+# ("warm") blocks, in which order cached blocks are evicted, what a hit saves and costs, why a weak hash
+# function cannot cause wrong sharing, and how the hit rate on a real trace falls as the pool shrinks.
+
+# %%
+# Colab: install kvlab when it is not importable (torch and Triton are never reinstalled).
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+KVLAB_GIT_URL = "git+https://github.com/kvlab/kvlab.git"  # the repository this notebook comes from
+if importlib.util.find_spec("kvlab") is None:
+    checkout = Path.cwd().parent
+    if (checkout / "kvlab" / "__init__.py").is_file():  # running from notebooks/ in a checkout
+        sys.path.insert(0, str(checkout))
+    else:
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", KVLAB_GIT_URL])
+
+# %%
+import matplotlib.pyplot as plt
+import numpy as np
+from tqdm.auto import tqdm
+
+from kvlab import BlockManager, Sequence, viz
+from kvlab.traces import MOONCAKE_BLOCK_TOKENS, load_trace, mooncake_token_ids
+
+rng = np.random.default_rng(0)
+HIT, COMPUTED = "#59a14f", "#dbe6f1"  # colours of a block served from the cache / computed by the model
+
+
+def hit_colors(seq):
+    """One colour per logical block: hit (its K/V came from the cache) or computed."""
+    hits = seq.num_cached_tokens // seq.block_size
+    return [HIT if i < hits else COMPUTED for i in range(seq.num_blocks)]
+
+
+# %% [markdown]
+# ## 1. Chained hashes: the same tokens after a different prefix must not hit
+#
+# Block size 4. `A = [1..8]`, `B = [1..10]`, `C = [0, 2, 3, ..., 10]`. `B` starts with all of `A`; `C`
+# differs from `A` in its very first token only, so its second block holds the same tokens `[5, 6, 7, 8]`
+# as A's second block. But the K/V of a token depend on every token before it (attention looked at
+# them), so C's second block must **not** reuse A's. The captions show each full block's hash (its last 4
+# hex digits): hash(block i) = xxh64(tokens of block i, seed = hash(block i - 1)).
+
+# %%
+BS = 4
+manager = BlockManager(16, BS, record_events=True)
+A, B, C = Sequence(range(1, 9), BS), Sequence(range(1, 11), BS), Sequence([0, *range(2, 11)], BS)
+for seq in (A, B, C):
+    manager.allocate(seq)
+
+
+def hash_captions(seq):
+    return [f"{manager.block_hash(b) & 0xFFFF:04x}" if manager.block_hash(b) is not None else "(partial)"
+            for b in seq.block_table]
+
+
+viz.draw_tokens([A, B, C], names=["A", "B", "C"], captions={k: hash_captions(s) for k, s in enumerate((A, B, C))},
+                block_colors={k: hit_colors(s) for k, s in enumerate((A, B, C))},
+                title="green: served from the cache; captions: block hash")
+plt.show()
+print(f"B reuses {B.num_cached_tokens // BS} blocks of A ({B.num_cached_tokens} of its {B.num_tokens} tokens "
+      f"need no prefill); C reuses {C.num_cached_tokens // BS}.")
+print(f"C's second block holds the same tokens as A's ({A.block(1)} == {C.block(1)}: {A.block(1) == C.block(1)}) "
+      f"but its hash differs ({hash_captions(C)[1]} vs {hash_captions(A)[1]}), because its parent differs.")
+assert B.num_cached_tokens == 8 and C.num_cached_tokens == 0 and A.block(1) == C.block(1)
+
+# %% [markdown]
+# What would an unchained cache do? Key each block by its own tokens only, and C's second block would
+# be served from A's second block, whose K/V were computed after `[1, 2, 3, 4]`, not after `[0, 2, 3, 4]`.
+
+# %%
+by_tokens = {tuple(A.block(i)): A.block_table[i] for i in range(2)}  # an unchained cache of A's blocks
+wrong = by_tokens.get(tuple(C.block(1)))
+print(f"An unchained cache would give C's logical block 1 the physical block {wrong} (A's), computed after "
+      f"the prefix {A.block(0)} instead of C's {C.block(0)}: silently wrong attention.")
+viz.draw_block_tables(manager, [A, B, C], title="A and B share two blocks; C shares nothing")
+plt.show()
+
+# %% [markdown]
+# One more rule: a prompt never hits **in full**. The model must run at least its last token to produce the
+# logits for the first output token, so a prompt of exactly A's 8 tokens reuses only A's first block.
+
+# %%
+A_again = Sequence(range(1, 9), BS)
+manager.allocate(A_again)
+print(f"A again ({A_again.num_tokens} tokens, {A_again.num_tokens // BS} full blocks): "
+      f"{A_again.num_cached_tokens // BS} block hit, {A_again.num_tokens - A_again.num_cached_tokens} tokens computed.")
+assert A_again.num_cached_tokens == BS
+
+# %% [markdown]
+# ## 2. A shared system prompt across many requests
+#
+# Ten chat requests start with the same 16-token system prompt (4 blocks) followed by a user message of
+# 2 to 9 tokens. All ten run at the same time. With prefix caching the system prompt's blocks are computed
+# once and shared by all ten (ref count 10); without, every request holds its own copy.
+
+# %%
+SYSTEM = list(range(500, 516))
+NUM_REQUESTS = 10
+questions = [rng.integers(1000, 2000, size=int(rng.integers(2, 10))).tolist() for _ in range(NUM_REQUESTS)]
+
+
+def run_all(enable_prefix_caching):
+    m = BlockManager(64, BS, enable_prefix_caching=enable_prefix_caching)
+    seqs = [Sequence(SYSTEM + q, BS) for q in questions]
+    for s in seqs:
+        m.allocate(s)
+    return m, seqs
+
+
+shared_m, shared_seqs = run_all(True)
+plain_m, plain_seqs = run_all(False)
+viz.draw_pool(shared_m, title="with prefix caching: the 4 system-prompt blocks are shared by all 10 requests")
+plt.show()
+
+# %%
+used = {name: m.num_blocks - m.num_free_blocks for name, m in (("with", shared_m), ("without", plain_m))}
+prompt_tokens = sum(s.num_tokens for s in shared_seqs)
+computed = {"with": prompt_tokens - sum(s.num_cached_tokens for s in shared_seqs), "without": prompt_tokens}
+fig, (left, right) = plt.subplots(1, 2, figsize=(9, 2.6))
+for ax, values, label in ((left, used, "blocks in use"), (right, computed, "prompt tokens computed (prefill)")):
+    bars = ax.bar([f"{k} prefix caching" for k in values], list(values.values()), color=["#59a14f", "#bab0ac"])
+    ax.bar_label(bars)
+    ax.set_title(label, fontsize=10)
+plt.tight_layout()
+plt.show()
+print(f"Prefix caching holds {used['with']} blocks instead of {used['without']} "
+      f"({100 * (1 - used['with'] / used['without']):.0f}% less) and computes {computed['with']} of "
+      f"{prompt_tokens} prompt tokens: the first request computes the system prompt, the other "
+      f"{NUM_REQUESTS - 1} hit it ({shared_m.stats.hit_blocks} block hits, hit rate "
+      f"{100 * shared_m.stats.hit_rate:.0f}% of prompt tokens).")
+
+# %% [markdown]
+# ## 3. Hits on blocks in use, and warm hits
+#
+# A hit on a block **in use** costs nothing: the block is already resident, its ref count just goes up. When
+# the last request using a block finishes, the block becomes free but keeps its content and stays in the
+# hash map: it is **warm**. A hit on a warm block takes it back out of the free list, so it still costs no
+# computation, but it consumes a free block (that is how `can_allocate` counts it). Either way the hit
+# blocks are **pinned**: nothing can evict them while a request uses them.
+
+# %%
+m = BlockManager(16, BS, record_events=True)
+r1, r2, r3 = (Sequence(SYSTEM + q, BS) for q in questions[:3])
+steps = []
+
+
+def admit(seq, label):
+    """Allocate ``seq`` and report its hits: in use before (shared for free) or warm (taken off the free list)."""
+    refs_before = [m.ref_count(b) for b in range(m.num_blocks)]
+    free_before = m.num_free_blocks
+    m.allocate(seq)
+    hits = seq.block_table[:seq.num_cached_tokens // BS]
+    in_use = sum(refs_before[b] > 0 for b in hits)
+    steps.append(viz.snapshot(m, [], label))
+    print(f"{label}: {len(hits)} hits ({in_use} on blocks in use, {len(hits) - in_use} warm) save "
+          f"{seq.num_cached_tokens} of {seq.num_tokens} prompt tokens; it took {free_before - m.num_free_blocks} "
+          f"free blocks ({seq.num_blocks - len(hits)} new + {len(hits) - in_use} warm) and pins {len(hits)} "
+          f"shared blocks.")
+    return in_use, len(hits)
+
+
+admit(r1, "r1 arrives (cold cache)")
+assert admit(r2, "r2 arrives while r1 runs") == (4, 4)
+m.free(r1)
+m.free(r2)
+steps.append(viz.snapshot(m, [], "r1 and r2 finish: system prompt is warm"))
+assert admit(r3, "r3 arrives after both finished") == (0, 4)
+viz.show_steps(steps, draw=viz.draw_pool, ncols=2, panel_size=(7.5, 1.7))
+plt.show()
+
+# %% [markdown]
+# ## 4. Eviction order: least recently used, chain tail first
+#
+# When no never-used block is left, new content must reuse a warm block and its cached prefix is
+# **evicted**. vLLM's order (kvlab's default, `eviction="lru"`): never-cached free blocks first, then cached
+# ones least recently freed first, and among blocks freed together the **chain's tail first**, because a
+# sequence frees its blocks tail first. Two reasons: every request that shares block `i` of a prefix also
+# shares blocks `0..i-1`, so heads are worth more; and a lookup stops at its first miss, so evicting a head
+# would strand the blocks after it (cached, but unreachable).
+#
+# Below: `X` (3 full blocks + 1 partial) finishes, then `Y` (2 full + 1 partial). The free-block numbers
+# are the reuse order.
+
+# %%
+def eviction_demo(policy):
+    m = BlockManager(10, BS, eviction=policy, record_events=True)
+    X, Y = Sequence(range(100, 113), BS), Sequence(range(200, 209), BS)
+    m.allocate(X)
+    m.allocate(Y)
+    x_blocks = list(X.block_table)
+    m.free(X)
+    m.free(Y)
+    before = viz.snapshot(m, [], f"{policy}: X then Y freed")
+    Z = Sequence(range(300, 328), BS)  # 7 blocks: the 5 never-cached free blocks, then 2 cached ones
+    m.allocate(Z)
+    evicted = [e.block_id for e in m.events if e.kind == "evict"]
+    m.free(Z)
+    again = Sequence([*range(100, 112), 999], BS)  # X's three full blocks, then something new
+    m.allocate(again)
+    return m, before, x_blocks, evicted, again
+
+
+lru, lru_before, x_blocks, lru_evicted, lru_again = eviction_demo("lru")
+viz.draw_pool(lru_before, title="LRU: reuse order of the free blocks (#0 first) after X, then Y, finished")
+plt.show()
+print(f"X's blocks were {x_blocks[:3]} (full) + {x_blocks[3]} (partial). Allocating Z evicted {lru_evicted}: "
+      f"X's tail first. A new request starting with X's 12 tokens still hits "
+      f"{lru_again.num_cached_tokens // BS} of them (X's head).")
+assert lru_evicted == x_blocks[2:0:-1] and lru_again.num_cached_tokens == BS
+
+# %% [markdown]
+# For contrast, `eviction="fifo"` evicts the block whose content is **oldest**, which in a chain is the
+# head. The same run then strands X's tail: still cached, never reachable again.
+
+# %%
+fifo, _, _, fifo_evicted, fifo_again = eviction_demo("fifo")
+stranded = [b for b in x_blocks[:3] if fifo.is_cached(b) and b not in fifo_evicted]
+print(f"FIFO evicted {fifo_evicted} (X's head first); X's block {stranded} is still cached but the same "
+      f"request hits {fifo_again.num_cached_tokens // BS} blocks: the lookup stops at the evicted head.")
+assert fifo_evicted == x_blocks[:2] and stranded == x_blocks[2:3] and fifo_again.num_cached_tokens == 0
+viz.draw_timeline(lru, kinds=["free", "release", "allocate", "evict", "hit", "miss"],
+                  title="LRU run: X and Y freed (tail first), Z evicts X's tail, the X-prefixed request hits X's head")
+plt.show()
+
+# %% [markdown]
+# ## 5. A weak hash cannot cause wrong sharing
+#
+# Hashes can collide: two different prefixes with the same hash. kvlab's pool guards against it: before it
+# shares block `c` for logical block `i`, it checks that `c` holds exactly the same tokens **and** that
+# `c`'s parent is the block the lookup matched for block `i - 1`. So a collision costs hits, never
+# correctness. To see the guard at work we replace the hash by a constant (`hash_fn=lambda parent, tokens:
+# 0`: *every* block collides) and replay a small workload: 40 requests, each one of three 12-token system
+# prompts plus a user message. A content oracle checks every hit: the hit block must hold the request's
+# exact prefix. The last bar is a cache that trusts the hash (no guard).
+
+# %%
+systems = [list(range(k * 100, k * 100 + 12)) for k in (7, 8, 9)]
+workload = [systems[rng.integers(3)] + rng.integers(1000, 2000, size=int(rng.integers(2, 10))).tolist()
+            for _ in range(40)]
+
+
+def replay_with_oracle(hash_fn):
+    """(hit blocks, wrong hits): a hit is wrong if its block holds a different prefix than the request's."""
+    m = BlockManager(256, BS, hash_fn=hash_fn)
+    prefix_in = {}  # physical block -> the token prefix (up to the end of that block) it was filled with
+    hits = wrong = 0
+    for tokens in workload:
+        seq = Sequence(tokens, BS)
+        m.allocate(seq)
+        for i, block in enumerate(seq.block_table):
+            prefix = tuple(tokens[:(i + 1) * BS])
+            if i < seq.num_cached_tokens // BS:
+                hits += 1
+                wrong += prefix_in[block] != prefix
+            else:
+                prefix_in[block] = prefix
+        m.free(seq)
+    return hits, wrong
+
+
+def replay_trusting_the_hash(hash_fn):
+    """A cache that maps hash -> block and shares whatever it finds (stops at the first miss, like kvlab)."""
+    table, hits, wrong = {}, 0, 0
+    for tokens in workload:
+        parent, hitting = None, True
+        for i in range(len(tokens) // BS):  # full blocks
+            parent = hash_fn(parent, tuple(tokens[i * BS:(i + 1) * BS]))
+            prefix = tuple(tokens[:(i + 1) * BS])
+            if hitting and parent in table and i < (len(tokens) - 1) // BS:
+                hits += 1
+                wrong += table[parent] != prefix
+            else:
+                hitting = False
+                table.setdefault(parent, prefix)
+    return hits, wrong
+
+
+def constant(parent, tokens):
+    return 0
+
+
+results = {"default hash (xxh64)": replay_with_oracle(None), "constant hash, kvlab": replay_with_oracle(constant),
+           "constant hash, no guard": replay_trusting_the_hash(constant)}
+fig, ax = plt.subplots(figsize=(8, 2.6))
+x = np.arange(len(results))
+ax.bar(x - 0.2, [h for h, _ in results.values()], 0.4, label="block hits", color=HIT)
+ax.bar(x + 0.2, [w for _, w in results.values()], 0.4, label="wrong hits", color="#d1495b")
+for i, (h, w) in enumerate(results.values()):
+    ax.annotate(f"{h} / {w}", (i, max(h, w)), ha="center", va="bottom", fontsize=8)
+ax.set_xticks(x, list(results))
+ax.legend(fontsize=8)
+ax.set_ylim(0, 1.25 * max(h for h, _ in results.values()))
+plt.show()
+(good_hits, good_wrong), (weak_hits, weak_wrong), (naive_hits, naive_wrong) = results.values()
+same_first_block = sum(tokens[:BS] == workload[0][:BS] for tokens in workload[1:])
+print(f"With the real hash: {good_hits} block hits, {good_wrong} wrong. With a constant hash kvlab still shares "
+      f"nothing wrongly ({weak_wrong} wrong) but finds only {weak_hits} hits: the hash map has one entry, so only "
+      f"the very first block ever sealed is hittable, and {same_first_block} later requests start with it. "
+      f"Trusting the hash instead would have shared {naive_wrong} of {naive_hits} blocks wrongly.")
+assert good_wrong == weak_wrong == 0 and weak_hits == same_first_block < good_hits and naive_wrong > 0
+
+# %% [markdown]
+# ## 6. Hit rate as the pool shrinks, on a real trace
+#
+# The Mooncake conversation trace (bundled in `data/`) records, for each request, one id per 512-token
+# prompt block; two requests share an id exactly when they share the whole prefix up to the end of that
+# block. Expanding id `h` into tokens `h * 512 + j` reproduces that sharing at any block size. We replay
+# the first requests in arrival order, one at a time (allocate the prompt, then free it), so the whole pool
+# acts as cache and only its size and the LRU order decide what is still there. Block size 64.
+
+# %%
+NUM_TRACE_REQUESTS, TRACE_BS = 1000, 64
+trace = load_trace("mooncake_conversation", limit=NUM_TRACE_REQUESTS)
+prompts = [mooncake_token_ids(h, n) for h, n in zip(trace["hash_ids"], trace["input_length"])]
+per_id = MOONCAKE_BLOCK_TOKENS // TRACE_BS
+# A full 64-token block is identified by (the 512-token id it falls in, its index inside that id's span).
+keys = {(int(h[j // per_id]), j % per_id) for h, n in zip(trace["hash_ids"], trace["input_length"])
+        for j in range(n // TRACE_BS)}
+largest = max(-(-len(p) // TRACE_BS) for p in prompts)
+never_evicts = len(keys) + largest
+print(f"{len(prompts)} requests, {sum(map(len, prompts)):,} prompt tokens, {len(keys):,} distinct full blocks; "
+      f"the largest prompt needs {largest} blocks.")
+
+
+def replay(num_blocks):
+    m = BlockManager(num_blocks, TRACE_BS)
+    for tokens in prompts:
+        seq = Sequence(tokens, TRACE_BS)
+        m.allocate(seq)
+        m.free(seq)
+    return m.stats.hit_rate, m.num_evictions
+
+
+pool_sizes = np.unique(np.geomspace(largest, never_evicts, 9).astype(int))
+curve = [replay(int(n)) for n in tqdm(pool_sizes, desc="pool sizes")]
+rates = np.array([r for r, _ in curve])
+assert curve[-1][1] == 0  # the largest pool never evicts: its hit rate is the trace's ceiling
+
+# %%
+fig, ax = plt.subplots(figsize=(8, 3.6))
+ax.plot(pool_sizes, 100 * rates, "o-", color="#4e79a7")
+ax.axhline(100 * rates[-1], ls="--", color="#999999", lw=1)
+ax.annotate("pool that never evicts", (pool_sizes[0], 100 * rates[-1]), xytext=(0, -12), textcoords="offset points",
+            fontsize=8, color="#666666")
+ax.set_ylim(0, 105 * rates[-1])
+ax.set_xscale("log")
+ax.set_xlabel(f"pool size (blocks of {TRACE_BS} tokens)")
+ax.set_ylabel("prompt tokens served from cache (%)")
+ax.set_title(f"Mooncake conversation trace, first {NUM_TRACE_REQUESTS} requests, LRU")
+secondary = ax.secondary_xaxis("top", functions=(lambda b: b * TRACE_BS / 1e6, lambda t: t * 1e6 / TRACE_BS))
+secondary.set_xlabel("pool size (million tokens)")
+plt.show()
+half = int(np.argmax(rates >= rates[-1] / 2))  # the first pool size reaching half the ceiling
+first_ids = trace["hash_ids"].map(lambda h: int(h[0]))
+common = first_ids.mode()[0]
+common_tokens = trace["input_length"][first_ids == common].clip(upper=MOONCAKE_BLOCK_TOKENS).sum()
+print(f"A pool that never evicts ({pool_sizes[-1]:,} blocks) serves {100 * rates[-1]:.1f}% of prompt tokens from "
+      f"the cache; the smallest pool that fits every prompt ({pool_sizes[0]:,} blocks) still serves "
+      f"{100 * rates[0]:.1f}%. That floor is one shared opening: {100 * (first_ids == common).mean():.0f}% of the "
+      f"requests start with the same 512-token block (id {common}), {100 * common_tokens / trace['input_length'].sum():.1f}% "
+      f"of all prompt tokens, and LRU keeps it because it is used all the time.")
+print(f"Half of the ceiling needs about {pool_sizes[half]:,} blocks, {100 * pool_sizes[half] / pool_sizes[-1]:.0f}% "
+      "of the never-evicting pool.")
+kv_bytes_per_token = 2 * 32 * 4096 * 2  # K and V, 32 layers, 4096 wide, fp16: a Llama-2-7B-sized model
+print(f"For a model of Llama-2-7B's size ({kv_bytes_per_token / 2**20:.1f} MiB of KV per token) that is "
+      f"{pool_sizes[half] * TRACE_BS * kv_bytes_per_token / 2**30:.0f} GiB of KV cache, "
+      f"{pool_sizes[half] * TRACE_BS * kv_bytes_per_token / 80e9:.0f} times an 80 GB GPU: a prefix cache for "
+      "traffic like this has to live beyond one GPU's memory.")
+
+# %% [markdown]
+# ## Takeaways
+#
+# * A block is shareable only with its whole prefix: the hash is chained, and the guard compares tokens and
+#   parent, so a collision costs hits and never correctness.
+# * A hit on a block in use is free; a warm hit costs a free block but no computation; both pin the block.
+# * LRU evicts chain tails first, which keeps the heads that later requests can still reach.
+# * On real conversation traffic, most of the reuse needs a pool large enough to hold conversations between
+#   turns: the hit rate falls steeply once the pool is smaller than the working set.
