@@ -40,5 +40,5 @@ def report() -> str:
     if ON_GPU:
         major, minor = torch.cuda.get_device_capability()
         lines.append(f"cuda {torch.version.cuda}, compute capability {major}.{minor}, "
-                     f"bf16 {'yes' if torch.cuda.is_bf16_supported() else 'no'}")
+                     f"native bf16 {'yes' if torch.cuda.is_bf16_supported(including_emulation=False) else 'no'}")
     return "\n".join(lines)

@@ -1,3 +1,17 @@
-"""Triton kernels for the paged KV cache (see kvlab/reference.py for the cache contract)."""
+"""Triton kernels for the paged KV cache, each with a plain-torch twin in ``kvlab.reference``.
+
+Cache contract: one tensor per layer ``kv_cache[num_blocks, 2, block_size, num_kv_heads, head_dim]``
+(K = ``kv_cache[:, 0]``, V = ``kv_cache[:, 1]``); slot = block_id * block_size + offset.
+"""
 
 import kvlab.device  # noqa: F401  (must run before any @triton.jit: selects the interpreter without a GPU)
+from kvlab.kernels.cache import allocate_cpu_cache, allocate_kv_cache, bytes_per_block, num_blocks_for_budget
+from kvlab.kernels.copy_blocks import copy_blocks, swap_blocks
+from kvlab.kernels.paged_attention_decode import paged_attention_decode
+from kvlab.kernels.paged_prefill import paged_prefill
+from kvlab.kernels.reshape_and_cache import reshape_and_cache
+
+__all__ = [
+    "reshape_and_cache", "paged_attention_decode", "paged_prefill", "copy_blocks", "swap_blocks",
+    "allocate_kv_cache", "allocate_cpu_cache", "num_blocks_for_budget", "bytes_per_block",
+]

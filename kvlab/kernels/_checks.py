@@ -78,7 +78,7 @@ def check_cache_dtype(dtype, name, *, arithmetic=True):
         _fail(f"{name} has dtype {_dtype_name(dtype)}; allowed: {_dtype_names(CACHE_DTYPES)}")
     if dtype != torch.bfloat16:
         return
-    if ON_GPU and not torch.cuda.is_bf16_supported():
+    if ON_GPU and not torch.cuda.is_bf16_supported(including_emulation=False):  # native bf16: sm_80+
         _fail(f"{name} is bfloat16 but this GPU does not support bf16; use float16 or float32")
     if not ON_GPU and arithmetic:
         _fail(f"{name} is bfloat16, which the Triton interpreter (CPU mode) computes wrongly; "

@@ -1,0 +1,172 @@
+"""Prefill on a prefix-cache hit: only the new tokens are queries, but they attend to everything the cache
+holds for their sequence, cached prefix included (oracle: ``kvlab.reference.paged_prefill_ref``).
+
+Sequence s owns query rows ``cu_query_lens[s]:cu_query_lens[s+1]``: its q_len newest tokens, at positions
+``seq_len - q_len ... seq_len - 1`` (causal mask aligned bottom-right). Their K/V are already in the cache.
+
+Design
+------
+* Grid ``(num_query_tiles, num_kv_heads)``. The launcher cuts every sequence's new tokens into tiles of
+  ``BLOCK_Q`` tokens and lists them in ``tile_map [num_query_tiles, 2]`` = (sequence, first new token of the
+  tile), so sequences of any lengths share one launch and no program works on another sequence's padding.
+  Tiles are listed heaviest first (most keys to read), so long ones do not straggle at the end of the grid.
+* Grouped-query attention: a program's ``BLOCK_Q * GROUP_PAD`` query rows are its tokens times the query heads
+  of one KV head (row r = token r // GROUP_PAD, head kv_head * GROUP + r % GROUP_PAD), so every K/V tile is
+  read once per KV head and used by the whole group in one ``tl.dot``.
+* A tile's queries sit at positions [first, last]; query i sees keys j with j <= i (and i - j < W with a
+  sliding window). The program visits only key tiles overlapping [first - W + 1, last]: tiles beyond the
+  causal diagonal or wholly before the window are skipped, and the mask handles the partial ones.
+* K/V are fetched and the softmax is folded with the decode kernel's helpers (per-token block lookup, so any
+  block size works; online softmax in fp32).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+import kvlab.device  # noqa: F401  (first: selects the interpreter before any @triton.jit runs)
+from kvlab.kernels._checks import (
+    check_attention_options,
+    check_block_tables,
+    check_cu_query_lens,
+    check_kv_cache,
+    check_query,
+    check_seq_lens,
+    check_tensor,
+)
+from kvlab.kernels.paged_attention_decode import (
+    NEG_BIG,
+    attention_scores,
+    load_kv_tile,
+    online_softmax_step,
+)
+
+
+def tile_config(dtype, block_d, device):
+    """(query rows per program, keys per tile, num_warps). On a GPU: the largest tiles whose build keeps
+    everything in registers (checked with ptxas for sm_75/80/90): fp32 dots run without tensor cores and
+    pre-Ampere GPUs have fewer usable registers, so both get smaller tiles, and head_dim 256 doubles the
+    accumulator. In the interpreter the cost is per op, and small tiles let tests cross several of them."""
+    if device.type != "cuda":
+        return 32, 16, 4
+    if dtype == torch.float32 or torch.cuda.get_device_capability(device) < (8, 0):
+        return 32, 16, 8
+    return (32 if block_d >= 256 else 64), 32, 8
+
+
+@triton.jit
+def paged_prefill_kernel(
+    out_ptr, query_ptr, kv_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_query_lens_ptr, tile_map_ptr,
+    scale, soft_cap, sliding_window,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+    stride_c_block, stride_c_kv, stride_c_slot, stride_c_head, stride_bt_seq, stride_bt_col,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(tile_map_ptr + 2 * tile).to(tl.int64)
+    q_start = tl.load(tile_map_ptr + 2 * tile + 1)  # first new token of this tile, counted within the sequence
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first_row = tl.load(cu_query_lens_ptr + seq)  # the sequence's first row in query / out
+    q_len = tl.load(cu_query_lens_ptr + seq + 1) - first_row
+    prefix_len = seq_len - q_len  # tokens before the first new one: new token t sits at prefix_len + t
+
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    tok = q_start + rows // GROUP_PAD
+    heads = kv_head * GROUP + rows % GROUP_PAD
+    row_ok = (rows % GROUP_PAD < GROUP) & (tok < q_len)
+    q_pos = prefix_len + tok  # [ROWS] absolute positions
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    token_row = (first_row + tok).to(tl.int64)
+    q = tl.load(query_ptr + (token_row * stride_q_tok + heads * stride_q_head)[:, None] + d[None, :],
+                mask=io_mask, other=0.0)
+
+    first_pos = prefix_len + q_start
+    kv_hi = tl.minimum(first_pos + BLOCK_Q, seq_len)  # one past the last query's position: nothing later is seen
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(first_pos - sliding_window + 1, 0)  # the first query's oldest visible key
+
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], tl.float32)
+    table_row = block_tables_ptr + seq * stride_bt_seq
+    head_offset = kv_head.to(tl.int64) * stride_c_head
+    for key_tile in range(kv_lo // TILE_N, tl.cdiv(kv_hi, TILE_N)):
+        pos = key_tile * TILE_N + tl.arange(0, TILE_N)
+        pos_ok = (pos >= kv_lo) & (pos < kv_hi)
+        k, v = load_kv_tile(kv_cache_ptr, table_row, stride_bt_col, head_offset, pos, pos_ok, d, d_ok,
+                            stride_c_block, stride_c_kv, stride_c_slot, BLOCK_SIZE)
+        s = attention_scores(q, k, scale, soft_cap, USE_SOFT_CAP, DOT_PRECISION)
+        visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (q_pos[:, None] - pos[None, :] < sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
+
+    # A real row sees at least its own key (l_i >= 1); padding rows may see none and are not stored.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (token_row * stride_o_tok + heads * stride_o_head)[:, None] + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def query_tile_map(cu_query_lens, seq_lens, block_q):
+    """int32 ``[num_query_tiles, 2]``: (sequence, first new token) of every BLOCK_Q-token query tile, the
+    tiles that read the most keys first. Sequences with no new tokens get no tile."""
+    num_seqs = seq_lens.shape[0]
+    device = seq_lens.device
+    q_lens = (cu_query_lens[1:] - cu_query_lens[:-1]).long()
+    tiles_per_seq = (q_lens + block_q - 1) // block_q
+    seq_of_tile = torch.repeat_interleave(torch.arange(num_seqs, device=device), tiles_per_seq)
+    first_tile_of_seq = torch.cumsum(tiles_per_seq, 0) - tiles_per_seq
+    q_start = (torch.arange(seq_of_tile.shape[0], device=device) - first_tile_of_seq[seq_of_tile]) * block_q
+    keys_read = seq_lens.long()[seq_of_tile] - q_lens[seq_of_tile] + q_start  # up to the tile's first query
+    order = torch.argsort(keys_read, descending=True, stable=True)
+    return torch.stack([seq_of_tile, q_start], 1)[order].to(torch.int32).contiguous()
+
+
+def paged_prefill(query, kv_cache, block_tables, seq_lens, cu_query_lens, scale=None, sliding_window=None,
+                  soft_cap=None):
+    """Attention of each sequence's new tokens over its whole paged context (cached prefix + new tokens).
+
+    query ``[total_new_tokens, num_heads, head_dim]`` (rows ``cu_query_lens[s]:cu_query_lens[s+1]`` are
+    sequence s's newest tokens), kv_cache ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` in query's
+    dtype already holding all ``seq_lens[s]`` tokens, block_tables int32 ``[num_seqs, max_blocks_per_seq]``,
+    seq_lens int32 ``[num_seqs]`` (each >= 1), cu_query_lens int32 ``[num_seqs + 1]`` (q_len <= seq_len).
+    Any strides with a contiguous last dim. Options as in ``paged_attention_decode``. Returns a new
+    contiguous ``[total_new_tokens, num_heads, head_dim]`` tensor.
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
+    num_heads = check_query(query, kv_cache)
+    check_attention_options(scale, sliding_window, soft_cap)
+    check_tensor(seq_lens, "seq_lens", ndim=1)
+    num_seqs = seq_lens.shape[0]
+    check_seq_lens(seq_lens, num_seqs, device=kv_cache.device, min_len=1)
+    check_block_tables(block_tables, num_seqs, num_blocks, seq_lens, block_size)
+    check_cu_query_lens(cu_query_lens, num_seqs, query.shape[0], seq_lens)
+
+    out = torch.empty(query.shape[0], num_heads, head_dim, dtype=query.dtype, device=query.device)
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    rows, tile_n, num_warps = tile_config(query.dtype, block_d, query.device)
+    block_q = max(1, rows // group_pad)
+    tile_map = query_tile_map(cu_query_lens, seq_lens, block_q)
+    if tile_map.shape[0] == 0:
+        return out
+    paged_prefill_kernel[(tile_map.shape[0], num_kv_heads)](
+        out, query, kv_cache, block_tables, seq_lens, cu_query_lens, tile_map,
+        head_dim ** -0.5 if scale is None else float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0), block_tables.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, TILE_N=tile_n, USE_WINDOW=sliding_window is not None,
+        USE_SOFT_CAP=soft_cap is not None, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+    )
+    return out

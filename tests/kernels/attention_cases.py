@@ -1,0 +1,67 @@
+"""Inputs for the paged-attention tests: NaN-poisoned caches holding random K/V for sequences in shuffled
+blocks, queries (optionally strided), and per-dtype tolerances.
+
+Built on the conftest fixtures ``make_cache`` and ``random_block_tables`` (passed in: conftest modules are
+not importable), so every case also poisons block-table padding with -1 / far out-of-range ids.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.device import DEVICE
+
+#: (atol, rtol) per dtype: the kernels accumulate in fp32 like the reference, but fp16/bf16 round p before
+#: the P @ V product and round the output.
+TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+
+@dataclass
+class PagedCase:
+    query: torch.Tensor          # [num_query_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor       # [num_blocks, 2, block_size, num_kv_heads, head_dim], unused slots NaN
+    block_tables: torch.Tensor   # int32 [num_seqs, width], padding -1 or out of range
+    seq_lens: torch.Tensor       # int32 [num_seqs]
+    cu_query_lens: torch.Tensor  # int32 [num_seqs + 1]
+
+    def args(self):
+        return self.query, self.kv_cache, self.block_tables, self.seq_lens
+
+
+def build_case(make_cache, random_block_tables, *, seq_lens, num_heads, num_kv_heads, head_dim, block_size,
+               dtype, q_lens=None, layout="contiguous", strided_query=False, spare_blocks=3):
+    """A cache with ``spare_blocks`` never-used (all-NaN) blocks besides the sequences' own, and the
+    queries: one per sequence for decode (``q_lens=None``), else ``q_lens[s]`` newest tokens of sequence s.
+    ``strided_query`` slices the query out of a wider buffer, so its token and head strides are unusual."""
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + spare_blocks
+    kv_cache = make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, layout)
+    block_tables, seq_lens_t = random_block_tables(seq_lens, block_size, num_blocks)
+    for s, seq_len in enumerate(seq_lens):  # every used slot gets fresh random K and V, the rest stays NaN
+        positions = torch.arange(seq_len, device=DEVICE)
+        blocks = block_tables[s].long()[positions // block_size]
+        offsets = positions % block_size
+        kv_cache[blocks, 0, offsets] = torch.randn(seq_len, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+        kv_cache[blocks, 1, offsets] = torch.randn(seq_len, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    q_lens = [1] * len(seq_lens) if q_lens is None else q_lens
+    num_tokens = sum(q_lens)
+    if strided_query:
+        query = torch.randn(num_tokens, num_heads + 1, head_dim + 5, device=DEVICE).to(dtype)[:, 1:, :head_dim]
+    else:
+        query = torch.randn(num_tokens, num_heads, head_dim, device=DEVICE).to(dtype)
+    cu_query_lens = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
+    return PagedCase(query, kv_cache, block_tables, seq_lens_t, cu_query_lens)
+
+
+def strided_block_tables(block_tables):
+    """The same table as a view with column stride 2 (the other columns hold junk ids)."""
+    wide = torch.full((block_tables.shape[0], 2 * block_tables.shape[1]), -7, dtype=torch.int32, device=DEVICE)
+    wide[:, ::2] = block_tables
+    return wide[:, ::2]
+
+
+def assert_close(actual, expected):
+    """Finite everywhere (no NaN leaked from poisoned memory) and within the dtype's tolerance."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    assert torch.isfinite(actual).all(), "NaN/inf in the kernel output: poisoned memory was read"
+    atol, rtol = TOLERANCES[actual.dtype]
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
