@@ -47,14 +47,10 @@ from tqdm.auto import tqdm
 
 from kvlab import AllocStatus, BlockManager, Sequence, viz
 from kvlab.device import DEVICE, mode
-from kvlab.reference import copy_blocks_ref, gather_kv_ref, reshape_and_cache_ref, swap_blocks_ref
+from kvlab.kernels import copy_blocks, swap_blocks  # Triton: compiled on a GPU, interpreted on CPU
+from kvlab.reference import copy_blocks_ref, gather_kv_ref, reshape_and_cache_ref
 
-try:  # the Triton kernels (compiled on a GPU, interpreted on CPU); the plain-torch references otherwise
-    from kvlab.kernels.copy_blocks import copy_blocks, swap_blocks
-    KERNELS = f"kvlab.kernels.copy_blocks (Triton, {mode()} mode)"
-except ImportError:
-    copy_blocks, swap_blocks = copy_blocks_ref, swap_blocks_ref
-    KERNELS = "kvlab.reference (plain torch)"
+KERNELS = f"kvlab.kernels.copy_blocks (Triton, {mode()} mode)"
 
 rng = np.random.default_rng(0)
 torch.manual_seed(0)
