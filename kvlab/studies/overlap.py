@@ -1,0 +1,245 @@
+"""A simple continuous-batching engine that replays a trace with requests overlapping in time.
+
+Assumptions (each is a parameter of ``EngineModel`` or one line below):
+1. One engine with one GPU pool (the ``BlockManager``). Time advances in steps; a step is one forward pass
+   over the whole running batch, in which every running sequence stores the K/V of one more token.
+2. Requests admitted at the start of a step are prefilled in that same step (mixed prefill + decode, no
+   chunking). Step time = ``decode_step_ms`` + ``prefill_ms_per_token`` x the admitted prompts' uncached
+   tokens: a cached prefix costs nothing, the decode step is fixed whatever the batch size.
+3. A request stores K/V for its prompt plus output_length - 1 tokens (the last sampled token is never fed
+   back; output_length 0 counts as 1), finishes at the end of the step that stores the last one, and frees
+   its blocks.
+4. Arrivals (trace timestamp x ``time_scale``) join a FIFO queue. At the start of a step the engine
+   admits from its head while fewer than ``max_num_seqs`` run and ``can_allocate`` says OK. It stops at
+   the first LATER (head-of-line blocking, no skipping ahead) and drops a NEVER (a prompt larger than the
+   whole pool), counted in ``requests_skipped``.
+5. Decode growth: before a step each running sequence gets its token (``append_token``) and a slot
+   (``append_slots``). When no block is free, the youngest running sequence is preempted by recompute
+   (``free(preempted=True)``, back to the head of the queue with its generated tokens, re-prefilled when
+   readmitted); a step that preempted admits nothing. No swapping to CPU.
+6. Generated tokens get private ids (the traces do not record them), so decode blocks occupy the cache
+   but are never hit; a Mooncake prompt hits what earlier *prompts* left behind.
+7. Hit rates and queueing delays count each request's first admission; a readmission re-hits its own
+   blocks, which is not a prompt-cache effect, and its prefill is reported as ``recomputed_tokens``.
+
+Implementation: sequences decode in lockstep, so between events nothing needs the manager. A sequence's
+tokens are appended lazily when it needs a new block (every block_size steps), finishes, or is
+preempted; the steps in between are skipped in O(1). Events are kept in a heap keyed by step.
+"""
+
+import heapq
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvlab.block_manager import AllocStatus
+from kvlab.errors import InvalidArgumentError
+from kvlab.sequence import Sequence
+from kvlab.traces import PRIVATE_RANGE, PRIVATE_TOKEN_BASE, PromptTokens
+
+_GROW, _FINISH = 0, 1  # within a step: slots are reserved before it runs, requests finish after
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """Timing and batching knobs of the overlap replay (orders of magnitude for an 8B model on one
+    H100-class GPU: ~20 ms per decode step, ~50k prefill tokens/s; assumptions, not measurements)."""
+    decode_step_ms: float = 20.0
+    prefill_ms_per_token: float = 0.02
+    max_num_seqs: int = 256
+    time_scale: float = 1.0  # multiplies arrival times: 2.0 halves the request rate
+
+    def __post_init__(self):
+        for name in ("decode_step_ms", "time_scale"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.prefill_ms_per_token >= 0:
+            raise InvalidArgumentError(f"prefill_ms_per_token must be >= 0, got {self.prefill_ms_per_token!r}")
+        if isinstance(self.max_num_seqs, bool) or not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise InvalidArgumentError(f"max_num_seqs must be an int >= 1, got {self.max_num_seqs!r}")
+
+
+class _Job:
+    """One request's progress. ``version`` changes on preemption, which voids its pending events."""
+    __slots__ = ("index", "arrival_ms", "prompt_len", "final_len", "seq", "admit_step", "admit_len",
+                 "finish_step", "version", "admitted_before")
+
+    def __init__(self, index, arrival_ms, prompt_len, output_len):
+        self.index, self.arrival_ms, self.prompt_len = index, arrival_ms, prompt_len
+        self.final_len = prompt_len + max(output_len - 1, 0)
+        self.seq, self.version, self.admitted_before = None, 0, False
+
+
+class _Engine:
+    def __init__(self, trace, manager, model: EngineModel, bar):
+        self.m, self.bs, self.model, self.bar = manager, manager.block_size, model, bar
+        self.prompts = PromptTokens(trace)
+        times = trace["timestamp"].to_numpy() * model.time_scale
+        inputs, outputs = trace["input_length"].to_numpy(), trace["output_length"].to_numpy()
+        self.arrivals = [_Job(int(i), float(times[i]), int(inputs[i]), int(outputs[i]))
+                         for i in np.argsort(times, kind="stable")]
+        self.next_arrival = 0
+        self.waiting: deque[_Job] = deque()
+        self.running: OrderedDict[int, _Job] = OrderedDict()  # admission order: the last is the youngest
+        self.events: list[tuple[int, int, int, int]] = []     # (step, phase, job index, job version)
+        self.step, self.now_ms = 0, 0.0
+        self.freed, self.blocked_head = True, None             # can the queue's head be admitted now?
+        self.c = dict(hit_tokens=0, hit_blocks=0, skipped=0,
+                      preemptions=0, recomputed_tokens=0, peak=0, batch_steps=0, steps=0)
+        self.queue_ms: list[float] = []
+
+    # ---- token bookkeeping -----------------------------------------------------------------------------
+    def _advance(self, job: _Job, length: int) -> None:
+        """Append generated tokens (private ids) until the sequence holds ``length`` tokens."""
+        seq, base = job.seq, PRIVATE_TOKEN_BASE + job.index * PRIVATE_RANGE
+        for position in range(seq.num_tokens, length):
+            seq.append_token(base + position)
+
+    def _push(self, step: int, phase: int, job: _Job) -> None:
+        heapq.heappush(self.events, (step, phase, job.index, job.version))
+
+    def _pop_due(self, phase: int):
+        """Jobs with an event of ``phase`` at the current step, skipping events voided by preemption."""
+        while self.events and self.events[0][:2] == (self.step, phase):
+            _, _, index, version = heapq.heappop(self.events)
+            job = self.running.get(index)
+            if job is not None and job.version == version:
+                yield job
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    def _grow(self) -> bool:
+        """Give every sequence that starts a new block this step its slot; returns whether it preempted."""
+        preempted = False
+        for job in self._pop_due(_GROW):
+            self._advance(job, job.admit_len + self.step - job.admit_step)
+            while not self.m.can_append_slots(job.seq):
+                victim = next(reversed(self.running.values()))
+                self._preempt(victim)
+                preempted = True
+                if victim is job:
+                    break
+            else:
+                self.m.append_slots(job.seq)
+                if self.step + self.bs <= job.finish_step:
+                    self._push(self.step + self.bs, _GROW, job)
+        return preempted
+
+    def _preempt(self, job: _Job) -> None:
+        # Keep the K/V the victim computed in earlier steps (sealing its full blocks), then recompute later.
+        self._advance(job, job.admit_len + self.step - job.admit_step - 1)
+        if self.m.can_append_slots(job.seq):
+            self.m.append_slots(job.seq)
+        self.m.free(job.seq, preempted=True)
+        del self.running[job.index]
+        job.version += 1
+        self.waiting.appendleft(job)
+        self.c["preemptions"] += 1
+        self.freed = True
+
+    def _admit(self) -> int:
+        """Admit from the queue's head (FIFO); returns the uncached prompt tokens to prefill."""
+        if not self.waiting or not (self.freed or self.waiting[0] is not self.blocked_head):
+            return 0
+        self.freed, prefill, c = False, 0, self.c
+        while self.waiting and len(self.running) < self.model.max_num_seqs:
+            job = self.waiting[0]
+            if job.seq is None:
+                job.seq = Sequence(self.prompts[job.index], self.bs)
+            status = self.m.can_allocate(job.seq)
+            if status is AllocStatus.LATER:
+                break
+            self.waiting.popleft()
+            if status is AllocStatus.NEVER:
+                c["skipped"] += 1
+                job.seq = None
+                self.bar.update(1)
+                continue
+            self.m.allocate(job.seq)
+            cached, length = job.seq.num_cached_tokens, job.seq.num_tokens
+            prefill += length - cached
+            if job.admitted_before:
+                c["recomputed_tokens"] += length - cached
+            else:
+                job.admitted_before = True
+                c["hit_tokens"] += cached
+                c["hit_blocks"] += cached // self.bs
+                self.queue_ms.append(self.now_ms - job.arrival_ms)
+            job.admit_step, job.admit_len = self.step, length
+            job.finish_step = self.step + job.final_len - length
+            self.running[job.index] = job
+            self._push(job.finish_step, _FINISH, job)
+            first_grow = self.step + 1 + (-length) % self.bs  # the first step that starts a new block
+            if first_grow <= job.finish_step:
+                self._push(first_grow, _GROW, job)
+        self.blocked_head = self.waiting[0] if self.waiting else None
+        return prefill
+
+    def _finish(self) -> None:
+        for job in self._pop_due(_FINISH):
+            self._advance(job, job.final_len)
+            self.m.append_slots(job.seq)  # seals the last full block; its slot was reserved by a grow
+            self.m.free(job.seq)
+            del self.running[job.index]
+            job.seq = None
+            self.freed = True
+            self.bar.update(1)
+
+    # ---- the clock -----------------------------------------------------------------------------------------
+    def _enqueue_arrivals(self) -> None:
+        while self.next_arrival < len(self.arrivals) and self.arrivals[self.next_arrival].arrival_ms <= self.now_ms:
+            self.waiting.append(self.arrivals[self.next_arrival])
+            self.next_arrival += 1
+
+    def _skip_to(self, step: int) -> None:
+        """Jump to ``step``; the steps skipped are plain decode steps of the current batch."""
+        skipped = step - self.step - 1
+        self.now_ms += skipped * self.model.decode_step_ms
+        self.c["batch_steps"] += skipped * len(self.running)
+        self.c["steps"] += skipped
+        self.step = step
+
+    def run(self) -> dict:
+        model, c = self.model, self.c
+        while True:
+            self._enqueue_arrivals()
+            prefill = 0 if self._grow() else self._admit()
+            c["peak"] = max(c["peak"], self.m.num_blocks - self.m.num_free_blocks)
+            c["batch_steps"] += len(self.running)
+            c["steps"] += 1
+            self.now_ms += model.decode_step_ms + model.prefill_ms_per_token * prefill
+            self._finish()
+            more_arrivals = self.next_arrival < len(self.arrivals)
+            if not self.running:
+                if not self.waiting and not more_arrivals:
+                    break
+                if not self.waiting:  # idle: nothing to do until the next request arrives
+                    self.now_ms = max(self.now_ms, self.arrivals[self.next_arrival].arrival_ms)
+                self.step += 1
+                continue
+            candidates = [self.events[0][0]]
+            if self.waiting and (self.freed or self.waiting[0] is not self.blocked_head):
+                candidates.append(self.step + 1)
+            if not self.waiting and more_arrivals:
+                gap = self.arrivals[self.next_arrival].arrival_ms - self.now_ms
+                candidates.append(self.step + 1 + max(0, math.ceil(gap / model.decode_step_ms)))
+            self._skip_to(min(candidates))
+        return self._metrics()
+
+    def _metrics(self) -> dict:
+        c, queue_s = self.c, np.array(self.queue_ms) / 1000.0
+        return {
+            "requests": len(self.arrivals) - c["skipped"], "requests_skipped": c["skipped"],
+            "hit_tokens": c["hit_tokens"], "hit_blocks": c["hit_blocks"], "peak_blocks_used": c["peak"],
+            "preemptions": c["preemptions"],
+            "recomputed_tokens": c["recomputed_tokens"], "mean_batch": c["batch_steps"] / max(c["steps"], 1),
+            "mean_queue_s": float(queue_s.mean()) if queue_s.size else 0.0,
+            "p95_queue_s": float(np.percentile(queue_s, 95)) if queue_s.size else 0.0,
+            "makespan_s": self.now_ms / 1000.0,
+        }
+
+
+def replay_overlap(trace, manager, model: EngineModel, bar) -> dict:
+    """Run the continuous-batching replay of ``trace`` on ``manager``; ``bar`` is a tqdm bar (or disabled)."""
+    return _Engine(trace, manager, model, bar).run()

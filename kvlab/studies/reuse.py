@@ -1,0 +1,84 @@
+"""Block reuse in a trace, independent of any cache: which full prompt blocks repeat, and how often.
+
+Every full block of every prompt gets a *key* naming its whole prefix (block i of a prompt is the same
+block as block i of another prompt exactly when their first (i + 1) * block_size tokens agree, which is
+when a prefix cache could share it). From the keys, in arrival order, follow:
+- the infinite-cache ceiling: the hit rate of a cache that never evicts, i.e. the fraction of blocks seen
+  before (within the manager's rule that a prompt's last token is always computed, so a prompt that is a
+  whole number of blocks never hits its last block);
+- the share of distinct blocks that are never reused (filled once, never hit by any later request);
+- the number of distinct blocks, which sizes a pool that never has to evict.
+"""
+
+import numpy as np
+import pandas as pd
+
+from kvlab.traces import MOONCAKE_BLOCK_TOKENS, PromptTokens
+
+
+def _hash_id_keys(hash_ids: list, lengths: np.ndarray, block_size: int) -> np.ndarray:
+    """Keys for Mooncake-style prompts, vectorised over the whole trace. The prefix ending at token p is
+    fixed by the 512-token id covering token p - 1 and how far into it p reaches, so the key is
+    id * 1024 + (p - 512 * index_of_that_id)."""
+    num_full = lengths // block_size
+    starts = np.cumsum(num_full) - num_full
+    request = np.repeat(np.arange(len(lengths)), num_full)
+    ends = (np.arange(num_full.sum()) - starts[request] + 1) * block_size   # p, one per full block
+    index = (ends - 1) // MOONCAKE_BLOCK_TOKENS
+    id_counts = np.array([len(h) for h in hash_ids])
+    flat_ids = np.concatenate(hash_ids) if len(hash_ids) else np.zeros(0, dtype=np.int64)
+    id_starts = np.cumsum(id_counts) - id_counts
+    ids = flat_ids[id_starts[request] + index]
+    return ids * (2 * MOONCAKE_BLOCK_TOKENS) + (ends - MOONCAKE_BLOCK_TOKENS * index)
+
+
+def _token_keys(prompts: PromptTokens, block_size: int) -> np.ndarray:
+    """Keys for explicit token ids: a dict from (parent key, block bytes) to a number, exact (no hash
+    collisions), about a microsecond per block: meant for synthetic and hand-built traces."""
+    known: dict[tuple[int, bytes], int] = {}
+    keys = []
+    for i in range(len(prompts)):
+        tokens = prompts[i]
+        parent = -1
+        for start in range(0, len(tokens) - block_size + 1, block_size):
+            parent = known.setdefault((parent, tokens[start:start + block_size].tobytes()), len(known))
+            keys.append(parent)
+    return np.array(keys, dtype=np.int64)
+
+
+def block_keys(trace: pd.DataFrame, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(keys, request)``: one prefix key per full prompt block, in request order, and the index of the
+    request each belongs to. Requests without hash ids or token ids (Azure) get keys no other shares."""
+    lengths = trace["input_length"].to_numpy()
+    num_full = lengths // block_size
+    request = np.repeat(np.arange(len(trace)), num_full)
+    if "token_ids" in trace and trace["token_ids"].notna().any():
+        return _token_keys(PromptTokens(trace), block_size), request
+    if "hash_ids" in trace and trace["hash_ids"].notna().all():
+        return _hash_id_keys(trace["hash_ids"].tolist(), lengths, block_size), request
+    return -1 - np.arange(num_full.sum(), dtype=np.int64), request  # private blocks: all distinct
+
+
+def reuse_profile(trace: pd.DataFrame, block_size: int) -> dict:
+    """Block reuse statistics of ``trace`` (rows in arrival order) at ``block_size``."""
+    keys, request = block_keys(trace, block_size)
+    lengths = trace["input_length"].to_numpy()
+    _, first, inverse, counts = np.unique(keys, return_index=True, return_inverse=True, return_counts=True)
+    seen_before = request[first][inverse] < request          # an earlier request filled this block
+    position = np.arange(len(keys)) - (np.cumsum(lengths // block_size) - lengths // block_size)[request]
+    hittable = position < (lengths[request] - 1) // block_size  # the last token is always computed
+    hits = int((seen_before & hittable).sum())
+    return {
+        "block_size": block_size,
+        "prompt_tokens": int(lengths.sum()),
+        "full_blocks": len(keys),
+        "distinct_blocks": len(counts),
+        "ceiling_hit_rate_blocks": hits / len(keys) if len(keys) else 0.0,
+        "ceiling_hit_rate_tokens": float(hits * block_size / lengths.sum()),
+        "never_reused": float((counts == 1).mean()) if len(counts) else 0.0,
+    }
+
+
+def reuse_counts(trace: pd.DataFrame, block_size: int) -> np.ndarray:
+    """How many requests use each distinct full block (1 = never reused)."""
+    return np.unique(block_keys(trace, block_size)[0], return_counts=True)[1]
