@@ -93,6 +93,7 @@ class BlockManager(Swapping):
         self._usable = self.num_blocks - first_block
         self._watermark_blocks = int(watermark * self.num_blocks)
         self._allocs: dict[int, _Allocation] = {}
+        self._hash_memo = None  # (token array, its length, hashes, contents) of the last prompt hashed
         self.stats = PrefixCacheStats()
 
     # ---- queries -------------------------------------------------------------------------------------
@@ -286,7 +287,7 @@ class BlockManager(Swapping):
         """(live blocks needed, free blocks consumed, lookup) for allocating ``seq`` plus lookahead."""
         n, bs = seq.num_tokens, self.block_size
         if self.enable_prefix_caching:
-            hashes, contents = block_hashes(seq._tokens, bs, 0, n // bs, None, self.hash_fn)
+            hashes, contents = self._prompt_hashes(seq)
             # Never share the whole prompt: at least one token must be computed to produce logits.
             hits = self._pool.lookup(hashes, contents, (n - 1) // bs)
         else:
@@ -296,6 +297,18 @@ class BlockManager(Swapping):
         ref = self._pool.ref
         used_hits = sum(1 for b in hits[first_live:] if ref[b])
         return live_blocks, live_blocks - used_hits, (hashes, contents, hits)
+
+    def _prompt_hashes(self, seq):
+        """Hashes and bytes of the prompt's full blocks. A scheduler calls can_allocate and then allocate on
+        the same prompt, so the last result is kept (hashing is a quarter of a replay's time). The key is
+        the token array itself plus its length: tokens only change by appending, or by fork replacing the
+        array."""
+        tokens, memo = seq._tokens, self._hash_memo
+        if memo is None or memo[0] is not tokens or memo[1] != len(tokens):
+            hashes, contents = block_hashes(tokens, self.block_size, 0, len(tokens) // self.block_size, None,
+                                            self.hash_fn)
+            memo = self._hash_memo = (tokens, len(tokens), hashes, contents)
+        return memo[2], memo[3]
 
     def _admission(self, live_blocks, needed_free) -> AllocStatus:
         if live_blocks > self._usable - self._watermark_blocks:

@@ -6,8 +6,9 @@ for new content, which evicts that prefix. The policy owns the set of free block
 order; the pool tells it about every change. Every call must cost O(1) (or O(log n)) in the pool size:
 never scan the pool, never ``list.remove``.
 
-To add a policy, subclass ``EvictionPolicy``, implement the five methods and register the class in
-``POLICIES`` (then ``BlockManager(..., eviction="name")`` finds it).
+To add a policy, subclass ``EvictionPolicy`` (not ``LRUPolicy``, whose fast batch methods bypass ``pop``
+and ``add``), implement the five abstract methods and register the class in ``POLICIES`` (then
+``BlockManager(..., eviction="name")`` finds it).
 """
 
 import heapq
@@ -108,8 +109,6 @@ class LRUPolicy(EvictionPolicy):
 
 #: Policies by name, for ``BlockManager(eviction=name)`` and the studies' ``--policy`` option.
 POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy}
-
-
 
 
 class _KeyedPolicy(EvictionPolicy):

@@ -32,19 +32,22 @@
 # request grows (vLLM).
 
 # %%
-# Colab: install kvlab when it is not importable (torch and Triton are never reinstalled).
+# Setup. In a checkout (or CI) this uses the checkout's kvlab. On Colab it clones the repository (code and
+# bundled traces) and installs kvlab's missing dependencies; Colab's torch and Triton are kept as they are.
 import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
-KVLAB_GIT_URL = "git+https://github.com/kvlab/kvlab.git"  # the repository this notebook comes from
+KVLAB_REPO = "https://github.com/kvlab/kvlab"  # the repository this notebook comes from
 if importlib.util.find_spec("kvlab") is None:
     checkout = Path.cwd().parent
-    if (checkout / "kvlab" / "__init__.py").is_file():  # running from notebooks/ in a checkout
-        sys.path.insert(0, str(checkout))
-    else:
-        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", KVLAB_GIT_URL])
+    if not (checkout / "kvlab" / "__init__.py").is_file():  # not run from notebooks/ in a checkout
+        checkout = Path.cwd() / "kvlab-repo"
+        if not checkout.is_dir():
+            subprocess.check_call(["git", "clone", "-q", "--depth", "1", KVLAB_REPO, str(checkout)])
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", str(checkout)])
+    sys.path.insert(0, str(checkout))
 
 # %%
 import os

@@ -167,3 +167,23 @@ def test_custom_eviction_policy_instance_and_events():
         ("miss", 0), ("miss", 1), ("seal", 0), ("allocate", None),   # a: block 0 full, block 1 partial
         ("release", 1), ("release", 0), ("free", None),              # freed tail first
         ("hit", 0), ("miss", 2), ("allocate", None)]                 # [1, 2, 9] hits block 0
+
+
+def test_can_allocate_then_allocate_hashes_the_prompt_once():
+    calls = []
+
+    def counting_hash(parent, tokens):
+        calls.append(tokens)
+        return hash((parent, tokens))
+
+    manager = BlockManager(8, block_size=2, hash_fn=counting_hash)
+    seq = Sequence([1, 2, 3, 4, 5], 2)
+    manager.can_allocate(seq)
+    manager.allocate(seq)
+    assert calls == [(1, 2), (3, 4)]
+    other = Sequence([1, 2, 3, 4, 5], 2)
+    manager.can_allocate(other)
+    other.append_token(6)        # the prompt changed after can_allocate: allocate must hash it again
+    manager.allocate(other)
+    assert calls[2:] == [(1, 2), (3, 4), (1, 2), (3, 4), (5, 6)]
+    assert other.num_cached_tokens == 4

@@ -7,12 +7,24 @@ not importable), so every case also poisons block-table padding with -1 / far ou
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from kvlab.device import DEVICE
 
 #: (atol, rtol) per dtype: the kernels accumulate in fp32 like the reference, but fp16/bf16 round p before
 #: the P @ V product and round the output.
+F32, F16 = torch.float32, torch.float16
+
+# (num_heads, num_kv_heads, head_dim, block_size, dtype, cache layout): GQA groups 1, 4 and 8, head dims incl. 80.
+CONFIGS = [
+    pytest.param(2, 2, 64, 16, F32, "contiguous", id="mha-d64-b16-fp32"),
+    pytest.param(8, 2, 80, 8, F32, "padded", id="gqa4-d80-b8-fp32"),
+    pytest.param(8, 1, 128, 32, F16, "kv_major", id="gqa8-d128-b32-fp16"),
+    pytest.param(4, 1, 256, 16, F16, "contiguous", id="gqa4-d256-b16-fp16"),
+    pytest.param(16, 2, 80, 16, F16, "padded", id="gqa8-d80-b16-fp16"),
+]
+
 TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
 
 

@@ -5,7 +5,7 @@ import importlib
 
 import pytest
 import torch
-from attention_cases import assert_close, build_case, strided_block_tables
+from attention_cases import CONFIGS, F16, F32, assert_close, build_case, strided_block_tables
 
 from kvlab.device import DEVICE, ON_GPU
 from kvlab.errors import InvalidArgumentError
@@ -22,16 +22,7 @@ module = importlib.import_module("kvlab.kernels.paged_attention_decode")  # the 
 
 # 1-token sequence, lengths that are and are not block multiples; 70 tokens cross several tiles and blocks.
 SEQ_LENS = [37, 1, 70, 16]
-F32, F16 = torch.float32, torch.float16
 
-# (num_heads, num_kv_heads, head_dim, block_size, dtype, cache layout): GQA group 1, 4 and 8.
-CONFIGS = [
-    pytest.param(2, 2, 64, 16, F32, "contiguous", id="mha-d64-b16-fp32"),
-    pytest.param(8, 2, 80, 8, F32, "padded", id="gqa4-d80-b8-fp32"),
-    pytest.param(8, 1, 128, 32, F16, "kv_major", id="gqa8-d128-b32-fp16"),
-    pytest.param(4, 1, 256, 16, F16, "contiguous", id="gqa4-d256-b16-fp16"),
-    pytest.param(16, 2, 80, 16, F16, "padded", id="gqa8-d80-b16-fp16"),
-]
 
 
 @pytest.fixture

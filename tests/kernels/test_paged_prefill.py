@@ -4,7 +4,7 @@ soft cap, strided inputs; agreement with full prefill and with decode; bad input
 
 import pytest
 import torch
-from attention_cases import assert_close, build_case, strided_block_tables
+from attention_cases import CONFIGS, F16, F32, assert_close, build_case, strided_block_tables
 
 from kvlab.device import DEVICE, ON_GPU
 from kvlab.errors import InvalidArgumentError
@@ -15,15 +15,7 @@ from kvlab.reference import paged_prefill_ref
 # (seq_len, q_len): a prefix hit, a 1-token sequence, a full prefill (no prefix), a sequence with no new
 # tokens, a decode-like single new token, a long prefix with several query tiles.
 SEQS = [(37, 10), (1, 1), (45, 45), (29, 0), (70, 1), (53, 20)]
-F32, F16 = torch.float32, torch.float16
 
-CONFIGS = [
-    pytest.param(2, 2, 64, 16, F32, "contiguous", id="mha-d64-b16-fp32"),
-    pytest.param(8, 2, 80, 8, F32, "padded", id="gqa4-d80-b8-fp32"),
-    pytest.param(8, 1, 128, 32, F16, "kv_major", id="gqa8-d128-b32-fp16"),
-    pytest.param(4, 1, 256, 16, F16, "contiguous", id="gqa4-d256-b16-fp16"),
-    pytest.param(16, 2, 80, 16, F16, "padded", id="gqa8-d80-b16-fp16"),
-]
 
 
 @pytest.fixture
