@@ -158,16 +158,16 @@ class BlockManager(Swapping):
                                    f"{self._pool.num_free} are free (check can_allocate first)")
         pool, events, bs, n = self._pool, self.events, self.block_size, seq.num_tokens
         first_live, num_full, num_hits = self._first_live(n), len(hashes), len(hits)
-        table: list[int] = []
-        parent = ROOT
-        for i, block in enumerate(hits):
-            parent = pool.content[block]
-            pool.policy.on_hit(block)
-            if events is not None:
-                events.append(Event("hit", seq.seq_id, block))
-            if i >= first_live:
-                pool.acquire(block)
-            table.append(block if i >= first_live else NULL_BLOCK)
+        # Hits outside the sliding window prove the chain but are not pinned: the table points at the null block.
+        live_hits = hits[first_live:]
+        pool.acquire(live_hits)
+        table = [NULL_BLOCK] * (num_hits - len(live_hits)) + live_hits
+        parent = pool.content[hits[-1]] if hits else ROOT
+        if pool.hit_listener is not None:
+            for block in hits:
+                pool.hit_listener(block)
+        if events is not None:
+            events.extend(Event("hit", seq.seq_id, block) for block in hits)
         if first_live > num_hits:  # blocks never stored: nothing after them can be shared
             table += [NULL_BLOCK] * (first_live - num_hits)
             parent = BROKEN
@@ -257,8 +257,7 @@ class BlockManager(Swapping):
         child.num_tokens, child.num_prompt_tokens = parent.num_tokens, parent.num_prompt_tokens
         child.last_token, child.num_cached_tokens = parent.last_token, parent.num_cached_tokens
         child.block_table = list(parent.block_table)
-        for block in child.block_table[alloc.num_released:]:
-            self._pool.acquire(block)
+        self._pool.acquire(child.block_table[alloc.num_released:])
         child.status = SequenceStatus.RUNNING
         self._allocs[child.seq_id] = alloc.copy_for(child)
         if self.events is not None:

@@ -47,7 +47,10 @@ class BlockPool:
         self.parent_content = [NO_CONTENT] * num_blocks
         self.tokens: list[Optional[bytes]] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> the one registered block with that hash
+        self.registered = [False] * num_blocks  # registered[b] == (cached.get(hash[b]) == b), kept for speed
         self.policy = policy
+        # Only frequency-based policies listen to hits; skipping the no-op call keeps hits cheap for the rest.
+        self.hit_listener = policy.on_hit if type(policy).on_hit is not EvictionPolicy.on_hit else None
         self.first_block = first_block    # blocks below it are reserved (the sliding window's null block)
         self.events = events
         self.evictions = 0
@@ -60,8 +63,7 @@ class BlockPool:
         return len(self.policy)
 
     def is_cached(self, block: int) -> bool:
-        h = self.hash[block]
-        return h is not None and self.cached.get(h) == block
+        return self.registered[block]
 
     def lookup(self, hashes: list[int], contents: list[bytes], limit: int) -> list[int]:
         """The cached blocks matching the first full blocks of a prompt, in order, stopping at the first miss
@@ -80,7 +82,7 @@ class BlockPool:
     def take(self, count: int) -> list[int]:
         """``count`` free blocks for new content (ref count 1 each), evicting the prefixes they cached.
         The caller checked that enough blocks are free."""
-        ref, hashes, cached, events = self.ref, self.hash, self.cached, self.events
+        ref, hashes, registered, events = self.ref, self.hash, self.registered, self.events
         taken = self.policy.pop_many(count)
         evicted = 0
         for block in taken:
@@ -89,8 +91,9 @@ class BlockPool:
                 # Clearing the hash is enough to make the old content unreachable: content ids and token
                 # bytes are only ever read for blocks the hash map points at, and seal() overwrites them.
                 hashes[block] = None
-                if cached.get(h) == block:
-                    del cached[h]
+                if registered[block]:
+                    registered[block] = False
+                    del self.cached[h]
                     evicted += 1
                     if events is not None:
                         events.append(Event("evict", block_id=block))
@@ -98,23 +101,24 @@ class BlockPool:
         self.evictions += evicted
         return taken
 
-    def acquire(self, block: int) -> None:
-        """One more reference to ``block`` (a prefix hit or a fork), taking it back if it was free."""
-        if self.ref[block] == 0:
-            self.policy.remove(block)
-        self.ref[block] += 1
+    def acquire(self, blocks) -> None:
+        """One more reference to each block (prefix hits, a fork), taking back those that were free."""
+        ref, remove = self.ref, self.policy.remove
+        for block in blocks:
+            if not ref[block]:
+                remove(block)
+            ref[block] += 1
 
     def release(self, blocks) -> list[int]:
         """Drop one reference to each block, in order; returns the blocks that became free (they stay
         cached if they were)."""
-        ref, hashes, cached = self.ref, self.hash, self.cached
+        ref, registered = self.ref, self.registered
         freed, still_cached = [], []
         for block in blocks:
-            ref[block] -= 1
-            if ref[block] == 0:
-                h = hashes[block]
+            count = ref[block] = ref[block] - 1
+            if not count:
                 freed.append(block)
-                still_cached.append(h is not None and cached.get(h) == block)
+                still_cached.append(registered[block])
         self.policy.add_many(freed, still_cached)
         if self.events is not None:
             self.events.extend(Event("release", block_id=block) for block in freed)
@@ -137,6 +141,7 @@ class BlockPool:
             twin = cached.get(h)
             if twin is None:
                 cached[h] = block
+                self.registered[block] = True
             elif parent_content[twin] == parent and tokens[twin] == content:
                 # The same prefix is already cached in another block: this one is an unregistered duplicate
                 # with the same content id, so blocks sealed after it still chain to the cached prefix.
@@ -161,3 +166,4 @@ class BlockPool:
         for block in free:
             self.policy.add(block, False)
         self.cached.clear()
+        self.registered = [False] * self.num_blocks

@@ -25,13 +25,14 @@ def block_hashes(tokens: array, block_size: int, start: int, stop: int, parent: 
                  hash_fn: Optional[HashFn] = None) -> tuple[list[int], list[bytes]]:
     """Hashes and token bytes of full blocks ``start..stop-1`` of ``tokens``, chained from ``parent``
     (the hash of block ``start - 1``, or None for the first block)."""
-    raw = memoryview(tokens).cast("B")
+    raw = memoryview(tokens)[start * block_size:stop * block_size].tobytes()  # one copy, then cheap slices
     width = 8 * block_size
     hashes, contents = [], []
-    for i in range(start, stop):
-        content = raw[i * width:(i + 1) * width].tobytes()
+    xxh64 = xxhash.xxh64_intdigest
+    for i, offset in enumerate(range(0, len(raw), width), start):
+        content = raw[offset:offset + width]
         if hash_fn is None:
-            parent = xxhash.xxh64_intdigest(content, parent or 0)
+            parent = xxh64(content, parent or 0)
         else:
             parent = hash_fn(parent, tuple(tokens[i * block_size:(i + 1) * block_size]))
             if isinstance(parent, bool) or not isinstance(parent, int):

@@ -47,6 +47,9 @@ def check_manager(manager) -> None:
     for h, block in pool.cached.items():
         if pool.hash[block] != h or pool.tokens[block] is None or pool.content[block] <= ROOT:
             _fail(f"prefix cache maps hash {h} to block {block}, which does not hold that sealed content")
+    if sum(pool.registered) != len(pool.cached) or any(
+            pool.registered[b] != (pool.cached.get(pool.hash[b]) == b) for b in range(pool.num_blocks)):
+        _fail("a block's registered flag disagrees with the prefix cache map")
 
     for block in range(cpu.num_blocks):
         if cpu.ref[block] != cpu_refs.get(block, 0):

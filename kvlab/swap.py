@@ -119,7 +119,7 @@ class Swapping:
                 if self.events is not None:
                     self.events.append(Event("swap_in", seq.seq_id, gpu, cpu))
             else:
-                self._pool.acquire(gpu)
+                self._pool.acquire([gpu])
             table[i] = gpu
             self._release_cpu([cpu])
         alloc.on_cpu = False

@@ -130,6 +130,7 @@ def test_errors_are_kvlab_errors_and_builtin_ones():
     (lambda m: m._pool.policy.add(0, False), "free"),
     (lambda m: m._pool.cached.__setitem__(12345, 11), "prefix cache"),
     (lambda m: m._twins.link(0, 3), "twin"),
+    (lambda m: m._pool.registered.__setitem__(11, True), "registered flag"),
     (lambda m: m._cpu.ref.__setitem__(1, 1), "CPU block"),
 ])
 def test_check_invariants_catches_corruption(busy, corrupt, match):
