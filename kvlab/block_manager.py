@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kvlab.block_pool import BROKEN, ROOT, AllocStatus, BlockPool, Event
-from kvlab.errors import InvalidArgumentError, OutOfBlocksError, SequenceStateError
+from kvlab.errors import InvalidArgumentError, OutOfBlocksError
 from kvlab.eviction import POLICIES, EvictionPolicy
 from kvlab.hashing import HashFn, block_hashes
+from kvlab.allocations import Allocation, Registry, int_at_least, is_int
 from kvlab.invariants import check_manager
 from kvlab.sequence import Sequence, SequenceStatus, check_block_size
 from kvlab.swap import CpuPool, Swapping, Twins
@@ -40,40 +41,18 @@ class PrefixCacheStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
-class _Allocation:
-    """The manager's own record of an allocated sequence."""
-    __slots__ = ("seq", "on_cpu", "num_sealed", "last_hash", "last_content", "num_released", "num_written")
-
-    def __init__(self, seq, num_sealed, last_hash, last_content, num_released):
-        self.seq, self.on_cpu = seq, False
-        self.num_sealed, self.last_hash, self.last_content = num_sealed, last_hash, last_content
-        self.num_released = num_released   # leading table entries released by the sliding window
-        self.num_written = seq.num_tokens  # positions before this already have their K/V written
-
-    def copy_for(self, seq) -> "_Allocation":
-        twin = _Allocation(seq, self.num_sealed, self.last_hash, self.last_content, self.num_released)
-        twin.num_written = self.num_written
-        return twin
-
-
-def _positive_int(name, value, minimum=1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-class BlockManager(Swapping):
+class BlockManager(Registry, Swapping):
     def __init__(self, num_blocks: int, block_size: int = 16, *, num_cpu_blocks: int = 0,
                  watermark: float = 0.0, enable_prefix_caching: bool = True,
                  sliding_window: Optional[int] = None, hash_fn: Optional[HashFn] = None,
                  eviction="lru", record_events: bool = False):
         self.block_size = check_block_size(block_size)
-        self.num_blocks = _positive_int("num_blocks", num_blocks, 2 if sliding_window is not None else 1)
-        _positive_int("num_cpu_blocks", num_cpu_blocks, 0)
+        self.num_blocks = int_at_least("num_blocks", num_blocks, 2 if sliding_window is not None else 1)
+        int_at_least("num_cpu_blocks", num_cpu_blocks, 0)
         if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
             raise InvalidArgumentError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
         if sliding_window is not None:
-            _positive_int("sliding_window", sliding_window)
+            int_at_least("sliding_window", sliding_window, 1)
         if hash_fn is not None and not callable(hash_fn):
             raise InvalidArgumentError("hash_fn must be callable as hash_fn(parent_hash_or_None, token_ids)")
         if isinstance(eviction, str):
@@ -133,7 +112,7 @@ class BlockManager(Swapping):
         released the block."""
         alloc = self._on_gpu(seq)
         table, bs = seq.block_table, self.block_size
-        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= len(table) * bs):
+        if not (is_int(start) and is_int(end) and 0 <= start <= end <= len(table) * bs):
             raise InvalidArgumentError(f"need 0 <= start <= end <= {len(table) * bs} (slots this sequence "
                                        f"holds), got start={start!r}, end={end!r}")
         released = alloc.num_released
@@ -144,7 +123,7 @@ class BlockManager(Swapping):
         """Whether ``allocate(seq)`` (plus ``num_lookahead_slots`` later) fits. A prefix hit on a block in use
         costs nothing; a hit on a free cached block takes that block out of the free pool."""
         self._check_new(seq)
-        _positive_int("num_lookahead_slots", num_lookahead_slots, 0)
+        int_at_least("num_lookahead_slots", num_lookahead_slots, 0)
         live_blocks, needed_free, _ = self._demand(seq, num_lookahead_slots)
         return self._admission(live_blocks, needed_free)
 
@@ -186,7 +165,7 @@ class BlockManager(Swapping):
         seq.block_table = table
         seq.num_cached_tokens = len(hits) * bs
         seq.status = SequenceStatus.RUNNING
-        self._allocs[seq.seq_id] = _Allocation(seq, num_full, hashes[-1] if hashes else None, parent, first_live)
+        self._allocs[seq.seq_id] = Allocation(seq, num_full, hashes[-1] if hashes else None, parent, first_live)
         if events is not None:
             events.append(Event("allocate", seq.seq_id))
 
@@ -206,6 +185,10 @@ class BlockManager(Swapping):
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {len(copies) + new_blocks} free blocks, "
                                    f"{self._pool.num_free} are free (check can_append_slots first)")
         pool, table, events, bs, n = self._pool, seq.block_table, self.events, self.block_size, seq.num_tokens
+        sealing = self.enable_prefix_caching and n // bs > alloc.num_sealed
+        if sealing:  # hashed before anything changes: a failing hash_fn must leave no trace
+            hashes, contents = block_hashes(seq._tokens, bs, alloc.num_sealed, n // bs, alloc.last_hash,
+                                            self.hash_fn)
         pairs = []
         for i in range(alloc.num_written // bs, min(len(table), -(-(n + num_lookahead_slots) // bs))):
             src = table[i]
@@ -221,9 +204,7 @@ class BlockManager(Swapping):
             table.append(block)
             if events is not None:
                 events.append(Event("append", seq.seq_id, block))
-        if self.enable_prefix_caching and n // bs > alloc.num_sealed:
-            hashes, contents = block_hashes(seq._tokens, bs, alloc.num_sealed, n // bs, alloc.last_hash,
-                                            self.hash_fn)
+        if sealing:
             sealed = table[alloc.num_sealed:n // bs]
             alloc.last_content = pool.seal(sealed, hashes, contents, alloc.last_content)
             alloc.num_sealed, alloc.last_hash = n // bs, hashes[-1]
@@ -248,7 +229,8 @@ class BlockManager(Swapping):
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give the new ``child`` the parent's tokens (and block size) and share all its blocks: nothing is
-        allocated; a later append into a shared partial block copies it."""
+        allocated; a later append into a shared partial block copies it. Whatever tokens the child had
+        are replaced (``Sequence([])`` is the usual child)."""
         alloc = self._on_gpu(parent)
         if isinstance(child, Sequence):
             child.block_size = parent.block_size
@@ -318,7 +300,7 @@ class BlockManager(Swapping):
 
     def _append_demand(self, alloc, lookahead):
         """(indices of shared blocks that the next writes would hit, number of new blocks needed)."""
-        _positive_int("num_lookahead_slots", lookahead, 0)
+        int_at_least("num_lookahead_slots", lookahead, 0)
         table, bs, ref = alloc.seq.block_table, self.block_size, self._pool.ref
         end = alloc.seq.num_tokens + lookahead  # positions num_written..end-1 will be written
         touched = range(alloc.num_written // bs, min(len(table), -(-end // bs)))
@@ -327,7 +309,7 @@ class BlockManager(Swapping):
     def _release_outside_window(self, alloc) -> None:
         first_live = self._first_live(alloc.seq.num_tokens)
         table = alloc.seq.block_table
-        self._release_gpu(table[alloc.num_released:first_live])
+        self._release_gpu(table[alloc.num_released:first_live][::-1])  # tail first, as in free()
         for i in range(alloc.num_released, first_live):
             table[i] = NULL_BLOCK
         alloc.num_released = max(alloc.num_released, first_live)
@@ -344,40 +326,6 @@ class BlockManager(Swapping):
                 self._twins.forget_cpu(block)
 
     def _check_block_id(self, block_id) -> int:
-        if isinstance(block_id, bool) or not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:
+        if not is_int(block_id) or not 0 <= block_id < self.num_blocks:
             raise InvalidArgumentError(f"block id must be an int in [0, {self.num_blocks}), got {block_id!r}")
         return block_id
-
-    def _check_new(self, seq, need_tokens=True) -> None:
-        if not isinstance(seq, Sequence):
-            raise InvalidArgumentError(f"expected a kvlab.Sequence, got {type(seq).__name__}")
-        if seq.block_size != self.block_size:
-            raise InvalidArgumentError(f"sequence {seq.seq_id} has block_size {seq.block_size}, "
-                                       f"this manager uses {self.block_size}")
-        if seq.seq_id in self._allocs:
-            raise SequenceStateError(f"sequence {seq.seq_id} is already allocated")
-        if need_tokens and seq.num_tokens == 0:
-            raise InvalidArgumentError(f"sequence {seq.seq_id} has no tokens to allocate")
-        if need_tokens and seq._tokens is None:
-            raise SequenceStateError(f"sequence {seq.seq_id} is a decode-only copy without its tokens")
-
-    def _alloc(self, seq) -> _Allocation:
-        if not isinstance(seq, Sequence):
-            raise InvalidArgumentError(f"expected a kvlab.Sequence, got {type(seq).__name__}")
-        alloc = self._allocs.get(seq.seq_id)
-        if alloc is None:
-            raise SequenceStateError(f"sequence {seq.seq_id} is not allocated in this manager "
-                                     "(never allocated, or already freed)")
-        return alloc
-
-    def _on_gpu(self, seq) -> _Allocation:
-        alloc = self._alloc(seq)
-        if alloc.on_cpu:
-            raise SequenceStateError(f"sequence {seq.seq_id} is swapped out; swap_in first")
-        return alloc
-
-    def _on_cpu(self, seq) -> _Allocation:
-        alloc = self._alloc(seq)
-        if not alloc.on_cpu:
-            raise SequenceStateError(f"sequence {seq.seq_id} is not swapped out")
-        return alloc

@@ -113,13 +113,12 @@ class BlockPool:
         """Drop one reference to each block, in order; returns the blocks that became free (they stay
         cached if they were)."""
         ref, registered = self.ref, self.registered
-        freed, still_cached = [], []
+        freed = []
         for block in blocks:
             count = ref[block] = ref[block] - 1
             if not count:
                 freed.append(block)
-                still_cached.append(registered[block])
-        self.policy.add_many(freed, still_cached)
+        self.policy.add_many(freed, [registered[block] for block in freed])
         if self.events is not None:
             self.events.extend(Event("release", block_id=block) for block in freed)
         return freed
@@ -135,13 +134,13 @@ class BlockPool:
                 block_hash[block] = h
             return BROKEN
         content_id, parent_content, tokens = self.content, self.parent_content, self.tokens
+        registered = self.registered
         cid = self._next_content
         for block, h, content in zip(blocks, hashes, contents):
             block_hash[block] = h
-            twin = cached.get(h)
-            if twin is None:
-                cached[h] = block
-                self.registered[block] = True
+            twin = cached.setdefault(h, block)
+            if twin == block:
+                registered[block] = True
             elif parent_content[twin] == parent and tokens[twin] == content:
                 # The same prefix is already cached in another block: this one is an unregistered duplicate
                 # with the same content id, so blocks sealed after it still chain to the cached prefix.

@@ -46,6 +46,10 @@ class EvictionPolicy(ABC):
     def on_hit(self, block_id: int) -> None:
         """A prefix lookup hit ``block_id`` (free or in use). Frequency-based policies count these."""
 
+    def filed_as_cached(self, block_id: int):
+        """For ``check_invariants``: whether free ``block_id`` was added as cached (None: not tracked)."""
+        return None
+
     # Batch forms, called on the hot path (a prompt takes or frees hundreds of blocks at once). Override
     # them only to save per-call overhead; they must behave exactly like the loops below.
     def pop_many(self, count: int) -> list[int]:
@@ -99,6 +103,9 @@ class LRUPolicy(EvictionPolicy):
                 cached_set[block_id] = None
             else:
                 uncached_set[block_id] = None
+
+    def filed_as_cached(self, block_id: int) -> bool:
+        return block_id in self._cached
 
     def __iter__(self) -> Iterator[int]:
         return chain(self._uncached, self._cached)
@@ -171,6 +178,9 @@ class _KeyedPolicy(EvictionPolicy):
                 taken.append(block)
         self._reused(taken)
         return taken
+
+    def filed_as_cached(self, block_id: int) -> bool:
+        return block_id in self._cached
 
     def __iter__(self) -> Iterator[int]:
         # Sorting is O(n log n), but iteration is for inspection and tests, never on the hot path.

@@ -18,7 +18,8 @@ from kvlab.errors import InvalidArgumentError
 #: ``hash_fn(parent_hash_or_None, token_ids_tuple) -> int``, to replace the default in experiments/tests.
 HashFn = Callable[[Optional[int], tuple], int]
 
-assert sys.byteorder == "little", "kvlab hashes tokens as native int64 bytes; big-endian is unsupported"
+if sys.byteorder != "little":
+    raise ImportError("kvlab hashes tokens as native int64 bytes, which must be little-endian")
 
 
 def block_hashes(tokens: array, block_size: int, start: int, stop: int, parent: Optional[int],
@@ -27,16 +28,20 @@ def block_hashes(tokens: array, block_size: int, start: int, stop: int, parent: 
     (the hash of block ``start - 1``, or None for the first block)."""
     raw = memoryview(tokens)[start * block_size:stop * block_size].tobytes()  # one copy, then cheap slices
     width = 8 * block_size
-    hashes, contents = [], []
-    xxh64 = xxhash.xxh64_intdigest
-    for i, offset in enumerate(range(0, len(raw), width), start):
-        content = raw[offset:offset + width]
-        if hash_fn is None:
-            parent = xxh64(content, parent or 0)
-        else:
+    contents = [raw[offset:offset + width] for offset in range(0, len(raw), width)]
+    hashes = []
+    if hash_fn is None:
+        xxh64, parent = xxhash.xxh64_intdigest, parent or 0
+        for content in contents:
+            parent = xxh64(content, parent)
+            hashes.append(parent)
+        return hashes, contents
+    for i in range(start, stop):
+        try:
             parent = hash_fn(parent, tuple(tokens[i * block_size:(i + 1) * block_size]))
-            if isinstance(parent, bool) or not isinstance(parent, int):
-                raise InvalidArgumentError(f"hash_fn must return an int, got {type(parent).__name__}")
+        except Exception as e:
+            raise InvalidArgumentError(f"hash_fn raised {type(e).__name__}: {e}") from e
+        if isinstance(parent, bool) or not isinstance(parent, int):
+            raise InvalidArgumentError(f"hash_fn must return an int, got {type(parent).__name__}")
         hashes.append(parent)
-        contents.append(content)
     return hashes, contents

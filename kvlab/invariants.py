@@ -1,8 +1,9 @@
 """``BlockManager.check_invariants()``: an O(pool) audit of the manager's bookkeeping, for tests.
 
 Checked: every GPU block is free xor used; each ref count equals the number of block-table entries
-pointing at it; the free set holds exactly the blocks at ref count 0, once each; the prefix-cache map and
-the blocks agree; the same holds for the CPU pool; twin links join live blocks both ways.
+pointing at it; the free set holds exactly the blocks at ref count 0, once each, each filed as cached
+exactly when the prefix-cache map points at it; the map and the blocks agree; the same holds for the CPU
+pool; twin links join live blocks both ways.
 """
 
 from collections import Counter
@@ -50,6 +51,9 @@ def check_manager(manager) -> None:
     if sum(pool.registered) != len(pool.cached) or any(
             pool.registered[b] != (pool.cached.get(pool.hash[b]) == b) for b in range(pool.num_blocks)):
         _fail("a block's registered flag disagrees with the prefix cache map")
+    misfiled = [b for b in free if pool.policy.filed_as_cached(b) not in (None, pool.registered[b])]
+    if misfiled:
+        _fail(f"free blocks {misfiled[:10]} are filed as cached/uncached against the prefix cache map")
 
     for block in range(cpu.num_blocks):
         if cpu.ref[block] != cpu_refs.get(block, 0):

@@ -92,8 +92,8 @@ class Sequence:
 
     def block(self, i: int) -> list[int]:
         """Token ids of logical block ``i`` (the last one may be partial)."""
-        if not 0 <= i < self.num_blocks:
-            raise InvalidArgumentError(f"block index {i} out of range [0, {self.num_blocks})")
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_blocks:
+            raise InvalidArgumentError(f"block index must be an int in [0, {self.num_blocks}), got {i!r}")
         return self._token_array()[i * self.block_size:(i + 1) * self.block_size].tolist()
 
     def append_token(self, token_id) -> None:

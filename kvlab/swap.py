@@ -68,7 +68,10 @@ class Twins:
 
 
 class Swapping:
-    """BlockManager's swap operations (a mixin: it works on the manager's pools, twins and allocations)."""
+    """BlockManager's swap operations, kept apart because they are one idea. A mixin: it uses the manager's
+    ``_pool`` (BlockPool), ``_cpu`` (CpuPool), ``_twins`` (Twins), ``_allocs`` (seq_id -> allocation with
+    ``on_cpu`` and ``num_released``), ``events``, and its helpers ``_on_gpu``, ``_on_cpu``, ``_admission``,
+    ``_release_gpu`` and ``_release_cpu``."""
 
     def can_swap_out(self, seq: Sequence) -> bool:
         alloc = self._on_gpu(seq)

@@ -98,7 +98,7 @@ def test_swap_misuse(busy):
 @pytest.mark.parametrize("call, match", [
     (lambda m, s: m.ref_count(12), "block id"), (lambda m, s: m.ref_count(-1), "block id"),
     (lambda m, s: m.block_hash("3"), "block id"), (lambda m, s: m.slot_mapping(s, 0, 13), "start <= end"),
-    (lambda m, s: m.slot_mapping(s, 3, 2), "start <= end"),
+    (lambda m, s: m.slot_mapping(s, 3, 2), "start <= end"), (lambda m, s: m.slot_mapping(s, True, 3), "start <= end"),
     (lambda m, s: m.can_allocate(Sequence([1], 4), -1), "num_lookahead_slots"),
     (lambda m, s: m.append_slots(s, -2), "num_lookahead_slots"),
 ])
@@ -114,8 +114,15 @@ def test_a_failing_hash_fn_changes_nothing():
         return hash((parent, tokens))
 
     manager = BlockManager(8, block_size=2, hash_fn=hash_fn)
-    allocated(manager, [1, 2, 3])
-    _expect_no_change(manager, RuntimeError, lambda: manager.allocate(Sequence([1, 2, 13, 14, 5], 2)), "boom")
+    parent = allocated(manager, [1, 2, 3])
+    _expect_no_change(manager, InvalidArgumentError, lambda: manager.allocate(Sequence([1, 2, 13, 14, 5], 2)),
+                      "hash_fn raised RuntimeError: boom")
+    child = Sequence([])
+    manager.fork(parent, child)
+    parent.append_token(13)   # fills the shared partial block: a copy-on-write and a seal, whose hash fails
+    table = list(parent.block_table)
+    _expect_no_change(manager, InvalidArgumentError, lambda: manager.append_slots(parent), "boom")
+    assert parent.block_table == table
     _expect_no_change(manager, InvalidArgumentError,
                       lambda: BlockManager(8, 2, hash_fn=lambda p, t: "x").allocate(Sequence([1, 2], 2)), "int")
 
@@ -131,6 +138,7 @@ def test_errors_are_kvlab_errors_and_builtin_ones():
     (lambda m: m._pool.cached.__setitem__(12345, 11), "prefix cache"),
     (lambda m: m._twins.link(0, 3), "twin"),
     (lambda m: m._pool.registered.__setitem__(11, True), "registered flag"),
+    (lambda m: m._pool.policy._uncached.__setitem__(m._pool.policy._cached.popitem()[0], None), "filed as cached"),
     (lambda m: m._cpu.ref.__setitem__(1, 1), "CPU block"),
 ])
 def test_check_invariants_catches_corruption(busy, corrupt, match):
@@ -139,3 +147,15 @@ def test_check_invariants_catches_corruption(busy, corrupt, match):
     corrupt(manager)
     with pytest.raises(InvariantViolation, match=match):
         manager.check_invariants()
+
+
+def test_an_unpickled_copy_is_not_the_allocated_sequence(busy):
+    import pickle
+
+    manager, running, _ = busy
+    running.append_token(3)
+    manager.append_slots(running)
+    copy = pickle.loads(pickle.dumps(running))
+    copy.append_token(4)
+    _expect_no_change(manager, SequenceStateError, lambda: manager.append_slots(copy), "another Sequence object")
+    _expect_no_change(manager, SequenceStateError, lambda: manager.free(copy), "another Sequence object")

@@ -114,6 +114,18 @@ def test_can_allocate_with_watermark_and_never():
     assert manager.can_allocate(Sequence(range(3), 1), num_lookahead_slots=3) is AllocStatus.NEVER
 
 
+def test_constant_hash_cannot_chain_a_hit_through_a_different_parent():
+    manager = BlockManager(16, block_size=2, hash_fn=lambda parent, tokens: 0)
+    a = allocated(manager, [1, 2, 1, 2, 5])        # blocks [1,2] [1,2] [5]: every full block hashes to 0
+    b = allocated(manager, [1, 2, 1, 2, 1, 2, 7])
+    # Block 1 of b has a's block-1 tokens and a's block 1 has a's block 0 as parent, but only a's block 0 is
+    # registered under hash 0; the guard must stop b at one hit.
+    assert b.num_cached_tokens == 2 and b.block_table[0] == a.block_table[0]
+    assert set(b.block_table[1:]).isdisjoint(a.block_table)
+    c = allocated(manager, [3, 4, 1, 2, 9])        # [1,2] after [3,4]: same tokens as a's block 0, other parent
+    assert c.num_cached_tokens == 0
+
+
 def test_weak_hash_never_shares_different_prefixes():
     """Every block hashes alike: the guard (same tokens AND same parent content) must still be exact."""
     rng = random.Random(7)

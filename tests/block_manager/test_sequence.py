@@ -51,9 +51,10 @@ def test_bad_block_size_is_rejected(block_size):
         Sequence([1], block_size=block_size)
 
 
-def test_block_index_out_of_range():
+@pytest.mark.parametrize("index", [2, -1, "0", 0.5, True])
+def test_block_index_must_be_an_int_in_range(index):
     with pytest.raises(InvalidArgumentError, match="block index"):
-        Sequence([1, 2, 3], block_size=2).block(2)
+        Sequence([1, 2, 3], block_size=2).block(index)
 
 
 def test_waiting_sequence_pickles_its_prompt():

@@ -146,6 +146,14 @@ class SlidingWindowMachine(ManagerMachine):
     config = dict(num_blocks=16, block_size=2, num_cpu_blocks=12, sliding_window=5)
 
 
+class FIFOMachine(ManagerMachine):
+    config = dict(num_blocks=16, block_size=2, num_cpu_blocks=8, eviction="fifo")
+
+
+class LFUMachine(ManagerMachine):
+    config = dict(num_blocks=16, block_size=2, num_cpu_blocks=8, eviction="lfu")
+
+
 class NoPrefixCachingMachine(ManagerMachine):
     config = dict(num_blocks=20, block_size=3, num_cpu_blocks=8, enable_prefix_caching=False)
 
@@ -160,3 +168,5 @@ TestManager = _test_case(ManagerMachine)
 TestWeakHash = _test_case(WeakHashMachine)
 TestSlidingWindow = _test_case(SlidingWindowMachine)
 TestNoPrefixCaching = _test_case(NoPrefixCachingMachine)
+TestFIFO = _test_case(FIFOMachine)
+TestLFU = _test_case(LFUMachine)
