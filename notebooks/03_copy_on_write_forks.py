@@ -295,7 +295,7 @@ beam_steps, history = [], []
 
 
 def watch(t, beams):
-    history.append((beam_engine.blocks_in_use(), sum(b.num_blocks for b in beams)))
+    history.append((beam_engine.blocks_in_use(), sum(b.num_blocks for b in beams), len(beams)))
     assert beam_engine.wrong_reads(beams) == []  # every beam reads its own history through shared blocks
     if t in (0, 5, 11, 23):
         beam_steps.append(viz.snapshot(beam_engine.manager, beams, f"after decode step {t + 1}"))
@@ -306,8 +306,9 @@ viz.show_steps(beam_steps, ncols=2)
 plt.show()
 
 # %%
-used_curve, unshared_curve = np.array(history).T
+used_curve, unshared_curve, beam_counts = np.array(history).T
 counts = {k: sum(e.kind == k for e in beam_engine.manager.events) for k in ("fork", "cow", "free")}
+deaths = counts["free"] - beam_counts[-1]  # every beam is freed once: the dead ones, then the survivors at the end
 fig, ax = plt.subplots(figsize=(8, 3))
 ax.plot(np.arange(1, len(history) + 1), unshared_curve, label="without sharing (sum of the beams' tables)")
 ax.plot(np.arange(1, len(history) + 1), used_curve, label="with sharing (blocks in use)")
@@ -316,7 +317,7 @@ ax.set_ylabel("blocks")
 ax.legend(fontsize=8)
 ax.set_title("4 beams, prompt of 12 tokens, block size 8")
 plt.show()
-print(f"Over 24 steps the beams forked {counts['fork']} times, died {counts['free'] - 4} times and triggered "
+print(f"Over {len(history)} steps the beams forked {counts['fork']} times, died {deaths} times and triggered "
       f"{counts['cow']} copy-on-writes. At the end they held {used_curve[-1]} blocks instead of "
       f"{unshared_curve[-1]}; averaged over the steps, sharing saved {100 * (1 - used_curve.sum() / unshared_curve.sum()):.0f}% "
       f"of the blocks. Every beam read back exactly its own K/V at every step.")

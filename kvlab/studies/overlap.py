@@ -13,18 +13,28 @@ Assumptions (each is a parameter of ``EngineModel`` or one line below):
    admits from its head while fewer than ``max_num_seqs`` run and ``can_allocate`` says OK. It stops at
    the first LATER (head-of-line blocking, no skipping ahead) and drops a NEVER (a prompt larger than the
    whole pool), counted in ``requests_skipped``.
-5. Decode growth: before a step each running sequence gets its token (``append_token``) and a slot
-   (``append_slots``). When no block is free, the youngest running sequence is preempted by recompute
-   (``free(preempted=True)``, back to the head of the queue with its generated tokens, re-prefilled when
-   readmitted); a step that preempted admits nothing. No swapping to CPU.
-6. Generated tokens get private ids (the traces do not record them), so decode blocks occupy the cache
+5. Decode growth: before a step each running sequence gets a slot for the token it stores in that step
+   (``append_slots`` with one lookahead slot; the token itself is appended once stored). When no block is
+   free, the youngest running sequence is preempted by recompute (``free(preempted=True)``), back to the
+   head of the queue with exactly the tokens whose K/V it stored, re-prefilled when readmitted (the token
+   it had sampled but not yet stored is sampled again); a step that preempted admits nothing. No
+   swapping to CPU.
+6. A sequence that needs a block while it runs alone can never finish: its growing sequence outgrew the
+   whole pool (the engine does not know output lengths in advance, so it admitted the prompt). It is
+   dropped there, its blocks freed, and counted in ``requests_dropped_mid_decode``; its first admission
+   still counts in the hit rates and queueing delays (its prompt was really prefilled). ``requests``
+   counts the requests that finished: requests + requests_skipped + requests_dropped_mid_decode = the
+   trace's requests.
+7. Generated tokens get private ids (the traces do not record them), so decode blocks occupy the cache
    but are never hit; a Mooncake prompt hits what earlier *prompts* left behind.
-7. Hit rates and queueing delays count each request's first admission; a readmission re-hits its own
+8. Hit rates and queueing delays count each request's first admission; a readmission re-hits its own
    blocks, which is not a prompt-cache effect, and its prefill is reported as ``recomputed_tokens``.
 
 Implementation: sequences decode in lockstep, so between events nothing needs the manager. A sequence's
 tokens are appended lazily when it needs a new block (every block_size steps), finishes, or is
 preempted; the steps in between are skipped in O(1). Events are kept in a heap keyed by step.
+Invariant: a running sequence never holds a token whose K/V is not stored yet; the slot of the token
+being stored in the current step is a lookahead slot.
 """
 
 import heapq
@@ -86,7 +96,7 @@ class _Engine:
         self.events: list[tuple[int, int, int, int]] = []     # (step, phase, job index, job version)
         self.step, self.now_ms = 0, 0.0
         self.freed, self.blocked_head = True, None             # can the queue's head be admitted now?
-        self.c = dict(hit_tokens=0, hit_blocks=0, skipped=0,
+        self.c = dict(hit_tokens=0, hit_blocks=0, skipped=0, dropped=0,
                       preemptions=0, recomputed_tokens=0, peak=0, batch_steps=0, steps=0)
         self.queue_ms: list[float] = []
 
@@ -96,6 +106,12 @@ class _Engine:
         seq, base = job.seq, PRIVATE_TOKEN_BASE + job.index * PRIVATE_RANGE
         for position in range(seq.num_tokens, length):
             seq.append_token(base + position)
+
+    def _store_earlier_steps(self, job: _Job) -> None:
+        """Append the tokens stored before the current step and seal the blocks they filled. Their slots were
+        reserved when stored (prefill or a grow's lookahead), so this takes no block."""
+        self._advance(job, job.admit_len + self.step - job.admit_step - 1)
+        self.m.append_slots(job.seq)
 
     def _push(self, step: int, phase: int, job: _Job) -> None:
         heapq.heappush(self.events, (step, phase, job.index, job.version))
@@ -113,30 +129,41 @@ class _Engine:
         """Give every sequence that starts a new block this step its slot; returns whether it preempted."""
         preempted = False
         for job in self._pop_due(_GROW):
-            self._advance(job, job.admit_len + self.step - job.admit_step)
-            while not self.m.can_append_slots(job.seq):
+            # The token this step stores starts a new block: reserve it as a lookahead slot, so that a
+            # sequence preempted later in this step still holds only tokens whose K/V is stored.
+            self._store_earlier_steps(job)
+            while not self.m.can_append_slots(job.seq, 1):
+                if len(self.running) == 1:  # alone and still no block: it outgrew the whole pool
+                    self._drop(job)
+                    break
                 victim = next(reversed(self.running.values()))
                 self._preempt(victim)
                 preempted = True
                 if victim is job:
                     break
             else:
-                self.m.append_slots(job.seq)
+                self.m.append_slots(job.seq, 1)
                 if self.step + self.bs <= job.finish_step:
                     self._push(self.step + self.bs, _GROW, job)
         return preempted
 
     def _preempt(self, job: _Job) -> None:
-        # Keep the K/V the victim computed in earlier steps (sealing its full blocks), then recompute later.
-        self._advance(job, job.admit_len + self.step - job.admit_step - 1)
-        if self.m.can_append_slots(job.seq):
-            self.m.append_slots(job.seq)
+        # Keep the K/V the victim stored in earlier steps (sealing its full blocks), then recompute later.
+        self._store_earlier_steps(job)
         self.m.free(job.seq, preempted=True)
         del self.running[job.index]
         job.version += 1
         self.waiting.appendleft(job)
         self.c["preemptions"] += 1
         self.freed = True
+
+    def _drop(self, job: _Job) -> None:
+        self.m.free(job.seq)
+        del self.running[job.index]
+        job.seq = None
+        self.c["dropped"] += 1
+        self.freed = True
+        self.bar.update(1)
 
     def _admit(self) -> int:
         """Admit from the queue's head (FIFO); returns the uncached prompt tokens to prefill."""
@@ -152,7 +179,9 @@ class _Engine:
                 break
             self.waiting.popleft()
             if status is AllocStatus.NEVER:
-                c["skipped"] += 1
+                # A readmission refused for good (possible under a watermark) is a sequence that outgrew
+                # the pool mid-decode, not a prompt that never fitted.
+                c["dropped" if job.admitted_before else "skipped"] += 1
                 job.seq = None
                 self.bar.update(1)
                 continue
@@ -230,7 +259,8 @@ class _Engine:
     def _metrics(self) -> dict:
         c, queue_s = self.c, np.array(self.queue_ms) / 1000.0
         return {
-            "requests": len(self.arrivals) - c["skipped"], "requests_skipped": c["skipped"],
+            "requests": len(self.arrivals) - c["skipped"] - c["dropped"], "requests_skipped": c["skipped"],
+            "requests_dropped_mid_decode": c["dropped"],
             "hit_tokens": c["hit_tokens"], "hit_blocks": c["hit_blocks"], "peak_blocks_used": c["peak"],
             "preemptions": c["preemptions"],
             "recomputed_tokens": c["recomputed_tokens"], "mean_batch": c["batch_steps"] / max(c["steps"], 1),
