@@ -87,7 +87,8 @@ def _replay_sequential(trace: pd.DataFrame, manager: BlockManager, bar) -> dict:
             manager.free(seq)
         if done % 256 == 0:
             bar.update(256)
-    return {"requests": len(trace) - skipped, "requests_skipped": skipped, "hit_tokens": manager.stats.hit_tokens,
+    return {"requests": len(trace) - skipped, "requests_skipped": skipped, "requests_dropped_mid_decode": 0,
+            "hit_tokens": manager.stats.hit_tokens,
             "hit_blocks": manager.stats.hit_blocks, "peak_blocks_used": peak}
 
 

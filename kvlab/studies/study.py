@@ -25,7 +25,8 @@ from kvlab.traces import BUNDLED, load_trace
 #: Column order of a study's table and CSV (overlap runs add their engine metrics after these).
 COLUMNS = ["trace", "mode", "block_size", "capacity_blocks", "capacity_tokens", "policy", "hit_rate_tokens",
            "hit_rate_blocks", "ceiling_hit_rate_tokens", "prefill_tokens_saved", "prompt_tokens", "evictions",
-           "peak_blocks_used", "pool_blocks", "requests", "requests_skipped", "wall_s"]
+           "peak_blocks_used", "pool_blocks", "requests", "requests_skipped", "requests_dropped_mid_decode",
+           "wall_s"]
 
 
 def resolve_trace(trace, limit: int | None = None) -> tuple[str, pd.DataFrame]:
