@@ -22,7 +22,9 @@ from kvlab.errors import InvalidArgumentError
 from kvlab.kernels._checks import CACHE_DTYPES, check_block_mapping, check_kv_cache, check_tensor
 
 #: Largest [heads, head_dim] tile one program copies per token; wider caches split heads over grid axis 2.
-MAX_TILE_ELEMENTS = 8192
+#: 4096 keeps a 4-warp program at 32 values per thread (eight 16-byte fp32 accesses): ptxas needs 72 registers
+#: for a [16, 256] fp32 tile where [32, 256] took 152-156 (7 programs per SM instead of 3), no spills.
+MAX_TILE_ELEMENTS = 4096
 
 
 @triton.jit
@@ -86,6 +88,16 @@ def _layer_offsets(kv_caches):
     return torch.tensor(offsets, dtype=torch.int64, device=kv_caches[0].device), align
 
 
+def copy_blocks_config(num_pairs, num_layers, num_kv_heads, head_dim, block_size, layer_align):
+    """How ``copy_blocks`` launches its kernel (shared with tests/kernels/gpu_compile_variants.py): grid
+    (pairs, layers, K/V x head chunks), tiles of whole heads up to MAX_TILE_ELEMENTS. ``layer_align`` comes
+    from ``_layer_offsets``. Returns ``grid``, ``num_warps`` and the constexprs."""
+    block_d = triton.next_power_of_2(head_dim)
+    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, MAX_TILE_ELEMENTS // block_d))
+    return dict(grid=(num_pairs, num_layers, 2 * triton.cdiv(num_kv_heads, block_h)), num_warps=4,
+                BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_D=block_d, LAYER_ALIGN=layer_align)
+
+
 def copy_blocks(kv_caches, block_mapping):
     """Copy-on-write for every layer at once: block dst becomes a copy of block src for each (src, dst) pair
     of ``block_mapping`` (list of pairs or int tensor ``[n, 2]``, e.g. from ``BlockManager.append_slots``).
@@ -98,14 +110,12 @@ def copy_blocks(kv_caches, block_mapping):
         return kv_caches
     layer_offsets, layer_align = _layer_offsets(kv_caches)
 
-    block_d = triton.next_power_of_2(head_dim)
-    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, MAX_TILE_ELEMENTS // block_d))
-    grid = (pairs.shape[0], len(kv_caches), 2 * triton.cdiv(num_kv_heads, block_h))
-    copy_blocks_kernel[grid](
+    config = copy_blocks_config(pairs.shape[0], len(kv_caches), num_kv_heads, head_dim, block_size, layer_align)
+    copy_blocks_kernel[config.pop("grid")](
         first, layer_offsets, pairs.contiguous(),
         num_kv_heads, head_dim,
         first.stride(0), first.stride(1), first.stride(2), first.stride(3),
-        BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_D=block_d, LAYER_ALIGN=layer_align,
+        **config,
     )
     return kv_caches
 

@@ -38,8 +38,12 @@ LOG2E = tl.constexpr(1.4426950408889634)
 #: Finite stand-in for -inf as the running max's start value: exp2(-inf - (-inf)) would be NaN for a row
 #: whose first tiles are all masked, exp2(-inf - NEG_BIG) is a clean 0.
 NEG_BIG = tl.constexpr(-1.0e30)
-#: Tokens per K/V tile. Small on CPU, where the interpreter's cost is per op, and to cross blocks in tests.
-DECODE_TILE_N = 32 if ON_GPU else 16
+#: Tokens per K/V tile on a GPU, and in the interpreter, whose cost is per op (small tiles also let tests
+#: cross blocks). ``decode_launch_config`` picks between them and knows the exception (fp32 head_dim 256 on
+#: pre-Ampere GPUs).
+GPU_TILE_N, INTERPRETER_TILE_N = 32, 16
+#: The tile this process's launches use for most shapes (notebook 05 draws it).
+DECODE_TILE_N = GPU_TILE_N if ON_GPU else INTERPRETER_TILE_N
 #: A partition shorter than this many tokens costs more to write out and reduce than it saves.
 MIN_PARTITION_TOKENS = 256
 MAX_PARTITIONS = 64
@@ -168,18 +172,46 @@ def choose_num_partitions(num_seqs, num_kv_heads, context_len, num_sms):
     return max(1, min(by_occupancy, by_length, MAX_PARTITIONS))
 
 
-def _resolve_split_k(split_k, num_seqs, num_kv_heads, context_len, device):
+def _resolve_split_k(split_k, num_seqs, num_kv_heads, context_len, num_sms):
     """``split_k``: None = heuristic, False = one partition, True = split (heuristic count, at least 2), an int
     n >= 1 = exactly n partitions. Returns the number of partitions."""
     if split_k is None or isinstance(split_k, bool):
         if split_k is False:
             return 1
-        n = choose_num_partitions(num_seqs, num_kv_heads, context_len, compute_units(device))
+        n = choose_num_partitions(num_seqs, num_kv_heads, context_len, num_sms)
         return max(n, 2) if split_k else n
     if not isinstance(split_k, int) or not 1 <= split_k <= 1024:
         raise InvalidArgumentError(f"split_k must be None (auto), True, False or an int number of partitions "
                                    f"in [1, 1024], got {split_k!r}")
     return split_k
+
+
+def decode_launch_config(num_seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, max_seq_len,
+                         split_k=None, capability=None, num_sms=1, sliding_window=None, soft_cap=None):
+    """How ``paged_attention_decode`` launches its kernel, decided from shapes and the device alone, so that
+    tests/kernels/gpu_compile_variants.py compiles exactly what the launcher runs.
+
+    ``capability``: the GPU's compute capability ``(major, minor)``, None in the interpreter; ``num_sms``:
+    ``compute_units(device)``. Returns ``grid`` = (num_seqs, num_kv_heads, num_partitions), ``num_warps`` and
+    every constexpr of ``paged_attention_decode_kernel``. Raises InvalidArgumentError for a bad ``split_k``.
+    """
+    context_len = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
+    num_partitions = _resolve_split_k(split_k, num_seqs, num_kv_heads, context_len, num_sms)
+    group = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    tile_n = INTERPRETER_TILE_N if capability is None else GPU_TILE_N
+    if capability is not None and capability < (8, 0) and dtype == torch.float32 and block_d >= 256:
+        # K and V [32, 256] fp32 tiles plus the query take 80 KiB of shared memory, [16, 256] ones 48; a T4
+        # (sm_75) has 64.
+        tile_n = GPU_TILE_N // 2
+    return dict(
+        grid=(num_seqs, num_kv_heads, num_partitions),
+        num_warps=8 if block_d >= 128 else 4,  # keeps [TILE_N, 256] fp32 tiles out of local memory (sm_90)
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),  # >= 16: one tensor-core tile of rows
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=tile_n,
+        USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None, SPLIT=num_partitions > 1,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+    )
 
 
 def paged_attention_decode(query, kv_cache, block_tables, seq_lens, scale=None, sliding_window=None,
@@ -199,31 +231,28 @@ def paged_attention_decode(query, kv_cache, block_tables, seq_lens, scale=None, 
     num_seqs = query.shape[0]
     max_seq_len = check_seq_lens(seq_lens, num_seqs, device=kv_cache.device, min_len=1)
     check_block_tables(block_tables, num_seqs, num_blocks, seq_lens, block_size)
-    context_len = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
-    num_partitions = _resolve_split_k(split_k, num_seqs, num_kv_heads, context_len, kv_cache.device)
+    device = kv_cache.device
+    config = decode_launch_config(
+        num_seqs, num_heads, num_kv_heads, head_dim, block_size, query.dtype, max_seq_len, split_k,
+        capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
+        num_sms=compute_units(device), sliding_window=sliding_window, soft_cap=soft_cap)
 
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
-    group = num_heads // num_kv_heads
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    split = num_partitions > 1
+    grid = config.pop("grid")
+    num_partitions = grid[2]
     partials = [torch.empty(num_seqs, num_heads, num_partitions, *extra, dtype=torch.float32, device=query.device)
-                for extra in ((), (), (head_dim,))] if split else [out, out, out]  # unused when not split
-    paged_attention_decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
+                for extra in ((), (), (head_dim,))] if config["SPLIT"] else [out, out, out]  # unused when not split
+    paged_attention_decode_kernel[grid](
         out, *partials, query, kv_cache, block_tables, seq_lens,
         head_dim ** -0.5 if scale is None else float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
         num_heads, num_partitions,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), block_tables.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),  # >= 16: one tensor-core tile of rows
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=DECODE_TILE_N,
-        USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None, SPLIT=split,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=8 if block_d >= 128 else 4,  # keeps [TILE_N, 256] fp32 tiles out of local memory (sm_90)
+        **config,
     )
-    if split:
+    if config["SPLIT"]:
         split_k_reduce(out, *partials)
     return out

@@ -42,16 +42,41 @@ from kvlab.kernels.paged_attention_decode import (
 )
 
 
-def tile_config(dtype, block_d, device):
-    """(query rows per program, keys per tile, num_warps). On a GPU: the largest tiles whose build keeps
-    everything in registers (checked with ptxas for sm_75/80/90): fp32 dots run without tensor cores and
-    pre-Ampere GPUs have fewer usable registers, so both get smaller tiles, and head_dim 256 doubles the
-    accumulator. In the interpreter the cost is per op, and small tiles let tests cross several of them."""
-    if device.type != "cuda":
-        return 32, 16, 4
-    if dtype == torch.float32 or torch.cuda.get_device_capability(device) < (8, 0):
-        return 32, 16, 8
-    return (32 if block_d >= 256 else 64), 32, 8
+def prefill_launch_config(num_heads, num_kv_heads, head_dim, block_size, dtype, capability=None,
+                          sliding_window=None, soft_cap=None):
+    """How ``paged_prefill`` launches its kernel, decided from shapes and the device alone, so that
+    tests/kernels/gpu_compile_variants.py compiles exactly what the launcher runs. ``capability``: the GPU's
+    compute capability ``(major, minor)``, None in the interpreter. Returns ``num_warps`` and every constexpr
+    of ``paged_prefill_kernel``; the grid, ``(len(query_tile_map(..., BLOCK_Q)), num_kv_heads)``, depends on
+    the query lengths.
+
+    A program holds ``rows`` = BLOCK_Q tokens x GROUP_PAD heads of queries and walks keys ``TILE_N`` at a
+    time. On a GPU these are the largest tiles that fit the register file and shared memory, as ptxas builds
+    them for sm_75/80/90 (tests/kernels/test_gpu_compile.py): fp32 dots run without tensor cores, so fp32
+    gets smaller tiles, and so does sm_75, whose fp16 dots need far more registers (231 of 255 at head_dim
+    256 even so). Registers are not a hard wall for ptxas: at fp32 head_dim 128 GQA-8 on sm_90 it stops at
+    64 per thread and spills 4 bytes (8 bytes of stack) rather than lose occupancy. In the interpreter the
+    cost is per op, and small tiles let tests cross several of them.
+    """
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if capability is None:
+        rows, tile_n, num_warps = 32, 16, 4
+    elif dtype == torch.float32 and block_d >= 256 and capability < (8, 0):
+        # 32 fp32 query rows plus K and V [16, 256] would take all 64 KiB of a T4's shared memory: 16 rows
+        # need 48 KiB.
+        rows, tile_n, num_warps = 16, 16, 8
+    elif dtype == torch.float32 or capability < (8, 0):
+        rows, tile_n, num_warps = 32, 16, 8
+    else:
+        rows, tile_n, num_warps = (32 if block_d >= 256 else 64), 32, 8
+    return dict(
+        num_warps=num_warps, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=max(1, rows // group_pad),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=tile_n,
+        USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+    )
 
 
 @triton.jit
@@ -150,12 +175,12 @@ def paged_prefill(query, kv_cache, block_tables, seq_lens, cu_query_lens, scale=
     check_cu_query_lens(cu_query_lens, num_seqs, query.shape[0], seq_lens)
 
     out = torch.empty(query.shape[0], num_heads, head_dim, dtype=query.dtype, device=query.device)
-    group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    rows, tile_n, num_warps = tile_config(query.dtype, block_d, query.device)
-    block_q = max(1, rows // group_pad)
-    tile_map = query_tile_map(cu_query_lens, seq_lens, block_q)
+    device = query.device
+    config = prefill_launch_config(
+        num_heads, num_kv_heads, head_dim, block_size, query.dtype,
+        capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
+        sliding_window=sliding_window, soft_cap=soft_cap)
+    tile_map = query_tile_map(cu_query_lens, seq_lens, config["BLOCK_Q"])
     if tile_map.shape[0] == 0:
         return out
     paged_prefill_kernel[(tile_map.shape[0], num_kv_heads)](
@@ -164,9 +189,6 @@ def paged_prefill(query, kv_cache, block_tables, seq_lens, cu_query_lens, scale=
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), block_tables.stride(1),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, TILE_N=tile_n, USE_WINDOW=sliding_window is not None,
-        USE_SOFT_CAP=soft_cap is not None, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
+        **config,
     )
     return out

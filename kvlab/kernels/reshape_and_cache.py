@@ -13,7 +13,9 @@ from kvlab.errors import InvalidArgumentError
 from kvlab.kernels._checks import check_kv_cache, check_slot_mapping, check_tensor
 
 #: Largest [heads, head_dim] tile one program copies; wider tokens are split over grid axis 1.
-MAX_TILE_ELEMENTS = 8192
+#: 4096 keeps a 4-warp program at 32 values per thread per tensor (eight 16-byte fp32 accesses): ptxas needs ~90
+#: registers for a [16, 256] fp32 tile where [32, 256] took 160 (5 programs per SM instead of 3), no spills.
+MAX_TILE_ELEMENTS = 4096
 
 
 @triton.jit
@@ -43,6 +45,15 @@ def reshape_and_cache_kernel(
     tl.store(dst + cache_stride_kv, value, mask=mask)
 
 
+def reshape_and_cache_config(num_tokens, num_kv_heads, head_dim, block_size):
+    """How ``reshape_and_cache`` launches its kernel (shared with tests/kernels/gpu_compile_variants.py):
+    tiles of whole heads up to MAX_TILE_ELEMENTS. Returns ``grid``, ``num_warps`` and the constexprs."""
+    block_d = triton.next_power_of_2(head_dim)
+    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, MAX_TILE_ELEMENTS // block_d))
+    return dict(grid=(num_tokens, triton.cdiv(num_kv_heads, block_h)), num_warps=4,
+                BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_D=block_d)
+
+
 def reshape_and_cache(key, value, kv_cache, slot_mapping):
     """Write ``key``/``value [num_tokens, num_kv_heads, head_dim]`` into ``kv_cache`` at ``slot_mapping``
     (int64 ``[num_tokens]``, -1 = skip). In place; returns ``kv_cache``. Raises InvalidArgumentError (before
@@ -60,14 +71,12 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping):
     if num_tokens == 0:
         return kv_cache
 
-    block_d = triton.next_power_of_2(head_dim)
-    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, MAX_TILE_ELEMENTS // block_d))
-    grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
-    reshape_and_cache_kernel[grid](
+    config = reshape_and_cache_config(num_tokens, num_kv_heads, head_dim, block_size)
+    reshape_and_cache_kernel[config.pop("grid")](
         key, value, kv_cache, slot_mapping,
         num_kv_heads, head_dim,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_D=block_d,
+        **config,
     )
     return kv_cache

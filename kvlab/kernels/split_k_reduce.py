@@ -49,14 +49,20 @@ def split_k_reduce_kernel(out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, num
              mask=d_ok)
 
 
+def split_k_reduce_config(num_seqs, num_heads, num_partitions, head_dim):
+    """How ``split_k_reduce`` launches its kernel (shared with tests/kernels/gpu_compile_variants.py): one
+    program per (sequence, head), reading partials in chunks of up to 16 partitions. Returns ``grid``,
+    ``num_warps`` and the kernel's constexprs."""
+    return dict(grid=(num_seqs, num_heads), num_warps=4, HEAD_DIM=head_dim,
+                BLOCK_D=triton.next_power_of_2(head_dim), CHUNK_P=min(16, triton.next_power_of_2(num_partitions)))
+
+
 def split_k_reduce(out, part_max, part_sum, part_acc):
     """Write ``out [num_seqs, num_heads, head_dim]`` (last dim contiguous) from fp32 contiguous partials
     ``part_max, part_sum [num_seqs, num_heads, P]`` and ``part_acc [num_seqs, num_heads, P, head_dim]``
     (all produced by ``paged_attention_decode_kernel``, so no validation here). Returns ``out``."""
     num_seqs, num_heads, num_partitions, head_dim = part_acc.shape
-    split_k_reduce_kernel[(num_seqs, num_heads)](
-        out, part_max, part_sum, part_acc, num_heads, num_partitions, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        CHUNK_P=min(16, triton.next_power_of_2(num_partitions)),
-    )
+    config = split_k_reduce_config(num_seqs, num_heads, num_partitions, head_dim)
+    split_k_reduce_kernel[config.pop("grid")](
+        out, part_max, part_sum, part_acc, num_heads, num_partitions, out.stride(0), out.stride(1), **config)
     return out

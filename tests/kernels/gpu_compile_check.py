@@ -38,11 +38,13 @@ class Target:
     capability: tuple
     num_sms: int           # the launcher sizes split-K for this many SMs (choose_num_partitions)
     max_shared_bytes: int  # per-block opt-in limit: Triton refuses to launch a kernel that asks for more
+    bf16: bool             # native bf16 (sm_80+); elsewhere the launchers reject bf16 caches, so none is built
 
 
 TARGETS = {
-    90: Target("sm_90 (H100 SXM)", (9, 0), 132, 232448),
-    80: Target("sm_80 (A100)", (8, 0), 108, 166912),
+    90: Target("sm_90 (H100 SXM)", (9, 0), 132, 232448, bf16=True),
+    80: Target("sm_80 (A100)", (8, 0), 108, 166912, bf16=True),
+    75: Target("sm_75 (T4)", (7, 5), 40, 65536, bf16=False),  # Colab's free GPU
 }
 
 
@@ -89,15 +91,15 @@ def prepare_process(arch):
         raise RuntimeError("prepare_process() must run before triton or kvlab is imported")
     # The interpreter switch is read when each @triton.jit runs: for triton.language's own helpers when
     # triton is imported, for kvlab's kernels when their modules are. kvlab.device turns it on again when
-    # there is no CUDA, so it is turned off both before triton and after kvlab.device.
+    # there is no CUDA, so it is turned off both before triton and after kvlab.device. (kvlab.device.ON_GPU
+    # stays False: launch choices come from the config functions, given the target's capability.)
     os.environ.pop("TRITON_INTERPRET", None)
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
 
-    import kvlab.device
+    import kvlab.device  # noqa: F401
 
     os.environ.pop("TRITON_INTERPRET", None)
-    kvlab.device.ON_GPU = True  # module-level choices made for GPUs (DECODE_TILE_N) take their GPU values
     driver.set_active(CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
 
 
