@@ -38,6 +38,11 @@ class Allocation:
 class Registry:
     """BlockManager's records of allocated sequences (a mixin: it uses ``_allocs`` and ``block_size``)."""
 
+    def num_released_blocks(self, seq) -> int:
+        """Leading block-table entries the sliding window released (they point at the null block on the
+        GPU; they are skipped when the sequence is swapped)."""
+        return self._alloc(seq).num_released
+
     def _check_new(self, seq, need_tokens=True) -> None:
         if not isinstance(seq, Sequence):
             raise InvalidArgumentError(f"expected a kvlab.Sequence, got {type(seq).__name__}")

@@ -81,10 +81,6 @@ class BlockManager(Registry, Swapping):
         return self._pool.num_free
 
     @property
-    def num_free_cpu_blocks(self) -> int:
-        return self._cpu.num_free
-
-    @property
     def num_evictions(self) -> int:
         """Cached prefixes dropped because their block was reused for new content."""
         return self._pool.evictions

@@ -8,7 +8,8 @@ or g is written (an append into a partial block), because then they no longer ho
 """
 
 from kvlab.block_pool import AllocStatus, Event
-from kvlab.errors import OutOfBlocksError
+from kvlab.allocations import is_int
+from kvlab.errors import InvalidArgumentError, OutOfBlocksError
 from kvlab.sequence import Sequence, SequenceStatus
 
 
@@ -72,6 +73,25 @@ class Swapping:
     ``_pool`` (BlockPool), ``_cpu`` (CpuPool), ``_twins`` (Twins), ``_allocs`` (seq_id -> allocation with
     ``on_cpu`` and ``num_released``), ``events``, and its helpers ``_on_gpu``, ``_on_cpu``, ``_admission``,
     ``_release_gpu`` and ``_release_cpu``."""
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self._cpu.num_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self._cpu.num_free
+
+    def cpu_ref_count(self, block_id: int) -> int:
+        """How many swapped-out block-table entries point at CPU block ``block_id``."""
+        if not is_int(block_id) or not 0 <= block_id < self._cpu.num_blocks:
+            raise InvalidArgumentError(f"CPU block id must be an int in [0, {self._cpu.num_blocks}), "
+                                       f"got {block_id!r}")
+        return self._cpu.ref[block_id]
+
+    def is_swapped(self, seq: Sequence) -> bool:
+        """Whether an allocated sequence's blocks are in the CPU pool (its table then holds CPU ids)."""
+        return self._alloc(seq).on_cpu
 
     def can_swap_out(self, seq: Sequence) -> bool:
         alloc = self._on_gpu(seq)

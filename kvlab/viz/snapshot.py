@@ -4,18 +4,16 @@ Drawings work on a ``PoolView`` rather than on the live manager so that a sequen
 (``snapshot`` after each operation) and drawn later side by side or in a step-through widget. Every public
 drawing function also accepts a live ``BlockManager`` and takes the snapshot itself.
 
-Only the manager's public API is read. One consequence: the CPU pool has no public size or ref counts, so
-CPU blocks are known only through the swapped sequences passed in (their tables hold CPU block ids).
+Only the manager's public API is read.
 """
 
-from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvlab.block_manager import NULL_BLOCK, BlockManager
 from kvlab.errors import InvalidArgumentError
-from kvlab.sequence import Sequence, SequenceStatus
+from kvlab.sequence import Sequence
 
 # Block states, in legend order. SHARED is a used block with ref count > 1 (several table entries point at
 # it): the blocks that prefix hits and forks save, highlighted because they are what the notebooks teach.
@@ -52,7 +50,7 @@ class PoolView:
     tables: tuple = ()        # TableView per sequence passed to ``snapshot``, in that order
     num_free_cpu_blocks: int = 0
     label: str = ""
-    cpu_refs: dict = field(default_factory=dict)  # CPU block id -> entries of the given swapped tables
+    cpu_refs: dict = field(default_factory=dict)  # CPU block id -> its ref count, for blocks in use
 
     def count(self, state: int) -> int:
         return int(np.count_nonzero(self.states == state))
@@ -74,19 +72,6 @@ def _check_seqs(seqs) -> list:
     return seqs
 
 
-def _num_released(manager, seq, blocks, on_cpu) -> int:
-    """Leading table entries released by the sliding window. On the GPU they are exactly the leading
-    NULL_BLOCK entries (block 0 is reserved); a swapped table holds CPU ids, where 0 is a real block, so
-    the count comes from the window rule (blocks wholly before position num_tokens - window)."""
-    window = manager.sliding_window
-    if window is None or not blocks:
-        return 0
-    leading = next((i for i, b in enumerate(blocks) if b != NULL_BLOCK), len(blocks))
-    if not on_cpu:
-        return leading
-    return min(leading, max(0, (seq.num_tokens - window) // manager.block_size))
-
-
 def snapshot(manager: BlockManager, seqs=(), label: str = "") -> PoolView:
     """Copy the pool state of ``manager`` and the block tables of ``seqs`` (any iterable of Sequence; a
     finished or waiting sequence shows as an empty table). O(num_blocks)."""
@@ -105,16 +90,16 @@ def snapshot(manager: BlockManager, seqs=(), label: str = "") -> PoolView:
     reuse_rank = np.full(n, -1, dtype=np.int32)
     free = manager.free_block_ids()
     reuse_rank[free] = np.arange(len(free), dtype=np.int32)
-    tables, cpu_refs = [], Counter()
+    tables = []
     for seq in seqs:
-        on_cpu = seq.status is SequenceStatus.SWAPPED
         blocks = tuple(seq.block_table)
-        released = _num_released(manager, seq, blocks, on_cpu)
-        if on_cpu:
-            cpu_refs.update(blocks[released:])
+        allocated = bool(blocks)  # allocate always gives at least one block; free empties the table
+        on_cpu = allocated and manager.is_swapped(seq)
+        released = manager.num_released_blocks(seq) if allocated else 0
         tables.append(TableView(seq.seq_id, seq.status.name.lower(), seq.num_tokens, blocks, on_cpu, released))
+    cpu_refs = {b: manager.cpu_ref_count(b) for b in range(manager.num_cpu_blocks) if manager.cpu_ref_count(b)}
     return PoolView(n, manager.block_size, states, refs, cached, reuse_rank, tuple(tables),
-                    manager.num_free_cpu_blocks, label, dict(cpu_refs))
+                    manager.num_free_cpu_blocks, label, cpu_refs)
 
 
 def as_view(pool, seqs=()) -> PoolView:

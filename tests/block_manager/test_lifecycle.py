@@ -95,6 +95,8 @@ def test_forked_group_moves_shared_blocks_once_each_way():
     out = [pair for seq in group for pair in manager.swap_out(seq)]
     moved = [g for g, _ in out]
     assert len(moved) == len(set(moved)) == 2 + 4      # 2 shared full blocks once, 4 distinct tails
+    assert all(manager.is_swapped(seq) for seq in group) and manager.num_cpu_blocks == 16
+    assert [manager.cpu_ref_count(c) for c in parent.block_table] == [4, 4, 1]
     manager.check_invariants()
     back = [pair for seq in group for pair in manager.swap_in(seq)]
     assert len(back) == 6 and len({c for c, _ in back}) == 6
@@ -149,6 +151,7 @@ def test_sliding_window_keeps_used_blocks_bounded():
         assert len(live) <= 8 // 4 + 1
         manager.check_invariants()
     n = seq.num_tokens
+    assert manager.num_released_blocks(seq) == (n - 8) // 4
     slots = manager.slot_mapping(seq, 0, n)
     assert all(s == -1 for s in slots[:(n - 8) // 4 * 4]) and all(s >= 4 for s in slots[n - 8:])
     manager.free(seq)
