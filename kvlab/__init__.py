@@ -1,10 +1,8 @@
 """kvlab: learn and research paged KV caches (block manager, Triton kernels, cache-hit studies)."""
 
-__version__ = "0.1.0"
-
-from kvlab.block_manager import AllocStatus, BlockManager, PrefixCacheStats  # noqa: E402
-from kvlab.block_pool import Event  # noqa: E402
-from kvlab.errors import (  # noqa: E402
+from kvlab.block_manager import AllocStatus, BlockManager, PrefixCacheStats
+from kvlab.block_pool import Event
+from kvlab.errors import (
     InvalidArgumentError,
     InvariantViolation,
     KvlabError,
@@ -13,8 +11,15 @@ from kvlab.errors import (  # noqa: E402
     SequenceStateError,
     TraceFormatError,
 )
-from kvlab.eviction import POLICIES, EvictionPolicy  # noqa: E402
-from kvlab.sequence import Sequence, SequenceStatus  # noqa: E402
+from kvlab.eviction import POLICIES, EvictionPolicy
+from kvlab.sequence import Sequence, SequenceStatus
+
+__version__ = "0.1.0"
+__all__ = [
+    "AllocStatus", "BlockManager", "Event", "EvictionPolicy", "POLICIES", "PrefixCacheStats", "Sequence",
+    "SequenceStatus", "InvalidArgumentError", "InvariantViolation", "KvlabError", "NeedsGPUError",
+    "OutOfBlocksError", "SequenceStateError", "TraceFormatError", "report",
+]
 
 
 def report() -> str:

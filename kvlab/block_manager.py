@@ -71,7 +71,7 @@ class BlockManager(Registry, Swapping):
         self._twins = Twins()
         self._usable = self.num_blocks - first_block
         self._watermark_blocks = int(watermark * self.num_blocks)
-        self._allocs: dict[int, _Allocation] = {}
+        self._allocs: dict[int, Allocation] = {}
         self._hash_memo = None  # (token array, its length, hashes, contents) of the last prompt hashed
         self.stats = PrefixCacheStats()
 

@@ -4,7 +4,7 @@ soft cap, strided inputs; agreement with full prefill and with decode; bad input
 
 import pytest
 import torch
-from attention_cases import CONFIGS, F16, F32, assert_close, build_case, strided_block_tables
+from attention_cases import CONFIGS, F32, assert_close, build_case, strided_block_tables
 
 from kvlab.device import DEVICE, ON_GPU
 from kvlab.errors import InvalidArgumentError
