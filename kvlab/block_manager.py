@@ -16,11 +16,11 @@ from array import array
 from dataclasses import dataclass
 from typing import Optional
 
+from kvlab.allocations import Allocation, Registry, int_at_least, is_int
 from kvlab.block_pool import BROKEN, ROOT, AllocStatus, BlockPool, Event
 from kvlab.errors import InvalidArgumentError, OutOfBlocksError
 from kvlab.eviction import POLICIES, EvictionPolicy
 from kvlab.hashing import HashFn, block_hashes
-from kvlab.allocations import Allocation, Registry, int_at_least, is_int
 from kvlab.invariants import check_manager
 from kvlab.sequence import Sequence, SequenceStatus, check_block_size
 from kvlab.swap import CpuPool, Swapping, Twins
@@ -167,7 +167,7 @@ class BlockManager(Registry, Swapping):
 
     # ---- decode growth and copy-on-write ---------------------------------------------------------------
     def can_append_slots(self, seq: Sequence, num_lookahead_slots: int = 0) -> bool:
-        copies, new_blocks = self._append_demand(self._on_gpu(seq), num_lookahead_slots)
+        _, copies, new_blocks = self._append_demand(self._on_gpu(seq), num_lookahead_slots)
         return len(copies) + new_blocks <= self._pool.num_free
 
     def append_slots(self, seq: Sequence, num_lookahead_slots: int = 0) -> list[tuple[int, int]]:
@@ -176,7 +176,7 @@ class BlockManager(Registry, Swapping):
         above) and release blocks that left the sliding window. A shared block about to be written is
         copied first; returns those copy-on-write (src, dst) pairs for ``copy_blocks``."""
         alloc = self._on_gpu(seq)
-        copies, new_blocks = self._append_demand(alloc, num_lookahead_slots)
+        touched, copies, new_blocks = self._append_demand(alloc, num_lookahead_slots)
         if len(copies) + new_blocks > self._pool.num_free:
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {len(copies) + new_blocks} free blocks, "
                                    f"{self._pool.num_free} are free (check can_append_slots first)")
@@ -186,7 +186,7 @@ class BlockManager(Registry, Swapping):
             hashes, contents = block_hashes(seq._tokens, bs, alloc.num_sealed, n // bs, alloc.last_hash,
                                             self.hash_fn)
         pairs = []
-        for i in range(alloc.num_written // bs, min(len(table), -(-(n + num_lookahead_slots) // bs))):
+        for i in touched:
             src = table[i]
             if i in copies:
                 table[i] = dst = pool.take(1)[0]
@@ -295,12 +295,13 @@ class BlockManager(Registry, Swapping):
         return AllocStatus.LATER
 
     def _append_demand(self, alloc, lookahead):
-        """(indices of shared blocks that the next writes would hit, number of new blocks needed)."""
+        """(indices of existing blocks the next writes touch, those of them that are shared, number of new
+        blocks needed)."""
         int_at_least("num_lookahead_slots", lookahead, 0)
         table, bs, ref = alloc.seq.block_table, self.block_size, self._pool.ref
         end = alloc.seq.num_tokens + lookahead  # positions num_written..end-1 will be written
         touched = range(alloc.num_written // bs, min(len(table), -(-end // bs)))
-        return {i for i in touched if ref[table[i]] > 1}, max(0, -(-end // bs) - len(table))
+        return touched, {i for i in touched if ref[table[i]] > 1}, max(0, -(-end // bs) - len(table))
 
     def _release_outside_window(self, alloc) -> None:
         first_live = self._first_live(alloc.seq.num_tokens)
