@@ -1,8 +1,9 @@
 """kvlab: learn and research paged KV caches (block manager, Triton kernels, cache-hit studies)."""
 
-from kvlab.block_manager import AllocStatus, BlockManager, PrefixCacheStats
-from kvlab.block_pool import Event
+from kvlab._version import __version__
+from kvlab.block_manager import BlockManager
 from kvlab.errors import (
+    EvictionPolicyError,
     InvalidArgumentError,
     InvariantViolation,
     KvlabError,
@@ -12,12 +13,12 @@ from kvlab.errors import (
     TraceFormatError,
 )
 from kvlab.eviction import POLICIES, EvictionPolicy
+from kvlab.records import AllocStatus, Event, PrefixCacheStats
 from kvlab.sequence import Sequence, SequenceStatus
 
-__version__ = "0.1.0"
 __all__ = [
     "AllocStatus", "BlockManager", "Event", "EvictionPolicy", "POLICIES", "PrefixCacheStats", "Sequence",
-    "SequenceStatus", "InvalidArgumentError", "InvariantViolation", "KvlabError", "NeedsGPUError",
+    "SequenceStatus", "EvictionPolicyError", "InvalidArgumentError", "InvariantViolation", "KvlabError", "NeedsGPUError",
     "OutOfBlocksError", "SequenceStateError", "TraceFormatError", "report",
 ]
 

@@ -1,81 +1,87 @@
-"""Which sequences a manager holds, and the checks that a sequence handed to it is one of them.
+"""The manager's record of one allocated sequence, and of one request group's cross-attention blocks.
 
-The manager keys its records by ``seq_id`` but also keeps the Sequence object: an unpickled copy carries
-the same id, and acting on it would update a table the manager is not tracking.
+A ``Sequence`` knows its record (``allocation_record(seq)``) and the record knows its manager, so ownership is
+explicit: a sequence is allocated in at most one manager at a time, and a manager acts only on sequences
+whose record it created. The block table lives here, in the record; ``Sequence.block_table`` is a
+read-only copy of it.
 """
 
 from kvlab.errors import InvalidArgumentError, SequenceStateError
-from kvlab.sequence import Sequence
-
-
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def int_at_least(name, value, minimum) -> int:
-    if not is_int(value) or value < minimum:
-        raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
+from kvlab.sequence import Sequence, allocation_record, token_buffer
 
 
 class Allocation:
-    """The manager's own record of an allocated sequence."""
-    __slots__ = ("seq", "on_cpu", "num_sealed", "last_hash", "last_content", "num_released", "num_written")
+    __slots__ = ("manager", "seq", "table", "on_cpu", "num_sealed", "last_hash", "last_content",
+                 "num_released", "num_written", "num_computed", "cross")
 
-    def __init__(self, seq, num_sealed, last_hash, last_content, num_released):
-        self.seq, self.on_cpu = seq, False
+    def __init__(self, manager, seq, table, num_sealed, last_hash, last_content, num_released, num_computed,
+                 cross=None):
+        self.manager, self.seq, self.table, self.on_cpu = manager, seq, table, False
         # Leading full blocks already sealed, and the chain's tail (hash, content id) that the next seal extends.
         self.num_sealed, self.last_hash, self.last_content = num_sealed, last_hash, last_content
         self.num_released = num_released   # leading table entries released by the sliding window
-        self.num_written = seq.num_tokens  # positions before this already have their K/V written
+        self.num_written = seq.num_tokens  # positions < this have slots that the engine writes or wrote
+        self.num_computed = num_computed   # positions < this are confirmed written (a step ran since)
+        self.cross = cross                 # the group's CrossTable (encoder-decoder), shared by its forks
+
+    def live_blocks(self) -> list[int]:
+        """Table entries that hold a reference (the sliding window's released ones do not)."""
+        return self.table[self.num_released:]
 
     def copy_for(self, seq) -> "Allocation":
-        twin = Allocation(seq, self.num_sealed, self.last_hash, self.last_content, self.num_released)
+        twin = Allocation(self.manager, seq, list(self.table), self.num_sealed, self.last_hash,
+                          self.last_content, self.num_released, self.num_computed, self.cross)
         twin.num_written = self.num_written
         return twin
 
 
-class Registry:
-    """BlockManager's records of allocated sequences (a mixin: it uses ``_allocs`` and ``block_size``)."""
+class CrossTable:
+    """The encoder's K/V blocks of one request group (vLLM's cross-attention block table): written once by
+    the encoder pass, read by every decoder sequence of the group, never prefix-cached. The group holds one
+    reference to each block, however many forks it has; the blocks move to the CPU when the last member on
+    the GPU swaps out and come back with the first one that swaps in."""
+    __slots__ = ("root", "blocks", "num_tokens", "on_cpu", "members")
 
-    def num_released_blocks(self, seq) -> int:
-        """Leading block-table entries the sliding window released (they point at the null block on the
-        GPU; they are skipped when the sequence is swapped)."""
-        return self._alloc(seq).num_released
+    def __init__(self, root, blocks, num_tokens):
+        self.root, self.blocks, self.num_tokens, self.on_cpu = root, blocks, num_tokens, False
+        self.members: set = set()  # allocations of the group's live sequences
 
-    def _check_new(self, seq, need_tokens=True) -> None:
-        if not isinstance(seq, Sequence):
-            raise InvalidArgumentError(f"expected a kvlab.Sequence, got {type(seq).__name__}")
-        if seq.block_size != self.block_size:
-            raise InvalidArgumentError(f"sequence {seq.seq_id} has block_size {seq.block_size}, "
-                                       f"this manager uses {self.block_size}")
-        if seq.seq_id in self._allocs:
-            raise SequenceStateError(f"sequence {seq.seq_id} is already allocated")
-        if need_tokens and seq.num_tokens == 0:
-            raise InvalidArgumentError(f"sequence {seq.seq_id} has no tokens to allocate")
-        if need_tokens and seq._tokens is None:
-            raise SequenceStateError(f"sequence {seq.seq_id} is a decode-only copy without its tokens")
+    def members_on_gpu(self) -> int:
+        return sum(1 for alloc in self.members if not alloc.on_cpu)
 
-    def _alloc(self, seq) -> Allocation:
-        if not isinstance(seq, Sequence):
-            raise InvalidArgumentError(f"expected a kvlab.Sequence, got {type(seq).__name__}")
-        alloc = self._allocs.get(seq.seq_id)
-        if alloc is None:
-            raise SequenceStateError(f"sequence {seq.seq_id} is not allocated in this manager "
-                                     "(never allocated, or already freed)")
-        if alloc.seq is not seq:
-            raise SequenceStateError(f"another Sequence object holds seq_id {seq.seq_id} here (an unpickled "
-                                     "copy?); pass the object that was allocated")
-        return alloc
 
-    def _on_gpu(self, seq) -> Allocation:
-        alloc = self._alloc(seq)
-        if alloc.on_cpu:
-            raise SequenceStateError(f"sequence {seq.seq_id} is swapped out; swap_in first")
-        return alloc
+def check_sequence(seq) -> Sequence:
+    if not isinstance(seq, Sequence):
+        raise InvalidArgumentError(f"expected a kvlab.Sequence, got {type(seq).__name__}")
+    return seq
 
-    def _on_cpu(self, seq) -> Allocation:
-        alloc = self._alloc(seq)
-        if not alloc.on_cpu:
-            raise SequenceStateError(f"sequence {seq.seq_id} is not swapped out")
-        return alloc
+
+def check_block_size_matches(manager, seq) -> None:
+    if seq.block_size != manager.block_size:
+        raise InvalidArgumentError(f"sequence {seq.seq_id} has block_size {seq.block_size}, "
+                                   f"this manager uses {manager.block_size}")
+
+
+def check_unallocated(manager, seq, need_tokens=True, same_block_size=True) -> None:
+    """``seq`` may be allocated (or, with ``need_tokens=False, same_block_size=False``, forked into) now."""
+    check_sequence(seq)
+    if same_block_size:
+        check_block_size_matches(manager, seq)
+    owner = allocation_record(seq)
+    if owner is not None:
+        where = "this manager" if owner.manager is manager else "another BlockManager; free it there first"
+        raise SequenceStateError(f"sequence {seq.seq_id} is already allocated in {where}")
+    if need_tokens and seq.num_tokens == 0:
+        raise InvalidArgumentError(f"sequence {seq.seq_id} has no tokens to allocate")
+    if need_tokens and token_buffer(seq) is None:
+        raise SequenceStateError(f"sequence {seq.seq_id} is a decode-only copy without its tokens")
+
+
+def allocation_of(manager, seq) -> Allocation:
+    """The record ``manager`` keeps for ``seq``, or SequenceStateError."""
+    check_sequence(seq)
+    alloc = allocation_record(seq)
+    if alloc is None or alloc.manager is not manager:
+        raise SequenceStateError(f"sequence {seq.seq_id} is not allocated in this manager (never allocated, "
+                                 "already freed, allocated in another manager, or an unpickled copy)")
+    return alloc

@@ -4,75 +4,88 @@ Engine ordering rule (the prefix cache relies on it): within a forward pass, eve
 tokens' K/V into their slots (``reshape_and_cache``) *before* that layer's attention reads the cache. That
 is why a full block becomes hittable the moment its tokens are known (prompt blocks when ``allocate``
 returns, a decode block when ``append_slots`` seals it): a request that hits it in the same step reads K/V
-that the same forward pass has already written.
+that the same forward pass has already written. The flip side, as in vLLM V1: once ``allocate`` or
+``append_slots`` returned, the step that writes those slots must run before the sequence is freed.
+
+Sliding window W: a step whose first new token sits at position p attends to keys from p - W + 1 on, so a
+block is released only once it lies wholly before that, at the start of the next step that moves p past it
+(never while a query of the current step can still see it).
 
 Lifecycle: ``allocate`` (RUNNING) -> ``append_token`` + ``append_slots`` per step -> ``free`` (FINISHED, or
 WAITING with ``preempted=True``); ``fork`` shares a running sequence's blocks with a new child;
-``swap_out`` (SWAPPED) / ``swap_in`` (RUNNING) move it to the CPU pool and back. The manager sets
-``seq.status`` as it acts but decides what is valid from its own records, never from a status a caller set.
+``swap_out`` (SWAPPED) / ``swap_in`` (RUNNING) move it to the CPU pool and back. The manager decides what is
+valid from its own records, never from a status a caller set. Every public method holds one lock, so
+threads may share a manager (each Sequence belongs to one thread at a time). A failed call changes nothing.
 """
 
-from array import array
-from dataclasses import dataclass
+import functools
+import threading
 from typing import Optional
 
-from kvlab.allocations import Allocation, Registry, int_at_least, is_int
-from kvlab.block_pool import BROKEN, ROOT, AllocStatus, BlockPool, Event
-from kvlab.errors import InvalidArgumentError, OutOfBlocksError
-from kvlab.eviction import POLICIES, EvictionPolicy
-from kvlab.hashing import HashFn, block_hashes
+from kvlab.allocations import (Allocation, allocation_of, check_block_size_matches, check_sequence,
+                               check_unallocated)
+from kvlab.block_pool import ROOT, BlockPool
+from kvlab.cross_attention import CrossTables
+from kvlab.errors import InvalidArgumentError, OutOfBlocksError, SequenceStateError
+from kvlab.eviction import make_policy
+from kvlab.hashing import HashFn, PromptHashes, block_hashes
 from kvlab.invariants import check_manager
-from kvlab.sequence import Sequence, SequenceStatus, check_block_size
-from kvlab.swap import CpuPool, Swapping, Twins
+from kvlab.planning import plan_allocation, plan_step
+from kvlab.records import AllocStatus, Event, PrefixCacheStats
+from kvlab.sequence import (Sequence, SequenceStatus, check_block_size, copy_tokens, set_allocation_record,
+                            token_buffer)
+from kvlab.swap import SwapSpace
+from kvlab.validation import check_int, check_number
+
+__all__ = ["BlockManager", "AllocStatus", "PrefixCacheStats", "NULL_BLOCK", "MAX_BLOCKS"]
 
 NULL_BLOCK = 0  # with a sliding window, block 0 is reserved: every released table entry points at it
+#: Largest pool (GPU or CPU): the manager keeps ~100 bytes of Python state per block (2**24 blocks: ~2 GB).
+MAX_BLOCKS = 1 << 24
 
 
-@dataclass
-class PrefixCacheStats:
-    """Counters of ``allocate``'s prefix-cache lookups (a prompt's full blocks are queried)."""
-    queried_tokens: int = 0
-    hit_tokens: int = 0
-    queried_blocks: int = 0
-    hit_blocks: int = 0
+def _serialized(cls):
+    """Make every public method of ``cls`` hold ``self._lock`` (re-entrant: public methods call each other)."""
+    def locked(method):
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            with self._lock:
+                return method(self, *args, **kwargs)
+        return call
+    for name, member in list(vars(cls).items()):
+        if callable(member) and not name.startswith("_"):
+            setattr(cls, name, locked(member))
+    return cls
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
-
-class BlockManager(Registry, Swapping):
+@_serialized
+class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16, *, num_cpu_blocks: int = 0,
                  watermark: float = 0.0, enable_prefix_caching: bool = True,
                  sliding_window: Optional[int] = None, hash_fn: Optional[HashFn] = None,
                  eviction="lru", record_events: bool = False):
         self.block_size = check_block_size(block_size)
-        self.num_blocks = int_at_least("num_blocks", num_blocks, 2 if sliding_window is not None else 1)
-        int_at_least("num_cpu_blocks", num_cpu_blocks, 0)
-        if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
-            raise InvalidArgumentError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
+        self.num_blocks = check_int("num_blocks", num_blocks, 2 if sliding_window is not None else 1, MAX_BLOCKS)
+        check_int("num_cpu_blocks", num_cpu_blocks, 0, MAX_BLOCKS)
+        check_number("watermark", watermark, 0, 1, max_open=True)
         if sliding_window is not None:
-            int_at_least("sliding_window", sliding_window, 1)
+            check_int("sliding_window", sliding_window, 1)
         if hash_fn is not None and not callable(hash_fn):
             raise InvalidArgumentError("hash_fn must be callable as hash_fn(parent_hash_or_None, token_ids)")
-        if isinstance(eviction, str):
-            if eviction not in POLICIES:
-                raise InvalidArgumentError(f"unknown eviction policy {eviction!r}; known: {sorted(POLICIES)}")
-            eviction = POLICIES[eviction]()
-        elif not isinstance(eviction, EvictionPolicy) or len(eviction):
-            raise InvalidArgumentError("eviction must be a policy name or an empty EvictionPolicy instance")
+        eviction = make_policy(eviction)
         self.sliding_window = sliding_window
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.hash_fn = hash_fn
         self.events: Optional[list[Event]] = [] if record_events else None
         first_block = NULL_BLOCK + 1 if sliding_window is not None else 0
         self._pool = BlockPool(self.num_blocks, eviction, first_block, self.events)
-        self._cpu = CpuPool(num_cpu_blocks)
-        self._twins = Twins()
+        self._swap = SwapSpace(num_cpu_blocks)
+        self._cross = CrossTables(self.block_size)
         self._usable = self.num_blocks - first_block
         self._watermark_blocks = int(watermark * self.num_blocks)
-        self._allocs: dict[int, Allocation] = {}
-        self._hash_memo = None  # (token array, its length, hashes, contents) of the last prompt hashed
+        self._allocs: set[Allocation] = set()
+        self._prompt_hashes = PromptHashes(self.block_size, hash_fn)
+        self._lock = threading.RLock()
         self.stats = PrefixCacheStats()
 
     # ---- queries -------------------------------------------------------------------------------------
@@ -85,15 +98,27 @@ class BlockManager(Registry, Swapping):
         """Cached prefixes dropped because their block was reused for new content."""
         return self._pool.evictions
 
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self._swap.num_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self._swap.num_free
+
     def ref_count(self, block_id: int) -> int:
-        return self._pool.ref[self._check_block_id(block_id)]
+        return self._pool.ref[check_int("block id", block_id, 0, self.num_blocks - 1)]
+
+    def cpu_ref_count(self, block_id: int) -> int:
+        """How many swapped-out table entries point at CPU block ``block_id``."""
+        return self._swap.ref[check_int("CPU block id", block_id, 0, self._swap.num_blocks - 1)]
 
     def block_hash(self, block_id: int) -> Optional[int]:
-        return self._pool.hash[self._check_block_id(block_id)]
+        return self._pool.block_hash(check_int("block id", block_id, 0, self.num_blocks - 1))
 
     def is_cached(self, block_id: int) -> bool:
         """Whether a prefix lookup can hit this block now (it may be in use or free-but-warm)."""
-        return self._pool.is_cached(self._check_block_id(block_id))
+        return self._pool.is_cached(check_int("block id", block_id, 0, self.num_blocks - 1))
 
     def free_block_ids(self) -> list[int]:
         """Free GPU blocks, in the order they will be reused."""
@@ -101,102 +126,117 @@ class BlockManager(Registry, Swapping):
 
     def get_block_table(self, seq: Sequence) -> list[int]:
         """A copy of the sequence's block table (CPU block ids while it is swapped out)."""
-        return list(self._alloc(seq).seq.block_table)
+        return list(allocation_of(self, seq).table)
+
+    def is_swapped(self, seq: Sequence) -> bool:
+        """Whether an allocated sequence's blocks are in the CPU pool (its table then holds CPU ids)."""
+        return allocation_of(self, seq).on_cpu
+
+    def num_released_blocks(self, seq: Sequence) -> int:
+        """Leading table entries the sliding window released (they point at the null block on the GPU)."""
+        return allocation_of(self, seq).num_released
 
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Cache slot (block_id * block_size + offset) of positions start..end-1; -1 where the sliding window
-        released the block."""
-        alloc = self._on_gpu(seq)
-        table, bs = seq.block_table, self.block_size
-        if not (is_int(start) and is_int(end) and 0 <= start <= end <= len(table) * bs):
+        released the block (only positions no query of this or a later step can see)."""
+        alloc, bs = self._on_gpu(seq), self.block_size
+        table = alloc.table
+        if not (check_int("start", start, 0) <= check_int("end", end, 0) <= len(table) * bs):
             raise InvalidArgumentError(f"need 0 <= start <= end <= {len(table) * bs} (slots this sequence "
                                        f"holds), got start={start!r}, end={end!r}")
         released = alloc.num_released
         return [-1 if p // bs < released else table[p // bs] * bs + p % bs for p in range(start, end)]
 
     # ---- admission and allocation --------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, num_lookahead_slots: int = 0) -> AllocStatus:
-        """Whether ``allocate(seq)`` (plus ``num_lookahead_slots`` later) fits. A prefix hit on a block in use
-        costs nothing; a hit on a free cached block takes that block out of the free pool."""
-        self._check_new(seq)
-        int_at_least("num_lookahead_slots", num_lookahead_slots, 0)
-        live_blocks, needed_free, _ = self._demand(seq, num_lookahead_slots)
-        return self._admission(live_blocks, needed_free)
+    def can_allocate(self, seq: Sequence, num_lookahead_slots: int = 0, encoder_seq=None) -> AllocStatus:
+        """Whether ``allocate(seq, encoder_seq)`` (plus ``num_lookahead_slots`` later) fits. A prefix hit on a
+        block in use costs nothing; a hit on a free cached block takes that block out of the free pool."""
+        check_unallocated(self, seq)
+        lookahead = check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        cross = self._cross.blocks_for(seq, encoder_seq)
+        plan = self._plan_allocation(seq, lookahead)
+        return self._admission(plan.live_blocks + cross, plan.needed_free + cross)
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give the prompt its blocks, sharing the longest cached prefix. Atomic: raises before changing
-        anything if the blocks are not there."""
-        self._check_new(seq)
-        _, needed_free, (hashes, contents, hits) = self._demand(seq, 0)
-        if needed_free > self._pool.num_free:
-            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {needed_free} free blocks, "
-                                   f"{self._pool.num_free} are free (check can_allocate first)")
-        pool, events, bs, n = self._pool, self.events, self.block_size, seq.num_tokens
-        first_live, num_full, num_hits = self._first_live(n), len(hashes), len(hits)
+    def allocate(self, seq: Sequence, encoder_seq: Optional[Sequence] = None) -> None:
+        """Give the prompt its blocks, sharing the longest cached prefix; with ``encoder_seq`` (an
+        encoder-decoder request) also a cross-attention table for the encoder's tokens, shared by the
+        sequence's future forks. Atomic: raises before changing anything if the blocks are not there."""
+        check_unallocated(self, seq)
+        num_cross = self._cross.blocks_for(seq, encoder_seq)
+        hashes, contents, hits, first_live, _, needed_free = self._plan_allocation(seq, 0)
+        pool, bs, n = self._pool, self.block_size, seq.num_tokens
+        if needed_free + num_cross > pool.num_free:
+            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {needed_free + num_cross} free blocks, "
+                                   f"{pool.num_free} are free (check can_allocate first)")
         # Hits outside the sliding window prove the chain but are not pinned: the table points at the null block.
-        live_hits = hits[first_live:]
-        pool.acquire(live_hits)
-        table = [NULL_BLOCK] * (num_hits - len(live_hits)) + live_hits
-        parent = pool.content[hits[-1]] if hits else ROOT
-        if pool.hit_listener is not None:
-            for block in hits:
-                pool.hit_listener(block)
-        if events is not None:
-            events.extend(Event("hit", seq.seq_id, block) for block in hits)
-        if first_live > num_hits:  # blocks never stored: nothing after them can be shared
-            table += [NULL_BLOCK] * (first_live - num_hits)
-            parent = BROKEN
-        start = len(table)
-        new_blocks = pool.take(-(-n // bs) - start)
-        if events is not None:
-            events.extend(Event("miss", seq.seq_id, block) for block in new_blocks)
-        parent = pool.seal(new_blocks, hashes[start:], contents[start:], parent)
-        table += new_blocks
+        live_hits, num_new = hits[first_live:], -(-n // bs) - len(hits)
+        revived = [block for block in live_hits if not pool.ref[block]]
+        parent = pool.content_id(hits[-1]) if hits else ROOT
+        with pool.transaction() as txn:
+            txn.revive(revived)
+            new_blocks = txn.pop(num_new + num_cross)
+            txn.hits(hits)
+        pool.claim(live_hits, len(revived))
+        new_blocks, cross_blocks = new_blocks[:num_new], new_blocks[num_new:]
+        if self.events is not None:
+            self.events.extend(Event("hit", seq.seq_id, block) for block in hits)
+            self.events.extend(Event("miss", seq.seq_id, block) for block in new_blocks)
+        parent = pool.fill(new_blocks, hashes[len(hits):], contents[len(hits):], parent)
+        pool.fill(cross_blocks)
+        if self.events is not None:
+            self.events.append(Event("allocate", seq.seq_id))
         if self.enable_prefix_caching:
             stats = self.stats
             stats.queried_tokens += n
             stats.hit_tokens += len(hits) * bs
-            stats.queried_blocks += num_full
+            stats.queried_blocks += len(hashes)
             stats.hit_blocks += len(hits)
-        seq.block_table = table
-        seq.num_cached_tokens = len(hits) * bs
-        seq.status = SequenceStatus.RUNNING
-        self._allocs[seq.seq_id] = Allocation(seq, num_full, hashes[-1] if hashes else None, parent, first_live)
-        if events is not None:
-            events.append(Event("allocate", seq.seq_id))
+        table = [NULL_BLOCK] * first_live + live_hits + new_blocks
+        alloc = Allocation(self, seq, table, len(hashes), hashes[-1] if hashes else None, parent, first_live,
+                           len(hits) * bs)
+        self._cross.attach(alloc, encoder_seq, cross_blocks)
+        self._adopt(alloc, len(hits) * bs)
 
     # ---- decode growth and copy-on-write ---------------------------------------------------------------
     def can_append_slots(self, seq: Sequence, num_lookahead_slots: int = 0) -> bool:
-        _, copies, new_blocks = self._append_demand(self._on_gpu(seq), num_lookahead_slots)
-        return len(copies) + new_blocks <= self._pool.num_free
+        plan = self._plan_step(self._on_gpu(seq), num_lookahead_slots)
+        return plan.blocks_needed <= self._pool.num_free + len(plan.freed)
 
     def append_slots(self, seq: Sequence, num_lookahead_slots: int = 0) -> list[tuple[int, int]]:
-        """After ``seq.append_token``: make sure every token (plus ``num_lookahead_slots`` speculative ones)
-        has a slot, seal blocks that became full (they become hittable at once, see the ordering rule
-        above) and release blocks that left the sliding window. A shared block about to be written is
-        copied first; returns those copy-on-write (src, dst) pairs for ``copy_blocks``."""
+        """After ``seq.append_token`` (one or more): release the blocks that left the sliding window, make sure
+        every new token (plus ``num_lookahead_slots`` speculative ones) has a slot, and seal blocks that
+        became full (they become hittable at once, see the ordering rule above). A shared block about to be
+        written is copied first; returns those copy-on-write (src, dst) pairs for ``copy_blocks``."""
         alloc = self._on_gpu(seq)
-        touched, copies, new_blocks = self._append_demand(alloc, num_lookahead_slots)
-        if len(copies) + new_blocks > self._pool.num_free:
-            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {len(copies) + new_blocks} free blocks, "
-                                   f"{self._pool.num_free} are free (check can_append_slots first)")
-        pool, table, events, bs, n = self._pool, seq.block_table, self.events, self.block_size, seq.num_tokens
+        plan = self._plan_step(alloc, num_lookahead_slots)
+        pool, table, events, bs, n = self._pool, alloc.table, self.events, self.block_size, seq.num_tokens
+        if plan.blocks_needed > pool.num_free + len(plan.freed):
+            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {plan.blocks_needed} free blocks, "
+                                   f"{pool.num_free + len(plan.freed)} are free (check can_append_slots first)")
         sealing = self.enable_prefix_caching and n // bs > alloc.num_sealed
         if sealing:  # hashed before anything changes: a failing hash_fn must leave no trace
-            hashes, contents = block_hashes(seq._tokens, bs, alloc.num_sealed, n // bs, alloc.last_hash,
+            hashes, contents = block_hashes(token_buffer(seq), bs, alloc.num_sealed, n // bs, alloc.last_hash,
                                             self.hash_fn)
-        pairs = []
-        for i in touched:
+        with pool.transaction() as txn:
+            txn.add(plan.freed, plan.freed_cached)
+            taken = txn.pop(plan.blocks_needed)
+        pool.drop(plan.release, plan.freed)
+        self._swap.forget_gpu(plan.freed)
+        table[alloc.num_released:plan.release_upto] = [NULL_BLOCK] * len(plan.release)
+        alloc.num_released = plan.release_upto
+        pool.fill(taken)
+        fresh, pairs = iter(taken), []
+        for i in plan.touched:
             src = table[i]
-            if i in copies:
-                table[i] = dst = pool.take(1)[0]
-                self._release_gpu([src])
+            if i in plan.copies:
+                table[i] = dst = next(fresh)
+                pool.drop([src], ())  # shared, so it stays in use
                 pairs.append((src, dst))
                 if events is not None:
                     events.append(Event("cow", seq.seq_id, dst, src))
-            elif self._twins:
-                self._twins.forget_gpu(src)  # written in place: its CPU twin goes stale
-        for block in pool.take(new_blocks):
+            else:
+                self._swap.forget_gpu([src])  # written in place: its CPU twin goes stale
+        for block in fresh:
             table.append(block)
             if events is not None:
                 events.append(Event("append", seq.seq_id, block))
@@ -204,19 +244,24 @@ class BlockManager(Registry, Swapping):
             sealed = table[alloc.num_sealed:n // bs]
             alloc.last_content = pool.seal(sealed, hashes, contents, alloc.last_content)
             alloc.num_sealed, alloc.last_hash = n // bs, hashes[-1]
+        alloc.num_computed = max(alloc.num_computed, alloc.num_written)  # a new step: the last one ran
         alloc.num_written = n
-        self._release_outside_window(alloc)
         return pairs
 
     # ---- free and fork ---------------------------------------------------------------------------------
     def free(self, seq: Sequence, *, preempted: bool = False) -> None:
         """Drop the sequence's references, tail block first (so LRU reuses the chain's tail first). Status
-        becomes FINISHED, or WAITING with ``preempted=True`` (to be recomputed later)."""
+        becomes FINISHED, or WAITING with ``preempted=True`` (to be recomputed later). A cross-attention
+        table stays with its group until ``free_cross``."""
         alloc = self._alloc(seq)
-        del self._allocs[seq.seq_id]
-        live = seq.block_table[alloc.num_released:]
-        (self._release_cpu if alloc.on_cpu else self._release_gpu)(live[::-1])
-        seq.block_table = []
+        live = alloc.live_blocks()[::-1]
+        if alloc.on_cpu:
+            self._swap.release(live)
+        else:
+            self._swap.forget_gpu(self._pool.release(live))
+        self._cross.detach(alloc)
+        self._allocs.discard(alloc)
+        set_allocation_record(seq, None)
         seq.status = SequenceStatus.WAITING if preempted else SequenceStatus.FINISHED
         if preempted:
             seq.num_cached_tokens = 0
@@ -228,64 +273,147 @@ class BlockManager(Registry, Swapping):
         allocated; a later append into a shared partial block copies it. Whatever tokens the child had
         are replaced (``Sequence([])`` is the usual child)."""
         alloc = self._on_gpu(parent)
-        if isinstance(child, Sequence):
-            child.block_size = parent.block_size
-        self._check_new(child, need_tokens=False)
-        child._tokens = array("q", parent._token_array())
-        child.num_tokens, child.num_prompt_tokens = parent.num_tokens, parent.num_prompt_tokens
-        child.last_token, child.num_cached_tokens = parent.last_token, parent.num_cached_tokens
-        child.block_table = list(parent.block_table)
-        self._pool.acquire(child.block_table[alloc.num_released:])
-        child.status = SequenceStatus.RUNNING
-        self._allocs[child.seq_id] = alloc.copy_for(child)
+        check_unallocated(self, child, need_tokens=False, same_block_size=False)
+        child.block_size = parent.block_size
+        copy_tokens(parent, child)
+        twin = alloc.copy_for(child)
+        self._pool.claim(twin.live_blocks(), 0)  # all in use by the parent: none was free
+        self._cross.share(alloc, twin)
+        self._adopt(twin, child.num_cached_tokens)
         if self.events is not None:
             self.events.append(Event("fork", child.seq_id, other=parent.seq_id))
+
+    # ---- swapping (vLLM V0's preemption) ----------------------------------------------------------------
+    def can_swap_out(self, seq: Sequence) -> AllocStatus:
+        """Whether ``swap_out(seq)`` fits in the CPU pool now (OK), once swapped sequences leave it (LATER),
+        or never (NEVER)."""
+        return self._swap.can_move_out(self._on_gpu(seq))
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move the sequence's blocks (and its group's cross-attention blocks, if it is the group's last
+        sequence on the GPU) to the CPU pool; returns the (gpu, cpu) copies to make. A block shared with a
+        sequence swapped out earlier is not copied again."""
+        mapping = self._swap.move_out(self._on_gpu(seq), self._pool)
+        seq.status = SequenceStatus.SWAPPED
+        if self.events is not None:
+            self.events.extend(Event("swap_out", seq.seq_id, gpu, cpu) for gpu, cpu in mapping)
+        return mapping
+
+    def can_swap_in(self, seq: Sequence) -> AllocStatus:
+        return self._admission(*self._swap.blocks_needed_in(self._on_cpu(seq)))
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Bring a swapped sequence back (with its group's cross-attention blocks if they are on the CPU);
+        returns the (cpu, gpu) copies to make. Swapped-in blocks are not re-registered in the prefix cache."""
+        alloc = self._on_cpu(seq)
+        if self._admission(*self._swap.blocks_needed_in(alloc)) is not AllocStatus.OK:
+            raise OutOfBlocksError(f"not enough free GPU blocks to swap in sequence {seq.seq_id}")
+        mapping = self._swap.move_in(alloc, self._pool)
+        seq.status = SequenceStatus.RUNNING
+        if self.events is not None:
+            self.events.extend(Event("swap_in", seq.seq_id, gpu, cpu) for cpu, gpu in mapping)
+        return mapping
+
+    # ---- encoder-decoder: the group's cross-attention table ----------------------------------------------
+    def get_cross_block_table(self, seq: Sequence) -> tuple:
+        """The encoder's blocks of ``seq``'s group (CPU ids while swapped out), for any member or its root."""
+        return tuple(self._cross.table_of(self, seq).blocks)
+
+    def free_cross(self, seq: Sequence) -> None:
+        """Free the cross-attention table of ``seq``'s group (call it with any live member, or with the
+        sequence that was allocated with the encoder, even after it was freed)."""
+        self._cross.free(self._cross.table_of(self, seq), self._pool, self._swap)
+
+    # ---- vLLM V0's block-space-manager queries -----------------------------------------------------------
+    def mark_blocks_as_computed(self, seq: Sequence) -> None:
+        """The step that wrote ``seq``'s new slots ran. (``append_slots`` implies it for the step before.)"""
+        alloc = self._on_gpu(seq)
+        alloc.num_computed = alloc.num_written
+
+    def access_all_blocks_in_seq(self, seq: Sequence, now: float) -> None:
+        """``seq``'s blocks were used at time ``now``; LRU orders the blocks it was told about by it."""
+        alloc = self._on_gpu(seq)
+        now = check_number("now", now)
+        with self._pool.transaction() as txn:
+            txn.access(alloc.live_blocks(), now)
+
+    def get_common_computed_block_ids(self, seqs) -> list[int]:
+        """The longest run of leading blocks that every sequence in ``seqs`` holds and whose K/V is computed:
+        what a batched prefill of the group can skip."""
+        common = None
+        for seq in seqs:
+            alloc = self._on_gpu(seq)
+            computed = alloc.table[:alloc.num_computed // self.block_size]
+            if common is None:
+                common = computed
+            else:
+                same = next((i for i, (a, b) in enumerate(zip(common, computed)) if a != b), None)
+                common = common[:min(len(common), len(computed)) if same is None else same]
+        return list(common or [])
+
+    def get_num_cached_tokens(self, seq: Sequence) -> int:
+        """Tokens of ``seq``'s leading full blocks found in the prefix cache now (at most all but the last
+        token, as ``allocate`` would hit); works for allocated and waiting sequences."""
+        check_block_size_matches(self, check_sequence(seq))
+        if not self.enable_prefix_caching or seq.num_tokens == 0:
+            return 0
+        hashes, contents = self._prompt_hashes(seq)
+        return len(self._pool.lookup(hashes, contents, (seq.num_tokens - 1) // self.block_size)) * self.block_size
+
+    def get_prefix_cache_hit_rate(self, device="gpu") -> float:
+        """Block hit rate of ``allocate``'s lookups on ``device`` ("gpu" or "cpu", or an enum named so);
+        -1.0 where there is no prefix cache (the CPU pool, or prefix caching off), as in vLLM."""
+        name = str(getattr(device, "name", device)).lower()
+        if name not in ("gpu", "cpu"):
+            raise InvalidArgumentError(f"device must be 'gpu' or 'cpu', got {device!r}")
+        if name == "cpu" or not self.enable_prefix_caching:
+            return -1.0
+        return self.stats.hit_blocks / self.stats.queried_blocks if self.stats.queried_blocks else 0.0
 
     # ---- maintenance -----------------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix and reset the stats; refused (False) while any GPU block is in use."""
-        if self._pool.num_free != self._usable:
+        pool = self._pool
+        if pool.num_free != self._usable:
             return False
-        self._pool.drop_all_hashes()
-        self._pool.evictions = 0
+        free = list(pool.policy)
+        with pool.transaction() as txn:
+            txn.revive(free)
+            txn.add(free, [False] * len(free))
+        pool.forget_prefixes()
+        pool.evictions = 0
         self.stats = PrefixCacheStats()
         return True
 
     def check_invariants(self) -> None:
         """Raise InvariantViolation if the bookkeeping is inconsistent (O(pool size); for tests)."""
-        check_manager(self)
+        check_manager(self._allocs, self._cross, self._pool, self._swap, self.block_size)
 
     # ---- internals -------------------------------------------------------------------------------------
-    def _first_live(self, num_tokens: int) -> int:
-        """Leading blocks wholly outside the sliding window (they hold no position >= n - window)."""
-        return max(0, (num_tokens - self.sliding_window) // self.block_size) if self.sliding_window else 0
+    def _adopt(self, alloc: Allocation, num_cached_tokens: int) -> None:
+        self._allocs.add(alloc)
+        seq = alloc.seq
+        set_allocation_record(seq, alloc)
+        seq.num_cached_tokens, seq.status = num_cached_tokens, SequenceStatus.RUNNING
 
-    def _demand(self, seq, lookahead):
-        """(live blocks needed, free blocks consumed, lookup) for allocating ``seq`` plus lookahead."""
-        n, bs = seq.num_tokens, self.block_size
-        if self.enable_prefix_caching:
-            hashes, contents = self._prompt_hashes(seq)
-            # Never share the whole prompt: at least one token must be computed to produce logits.
-            hits = self._pool.lookup(hashes, contents, (n - 1) // bs)
-        else:
-            hashes, contents, hits = [], [], []
-        first_live = self._first_live(n)
-        live_blocks = -(-(n + lookahead) // bs) - first_live
-        ref = self._pool.ref
-        used_hits = sum(1 for b in hits[first_live:] if ref[b])
-        return live_blocks, live_blocks - used_hits, (hashes, contents, hits)
+    def _alloc(self, seq) -> Allocation:
+        return allocation_of(self, seq)
 
-    def _prompt_hashes(self, seq):
-        """Hashes and bytes of the prompt's full blocks. A scheduler calls can_allocate and then allocate on
-        the same prompt, so the last result is kept (hashing is a quarter of a replay's time). The key is
-        the token array itself plus its length: tokens only change by appending, or by fork replacing the
-        array."""
-        tokens, memo = seq._tokens, self._hash_memo
-        if memo is None or memo[0] is not tokens or memo[1] != len(tokens):
-            hashes, contents = block_hashes(tokens, self.block_size, 0, len(tokens) // self.block_size, None,
-                                            self.hash_fn)
-            memo = self._hash_memo = (tokens, len(tokens), hashes, contents)
-        return memo[2], memo[3]
+    def _on_gpu(self, seq) -> Allocation:
+        alloc = allocation_of(self, seq)
+        if alloc.on_cpu:
+            raise SequenceStateError(f"sequence {seq.seq_id} is swapped out; swap_in first")
+        return alloc
+
+    def _on_cpu(self, seq) -> Allocation:
+        alloc = allocation_of(self, seq)
+        if not alloc.on_cpu:
+            raise SequenceStateError(f"sequence {seq.seq_id} is not swapped out")
+        return alloc
+
+    def _plan_allocation(self, seq, lookahead):
+        hashes, contents = self._prompt_hashes(seq) if self.enable_prefix_caching else ([], [])
+        return plan_allocation(self._pool, seq, hashes, contents, self.block_size, self.sliding_window, lookahead)
 
     def _admission(self, live_blocks, needed_free) -> AllocStatus:
         if live_blocks > self._usable - self._watermark_blocks:
@@ -294,35 +422,6 @@ class BlockManager(Registry, Swapping):
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def _append_demand(self, alloc, lookahead):
-        """(indices of existing blocks the next writes touch, those of them that are shared, number of new
-        blocks needed)."""
-        int_at_least("num_lookahead_slots", lookahead, 0)
-        table, bs, ref = alloc.seq.block_table, self.block_size, self._pool.ref
-        end = alloc.seq.num_tokens + lookahead  # positions num_written..end-1 will be written
-        touched = range(alloc.num_written // bs, min(len(table), -(-end // bs)))
-        return touched, {i for i in touched if ref[table[i]] > 1}, max(0, -(-end // bs) - len(table))
-
-    def _release_outside_window(self, alloc) -> None:
-        first_live = self._first_live(alloc.seq.num_tokens)
-        table = alloc.seq.block_table
-        self._release_gpu(table[alloc.num_released:first_live][::-1])  # tail first, as in free()
-        for i in range(alloc.num_released, first_live):
-            table[i] = NULL_BLOCK
-        alloc.num_released = max(alloc.num_released, first_live)
-
-    def _release_gpu(self, blocks) -> None:
-        freed = self._pool.release(blocks)
-        if self._twins:
-            for block in freed:
-                self._twins.forget_gpu(block)
-
-    def _release_cpu(self, blocks) -> None:
-        for block in blocks:
-            if self._cpu.release(block) and self._twins:
-                self._twins.forget_cpu(block)
-
-    def _check_block_id(self, block_id) -> int:
-        if not is_int(block_id) or not 0 <= block_id < self.num_blocks:
-            raise InvalidArgumentError(f"block id must be an int in [0, {self.num_blocks}), got {block_id!r}")
-        return block_id
+    def _plan_step(self, alloc, lookahead):
+        check_int("num_lookahead_slots", lookahead, 0)
+        return plan_step(self._pool, alloc, self.block_size, self.sliding_window, lookahead)

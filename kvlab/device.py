@@ -11,6 +11,8 @@ import platform
 
 import torch
 
+from kvlab._version import __version__
+
 # A user who sets TRITON_INTERPRET=1 on a GPU machine asks for the interpreter (handy for debugging a
 # kernel with print statements); we respect it.
 ON_GPU: bool = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
@@ -30,10 +32,8 @@ def report() -> str:
     """A few lines saying which mode is active and with which versions (``python -m kvlab info``)."""
     import triton  # imported here so that `import kvlab.device` stays cheap
 
-    import kvlab
-
     lines = [
-        f"kvlab {kvlab.__version__}",
+        f"kvlab {__version__}",
         f"mode: {mode()} ({'compiled Triton kernels on ' + torch.cuda.get_device_name() if ON_GPU else 'TRITON_INTERPRET=1, kernels run on CPU'})",
         f"python {platform.python_version()}, torch {torch.__version__}, triton {triton.__version__}",
     ]

@@ -32,3 +32,7 @@ class TraceFormatError(KvlabError, ValueError):
 
 class NeedsGPUError(KvlabError, RuntimeError):
     """A GPU-only feature (e.g. the kernel benchmark) was called on a machine without CUDA."""
+
+
+class EvictionPolicyError(KvlabError, RuntimeError):
+    """A user-supplied eviction policy raised or broke its contract; the manager's state is unchanged."""

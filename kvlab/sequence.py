@@ -3,13 +3,23 @@
 import enum
 import itertools
 import operator
+import threading
 from array import array
 
 import numpy as np
 
 from kvlab.errors import InvalidArgumentError, SequenceStateError
+from kvlab.validation import check_int
 
 _next_seq_id = itertools.count()
+_ids_lock = threading.Lock()
+
+
+def _skip_ids_through(seq_id: int) -> None:
+    """New sequences get ids above ``seq_id`` (an unpickled sequence's), so ids stay unique per process."""
+    global _next_seq_id
+    with _ids_lock:
+        _next_seq_id = itertools.count(max(next(_next_seq_id), seq_id + 1))
 
 
 class SequenceStatus(enum.Enum):
@@ -19,35 +29,42 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"  # freed for good
 
 
+#: Larger blocks only waste memory (vLLM's largest is 256); the bound keeps ``block_size * num_blocks`` sane.
+MAX_BLOCK_SIZE = 1 << 16
+#: Token ids are int64 everywhere outside the manager (torch tensors), so they stay below 2**63.
+MAX_TOKEN_ID = (1 << 63) - 1
+
+
 def check_block_size(block_size) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
-    return block_size
+    return check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
 
 
 def as_token_array(token_ids) -> array:
-    """Token ids as an int64 ``array`` (the canonical bytes the prefix cache hashes).
+    """Token ids as an unsigned 64-bit ``array`` of values below 2**63 (the canonical little-endian bytes the
+    prefix cache hashes).
 
     Accepts any iterable of Python/NumPy integers; a 1-D NumPy integer array takes a fast path with no
-    per-token Python work (trace replays build prompts of ~10^4 tokens each this way).
+    per-token Python work (trace replays build prompts of ~10^4 tokens each this way). From a list, an
+    unsigned array is built three times faster than a signed one (CPython converts "Q" items directly), and
+    rejects negative ids by itself.
     """
     if isinstance(token_ids, np.ndarray):
         if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
             raise InvalidArgumentError(
                 f"token_ids must be a 1-D integer array, got shape {token_ids.shape} dtype {token_ids.dtype}")
-        if token_ids.size and (token_ids.min() < 0 or token_ids.max() > np.iinfo(np.int64).max):
-            raise InvalidArgumentError("token ids must be integers in [0, 2**63)")
-        tokens = array("q")
-        tokens.frombytes(token_ids.astype(np.int64, copy=False).tobytes())
+        if token_ids.size and (token_ids.min() < 0 or token_ids.max() > MAX_TOKEN_ID):
+            raise InvalidArgumentError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]")
+        tokens = array("Q")
+        tokens.frombytes(token_ids.astype(np.uint64, copy=False).tobytes())
         return tokens
     if isinstance(token_ids, (str, bytes)):
         raise InvalidArgumentError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
     try:
-        tokens = array("q", token_ids)
+        tokens = array("Q", token_ids)
     except (TypeError, OverflowError) as e:
-        raise InvalidArgumentError(f"token ids must be integers in [0, 2**63): {e}") from None
-    if tokens and min(tokens) < 0:
-        raise InvalidArgumentError(f"token ids must be non-negative, got {min(tokens)}")
+        raise InvalidArgumentError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]: {e}") from None
+    if tokens and np.frombuffer(tokens, dtype=np.uint64).max() > MAX_TOKEN_ID:
+        raise InvalidArgumentError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]")
     return tokens
 
 
@@ -56,7 +73,8 @@ class Sequence:
 
     Logical block i holds token positions ``[i * block_size, (i + 1) * block_size)``; ``block_table[i]``
     is the physical block the manager gave it. Tokens are stored as an int64 array; ``token_ids``
-    returns them as a new list.
+    returns them as a new list. A sequence is allocated in at most one ``BlockManager`` at a time, and
+    belongs to one thread at a time.
     """
 
     def __init__(self, token_ids, block_size: int = 16):
@@ -68,7 +86,7 @@ class Sequence:
         self.num_prompt_tokens = self.num_tokens
         self.num_cached_tokens = 0      # prompt tokens whose K/V came from the prefix cache
         self.last_token: int | None = self._tokens[-1] if self._tokens else None
-        self.block_table: list[int] = []
+        self._allocation = None  # the owning manager's record (kvlab.allocations.Allocation) while allocated
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -76,6 +94,13 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
                 f"cached={self.num_cached_tokens}, blocks={self.block_table})")
+
+    @property
+    def block_table(self) -> tuple:
+        """Physical block of each logical block (CPU block ids while swapped out; the null block 0 where a
+        sliding window released it); empty when not allocated. A read-only copy: the manager owns the
+        table."""
+        return tuple(self._allocation.table) if self._allocation is not None else ()
 
     @property
     def token_ids(self) -> list[int]:
@@ -92,8 +117,7 @@ class Sequence:
 
     def block(self, i: int) -> list[int]:
         """Token ids of logical block ``i`` (the last one may be partial)."""
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_blocks:
-            raise InvalidArgumentError(f"block index must be an int in [0, {self.num_blocks}), got {i!r}")
+        check_int("block index", i, 0, self.num_blocks - 1)
         return self._token_array()[i * self.block_size:(i + 1) * self.block_size].tolist()
 
     def append_token(self, token_id) -> None:
@@ -102,8 +126,8 @@ class Sequence:
             token = operator.index(token_id)
         except TypeError:
             raise InvalidArgumentError(f"token id must be an int, got {type(token_id).__name__}") from None
-        if not 0 <= token < 2**63:
-            raise InvalidArgumentError(f"token id must be in [0, 2**63), got {token}")
+        if not 0 <= token <= MAX_TOKEN_ID:
+            raise InvalidArgumentError(f"token id must be in [0, {MAX_TOKEN_ID}], got {token}")
         if self._tokens is not None:
             self._tokens.append(token)
         self.num_tokens += 1
@@ -118,9 +142,38 @@ class Sequence:
 
     # Pickling, for sending a sequence to a worker process: a waiting sequence sends its prompt; once it
     # decodes, the worker already has the prompt, so only the newest token travels and the message
-    # size stays flat however long the sequence grows.
+    # size stays flat however long the sequence grows. The copy is never allocated: the manager's record
+    # stays with the original.
     def __getstate__(self):
         state = self.__dict__.copy()
+        state["_allocation"] = None
         if self.num_completion_tokens > 0:
             state["_tokens"] = None
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        _skip_ids_through(self.seq_id)
+
+
+# ---- what the block manager reads and writes (kvlab.allocations, kvlab.block_manager) ---------------------
+# A Sequence owns these two private fields; the manager goes through these functions, never the fields.
+def allocation_record(seq: Sequence):
+    """The record (``kvlab.allocations.Allocation``) of the manager holding ``seq``, or None."""
+    return seq._allocation
+
+
+def set_allocation_record(seq: Sequence, record) -> None:
+    seq._allocation = record
+
+
+def token_buffer(seq: Sequence):
+    """The sequence's own token array (read it, never change it), or None for a decode-only copy."""
+    return seq._tokens
+
+
+def copy_tokens(parent: Sequence, child: Sequence) -> None:
+    """Give ``child`` the parent's tokens and counters (``fork``)."""
+    child._tokens = array("Q", parent._token_array())
+    child.num_tokens, child.num_prompt_tokens = parent.num_tokens, parent.num_prompt_tokens
+    child.last_token, child.num_cached_tokens = parent.last_token, parent.num_cached_tokens

@@ -1,150 +1,167 @@
-"""Bookkeeping for CPU<->GPU swapping: the CPU pool, and which GPU and CPU blocks hold the same bytes.
+"""The swap space: the CPU pool, and which GPU and CPU blocks hold the same bytes.
 
 Sequences that share blocks (forks, prefix hits) are swapped one at a time. When the first of them swaps
 out, a shared GPU block g is copied to a CPU block c and the pair (g, c) is remembered as *twins*: the
 second sequence swapping out reuses c instead of copying g again, and a sequence swapping in reuses g if it
 is still there. So a shared block moves once each way. Twins are forgotten as soon as either side is freed
 or g is written (an append into a partial block), because then they no longer hold the same bytes.
+
+The swap space owns the CPU side. It moves a sequence's table (and its group's cross-attention table, which
+travels with the group's last sequence on the GPU) through the GPU pool's public calls, and returns the copy
+mappings for ``swap_blocks``. The manager calls ``forget_gpu`` for GPU blocks it frees or writes in place.
 """
 
-from kvlab.block_pool import AllocStatus, Event
-from kvlab.allocations import is_int
-from kvlab.errors import InvalidArgumentError, OutOfBlocksError
-from kvlab.sequence import Sequence, SequenceStatus
+from collections import Counter
+
+from kvlab.errors import InvariantViolation, OutOfBlocksError
+from kvlab.records import AllocStatus
 
 
-class CpuPool:
-    """Blocks in host memory: reference counts and a free stack. No prefix caching on this side."""
-
+class SwapSpace:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self.ref = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._cpu_of: dict[int, int] = {}  # GPU block -> its CPU twin
+        self._gpu_of: dict[int, int] = {}  # CPU block -> its GPU twin
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def free_ids(self) -> list[int]:
-        return self._free[::-1]
+    # ---- moving a sequence ------------------------------------------------------------------------------
+    @staticmethod
+    def _moving_out(alloc):
+        """GPU blocks a swap-out moves (the cross table's too if no other group member stays on the GPU)."""
+        cross = alloc.cross if alloc.cross is not None and alloc.cross.members_on_gpu() == 1 else None
+        return alloc.live_blocks() + (cross.blocks if cross else []), cross
 
-    def take(self) -> int:
-        if not self._free:
-            raise OutOfBlocksError("no free CPU block")
-        block = self._free.pop()
-        self.ref[block] = 1
-        return block
+    @staticmethod
+    def _moving_in(alloc):
+        cross = alloc.cross if alloc.cross is not None and alloc.cross.on_cpu else None
+        return alloc.live_blocks() + (cross.blocks if cross else []), cross
 
-    def release(self, block: int) -> bool:
-        self.ref[block] -= 1
-        if self.ref[block]:
-            return False
-        self._free.append(block)
-        return True
+    def can_move_out(self, alloc) -> AllocStatus:
+        needed = self.blocks_needed_out(self._moving_out(alloc)[0])
+        if needed > self.num_blocks:
+            return AllocStatus.NEVER
+        return AllocStatus.OK if needed <= self.num_free else AllocStatus.LATER
 
+    def move_out(self, alloc, pool) -> list[tuple[int, int]]:
+        """Swap ``alloc``'s sequence out; returns the (gpu, cpu) copies. Raises before changing anything."""
+        gpu_blocks, cross = self._moving_out(alloc)
+        if self.blocks_needed_out(gpu_blocks) > self.num_free:
+            raise OutOfBlocksError(f"not enough free CPU blocks to swap out sequence {alloc.seq.seq_id}")
+        freed = pool.release(gpu_blocks)  # the only policy call: if it raises, nothing changed
+        cpu_blocks, mapping = self.swap_out(gpu_blocks)
+        self.forget_gpu(freed)            # after swap_out, which may reuse their twins
+        self._place(alloc, cross, cpu_blocks, on_cpu=True)
+        return mapping
 
-class Twins:
-    """A one-to-one relation between GPU blocks and CPU blocks holding identical content."""
+    def blocks_needed_in(self, alloc) -> tuple[int, int]:
+        """(GPU blocks the swapped-in sequence holds, free GPU blocks it takes: those without a twin)."""
+        cpu_blocks, _ = self._moving_in(alloc)
+        return len(cpu_blocks), self.gpu_twins(cpu_blocks).count(None)
 
-    def __init__(self) -> None:
-        self.cpu_of: dict[int, int] = {}
-        self.gpu_of: dict[int, int] = {}
+    def move_in(self, alloc, pool) -> list[tuple[int, int]]:
+        """Swap ``alloc``'s sequence in (the caller checked admission); returns the (cpu, gpu) copies."""
+        cpu_blocks, cross = self._moving_in(alloc)
+        twins = self.gpu_twins(cpu_blocks)
+        with pool.transaction() as txn:
+            new_blocks = txn.pop(twins.count(None))
+        pool.fill(new_blocks)
+        pool.claim([gpu for gpu in twins if gpu is not None], 0)  # twins are in use: none was free
+        gpu_blocks, mapping = self.swap_in(cpu_blocks, twins, new_blocks)
+        self._place(alloc, cross, gpu_blocks, on_cpu=False)
+        return mapping
 
-    def __bool__(self) -> bool:
-        return bool(self.cpu_of)
+    @staticmethod
+    def _place(alloc, cross, blocks, on_cpu) -> None:
+        """Point the table (and cross table) at ``blocks``, given in ``_moving_*`` order."""
+        num_live = len(alloc.table) - alloc.num_released
+        alloc.table[alloc.num_released:] = blocks[:num_live]
+        alloc.on_cpu = on_cpu
+        if cross is not None:
+            cross.blocks, cross.on_cpu = blocks[num_live:], on_cpu
 
-    def link(self, gpu: int, cpu: int) -> None:
-        self.cpu_of[gpu] = cpu
-        self.gpu_of[cpu] = gpu
+    # ---- GPU -> CPU -------------------------------------------------------------------------------------
+    def blocks_needed_out(self, gpu_blocks) -> int:
+        """CPU blocks a swap-out of ``gpu_blocks`` takes (those without a CPU twin)."""
+        return len({g for g in gpu_blocks if g not in self._cpu_of})
 
-    def forget_gpu(self, gpu: int) -> None:
-        cpu = self.cpu_of.pop(gpu, None)
-        if cpu is not None:
-            del self.gpu_of[cpu]
-
-    def forget_cpu(self, cpu: int) -> None:
-        gpu = self.gpu_of.pop(cpu, None)
-        if gpu is not None:
-            del self.cpu_of[gpu]
-
-
-class Swapping:
-    """BlockManager's swap operations, kept apart because they are one idea. A mixin: it uses the manager's
-    ``_pool`` (BlockPool), ``_cpu`` (CpuPool), ``_twins`` (Twins), ``_allocs`` (seq_id -> allocation with
-    ``on_cpu`` and ``num_released``), ``events``, and its helpers ``_on_gpu``, ``_on_cpu``, ``_admission``,
-    ``_release_gpu`` and ``_release_cpu``."""
-
-    @property
-    def num_cpu_blocks(self) -> int:
-        return self._cpu.num_blocks
-
-    @property
-    def num_free_cpu_blocks(self) -> int:
-        return self._cpu.num_free
-
-    def cpu_ref_count(self, block_id: int) -> int:
-        """How many swapped-out block-table entries point at CPU block ``block_id``."""
-        if not is_int(block_id) or not 0 <= block_id < self._cpu.num_blocks:
-            raise InvalidArgumentError(f"CPU block id must be an int in [0, {self._cpu.num_blocks}), "
-                                       f"got {block_id!r}")
-        return self._cpu.ref[block_id]
-
-    def is_swapped(self, seq: Sequence) -> bool:
-        """Whether an allocated sequence's blocks are in the CPU pool (its table then holds CPU ids)."""
-        return self._alloc(seq).on_cpu
-
-    def can_swap_out(self, seq: Sequence) -> bool:
-        alloc = self._on_gpu(seq)
-        needed = {b for b in seq.block_table[alloc.num_released:] if b not in self._twins.cpu_of}
-        return len(needed) <= self._cpu.num_free
-
-    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Move the sequence's blocks to the CPU pool; returns the (gpu, cpu) copies to make. A block
-        shared with a sequence swapped out earlier is not copied again."""
-        if not self.can_swap_out(seq):
-            raise OutOfBlocksError(f"not enough free CPU blocks to swap out sequence {seq.seq_id}")
-        alloc, table, mapping = self._allocs[seq.seq_id], seq.block_table, []
-        for i in range(alloc.num_released, len(table)):
-            gpu = table[i]
-            cpu = self._twins.cpu_of.get(gpu)
+    def swap_out(self, gpu_blocks) -> tuple[list[int], list[tuple[int, int]]]:
+        """The CPU blocks now holding ``gpu_blocks`` (one per entry) and the (gpu, cpu) copies to make. The
+        caller releases the GPU blocks afterwards and checked ``blocks_needed_out`` against ``num_free``."""
+        cpu_blocks, mapping = [], []
+        for gpu in gpu_blocks:
+            cpu = self._cpu_of.get(gpu)
             if cpu is None:
-                cpu = self._cpu.take()
-                self._twins.link(gpu, cpu)
+                if not self._free:
+                    raise OutOfBlocksError("no free CPU block")
+                cpu = self._free.pop()
+                self.ref[cpu] = 1
+                self._link(gpu, cpu)
                 mapping.append((gpu, cpu))
-                if self.events is not None:
-                    self.events.append(Event("swap_out", seq.seq_id, gpu, cpu))
             else:
-                self._cpu.ref[cpu] += 1
-            table[i] = cpu
-            self._release_gpu([gpu])
-        alloc.on_cpu = True
-        seq.status = SequenceStatus.SWAPPED
-        return mapping
+                self.ref[cpu] += 1
+            cpu_blocks.append(cpu)
+        return cpu_blocks, mapping
 
-    def can_swap_in(self, seq: Sequence) -> AllocStatus:
-        alloc = self._on_cpu(seq)
-        needed = {c for c in seq.block_table[alloc.num_released:] if c not in self._twins.gpu_of}
-        return self._admission(len(seq.block_table) - alloc.num_released, len(needed))
+    # ---- CPU -> GPU -------------------------------------------------------------------------------------
+    def gpu_twins(self, cpu_blocks) -> list:
+        """For each CPU block, the GPU block still holding its bytes, or None (it needs a new GPU block)."""
+        return [self._gpu_of.get(cpu) for cpu in cpu_blocks]
 
-    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Bring a swapped sequence back; returns the (cpu, gpu) copies to make. Swapped-in blocks are not
-        re-registered in the prefix cache."""
-        if self.can_swap_in(seq) is not AllocStatus.OK:
-            raise OutOfBlocksError(f"not enough free GPU blocks to swap in sequence {seq.seq_id}")
-        alloc, table, mapping = self._allocs[seq.seq_id], seq.block_table, []
-        for i in range(alloc.num_released, len(table)):
-            cpu = table[i]
-            gpu = self._twins.gpu_of.get(cpu)
+    def swap_in(self, cpu_blocks, twins, new_gpu_blocks) -> tuple[list[int], list[tuple[int, int]]]:
+        """Bring ``cpu_blocks`` back: entries with a GPU twin (``twins = gpu_twins(cpu_blocks)``) reuse it,
+        the others take ``new_gpu_blocks`` in order. Returns the GPU blocks (one per entry) and the
+        (cpu, gpu) copies to make, and releases the CPU blocks."""
+        fresh = iter(new_gpu_blocks)
+        gpu_blocks, mapping = [], []
+        for cpu, gpu in zip(cpu_blocks, twins):
             if gpu is None:
-                gpu = self._pool.take(1)[0]
-                self._twins.link(gpu, cpu)
+                gpu = next(fresh)
+                self._link(gpu, cpu)
                 mapping.append((cpu, gpu))
-                if self.events is not None:
-                    self.events.append(Event("swap_in", seq.seq_id, gpu, cpu))
-            else:
-                self._pool.acquire([gpu])
-            table[i] = gpu
-            self._release_cpu([cpu])
-        alloc.on_cpu = False
-        seq.status = SequenceStatus.RUNNING
-        return mapping
+            gpu_blocks.append(gpu)
+        self.release(cpu_blocks)
+        return gpu_blocks, mapping
+
+    # ---- bookkeeping ------------------------------------------------------------------------------------
+    def release(self, cpu_blocks) -> None:
+        """One reference less to each CPU block; a freed block forgets its twin."""
+        for cpu in cpu_blocks:
+            self.ref[cpu] -= 1
+            if not self.ref[cpu]:
+                self._free.append(cpu)
+                gpu = self._gpu_of.pop(cpu, None)
+                if gpu is not None:
+                    del self._cpu_of[gpu]
+
+    def forget_gpu(self, gpu_blocks) -> None:
+        """These GPU blocks were freed or written in place: their CPU twins no longer hold the same bytes."""
+        if self._cpu_of:
+            for gpu in gpu_blocks:
+                cpu = self._cpu_of.pop(gpu, None)
+                if cpu is not None:
+                    del self._gpu_of[cpu]
+
+    def _link(self, gpu: int, cpu: int) -> None:
+        self._cpu_of[gpu] = cpu
+        self._gpu_of[cpu] = gpu
+
+    def check(self, table_refs: Counter, gpu_ref) -> None:
+        """Raise InvariantViolation unless CPU ref counts equal ``table_refs`` (CPU block -> entries using
+        it), the free list is their complement, and every twin link joins two live blocks, both ways."""
+        for block in range(self.num_blocks):
+            if self.ref[block] != table_refs.get(block, 0):
+                raise InvariantViolation(f"CPU block {block}: ref count {self.ref[block]}, "
+                                         f"{table_refs.get(block, 0)} entries use it")
+        if len(self._free) != len(set(self._free)) or set(self._free) != {
+                b for b in range(self.num_blocks) if self.ref[b] == 0}:
+            raise InvariantViolation("CPU free list disagrees with CPU ref counts")
+        if len(self._cpu_of) != len(self._gpu_of) or any(self._gpu_of.get(c) != g for g, c in self._cpu_of.items()):
+            raise InvariantViolation("twin links are not one-to-one both ways")
+        for gpu, cpu in self._cpu_of.items():
+            if gpu_ref[gpu] == 0 or self.ref[cpu] == 0:
+                raise InvariantViolation(f"twin link {gpu}<->{cpu} outlived one of its blocks")

@@ -1,34 +1,75 @@
 """Block-manager throughput: replay the Mooncake conversation trace through ``BlockManager``.
 
-Each request is allocated and freed in turn (one at a time), so the pool's cache carries prefixes from
-request to request exactly as the trace's hash ids say. Timed: ``allocate`` + ``free`` only (hashing
-included; building the ``Sequence`` from the trace is not). Reported per block: the blocks each request's
-prompt occupies. Wall time and process CPU time are both printed; on a shared machine trust CPU time.
+Each request, one at a time: build a ``Sequence`` from its token list, ``can_allocate``, ``allocate``,
+``free``. The pool's cache carries prefixes from request to request exactly as the trace's hash ids say.
+The whole loop is timed (sequence construction and hashing included; turning the trace into token lists is
+not) and reported per block a prompt occupies, in process CPU time (trust it over wall time on a shared
+machine). With ``--vs-nano PATH`` nano-vllm's own BlockManager runs through the same driver in the same
+process, on the same token lists (once per pool: it is slow), and the ratio is printed.
 """
 
 import argparse
+import gc
+import importlib
 import platform
+import sys
 import time
+import types
+from pathlib import Path
 
-from kvlab import BlockManager, Sequence
+from kvlab import AllocStatus, BlockManager, Sequence
 from kvlab.traces import PromptTokens, load_trace
 
 
-def replay(prompts: PromptTokens, num_blocks: int, block_size: int) -> dict:
+def replay_kvlab(token_lists, num_blocks: int, block_size: int) -> dict:
     manager = BlockManager(num_blocks, block_size)
-    wall = cpu = 0.0
-    blocks = 0
-    for i in range(len(prompts)):
-        seq = Sequence(prompts[i], block_size)
-        wall_start, cpu_start = time.perf_counter(), time.process_time()
+    blocks = skipped = 0
+    cpu_start = time.process_time()
+    for tokens in token_lists:
+        seq = Sequence(tokens, block_size)
+        if manager.can_allocate(seq) is not AllocStatus.OK:
+            skipped += 1
+            continue
         manager.allocate(seq)
         manager.free(seq)
-        wall += time.perf_counter() - wall_start
-        cpu += time.process_time() - cpu_start
         blocks += seq.num_blocks
-    return dict(pool_blocks=num_blocks, requests=len(prompts), blocks=blocks, us_per_block_wall=wall / blocks * 1e6,
-                us_per_block_cpu=cpu / blocks * 1e6, hit_rate=manager.stats.hit_rate,
-                evictions=manager.num_evictions)
+    cpu = time.process_time() - cpu_start
+    return dict(blocks=blocks, skipped=skipped, us_per_block=cpu / blocks * 1e6, hit_rate=manager.stats.hit_rate)
+
+
+def load_nano(path: Path):
+    """nano-vllm's block manager and sequence modules, without its package ``__init__`` (which imports the
+    whole engine: torch, flash-attn, a GPU). They need only xxhash and numpy."""
+    root = Path(path).resolve()
+    if not (root / "nanovllm" / "engine" / "block_manager.py").is_file():
+        raise SystemExit(f"--vs-nano: {root} is not a nano-vllm checkout (no nanovllm/engine/block_manager.py)")
+    package = types.ModuleType("nanovllm")
+    package.__path__ = [str(root / "nanovllm")]
+    sys.modules.setdefault("nanovllm", package)
+    return (importlib.import_module("nanovllm.engine.block_manager"),
+            importlib.import_module("nanovllm.engine.sequence"))
+
+
+def replay_nano(nano, token_lists, num_blocks: int, block_size: int) -> dict:
+    block_manager, sequence = nano
+    sequence.Sequence.block_size = block_size
+    manager = block_manager.BlockManager(num_blocks, block_size)
+    blocks = skipped = 0
+    cpu_start = time.process_time()
+    for tokens in token_lists:
+        seq = sequence.Sequence(tokens)
+        num_cached = manager.can_allocate(seq)
+        if num_cached == -1:
+            skipped += 1
+            continue
+        manager.allocate(seq, num_cached)
+        # nano-vllm registers a prompt's full blocks after scheduling it (kvlab's allocate seals them itself).
+        seq.num_scheduled_tokens = seq.num_tokens - seq.num_cached_tokens
+        manager.hash_blocks(seq)
+        manager.deallocate(seq)
+        blocks += seq.num_blocks
+    cpu = time.process_time() - cpu_start
+    return dict(blocks=blocks, skipped=skipped, us_per_block=cpu / blocks * 1e6)
 
 
 def main(argv=None) -> int:
@@ -36,15 +77,25 @@ def main(argv=None) -> int:
     parser.add_argument("--trace", default="mooncake_conversation", help="bundled trace name or path")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--pools", default="10000,100000,1000000", help="comma-separated pool sizes (blocks)")
-    parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    parser.add_argument("--limit", type=int, default=300, help="replay the first N requests (default: %(default)s)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement; the fastest is kept")
+    parser.add_argument("--vs-nano", type=Path, metavar="PATH",
+                        help="a nano-vllm checkout (e.g. ../shared/anchors/nano-vllm) to run side by side")
     args = parser.parse_args(argv)
-    prompts = PromptTokens(load_trace(args.trace, limit=args.limit))
-    print(f"{args.trace}: {len(prompts)} requests, block size {args.block_size}, "
+    token_lists = [prompt.tolist() for prompt in PromptTokens(load_trace(args.trace, limit=args.limit))]
+    nano = load_nano(args.vs_nano) if args.vs_nano else None
+    print(f"{args.trace}: {len(token_lists)} requests, block size {args.block_size}, best of {args.repeat}, "
           f"python {platform.python_version()} on {platform.machine()} ({platform.processor() or 'cpu'})")
-    print(f"{'pool blocks':>12} {'blocks':>10} {'us/block cpu':>13} {'us/block wall':>14} {'hit rate':>9} "
-          f"{'evictions':>10}")
+    header = f"{'pool blocks':>12} {'blocks':>10} {'kvlab us/block':>15} {'hit rate':>9}"
+    print(header + (f" {'nano us/block':>14} {'nano/kvlab':>11}" if nano else ""))
     for pool in (int(p) for p in args.pools.split(",")):
-        r = replay(prompts, pool, args.block_size)
-        print(f"{pool:>12,} {r['blocks']:>10,} {r['us_per_block_cpu']:>13.3f} {r['us_per_block_wall']:>14.3f} "
-              f"{r['hit_rate']:>9.3f} {r['evictions']:>10,}")
+        gc.collect()
+        runs = [replay_kvlab(token_lists, pool, args.block_size) for _ in range(args.repeat)]
+        ours = min(runs, key=lambda r: r["us_per_block"])
+        line = f"{pool:>12,} {ours['blocks']:>10,} {ours['us_per_block']:>15.3f} {ours['hit_rate']:>9.3f}"
+        if nano:  # one run: at large pools nano-vllm takes minutes (its deque.remove is O(pool))
+            gc.collect()
+            theirs = replay_nano(nano, token_lists, pool, args.block_size)
+            line += f" {theirs['us_per_block']:>14.3f} {theirs['us_per_block'] / ours['us_per_block']:>10.1f}x"
+        print(line)
     return 0

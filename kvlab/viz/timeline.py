@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from kvlab.block_manager import BlockManager
-from kvlab.block_pool import Event
+from kvlab.records import Event
 from kvlab.errors import InvalidArgumentError
 
 #: Every kind the manager records, in the order a request meets them (top row first).

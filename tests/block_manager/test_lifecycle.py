@@ -79,7 +79,7 @@ def test_swap_out_and_in_round_trip():
     assert [g for g, _ in out] == gpu_blocks and seq.status is SequenceStatus.SWAPPED
     assert manager.num_free_blocks == 8 and manager.num_free_cpu_blocks == 5
     back = manager.swap_in(seq)
-    assert [c for c, _ in back] == [c for _, c in out] and seq.block_table == [g for _, g in back]
+    assert [c for c, _ in back] == [c for _, c in out] and list(seq.block_table) == [g for _, g in back]
     assert seq.status is SequenceStatus.RUNNING and manager.num_free_cpu_blocks == 8
     manager.check_invariants()
 
@@ -121,7 +121,7 @@ def test_append_while_a_sharer_is_swapped_out_invalidates_the_cpu_copy():
 def test_cannot_swap_without_room():
     manager = BlockManager(8, block_size=4, num_cpu_blocks=1)
     seq = allocated(manager, range(10))
-    assert not manager.can_swap_out(seq)
+    assert manager.can_swap_out(seq) is AllocStatus.NEVER   # 3 blocks can never fit in a 1-block CPU pool
     before = snapshot(manager)
     with pytest.raises(OutOfBlocksError):
         manager.swap_out(seq)
@@ -158,11 +158,26 @@ def test_sliding_window_keeps_used_blocks_bounded():
     assert manager.num_free_blocks == 9  # block 0 is the reserved null block
 
 
-def test_sliding_window_admission_counts_only_blocks_inside_the_window():
-    manager = BlockManager(4, block_size=4, sliding_window=8)
-    assert manager.can_allocate(Sequence(range(1000), 4)) is AllocStatus.OK
-    seq = allocated(manager, range(1000))
-    assert sum(b != 0 for b in seq.block_table) <= 3
+def test_cannot_swap_out_until_the_cpu_pool_has_room():
+    manager = BlockManager(8, block_size=4, num_cpu_blocks=3)
+    first, second = allocated(manager, range(10)), allocated(manager, range(20, 25))
+    manager.swap_out(first)
+    assert manager.can_swap_out(second) is AllocStatus.LATER
+    manager.free(first)
+    assert manager.can_swap_out(second) is AllocStatus.OK
+
+
+def test_sliding_window_prefill_needs_the_whole_prompt_but_chunks_stay_bounded():
+    manager = BlockManager(5, block_size=4, sliding_window=8)
+    # One-shot prefill: its first query attends to key 0 and its last to the last 8 keys, all in one pass.
+    assert manager.can_allocate(Sequence(range(1000), 4)) is AllocStatus.NEVER
+    seq = allocated(manager, range(8))
+    for chunk in range(1, 60):                       # chunked prefill, 8 tokens a step
+        for t in range(8 * chunk, 8 * chunk + 8):
+            seq.append_token(t)
+        manager.append_slots(seq)
+        assert sum(b != 0 for b in seq.block_table) <= 4   # the window's 8 keys + the chunk's 8 tokens
+    manager.check_invariants()
 
 
 def test_status_follows_the_managers_actions_not_the_callers():

@@ -14,6 +14,9 @@ from helpers import allocated, snapshot
     (dict(num_blocks=8, watermark=1.0), "watermark"), (dict(num_blocks=8, watermark=-0.1), "watermark"),
     (dict(num_blocks=8, sliding_window=0), "sliding_window"), (dict(num_blocks=1, sliding_window=4), "num_blocks"),
     (dict(num_blocks=8, hash_fn=3), "hash_fn"), (dict(num_blocks=8, eviction="mru"), "eviction"),
+    (dict(num_blocks=10**30), r"num_blocks must be an int in \[1, 16777216\]"),
+    (dict(num_blocks=8, num_cpu_blocks=10**30), r"num_cpu_blocks must be an int in \[0, 16777216\]"),
+    (dict(num_blocks=8, block_size=10**30), "block_size"), (dict(num_blocks=8, watermark=float("nan")), "watermark"),
 ])
 def test_bad_configuration(kwargs, match):
     with pytest.raises(InvalidArgumentError, match=match):
@@ -77,7 +80,7 @@ def test_allocate_without_room_raises_and_changes_nothing(busy):
     manager = busy[0]
     seq = Sequence(range(100, 200), 4)
     _expect_no_change(manager, OutOfBlocksError, lambda: manager.allocate(seq), "free blocks")
-    assert seq.block_table == [] and seq.num_cached_tokens == 0
+    assert seq.block_table == () and seq.num_cached_tokens == 0
 
 
 def test_append_without_room_raises_and_changes_nothing(busy):
@@ -98,7 +101,7 @@ def test_swap_misuse(busy):
 @pytest.mark.parametrize("call, match", [
     (lambda m, s: m.ref_count(12), "block id"), (lambda m, s: m.ref_count(-1), "block id"),
     (lambda m, s: m.block_hash("3"), "block id"), (lambda m, s: m.cpu_ref_count(4), "CPU block id"), (lambda m, s: m.slot_mapping(s, 0, 13), "start <= end"),
-    (lambda m, s: m.slot_mapping(s, 3, 2), "start <= end"), (lambda m, s: m.slot_mapping(s, True, 3), "start <= end"),
+    (lambda m, s: m.slot_mapping(s, 3, 2), "start <= end"), (lambda m, s: m.slot_mapping(s, True, 3), "start must be an int"),
     (lambda m, s: m.can_allocate(Sequence([1], 4), -1), "num_lookahead_slots"),
     (lambda m, s: m.append_slots(s, -2), "num_lookahead_slots"),
 ])
@@ -120,7 +123,7 @@ def test_a_failing_hash_fn_changes_nothing():
     child = Sequence([])
     manager.fork(parent, child)
     parent.append_token(13)   # fills the shared partial block: a copy-on-write and a seal, whose hash fails
-    table = list(parent.block_table)
+    table = parent.block_table
     _expect_no_change(manager, InvalidArgumentError, lambda: manager.append_slots(parent), "boom")
     assert parent.block_table == table
     _expect_no_change(manager, InvalidArgumentError,
@@ -132,14 +135,21 @@ def test_errors_are_kvlab_errors_and_builtin_ones():
     assert all(issubclass(e, KvlabError) for e in (InvalidArgumentError, SequenceStateError, OutOfBlocksError))
 
 
+def _misfile_a_cached_block(policy):
+    block = next(iter(policy._cached))
+    policy._cached.remove(block)
+    policy._uncached.add_many([block])
+
+
 @pytest.mark.parametrize("corrupt, match", [
     (lambda m: m._pool.ref.__setitem__(0, m._pool.ref[0] + 1), "ref count"),
     (lambda m: m._pool.policy.add(0, False), "free"),
     (lambda m: m._pool.cached.__setitem__(12345, 11), "prefix cache"),
-    (lambda m: m._twins.link(0, 3), "twin"),
+    (lambda m: m._swap._link(0, 3), "twin"),
     (lambda m: m._pool.registered.__setitem__(11, True), "registered flag"),
-    (lambda m: m._pool.policy._uncached.__setitem__(m._pool.policy._cached.popitem()[0], None), "filed as cached"),
-    (lambda m: m._cpu.ref.__setitem__(1, 1), "CPU block"),
+    (lambda m: _misfile_a_cached_block(m._pool.policy), "filed as cached"),
+    (lambda m: m._swap.ref.__setitem__(1, 1), "CPU block"),
+    (lambda m: m._pool.__setattr__("num_free", m._pool.num_free + 1), "miscounts"),
 ])
 def test_check_invariants_catches_corruption(busy, corrupt, match):
     manager = busy[0]
@@ -157,5 +167,5 @@ def test_an_unpickled_copy_is_not_the_allocated_sequence(busy):
     manager.append_slots(running)
     copy = pickle.loads(pickle.dumps(running))
     copy.append_token(4)
-    _expect_no_change(manager, SequenceStateError, lambda: manager.append_slots(copy), "another Sequence object")
-    _expect_no_change(manager, SequenceStateError, lambda: manager.free(copy), "another Sequence object")
+    _expect_no_change(manager, SequenceStateError, lambda: manager.append_slots(copy), "unpickled copy")
+    _expect_no_change(manager, SequenceStateError, lambda: manager.free(copy), "unpickled copy")

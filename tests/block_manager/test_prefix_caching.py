@@ -81,12 +81,12 @@ def test_reuse_order_uncached_first_then_lru_with_chain_tail_first():
     manager = BlockManager(8, block_size=2)
     x = allocated(manager, [1, 2, 3, 4, 5, 6])  # blocks 0, 1, 2, all sealed
     y = allocated(manager, [7, 8, 9, 10])       # blocks 3, 4
-    assert (x.block_table, y.block_table) == ([0, 1, 2], [3, 4])
+    assert (x.block_table, y.block_table) == ((0, 1, 2), (3, 4))
     manager.free(x)
     manager.free(y)
     assert manager.free_block_ids() == [5, 6, 7, 2, 1, 0, 4, 3]
     z = allocated(manager, [11, 12, 13, 14, 15, 16, 17, 18, 19])  # 5 blocks: 5, 6, 7, then evicts 2, 1
-    assert z.block_table == [5, 6, 7, 2, 1] and manager.num_evictions == 2
+    assert z.block_table == (5, 6, 7, 2, 1) and manager.num_evictions == 2
     assert not manager.is_cached(1) and manager.block_hash(1) is None  # evicted, now z's partial block
     assert manager.is_cached(0)                                          # x's head block is still warm
 

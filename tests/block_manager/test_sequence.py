@@ -13,7 +13,7 @@ def test_fields_of_a_new_sequence():
     assert seq.status is SequenceStatus.WAITING
     assert seq.token_ids == [5, 6, 7, 8, 9]
     assert (seq.last_token, seq.num_tokens, len(seq), seq.num_prompt_tokens) == (9, 5, 5, 5)
-    assert (seq.num_cached_tokens, seq.block_table, seq.block_size, seq.num_blocks) == (0, [], 2, 3)
+    assert (seq.num_cached_tokens, seq.block_table, seq.block_size, seq.num_blocks) == (0, (), 2, 3)
     assert [seq.block(i) for i in range(3)] == [[5, 6], [7, 8], [9]]
 
 

@@ -1,20 +1,27 @@
-"""Random allocate / append / fork / free / swap / reset programs against a model of the KV cache itself.
+"""Model check: random programs run against the block manager and a fake KV cache that an engine would keep.
 
-The model plays the engine: it writes each token's "K/V" (a value determined by the token and everything
-before it) into the slots the manager hands out, applies copy-on-write and swap mappings, and after every
-step checks that every live sequence reads back exactly its own prefix's values from its block table. That
-one property catches wrong sharing, a missing copy, a stale swap copy or a block reused while in use;
-``check_invariants`` runs after every step too.
+The machine plays the engine. Its fake caches (slot -> value, for the GPU and the CPU pool) receive every
+write the slot mapping asks for (a step's new tokens, and junk in lookahead slots, as speculative tokens
+that get rejected leave), every copy-on-write pair and every swap mapping. A position's value depends on the
+token there and every token before it, like real K/V. After each step it checks what attention would read:
+every position the step's queries can see (``first_query - W + 1`` on, with a sliding window of W) must be
+mapped and hold its own value, prefix hits included. After every operation, also between ``append_token``
+and ``append_slots``, every live sequence reads back each written position it still maps, and
+``check_invariants`` holds. Weak and constant hash functions, sliding windows, multi-token steps, forks and
+swaps with tokens not yet given slots, every eviction policy and a user-written one are all exercised.
 """
+
+import itertools
 
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvlab import AllocStatus, BlockManager, OutOfBlocksError, Sequence
+from kvlab import AllocStatus, BlockManager, EvictionPolicy, OutOfBlocksError, Sequence
 
 PREFIXES = [[], [1, 2, 3, 1, 2], [1, 2, 3, 1, 0, 0, 0], [3, 3, 3, 3, 3, 3, 3, 3, 2]]
-tokens = st.integers(0, 3)
+tokens = st.integers(0, 2)  # few distinct tokens: many accidental prefix hits
+_junk = itertools.count()
 
 
 def kv_values(token_ids):
@@ -26,24 +33,68 @@ def kv_values(token_ids):
     return values
 
 
+class StackPolicy(EvictionPolicy):
+    """A user-written policy (most recently freed first), driven through the untrusted path."""
+
+    def __init__(self):
+        self._free = {}
+
+    def add(self, block_id, cached):
+        self._free[block_id] = None
+
+    def remove(self, block_id):
+        del self._free[block_id]
+
+    def pop(self):
+        if not self._free:
+            raise OutOfBlocksError("empty")
+        return self._free.popitem()[0]
+
+    def __iter__(self):
+        return iter(reversed(list(self._free)))
+
+    def __len__(self):
+        return len(self._free)
+
+
 class ManagerMachine(RuleBasedStateMachine):
     config = dict(num_blocks=24, block_size=4, num_cpu_blocks=12)
 
     def __init__(self):
         super().__init__()
-        self.manager = BlockManager(**self.config)
+        config = dict(self.config)
+        if isinstance(config.get("eviction"), type):   # a policy class: a fresh instance per program
+            config["eviction"] = config["eviction"]()
+        self.manager = BlockManager(**config)
+        self.window = self.manager.sliding_window
         self.gpu, self.cpu = {}, {}   # slot -> value: the engine's view of both caches
         self.running, self.swapped = [], []
-        self.written = {}             # seq_id -> tokens whose K/V the engine wrote
+        self.written = {}             # seq -> positions whose K/V the engine wrote
+        self.first_query = {}         # seq -> first new position of its latest step
+        self.history = []             # token lists of every sequence after each of its steps
+        self.clock = 0
 
-    def _write(self, seq, start):
-        bs = self.manager.block_size
+    # ---- the engine's side ---------------------------------------------------------------------------
+    def _step(self, seq, first_query, lookahead=0):
+        """Write the step's tokens (and junk in lookahead slots), then check what its attention reads."""
+        n, bs = seq.num_tokens, self.manager.block_size
         values = kv_values(seq.token_ids)
-        for p, slot in enumerate(self.manager.slot_mapping(seq, start, seq.num_tokens), start):
-            if slot >= 0:
-                self.gpu[slot] = values[p]
-        self.written[seq.seq_id] = seq.num_tokens
-        assert len(seq.block_table) * bs >= seq.num_tokens
+        slots = self.manager.slot_mapping(seq, first_query, n + lookahead)
+        for p, slot in enumerate(slots, first_query):
+            assert slot >= 0, f"position {p} of the step has no slot"
+            self.gpu[slot] = values[p] if p < n else ("junk", next(_junk))
+        self.written[seq], self.first_query[seq] = n, first_query
+        assert len(seq.block_table) * bs >= n + lookahead
+        self._check_reads(seq, self._visible_from(first_query), n)
+
+    def _visible_from(self, first_query):
+        return 0 if self.window is None else max(0, first_query - self.window + 1)
+
+    def _check_reads(self, seq, start, end):
+        expected = kv_values(seq.token_ids[:end])
+        for p, slot in enumerate(self.manager.slot_mapping(seq, start, end), start):
+            assert slot >= 0, f"seq {seq.seq_id}: position {p} is still visible but was released"
+            assert self.gpu.get(slot) == expected[p], f"seq {seq.seq_id} reads wrong K/V at position {p}"
 
     def _copy(self, src_cache, dst_cache, pairs):
         bs = self.manager.block_size
@@ -54,24 +105,48 @@ class ManagerMachine(RuleBasedStateMachine):
                 else:
                     dst_cache.pop(dst * bs + offset, None)
 
+    def _forget(self, seq):
+        (self.running if seq in self.running else self.swapped).remove(seq)
+        del self.written[seq], self.first_query[seq]
+
+    # ---- rules -----------------------------------------------------------------------------------------
     @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(tokens, max_size=9))
     def allocate(self, prefix, suffix):
-        seq = Sequence(prefix + suffix or [0], self.manager.block_size)
-        if self.manager.can_allocate(seq) is AllocStatus.OK:
-            self.manager.allocate(seq)
-            assert seq.num_cached_tokens < seq.num_tokens
-            self._write(seq, seq.num_cached_tokens)
-            self.running.append(seq)
-        else:
+        self._allocate(prefix + suffix or [0])
+
+    @precondition(lambda self: self.history)
+    @rule(data=st.data(), suffix=st.lists(tokens, max_size=3))
+    def allocate_a_continuation(self, data, suffix):
+        """A new request that repeats part of an earlier sequence (the next turn of a chat): prefix hits."""
+        earlier = data.draw(st.sampled_from(self.history))
+        self._allocate(earlier[:data.draw(st.integers(1, len(earlier)))] + suffix)
+
+    def _allocate(self, token_ids):
+        seq = Sequence(token_ids, self.manager.block_size)
+        if self.manager.can_allocate(seq) is not AllocStatus.OK:
             try:
                 self.manager.allocate(seq)
             except OutOfBlocksError:
                 return
             raise AssertionError("allocate succeeded although can_allocate said it would not fit")
+        self.manager.allocate(seq)
+        assert seq.num_cached_tokens < seq.num_tokens
+        self.history.append(seq.token_ids)
+        self.running.append(seq)
+        self._step(seq, seq.num_cached_tokens)
+
+    @precondition(lambda self: self.running or self.swapped)
+    @rule(data=st.data(), new=st.lists(tokens, min_size=1, max_size=9))
+    def append_tokens(self, data, new):
+        """Tokens sampled (or a chunk, or speculative tokens) that get their slots in a later step."""
+        seq = data.draw(st.sampled_from(self.running + self.swapped))
+        for t in new:
+            seq.append_token(t)
 
     @precondition(lambda self: self.running)
-    @rule(data=st.data(), new=st.lists(tokens, min_size=1, max_size=3), lookahead=st.integers(0, 3))
-    def append(self, data, new, lookahead):
+    @rule(data=st.data(), new=st.lists(tokens, max_size=9), lookahead=st.integers(0, 3))
+    def step(self, data, new, lookahead):
+        """One engine step for a sequence: its pending tokens plus ``new`` ones get slots and K/V."""
         seq = data.draw(st.sampled_from(self.running))
         for t in new:
             seq.append_token(t)
@@ -79,12 +154,13 @@ class ManagerMachine(RuleBasedStateMachine):
             try:
                 self.manager.append_slots(seq, lookahead)
             except OutOfBlocksError:
-                self.running.remove(seq)   # the engine would preempt it; we free it
+                self._forget(seq)   # the engine would preempt it; we free it
                 self.manager.free(seq, preempted=True)
                 return
             raise AssertionError("append_slots succeeded although can_append_slots said no")
         self._copy(self.gpu, self.gpu, self.manager.append_slots(seq, lookahead))
-        self._write(seq, self.written[seq.seq_id])
+        self._step(seq, self.written[seq], lookahead)
+        self.history.append(seq.token_ids)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -92,21 +168,21 @@ class ManagerMachine(RuleBasedStateMachine):
         parent = data.draw(st.sampled_from(self.running))
         child = Sequence([])
         self.manager.fork(parent, child)
-        self.written[child.seq_id] = self.written[parent.seq_id]
+        self.written[child], self.first_query[child] = self.written[parent], self.first_query[parent]
         self.running.append(child)
 
     @precondition(lambda self: self.running or self.swapped)
-    @rule(data=st.data())
-    def free(self, data):
+    @rule(data=st.data(), preempted=st.booleans())
+    def free(self, data, preempted):
         seq = data.draw(st.sampled_from(self.running + self.swapped))
-        (self.running if seq in self.running else self.swapped).remove(seq)
-        self.manager.free(seq)
+        self._forget(seq)
+        self.manager.free(seq, preempted=preempted)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
     def swap_out(self, data):
         seq = data.draw(st.sampled_from(self.running))
-        if self.manager.can_swap_out(seq):
+        if self.manager.can_swap_out(seq) is AllocStatus.OK:
             self._copy(self.gpu, self.cpu, self.manager.swap_out(seq))
             self.running.remove(seq)
             self.swapped.append(seq)
@@ -120,10 +196,18 @@ class ManagerMachine(RuleBasedStateMachine):
             self.swapped.remove(seq)
             self.running.append(seq)
 
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def touch(self, data):
+        self.clock += 1
+        self.manager.access_all_blocks_in_seq(data.draw(st.sampled_from(self.running)), self.clock)
+
     @rule()
     def reset_prefix_cache(self):
-        assert self.manager.reset_prefix_cache() == (not self.running)
+        in_use = any(self.manager.ref_count(b) for b in range(self.manager.num_blocks))
+        assert self.manager.reset_prefix_cache() == (not in_use)
 
+    # ---- invariants ------------------------------------------------------------------------------------
     @invariant()
     def bookkeeping_is_consistent(self):
         self.manager.check_invariants()
@@ -131,42 +215,36 @@ class ManagerMachine(RuleBasedStateMachine):
     @invariant()
     def every_sequence_reads_back_its_own_kv(self):
         for seq in self.running:
-            n = self.written[seq.seq_id]
+            n = self.written[seq]
             expected = kv_values(seq.token_ids[:n])
+            visible = self._visible_from(self.first_query[seq])
             for p, slot in enumerate(self.manager.slot_mapping(seq, 0, n)):
+                assert slot >= 0 or p < visible, f"seq {seq.seq_id}: position {p} released while visible"
                 if slot >= 0:
                     assert self.gpu.get(slot) == expected[p], f"seq {seq.seq_id} position {p} reads wrong K/V"
 
 
-class WeakHashMachine(ManagerMachine):
-    config = dict(num_blocks=24, block_size=2, num_cpu_blocks=12, hash_fn=lambda parent, token_ids: 7)
+def _machine(name, **config):
+    return type(name, (ManagerMachine,), {"config": config})
 
 
-class SlidingWindowMachine(ManagerMachine):
-    config = dict(num_blocks=16, block_size=2, num_cpu_blocks=12, sliding_window=5)
+MACHINES = [
+    _machine("Default", num_blocks=24, block_size=4, num_cpu_blocks=12),
+    _machine("ConstantHash", num_blocks=24, block_size=2, num_cpu_blocks=12, hash_fn=lambda parent, ids: 7),
+    _machine("ParityHash", num_blocks=20, block_size=3, num_cpu_blocks=8,
+             hash_fn=lambda parent, ids: sum(ids) % 2),
+    _machine("Window5", num_blocks=16, block_size=2, num_cpu_blocks=12, sliding_window=5),
+    _machine("Window2", num_blocks=16, block_size=4, num_cpu_blocks=8, sliding_window=2),
+    _machine("Window1ConstantHash", num_blocks=16, block_size=3, num_cpu_blocks=8, sliding_window=1,
+             hash_fn=lambda parent, ids: 7),
+    _machine("FIFO", num_blocks=16, block_size=2, num_cpu_blocks=8, eviction="fifo"),
+    _machine("LFUWindow3", num_blocks=16, block_size=2, num_cpu_blocks=8, eviction="lfu", sliding_window=3),
+    _machine("UserPolicy", num_blocks=16, block_size=2, num_cpu_blocks=8, eviction=StackPolicy),
+    _machine("NoPrefixCaching", num_blocks=20, block_size=3, num_cpu_blocks=8, enable_prefix_caching=False),
+]
 
-
-class FIFOMachine(ManagerMachine):
-    config = dict(num_blocks=16, block_size=2, num_cpu_blocks=8, eviction="fifo")
-
-
-class LFUMachine(ManagerMachine):
-    config = dict(num_blocks=16, block_size=2, num_cpu_blocks=8, eviction="lfu")
-
-
-class NoPrefixCachingMachine(ManagerMachine):
-    config = dict(num_blocks=20, block_size=3, num_cpu_blocks=8, enable_prefix_caching=False)
-
-
-def _test_case(machine):
-    case = machine.TestCase
-    case.settings = settings(stateful_step_count=40, deadline=None)  # max_examples comes from the profile
-    return case
-
-
-TestManager = _test_case(ManagerMachine)
-TestWeakHash = _test_case(WeakHashMachine)
-TestSlidingWindow = _test_case(SlidingWindowMachine)
-TestNoPrefixCaching = _test_case(NoPrefixCachingMachine)
-TestFIFO = _test_case(FIFOMachine)
-TestLFU = _test_case(LFUMachine)
+for _machine_class in MACHINES:
+    _case = _machine_class.TestCase
+    _case.settings = settings(stateful_step_count=40, deadline=None)  # max_examples comes from the profile
+    globals()[f"Test{_machine_class.__name__}"] = _case
+del _case

@@ -141,7 +141,7 @@ def test_ten_thousand_blocks_are_aggregated():
     assert np.count_nonzero(drawn == USED) == used
     assert f"used: {used}" in legend_labels(ax)
     assert np.count_nonzero((drawn == FREE) | (drawn == WARM)) == m.num_free_blocks
-    assert (drawn[seqs[1].block_table] == USED).all()  # each pixel sits at its block id
+    assert (drawn[list(seqs[1].block_table)] == USED).all()  # each pixel sits at its block id
     assert (drawn[m.free_block_ids()] != USED).all()
     tables_ax = draw_block_tables(m, seqs[1:4])  # long tables: compact rows, one cell per logical block
     grid = tables_ax.get_images()[0].get_array()
@@ -166,10 +166,19 @@ def test_swapped_sequences_point_into_the_cpu_pool():
     draw_pool(m)  # the GPU side alone draws too
 
 
+def window_step(m, prompt_len, total_len):
+    """A prompt, then one step that appends the rest: the window releases blocks at the step's start."""
+    seq = Sequence(range(prompt_len), m.block_size)
+    m.allocate(seq)
+    for t in range(prompt_len, total_len):
+        seq.append_token(t)
+    m.append_slots(seq)
+    return seq
+
+
 def test_sliding_window_null_block():
     m = BlockManager(8, 4, sliding_window=6)
-    seq = Sequence(range(13), 4)  # positions 0..3 are out of the window: logical block 0 is released
-    m.allocate(seq)
+    seq = window_step(m, 9, 13)  # the step's queries start at 9 and see 4..: logical block 0 is released
     ax = draw_pool(m)
     patches, texts = patches_by_gid(ax), texts_by_gid(ax)
     assert patches["pool-0"].get_facecolor() == to_rgba(STATE_COLORS[NULL])
@@ -183,8 +192,7 @@ def test_sliding_window_null_block():
 
 def test_swapped_sequence_under_a_sliding_window_keeps_its_null_entries():
     m = BlockManager(8, 4, num_cpu_blocks=8, sliding_window=6)
-    seq = Sequence(range(13), 4)
-    m.allocate(seq)
+    seq = window_step(m, 9, 13)
     m.swap_out(seq)  # the table now holds CPU ids, and CPU block 0 is a real block
     view = snapshot(m, [seq])
     assert view.tables[0].num_released == 1

@@ -42,7 +42,7 @@ def test_snapshots_do_not_follow_the_manager():
     first, forked = steps[0], steps[1]
     assert first.tables[0].blocks == (0, 1) and first.tables[1].blocks == ()
     assert forked.refs[:2].tolist() == [2, 2] and first.refs[:2].tolist() == [1, 1]
-    assert parent.block_table == [] and steps[-1].refs.sum() == 0
+    assert parent.block_table == () and steps[-1].refs.sum() == 0
     ax = draw_pool(first)
     assert {p.get_gid(): p for p in ax.patches}["pool-0"].get_facecolor() == to_rgba(STATE_COLORS[USED])
     ax = draw_pool(forked)

@@ -1,121 +1,16 @@
-"""Eviction policies: which free block the pool reuses next.
+"""FIFO and LFU: policies that order cached free blocks by a key (age of the content, hit count).
 
-A block whose reference count drops to 0 is *free*. If it still holds a registered prefix (its hash is in
-the prefix cache) it stays *cached*: a later request can hit it and take it back, until the pool reuses it
-for new content, which evicts that prefix. The policy owns the set of free blocks and decides the reuse
-order; the pool tells it about every change. Every call must cost O(1) (or O(log n)) in the pool size:
-never scan the pool, never ``list.remove``.
-
-To add a policy, subclass ``EvictionPolicy`` (not ``LRUPolicy``, whose fast batch methods bypass ``pop``
-and ``add``), implement the five abstract methods and register the class in ``POLICIES`` (then
-``BlockManager(..., eviction="name")`` finds it).
+Both reuse never-cached blocks first, like LRU. They ignore ``on_access`` recency touches.
 """
 
 import heapq
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections import OrderedDict
 from itertools import chain
 from typing import Iterator
 
 from kvlab.errors import OutOfBlocksError
-
-
-class EvictionPolicy(ABC):
-    """The set of free blocks, in the order they will be reused."""
-
-    @abstractmethod
-    def add(self, block_id: int, cached: bool) -> None:
-        """``block_id`` became free; ``cached`` says whether it still holds a hittable prefix."""
-
-    @abstractmethod
-    def remove(self, block_id: int) -> None:
-        """``block_id`` (free) leaves the free set without being reused: a prefix hit took it back."""
-
-    @abstractmethod
-    def pop(self) -> int:
-        """Remove and return the next block to reuse (raise OutOfBlocksError when empty)."""
-
-    @abstractmethod
-    def __iter__(self) -> Iterator[int]:
-        """Free blocks in the order ``pop`` would return them."""
-
-    @abstractmethod
-    def __len__(self) -> int:
-        """Number of free blocks."""
-
-    def on_hit(self, block_id: int) -> None:
-        """A prefix lookup hit ``block_id`` (free or in use). Frequency-based policies count these."""
-
-    def filed_as_cached(self, block_id: int):
-        """For ``check_invariants``: whether free ``block_id`` was added as cached (None: not tracked)."""
-        return None
-
-    # Batch forms, called on the hot path (a prompt takes or frees hundreds of blocks at once). Override
-    # them only to save per-call overhead; they must behave exactly like the loops below.
-    def pop_many(self, count: int) -> list[int]:
-        return [self.pop() for _ in range(count)]
-
-    def add_many(self, block_ids: list[int], cached: list[bool]) -> None:
-        for block_id, is_cached in zip(block_ids, cached):
-            self.add(block_id, is_cached)
-
-
-class LRUPolicy(EvictionPolicy):
-    """vLLM's order: never-cached blocks first, then cached ones least recently used first.
-
-    "Recently used" means "recently freed": a block is in use, so not evictable, until its last reference
-    goes. A sequence frees its blocks tail first, so among blocks freed together the chain's tail is
-    reused first and the shared heads of prefixes live longest.
-    """
-
-    def __init__(self) -> None:
-        self._uncached: OrderedDict[int, None] = OrderedDict()
-        self._cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
-
-    def add(self, block_id: int, cached: bool) -> None:
-        (self._cached if cached else self._uncached)[block_id] = None
-
-    def remove(self, block_id: int) -> None:
-        if block_id in self._cached:
-            del self._cached[block_id]
-        else:
-            del self._uncached[block_id]
-
-    def pop(self) -> int:
-        if self._uncached:
-            return self._uncached.popitem(last=False)[0]
-        if self._cached:
-            return self._cached.popitem(last=False)[0]
-        raise OutOfBlocksError("no free block to reuse")
-
-    def pop_many(self, count: int) -> list[int]:
-        if count > len(self):
-            raise OutOfBlocksError(f"{count} blocks wanted, {len(self)} free")
-        from_uncached = min(count, len(self._uncached))
-        pop_uncached, pop_cached = self._uncached.popitem, self._cached.popitem
-        return ([pop_uncached(False)[0] for _ in range(from_uncached)]
-                + [pop_cached(False)[0] for _ in range(count - from_uncached)])
-
-    def add_many(self, block_ids: list[int], cached: list[bool]) -> None:
-        uncached_set, cached_set = self._uncached, self._cached
-        for block_id, is_cached in zip(block_ids, cached):
-            if is_cached:
-                cached_set[block_id] = None
-            else:
-                uncached_set[block_id] = None
-
-    def filed_as_cached(self, block_id: int) -> bool:
-        return block_id in self._cached
-
-    def __iter__(self) -> Iterator[int]:
-        return chain(self._uncached, self._cached)
-
-    def __len__(self) -> int:
-        return len(self._uncached) + len(self._cached)
-
-
-#: Policies by name, for ``BlockManager(eviction=name)`` and the studies' ``--policy`` option.
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy}
+from kvlab.eviction.base import EvictionPolicy
 
 
 class _KeyedPolicy(EvictionPolicy):
@@ -234,5 +129,3 @@ class LFUPolicy(_KeyedPolicy):
         for block in blocks:
             hits.pop(block, None)
 
-
-POLICIES.update(fifo=FIFOPolicy, lfu=LFUPolicy)

@@ -1,0 +1,34 @@
+"""Small value types the block manager hands out: admission answers, events and prefix-cache counters."""
+
+import enum
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+
+class AllocStatus(enum.Enum):
+    """Answer of ``can_allocate``, ``can_swap_in`` and ``can_swap_out``."""
+    OK = "ok"        # fits now
+    LATER = "later"  # fits once other sequences free blocks
+    NEVER = "never"  # can never fit in this pool
+
+
+class Event(NamedTuple):
+    """One step of the manager's work, recorded when ``record_events=True`` (for timelines and teaching)."""
+    kind: str
+    seq_id: Optional[int] = None
+    block_id: Optional[int] = None
+    other: Optional[int] = None
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counters of ``allocate``'s prefix-cache lookups (a prompt's full blocks are queried)."""
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    queried_blocks: int = 0
+    hit_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens / queried tokens (0.0 before any query)."""
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
