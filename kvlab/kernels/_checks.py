@@ -3,21 +3,26 @@
 A Triton kernel trusts its inputs: an out-of-range block id or slot silently reads or writes someone
 else's memory. So every launcher checks its arguments here first and raises
 ``kvlab.errors.InvalidArgumentError`` saying what was wrong and what is allowed, before anything is
-written. Value checks are a handful of tensor reductions (no Python loops over elements), so they stay
-cheap on a GPU; the slower work of pinpointing the first bad entry only happens on the error path.
+written. Value checks are a handful of tensor reductions (no Python loops over tensor elements), so they
+stay cheap on a GPU; the slower work of pinpointing the first bad entry only happens on the error path.
 """
 
 import torch
 
-from kvlab.device import ON_GPU
+from kvlab.device import DEVICE, ON_GPU
 from kvlab.errors import InvalidArgumentError
+from kvlab.validation import check_number, check_optional_int, is_int
 
 #: Cache dtypes the kernels accept (bf16 only where it works, see ``check_cache_dtype``).
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-#: Tokens per block the kernels are tested with (powers of two: a block is one ``tl.arange`` tile).
-SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)
-#: Head dims the kernels are tested with; non-powers of two (80, 96) run on a padded, masked tile.
-SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
+#: Tokens per block the kernels accept: every power of two from 1 to 128 (vLLM, FlashInfer and SGLang use 1
+#: and 128 too). Kernels find each token's block by division (slot // block_size), so no tile depends on it.
+SUPPORTED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+#: Head dims the kernels accept: any from 16 to 256. Kernels work on a power-of-two tile of at least 16 (the
+#: smallest ``tl.dot`` operand) and mask the padding, so 80, 96 or 17 run on a tile of 128, 128 or 32.
+SUPPORTED_HEAD_DIMS = range(16, 257)
+#: What each dim of a cache ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` indexes, for messages.
+CACHE_DIM_NAMES = ("blocks", "K and V halves", "slots", "heads", "head_dim elements")
 
 
 def _fail(message: str):
@@ -30,6 +35,13 @@ def _dtype_name(dtype) -> str:
 
 def _dtype_names(dtypes) -> str:
     return ", ".join(_dtype_name(d) for d in dtypes)
+
+
+def _allowed(values) -> str:
+    """``values`` for a message: "1, 2, 4" or, for a range, "any int from 16 to 256"."""
+    if isinstance(values, range):
+        return f"any int from {values.start} to {values.stop - 1}"
+    return ", ".join(map(str, values))
 
 
 def _same_device(actual, wanted):
@@ -51,17 +63,35 @@ def check_tensor(t, name, *, ndim=None, dtypes=None, device=None, last_dim_conti
         _fail(f"{name} has dtype {_dtype_name(t.dtype)}; allowed: {_dtype_names(dtypes)}")
     if device is not None and not _same_device(t.device, torch.device(device)):
         _fail(f"{name} is on {t.device} but must be on {torch.device(device)}")
+    check_has_memory(t, name)
     if last_dim_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
         _fail(f"{name} must be contiguous in its last dim (stride 1), got strides {t.stride()}")
 
 
-def check_same_device(**tensors):
-    """All keyword tensors on one device, e.g. ``check_same_device(key=key, kv_cache=kv_cache)``."""
-    items = list(tensors.items())
-    first_name, first = items[0]
-    for name, t in items[1:]:
-        if t.device != first.device:
-            _fail(f"{name} is on {t.device} but {first_name} is on {first.device}; all inputs must be on one device")
+def check_has_memory(t, name):
+    """A meta tensor has a shape and a dtype but no memory: a kernel (or a value check) cannot read it."""
+    if t.device.type == "meta":
+        _fail(f"{name} is a meta tensor (shape and dtype only, no memory), but kernels read and write real "
+              f"memory: pass a real tensor (on {DEVICE})")
+
+
+def check_no_overlap(t, name, dim_names):
+    """No two indices of ``t`` may reach one element (else parallel writes race and reads see another slot's
+    data): no zero stride (``expand``), and no step along a dim landing inside what the smaller-stride dims
+    span (an ``as_strided`` view where block i + 1 starts inside block i). Visiting dims from the smallest
+    stride up, each stride must exceed the largest offset the dims before it reach; then two different indices
+    differ by at least their largest differing dim's stride, more than the smaller dims can make up. Every
+    permuted or padded contiguous tensor passes; interleaved strides that happen not to collide (shape (3, 2),
+    strides (2, 3)) are refused too, which no real cache layout needs."""
+    shape, strides = tuple(t.shape), t.stride()
+    reach = 0  # largest offset reachable with the dims visited so far
+    for dim in sorted((dim for dim in range(t.dim()) if shape[dim] > 1), key=lambda dim: strides[dim]):
+        if strides[dim] <= reach:
+            step = "a zero stride" if strides[dim] == 0 else \
+                f"a stride of {strides[dim]}, inside the {reach + 1} elements its smaller-stride dims span"
+            _fail(f"{name} (shape {shape}, strides {strides}) gives its {dim_names[dim]} {step}, so they overlap "
+                  "in memory; allocate a real tensor (kvlab.kernels.allocate_kv_cache)")
+        reach += strides[dim] * (shape[dim] - 1)
 
 
 def check_kernel_device(t, name):
@@ -99,15 +129,12 @@ def check_kv_cache(kv_cache, name="kv_cache", *, arithmetic=True, block_sizes=SU
     if num_blocks < 1 or num_kv_heads < 1:
         _fail(f"{name} must have at least one block and one kv head, got shape {tuple(kv_cache.shape)}")
     if block_size not in block_sizes:
-        _fail(f"{name} has block_size {block_size}; supported: {', '.join(map(str, block_sizes))}")
+        _fail(f"{name} has block_size {block_size}; supported: {_allowed(block_sizes)}")
     if head_dim not in head_dims:
-        _fail(f"{name} has head_dim {head_dim}; supported: {', '.join(map(str, head_dims))}")
+        _fail(f"{name} has head_dim {head_dim}; supported: {_allowed(head_dims)}")
     if kv_cache.stride(-1) != 1:
         _fail(f"{name} must be contiguous in head_dim (stride 1), got strides {kv_cache.stride()}")
-    # A zero stride (an expand()ed tensor) makes distinct slots alias one memory location.
-    if any(stride == 0 for stride, size in zip(kv_cache.stride(), kv_cache.shape) if size > 1):
-        _fail(f"{name} has a zero stride {kv_cache.stride()}: its slots alias each other; "
-              "allocate a real tensor (kvlab.kernels.cache.allocate_kv_cache)")
+    check_no_overlap(kv_cache, name, CACHE_DIM_NAMES)
     return num_blocks, block_size, num_kv_heads, head_dim
 
 
@@ -191,15 +218,11 @@ def check_query(query, kv_cache, name="query"):
 
 
 def check_attention_options(scale=None, sliding_window=None, soft_cap=None):
-    """``scale`` and ``soft_cap``: None or a positive finite number; ``sliding_window``: None or an int >= 1."""
-    for name, value in (("scale", scale), ("soft_cap", soft_cap)):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-            _fail(f"{name} must be None or a positive finite number, got {value!r}")
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                       or sliding_window < 1):
-        _fail(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    """``scale`` and ``soft_cap``: None or a positive finite number; ``sliding_window``: None or an int >= 1.
+    Returns them normalised (floats, an int; None stays None)."""
+    scale, soft_cap = (None if value is None else check_number(name, value, 0, min_open=True)
+                       for name, value in (("scale", scale), ("soft_cap", soft_cap)))
+    return scale, check_optional_int("sliding_window", sliding_window, 1), soft_cap
 
 
 def check_slot_mapping(slot_mapping, num_tokens, num_slots, *, device=None):
@@ -223,6 +246,28 @@ def check_slot_mapping(slot_mapping, num_tokens, num_slots, *, device=None):
         _fail(f"slot {slot} is the target of tokens {tokens}; each slot may be written by at most one token")
 
 
+def _int_pairs(block_mapping):
+    """A sequence of (src, dst) pairs as a list of int 2-tuples. Every id must be an int: torch.tensor would
+    silently truncate 1.7 to 1 and turn True into 1."""
+    message = "block_mapping must be (src, dst) pairs: a list of int pairs or an int32/int64 [n, 2] tensor"
+    try:
+        rows = list(block_mapping)
+    except TypeError:
+        _fail(f"{message}; got {type(block_mapping).__name__}")
+    pairs = []
+    for i, row in enumerate(rows):
+        try:
+            src, dst = row
+        except (TypeError, ValueError):
+            src = dst = None
+        if not (is_int(src) and is_int(dst)):
+            _fail(f"{message}; block_mapping[{i}] is {row!r}")
+        if not all(-2**63 <= block < 2**63 for block in (src, dst)):
+            _fail(f"block_mapping[{i}] is {row!r}; block ids are int64")
+        pairs.append((int(src), int(dst)))
+    return pairs
+
+
 def check_block_mapping(block_mapping, num_src_blocks, num_dst_blocks, *, device, same_cache):
     """Turn (src, dst) pairs (a list of pairs or an int tensor ``[n, 2]``) into int64 ``[n, 2]`` on ``device``.
 
@@ -231,14 +276,10 @@ def check_block_mapping(block_mapping, num_src_blocks, num_dst_blocks, *, device
     in parallel, so a block being read while it is overwritten would give an order-dependent result.
     """
     if isinstance(block_mapping, torch.Tensor):
+        check_has_memory(block_mapping, "block_mapping")
         pairs = block_mapping
     else:
-        try:
-            pairs = torch.tensor(list(block_mapping), dtype=torch.int64)
-        except (TypeError, ValueError, RuntimeError):
-            _fail("block_mapping must be a list of (src, dst) int pairs or an int tensor [n, 2]")
-        if pairs.numel() == 0:
-            pairs = pairs.reshape(0, 2)
+        pairs = torch.tensor(_int_pairs(block_mapping), dtype=torch.int64).reshape(-1, 2)
     if pairs.dtype not in (torch.int32, torch.int64) or pairs.dim() != 2 or pairs.shape[1] != 2:
         _fail(f"block_mapping must be (src, dst) pairs: an int32/int64 [n, 2] tensor or a list of pairs; "
               f"got {_dtype_name(pairs.dtype)} of shape {tuple(pairs.shape)}")

@@ -2,18 +2,21 @@
 
 Memory comes from ``torch.empty`` on purpose: a fresh cache holds garbage, exactly as on a real server, so
 tests can poison it (fill with NaN) and prove a kernel only touched the slots it was told to.
+
+Sizes are only checked to be positive ints (a budget may be planned for any shape); the kernels take block
+sizes ``_checks.SUPPORTED_BLOCK_SIZES`` (powers of two, 1 to 128) and head dims 16 to 256.
 """
 
 import torch
 
 from kvlab.errors import InvalidArgumentError
 from kvlab.kernels._checks import CACHE_DTYPES
+from kvlab.validation import check_int
 
 
-def _check_positive_ints(**values):
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+def _positive_ints(**values):
+    """The values, each checked to be an int >= 1 (NumPy ints become ``int``), in the order given."""
+    return [check_int(name, value, 1) for name, value in values.items()]
 
 
 def _check_dtype(dtype):
@@ -24,7 +27,8 @@ def _check_dtype(dtype):
 
 def bytes_per_block(num_layers, num_kv_heads, head_dim, *, block_size=16, dtype) -> int:
     """Bytes one block id costs across the whole model: K and V for ``block_size`` tokens in every layer."""
-    _check_positive_ints(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+    num_layers, num_kv_heads, head_dim, block_size = _positive_ints(
+        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
     _check_dtype(dtype)
     element_size = torch.empty((), dtype=dtype).element_size()
     return num_layers * 2 * block_size * num_kv_heads * head_dim * element_size
@@ -32,8 +36,7 @@ def bytes_per_block(num_layers, num_kv_heads, head_dim, *, block_size=16, dtype)
 
 def num_blocks_for_budget(num_layers, num_kv_heads, head_dim, *, block_size=16, dtype, memory_budget_bytes) -> int:
     """How many blocks fit in ``memory_budget_bytes`` for this model shape (rounded down, may be 0)."""
-    if isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, int) or memory_budget_bytes < 0:
-        raise InvalidArgumentError(f"memory_budget_bytes must be an int >= 0, got {memory_budget_bytes!r}")
+    memory_budget_bytes = check_int("memory_budget_bytes", memory_budget_bytes, 0)
     per_block = bytes_per_block(num_layers, num_kv_heads, head_dim, block_size=block_size, dtype=dtype)
     return memory_budget_bytes // per_block
 
@@ -48,8 +51,7 @@ def _resolve_num_blocks(num_layers, num_kv_heads, head_dim, block_size, dtype, m
             per_block = bytes_per_block(num_layers, num_kv_heads, head_dim, block_size=block_size, dtype=dtype)
             raise InvalidArgumentError(f"memory_budget_bytes={memory_budget_bytes} holds no block; one block "
                                        f"needs {per_block} bytes for this model shape")
-    _check_positive_ints(num_blocks=num_blocks)
-    return num_blocks
+    return check_int("num_blocks", num_blocks, 1)
 
 
 def allocate_kv_cache(num_layers, num_kv_heads, head_dim, *, block_size=16, dtype, device, memory_budget_bytes=None,
@@ -58,7 +60,8 @@ def allocate_kv_cache(num_layers, num_kv_heads, head_dim, *, block_size=16, dtyp
 
     Give either ``num_blocks`` or ``memory_budget_bytes`` (then as many blocks as fit, counting all layers).
     """
-    _check_positive_ints(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+    num_layers, num_kv_heads, head_dim, block_size = _positive_ints(
+        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
     _check_dtype(dtype)
     num_blocks = _resolve_num_blocks(num_layers, num_kv_heads, head_dim, block_size, dtype, memory_budget_bytes,
                                      num_blocks)
@@ -73,8 +76,9 @@ def allocate_cpu_cache(num_layers, num_kv_heads, head_dim, *, num_blocks, block_
     ``pin_memory`` (default: whenever CUDA is available) page-locks the host memory so that GPU<->CPU copies
     are real asynchronous DMA; pageable memory would make every swap a synchronous staged copy.
     """
-    _check_positive_ints(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-                         num_blocks=num_blocks)
+    num_layers, num_kv_heads, head_dim, block_size, num_blocks = _positive_ints(
+        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+        num_blocks=num_blocks)
     _check_dtype(dtype)
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()

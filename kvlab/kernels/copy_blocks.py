@@ -19,7 +19,14 @@ import triton.language as tl
 
 from kvlab.device import ON_GPU  # before any @triton.jit: selects the interpreter when there is no GPU
 from kvlab.errors import InvalidArgumentError
-from kvlab.kernels._checks import CACHE_DTYPES, check_block_mapping, check_kv_cache, check_tensor
+from kvlab.kernels._checks import (
+    CACHE_DIM_NAMES,
+    CACHE_DTYPES,
+    check_block_mapping,
+    check_kv_cache,
+    check_no_overlap,
+    check_tensor,
+)
 
 #: Largest [heads, head_dim] tile one program copies per token; wider caches split heads over grid axis 2.
 #: 4096 keeps a 4-warp program at 32 values per thread (eight 16-byte fp32 accesses): ptxas needs 72 registers
@@ -139,7 +146,8 @@ def swap_blocks(src, dst, block_mapping):
 
     Copies are queued asynchronously on the current CUDA stream. When ``dst`` is in host memory this waits
     for them, so the caller can read ``dst`` at once; copies into a GPU ``dst`` stay queued, and every later
-    kernel on the stream sees them.
+    kernel on the stream sees them. On bad input (shapes, dtypes, meta or overlapping caches, the mapping)
+    raises InvalidArgumentError before copying anything.
     """
     check_tensor(src, "src", ndim=5, dtypes=CACHE_DTYPES)
     check_tensor(dst, "dst", ndim=5, dtypes=(src.dtype,))
@@ -147,6 +155,8 @@ def swap_blocks(src, dst, block_mapping):
         raise InvalidArgumentError(
             f"src {tuple(src.shape)} and dst {tuple(dst.shape)} must both be [num_blocks, 2, block_size, "
             "num_kv_heads, head_dim] caches with the same block shape")
+    for cache, name in ((src, "src"), (dst, "dst")):
+        check_no_overlap(cache, name, CACHE_DIM_NAMES)
     if src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr() and src.device == dst.device:
         raise InvalidArgumentError("src and dst share memory; swap_blocks moves blocks between two caches "
                                    "(use copy_blocks for copies inside one cache)")

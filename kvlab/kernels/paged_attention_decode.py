@@ -15,8 +15,8 @@ Design
   sequence's tiles and writes its partial (running max, sum, unnormalised accumulator); ``split_k_reduce``
   merges them. Without it, the one partition normalises and writes the output directly.
 
-The jit helpers (``load_kv_tile``, ``attention_scores``, ``online_softmax_step``) are shared with
-``paged_prefill``.
+The tile helpers (``load_kv_tile``, ``attention_scores``, ``online_softmax_step``) live in
+``attention_tiles``, shared with ``paged_prefill``.
 """
 
 import torch
@@ -32,12 +32,10 @@ from kvlab.kernels._checks import (
     check_query,
     check_seq_lens,
 )
+from kvlab.kernels.attention_tiles import NEG_BIG, attention_scores, load_kv_tile, online_softmax_step
 from kvlab.kernels.split_k_reduce import split_k_reduce
+from kvlab.validation import is_int
 
-LOG2E = tl.constexpr(1.4426950408889634)
-#: Finite stand-in for -inf as the running max's start value: exp2(-inf - (-inf)) would be NaN for a row
-#: whose first tiles are all masked, exp2(-inf - NEG_BIG) is a clean 0.
-NEG_BIG = tl.constexpr(-1.0e30)
 #: Tokens per K/V tile on a GPU, and in the interpreter, whose cost is per op (small tiles also let tests
 #: cross blocks). ``decode_launch_config`` picks between them and knows the exception (fp32 head_dim 256 on
 #: pre-Ampere GPUs).
@@ -47,49 +45,6 @@ DECODE_TILE_N = GPU_TILE_N if ON_GPU else INTERPRETER_TILE_N
 #: A partition shorter than this many tokens costs more to write out and reduce than it saves.
 MIN_PARTITION_TOKENS = 256
 MAX_PARTITIONS = 64
-
-
-@triton.jit
-def soft_cap_scores(s, cap):
-    """cap * tanh(s / cap). tl has no tanh; 1 - 2 / (exp(2x) + 1) is exact at both ends (exp -> inf gives 1,
-    exp -> 0 gives -1), so large scores saturate instead of overflowing to NaN."""
-    return cap * (1.0 - 2.0 / (tl.exp(2.0 * s / cap) + 1.0))
-
-
-@triton.jit
-def load_kv_tile(kv_cache_ptr, block_table_row_ptr, stride_bt_col, head_offset, pos, pos_ok, d, d_ok,
-                 stride_c_block, stride_c_kv, stride_c_slot, BLOCK_SIZE: tl.constexpr):
-    """K and V of the tokens at positions ``pos [TILE_N]`` of one sequence and KV head, each
-    ``[TILE_N, BLOCK_D]``; zeros where ``pos_ok`` or ``d_ok`` is false (nothing is read there)."""
-    block_ids = tl.load(block_table_row_ptr + (pos // BLOCK_SIZE) * stride_bt_col, mask=pos_ok, other=0)
-    slot = block_ids.to(tl.int64) * stride_c_block + (pos % BLOCK_SIZE).to(tl.int64) * stride_c_slot
-    ptrs = kv_cache_ptr + (slot + head_offset)[:, None] + d[None, :]
-    mask = pos_ok[:, None] & d_ok[None, :]
-    k = tl.load(ptrs, mask=mask, other=0.0)
-    v = tl.load(ptrs + stride_c_kv, mask=mask, other=0.0)
-    return k, v
-
-
-@triton.jit
-def attention_scores(q, k, scale, soft_cap, USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Scores of ``q [ROWS, BLOCK_D]`` against ``k [TILE_N, BLOCK_D]`` in log2 units, fp32 ``[ROWS, TILE_N]``."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-    if USE_SOFT_CAP:
-        s = soft_cap_scores(s, soft_cap)
-    return s * LOG2E
-
-
-@triton.jit
-def online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION: tl.constexpr):
-    """Fold one tile of masked scores ``s [ROWS, TILE_N]`` (-inf = hidden) and values ``v [TILE_N, BLOCK_D]``
-    into the running max ``m_i``, sum ``l_i`` and unnormalised output ``acc``: everything so far is rescaled
-    by exp2(old max - new max), so the result equals a softmax over all tiles at once."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
 
 
 @triton.jit
@@ -180,10 +135,10 @@ def _resolve_split_k(split_k, num_seqs, num_kv_heads, context_len, num_sms):
             return 1
         n = choose_num_partitions(num_seqs, num_kv_heads, context_len, num_sms)
         return max(n, 2) if split_k else n
-    if not isinstance(split_k, int) or not 1 <= split_k <= 1024:
+    if not is_int(split_k) or not 1 <= split_k <= 1024:
         raise InvalidArgumentError(f"split_k must be None (auto), True, False or an int number of partitions "
                                    f"in [1, 1024], got {split_k!r}")
-    return split_k
+    return int(split_k)
 
 
 def decode_launch_config(num_seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, max_seq_len,
@@ -227,7 +182,7 @@ def paged_attention_decode(query, kv_cache, block_tables, seq_lens, scale=None, 
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
     num_heads = check_query(query, kv_cache)
-    check_attention_options(scale, sliding_window, soft_cap)
+    scale, sliding_window, soft_cap = check_attention_options(scale, sliding_window, soft_cap)
     num_seqs = query.shape[0]
     max_seq_len = check_seq_lens(seq_lens, num_seqs, device=kv_cache.device, min_len=1)
     check_block_tables(block_tables, num_seqs, num_blocks, seq_lens, block_size)
@@ -246,7 +201,7 @@ def paged_attention_decode(query, kv_cache, block_tables, seq_lens, scale=None, 
                 for extra in ((), (), (head_dim,))] if config["SPLIT"] else [out, out, out]  # unused when not split
     paged_attention_decode_kernel[grid](
         out, *partials, query, kv_cache, block_tables, seq_lens,
-        head_dim ** -0.5 if scale is None else float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
+        head_dim ** -0.5 if scale is None else scale, soft_cap or 0.0, sliding_window or 0,
         num_heads, num_partitions,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),

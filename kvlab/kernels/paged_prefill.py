@@ -16,8 +16,8 @@ Design
 * A tile's queries sit at positions [first, last]; query i sees keys j with j <= i (and i - j < W with a
   sliding window). The program visits only key tiles overlapping [first - W + 1, last]: tiles beyond the
   causal diagonal or wholly before the window are skipped, and the mask handles the partial ones.
-* K/V are fetched and the softmax is folded with the decode kernel's helpers (per-token block lookup, so any
-  block size works; online softmax in fp32).
+* K/V are fetched and the softmax is folded with the helpers of ``attention_tiles``, shared with decode
+  (per-token block lookup, so any block size works; online softmax in fp32).
 """
 
 import torch
@@ -34,12 +34,7 @@ from kvlab.kernels._checks import (
     check_seq_lens,
     check_tensor,
 )
-from kvlab.kernels.paged_attention_decode import (
-    NEG_BIG,
-    attention_scores,
-    load_kv_tile,
-    online_softmax_step,
-)
+from kvlab.kernels.attention_tiles import NEG_BIG, attention_scores, load_kv_tile, online_softmax_step
 
 
 def prefill_launch_config(num_heads, num_kv_heads, head_dim, block_size, dtype, capability=None,
@@ -167,7 +162,7 @@ def paged_prefill(query, kv_cache, block_tables, seq_lens, cu_query_lens, scale=
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
     num_heads = check_query(query, kv_cache)
-    check_attention_options(scale, sliding_window, soft_cap)
+    scale, sliding_window, soft_cap = check_attention_options(scale, sliding_window, soft_cap)
     check_tensor(seq_lens, "seq_lens", ndim=1)
     num_seqs = seq_lens.shape[0]
     check_seq_lens(seq_lens, num_seqs, device=kv_cache.device, min_len=1)
@@ -185,7 +180,7 @@ def paged_prefill(query, kv_cache, block_tables, seq_lens, cu_query_lens, scale=
         return out
     paged_prefill_kernel[(tile_map.shape[0], num_kv_heads)](
         out, query, kv_cache, block_tables, seq_lens, cu_query_lens, tile_map,
-        head_dim ** -0.5 if scale is None else float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
+        head_dim ** -0.5 if scale is None else scale, soft_cap or 0.0, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), block_tables.stride(1),

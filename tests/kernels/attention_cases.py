@@ -25,6 +25,18 @@ CONFIGS = [
     pytest.param(16, 2, 80, 16, F16, "padded", id="gqa8-d80-b16-fp16"),
 ]
 
+# Every block size CONFIGS leaves out (1, 2, 4, 64, 128) and head dims at and between the ends of the supported
+# range (16 = the smallest tl.dot tile; 17, 48, 200 and 255 run on padded, masked tiles of 32, 64 and 256), with
+# odd GQA ratios. Same columns as CONFIGS; few KV heads, since the interpreter's cost grows with the programs.
+GEOMETRIES = [
+    pytest.param(2, 1, 16, 1, F32, "kv_major", id="gqa2-d16-b1-fp32"),
+    pytest.param(3, 1, 17, 2, F16, "padded", id="gqa3-d17-b2-fp16"),
+    pytest.param(6, 2, 48, 4, F32, "contiguous", id="gqa3-d48-b4-fp32"),
+    pytest.param(2, 1, 200, 64, F16, "kv_major", id="gqa2-d200-b64-fp16"),
+    pytest.param(4, 1, 255, 128, F32, "padded", id="gqa4-d255-b128-fp32"),
+    pytest.param(1, 1, 16, 128, F16, "contiguous", id="mha-d16-b128-fp16"),
+]
+
 TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
 
 

@@ -69,18 +69,26 @@ class Attention:
 
 LONG, SHORT = (1, 32768), (4, 1024)  # one long sequence: many partitions (CHUNK_P 16); a small batch: a few
 # (dtype, head_dim, block_size, num_kv_heads); 64 heads x 256 dims splits heads over the grid (MAX_TILE_ELEMENTS).
+# Then the other block sizes (1 to 128: copy_blocks loops over a block's slots) with head dims at the ends of the
+# supported range and padded ones (17: rows no longer 16-byte aligned; 24 and 200 on tiles of 32 and 256).
 COPY_CASES = ([(dtype, head_dim, 16, 8) for dtype in DTYPES for head_dim in HEAD_DIMS]
-              + [("fp16", 128, 8, 8), ("bf16", 80, 32, 8), ("fp32", 256, 16, 64)])
+              + [("fp16", 128, 8, 8), ("bf16", 80, 32, 8), ("fp32", 256, 16, 64)]
+              + [("fp16", 16, 1, 8), ("bf16", 17, 2, 8), ("fp32", 24, 4, 8), ("fp16", 200, 64, 8),
+                 ("fp32", 16, 128, 8)])
 # Every dtype x head dim; MHA; block sizes 8 and 32; the window and soft-cap constexprs alone and together
-# (soft cap on the largest fp32 tile), and with split-K below.
+# (soft cap on the largest fp32 tile), and with split-K below. Then head dim 16 (the smallest tl.dot operand:
+# BLOCK_D 16) in every dtype and the unaligned 17, over block sizes 1 to 128 (split-K: block sizes 4 and 128).
 ATTENTION_CASES = ([Attention(dtype, head_dim) for dtype in DTYPES for head_dim in HEAD_DIMS]
                    + [Attention(dtype, 128, group=1) for dtype in DTYPES]
                    + [Attention("fp16", 128, block_size=8), Attention("bf16", 64, block_size=32),
                       Attention("bf16", 128, group=1, window=True), Attention("fp32", 256, soft_cap=True),
-                      Attention("fp16", 80, window=True, soft_cap=True)])
+                      Attention("fp16", 80, window=True, soft_cap=True)]
+                   + [Attention("fp16", 16, block_size=1), Attention("fp32", 16, block_size=128),
+                      Attention("bf16", 16, group=1, block_size=64), Attention("fp16", 17, block_size=2, window=True)])
 SPLIT_CASES = [Attention("fp16", 128, split=LONG), Attention("bf16", 80, split=SHORT),
                Attention("fp32", 256, split=LONG), Attention("bf16", 256, group=1, split=LONG),
-               Attention("fp16", 64, split=SHORT, window=True, soft_cap=True)]
+               Attention("fp16", 64, split=SHORT, window=True, soft_cap=True),
+               Attention("fp32", 16, block_size=128, split=SHORT), Attention("fp16", 17, block_size=4, split=LONG)]
 
 
 def _cache(dtype, head_dim, block_size, num_kv_heads):

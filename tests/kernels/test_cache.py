@@ -1,11 +1,14 @@
 """Cache allocation: sizes from a memory budget, layout, and refusals."""
 
+import numpy as np
 import pytest
 import torch
 
 from kvlab.device import DEVICE
 from kvlab.errors import InvalidArgumentError
 from kvlab.kernels.cache import allocate_cpu_cache, allocate_kv_cache, bytes_per_block, num_blocks_for_budget
+from kvlab.kernels.reshape_and_cache import reshape_and_cache
+from kvlab.reference import reshape_and_cache_ref
 
 
 def test_bytes_per_block_counts_k_and_v_in_every_layer():
@@ -43,14 +46,38 @@ def test_allocate_kv_cache_from_a_budget_fills_it():
     ({"num_blocks": 4, "memory_budget_bytes": 1 << 20}, "exactly one"),
     ({"memory_budget_bytes": 100}, "holds no block; one block needs 8192 bytes"),
     ({"memory_budget_bytes": -1}, "memory_budget_bytes must be an int >= 0"),
-    ({"num_blocks": 0}, "num_blocks must be a positive int"),
+    ({"memory_budget_bytes": 1e9}, "memory_budget_bytes must be an int >= 0, got 1000000000.0"),
+    ({"num_blocks": 0}, "num_blocks must be an int >= 1, got 0"),
+    ({"num_blocks": 4.0}, "num_blocks must be an int >= 1, got 4.0"),
+    ({"num_blocks": True}, "num_blocks must be an int >= 1, got True"),
     ({"num_blocks": 4, "dtype": torch.int8}, "not a cache dtype"),
-    ({"num_blocks": 4, "block_size": 0}, "block_size must be a positive int"),
+    ({"num_blocks": 4, "block_size": 0}, "block_size must be an int >= 1, got 0"),
 ])
 def test_allocate_kv_cache_rejects(kwargs, match):
     kwargs = {"dtype": torch.float16, "device": DEVICE, **kwargs}
     with pytest.raises(InvalidArgumentError, match=match):
         allocate_kv_cache(1, 2, 64, **kwargs)
+
+
+def test_numpy_ints_are_sizes_too():
+    (cache,) = allocate_kv_cache(np.int64(1), np.int32(3), np.int64(16), block_size=np.int64(4), dtype=torch.float32,
+                                 device=DEVICE, num_blocks=np.int64(2))
+    assert cache.shape == (2, 2, 4, 3, 16)
+    budget = np.int64(2 * 1536 + 5)  # 1536 bytes a block
+    assert num_blocks_for_budget(1, 3, 16, block_size=4, dtype=torch.float32, memory_budget_bytes=budget) == 2
+
+
+@pytest.mark.parametrize("block_size, head_dim", [(1, 16), (128, 256)])
+def test_caches_at_the_ends_of_the_supported_sizes_take_kernel_writes(randn, assert_bitwise_equal, block_size,
+                                                                     head_dim):
+    (cache,) = allocate_kv_cache(1, 1, head_dim, block_size=block_size, dtype=torch.float16, device=DEVICE,
+                                 num_blocks=3)
+    cache.fill_(float("nan"))
+    expected = cache.clone()
+    key, value = randn(2, 1, head_dim, dtype=torch.float16), randn(2, 1, head_dim, dtype=torch.float16)
+    slots = torch.tensor([2, 0], device=DEVICE)
+    reshape_and_cache(key, value, cache, slots)
+    assert_bitwise_equal(cache, reshape_and_cache_ref(key, value, expected, slots))
 
 
 def test_allocate_cpu_cache_lives_on_the_host_pinned_when_cuda_exists():

@@ -1,8 +1,13 @@
 """The shared launcher validation: good inputs pass (and return what launchers need), every kind of bad
 input raises InvalidArgumentError with a message naming the problem."""
 
+import itertools
+
+import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvlab.device import DEVICE, ON_GPU
 from kvlab.errors import InvalidArgumentError
@@ -22,16 +27,11 @@ def test_check_tensor_accepts_a_matching_tensor():
     ({"device": "cpu"}, torch.zeros(3, device=OTHER_DEVICE), "x is on meta but must be on cpu"),
     ({}, torch.zeros(4, 6)[:, ::2], "contiguous in its last dim"),
     ({}, [1.0, 2.0], "must be a torch.Tensor, got list"),
+    ({}, torch.zeros(3, device="meta"), "x is a meta tensor .* kernels read and write real memory"),
 ])
 def test_check_tensor_rejects(kwargs, bad, match):
     with pytest.raises(InvalidArgumentError, match=match):
         checks.check_tensor(bad, "x", **kwargs)
-
-
-def test_check_same_device_names_both_tensors():
-    checks.check_same_device(a=torch.zeros(1), b=torch.zeros(2))
-    with pytest.raises(InvalidArgumentError, match="key is on meta but kv_cache is on cpu"):
-        checks.check_same_device(kv_cache=torch.zeros(1), key=torch.zeros(1, device=OTHER_DEVICE))
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "padded", "kv_major"])
@@ -40,11 +40,28 @@ def test_check_kv_cache_returns_geometry_for_any_strides(make_cache, layout):
     assert checks.check_kv_cache(cache) == (5, 16, 3, 80)
 
 
+@pytest.mark.parametrize("block_size", checks.SUPPORTED_BLOCK_SIZES)
+def test_check_kv_cache_accepts_every_power_of_two_block_size_up_to_128(block_size):
+    assert checks.SUPPORTED_BLOCK_SIZES == (1, 2, 4, 8, 16, 32, 64, 128)
+    assert checks.check_kv_cache(torch.zeros(3, 2, block_size, 1, 16, device=DEVICE)) == (3, block_size, 1, 16)
+
+
+@pytest.mark.parametrize("head_dim", [16, 17, 24, 80, 96, 200, 255, 256])
+def test_check_kv_cache_accepts_head_dims_from_16_to_256(head_dim):
+    assert checks.check_kv_cache(torch.zeros(3, 2, 4, 1, head_dim, device=DEVICE)) == (3, 4, 1, head_dim)
+
+
+ALLOWED_BLOCK_SIZES = "supported: 1, 2, 4, 8, 16, 32, 64, 128"
+
+
 @pytest.mark.parametrize("shape, dtype, match", [
     ((5, 2, 16, 3), torch.float32, "must be 5-D"),
     ((5, 3, 16, 2, 64), torch.float32, r"dim 1 is 3, not 2"),
-    ((5, 2, 12, 2, 64), torch.float32, "block_size 12; supported: 8, 16, 32, 64"),
-    ((5, 2, 16, 2, 72), torch.float32, "head_dim 72; supported: 32, 64, 80"),
+    ((5, 2, 12, 2, 64), torch.float32, f"block_size 12; {ALLOWED_BLOCK_SIZES}"),
+    ((5, 2, 3, 2, 64), torch.float32, f"block_size 3; {ALLOWED_BLOCK_SIZES}"),
+    ((5, 2, 256, 2, 64), torch.float32, f"block_size 256; {ALLOWED_BLOCK_SIZES}"),
+    ((5, 2, 16, 2, 15), torch.float32, "head_dim 15; supported: any int from 16 to 256"),
+    ((5, 2, 16, 2, 257), torch.float32, "head_dim 257; supported: any int from 16 to 256"),
     ((0, 2, 16, 2, 64), torch.float32, "at least one block"),
     ((5, 2, 16, 2, 64), torch.int32, "dtype int32; allowed: float32, float16, bfloat16"),
 ])
@@ -55,8 +72,43 @@ def test_check_kv_cache_rejects_bad_shapes_and_dtypes(shape, dtype, match):
 
 def test_check_kv_cache_rejects_aliased_slots():
     aliased = torch.zeros(1, 2, 1, 2, 64, device=DEVICE).expand(4, 2, 16, 2, 64)
-    with pytest.raises(InvalidArgumentError, match="zero stride"):
+    with pytest.raises(InvalidArgumentError, match="gives its blocks a zero stride"):
         checks.check_kv_cache(aliased)
+
+
+@pytest.mark.parametrize("strides, what", [
+    ((1000, 1024, 64, 32, 1), "blocks a stride of 1000, inside the 1024 elements"),  # block i+1 inside block i
+    ((2048, 512, 64, 32, 1), "K and V halves a stride of 512, inside the 1024 elements"),  # V inside K
+    ((2048, 1024, 48, 32, 1), "slots a stride of 48, inside the 64 elements"),  # slot j+1 inside slot j
+])
+def test_check_kv_cache_rejects_overlapping_strides(strides, what):
+    cache = torch.zeros(8192, device=DEVICE).as_strided((4, 2, 16, 2, 32), strides)
+    with pytest.raises(InvalidArgumentError, match=f"gives its {what} its smaller-stride dims span"):
+        checks.check_kv_cache(cache)
+
+
+def _offsets(shape, strides):
+    """Every element's offset, by brute force."""
+    return [sum(i * s for i, s in zip(index, strides)) for index in itertools.product(*map(range, shape))]
+
+
+@given(shape=st.lists(st.integers(1, 3), min_size=1, max_size=4), data=st.data())
+def test_check_no_overlap_rejects_every_tensor_whose_elements_share_memory(shape, data):
+    strides = data.draw(st.lists(st.integers(0, 12), min_size=len(shape), max_size=len(shape)))
+    t = torch.zeros(sum((n - 1) * s for n, s in zip(shape, strides)) + 1).as_strided(shape, strides)
+    offsets = _offsets(shape, strides)
+    if len(set(offsets)) < len(offsets):
+        with pytest.raises(InvalidArgumentError, match="overlap in memory"):
+            checks.check_no_overlap(t, "t", ["dim"] * len(shape))
+
+
+@given(shape=st.lists(st.integers(1, 4), min_size=5, max_size=5), padding=st.integers(0, 3), data=st.data())
+def test_check_no_overlap_accepts_every_permuted_and_padded_layout(shape, padding, data):
+    order = data.draw(st.permutations(range(5)))
+    storage = torch.zeros([shape[d] for d in order[:-1]] + [shape[order[-1]] + padding])
+    t = storage[..., :shape[order[-1]]].permute([order.index(d) for d in range(5)])
+    assert tuple(t.shape) == tuple(shape)
+    checks.check_no_overlap(t, "t", checks.CACHE_DIM_NAMES)
 
 
 def test_check_kv_cache_rejects_non_contiguous_head_dim():
@@ -142,10 +194,15 @@ def test_check_query(make_cache):
 
 
 def test_check_attention_options():
-    checks.check_attention_options(0.125, 64, 30.0)
-    for kwargs in ({"scale": 0.0}, {"scale": float("inf")}, {"soft_cap": -1.0}, {"scale": True},
-                   {"sliding_window": 0}, {"sliding_window": 2.5}):
-        with pytest.raises(InvalidArgumentError):
+    assert checks.check_attention_options(0.125, 64, 30.0) == (0.125, 64, 30.0)
+    assert checks.check_attention_options() == (None, None, None)
+    normalised = checks.check_attention_options(np.float32(0.5), np.int64(7), 2)
+    assert normalised == (0.5, 7, 2.0) and [type(v) for v in normalised] == [float, int, float]
+    for kwargs, match in (({"scale": 0.0}, "scale must be a finite number > 0, got 0.0"),
+                          ({"scale": float("inf")}, "scale"), ({"soft_cap": -1.0}, "soft_cap"),
+                          ({"scale": True}, "got True"), ({"sliding_window": 0}, "sliding_window must be an int >= 1"),
+                          ({"sliding_window": 2.5}, "got 2.5"), ({"sliding_window": True}, "got True")):
+        with pytest.raises(InvalidArgumentError, match=match):
             checks.check_attention_options(**kwargs)
 
 
@@ -175,10 +232,16 @@ def test_check_block_mapping_normalises_to_int64_pairs(mapping):
 
 
 @pytest.mark.parametrize("mapping, match", [
-    ([(0, 1, 2)], r"\(src, dst\) pairs"),
-    ([0, 1], r"\(src, dst\) pairs"),
+    ([(0, 1, 2)], r"\(src, dst\) pairs: .*; block_mapping\[0\] is \(0, 1, 2\)"),
+    ([0, 1], r"\(src, dst\) pairs: .*; block_mapping\[0\] is 0"),
+    (5, r"\(src, dst\) pairs: .*; got int"),
     (torch.tensor([[0.0, 1.0]]), "got float32 of shape"),
-    ([(0, "x")], "list of \\(src, dst\\) int pairs"),
+    ([(0, "x")], r"a list of int pairs .*; block_mapping\[0\] is \(0, 'x'\)"),
+    ([(0, 1), (2.9, 3)], r"block_mapping\[1\] is \(2.9, 3\)"),  # torch.tensor would make it (2, 3)
+    ([(True, 2)], r"block_mapping\[0\] is \(True, 2\)"),  # ... and this (1, 2)
+    ([(0, 1), (2**70, 3)], r"block_mapping\[1\] is \(1180591620717411303424, 3\); block ids are int64"),
+    (np.array([[0.0, 1.0]]), r"block_mapping\[0\] is array\(\[0., 1.\]\)"),
+    (torch.tensor([[0, 1]], device="meta"), "block_mapping is a meta tensor"),
     ([(4, 1)], r"block_mapping\[0\] has src block 4; src ids must be in \[0, 4\)"),
     ([(0, 1), (2, -1)], r"block_mapping\[1\] has dst block -1"),
     ([(0, 1), (2, 1)], "dst block 1 appears more than once"),
@@ -187,6 +250,11 @@ def test_check_block_mapping_normalises_to_int64_pairs(mapping):
 def test_check_block_mapping_rejects(mapping, match):
     with pytest.raises(InvalidArgumentError, match=match):
         checks.check_block_mapping(mapping, 4, 4, device=DEVICE, same_cache=True)
+
+
+def test_check_block_mapping_takes_numpy_int_pairs():
+    pairs = checks.check_block_mapping(np.array([[3, 1], [0, 2]]), 4, 4, device="cpu", same_cache=True)
+    assert pairs.dtype == torch.int64 and pairs.tolist() == [[3, 1], [0, 2]]
 
 
 def test_block_mapping_between_two_caches_may_reuse_ids():

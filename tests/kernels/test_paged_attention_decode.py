@@ -1,11 +1,12 @@
-"""paged_attention_decode against kvlab.reference on NaN-poisoned caches: GQA ratios 1/4/8, head dims incl.
-80, block sizes 8/16/32, split-K off/on/auto, sliding window, soft cap, strided inputs; bad input raises."""
+"""paged_attention_decode against kvlab.reference on NaN-poisoned caches: GQA ratios 1/3/4/8, every supported
+block size (1 to 128), head dims from 16 to 256 incl. padded ones (17, 48, 80, 200, 255), split-K off/on/auto,
+sliding window, soft cap, strided inputs; bad input raises."""
 
 import importlib
 
 import pytest
 import torch
-from attention_cases import CONFIGS, F16, F32, assert_close, build_case, strided_block_tables
+from attention_cases import CONFIGS, F16, F32, GEOMETRIES, assert_close, build_case, strided_block_tables
 
 from kvlab.device import DEVICE, ON_GPU
 from kvlab.errors import InvalidArgumentError
@@ -24,7 +25,6 @@ module = importlib.import_module("kvlab.kernels.paged_attention_decode")  # the 
 SEQ_LENS = [37, 1, 70, 16]
 
 
-
 @pytest.fixture
 def case(make_cache, random_block_tables):
     return lambda **kwargs: build_case(make_cache, random_block_tables, **kwargs)
@@ -37,6 +37,15 @@ def test_matches_reference(case, num_heads, num_kv_heads, head_dim, block_size, 
              block_size=block_size, dtype=dtype, layout=layout, strided_query=layout != "contiguous")
     out = paged_attention_decode(*c.args(), split_k=split_k)
     assert_close(out, paged_attention_decode_ref(*c.args()))
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size, dtype, layout", GEOMETRIES)
+def test_every_block_size_and_head_dim_range(case, num_heads, num_kv_heads, head_dim, block_size, dtype, layout):
+    c = case(seq_lens=SEQ_LENS, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+             block_size=block_size, dtype=dtype, layout=layout, strided_query=True)
+    expected = paged_attention_decode_ref(*c.args())
+    for split_k in (False, 3):
+        assert_close(paged_attention_decode(*c.args(), split_k=split_k), expected)
 
 
 @pytest.mark.skipif(not (ON_GPU and torch.cuda.is_bf16_supported()), reason="bf16 needs a GPU that supports it")
@@ -166,6 +175,22 @@ def test_bad_input_raises(case, name):
     args, kwargs = _bad(c, name)
     with pytest.raises(InvalidArgumentError):
         paged_attention_decode(*args, **kwargs)
+
+
+def test_meta_tensors_raise_instead_of_a_torch_traceback(case):
+    # Meta tensors have shapes but no memory: the launcher must say so, not crash reading seq_lens.
+    c = case(seq_lens=[13, 6], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8, dtype=F32)
+    with pytest.raises(InvalidArgumentError, match="kv_cache is a meta tensor .* real memory"):
+        paged_attention_decode(*(t.to("meta") for t in c.args()))
+
+
+def test_a_cache_with_overlapping_blocks_raises(case):
+    c = case(seq_lens=[13, 6], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8, dtype=F32)
+    q, cache, tables, lens = c.args()
+    # Block i + 1 starts a little past the middle of block i, inside its V half.
+    overlapping = cache.as_strided(cache.shape, (cache.stride(0) // 2 + 8, *cache.stride()[1:]))
+    with pytest.raises(InvalidArgumentError, match="gives its blocks a stride of .* overlap in memory"):
+        paged_attention_decode(q, overlapping, tables, lens)
 
 
 def test_bad_input_messages_say_what_is_allowed(case):

@@ -1,10 +1,11 @@
 """paged_prefill against kvlab.reference on NaN-poisoned caches: cached prefixes of any length, sequences of
-different lengths in one launch, GQA ratios 1/4/8, head dims incl. 80, block sizes 8/16/32, sliding window,
-soft cap, strided inputs; agreement with full prefill and with decode; bad input raises."""
+different lengths in one launch, GQA ratios 1/3/4/8, every supported block size (1 to 128), head dims from 16
+to 256 incl. padded ones (17, 48, 80, 200, 255), sliding window, soft cap, strided inputs; agreement with full
+prefill and with decode; bad input raises."""
 
 import pytest
 import torch
-from attention_cases import CONFIGS, F32, assert_close, build_case, strided_block_tables
+from attention_cases import CONFIGS, F32, GEOMETRIES, assert_close, build_case, strided_block_tables
 
 from kvlab.device import DEVICE, ON_GPU
 from kvlab.errors import InvalidArgumentError
@@ -15,7 +16,6 @@ from kvlab.reference import paged_prefill_ref
 # (seq_len, q_len): a prefix hit, a 1-token sequence, a full prefill (no prefix), a sequence with no new
 # tokens, a decode-like single new token, a long prefix with several query tiles.
 SEQS = [(37, 10), (1, 1), (45, 45), (29, 0), (70, 1), (53, 20)]
-
 
 
 @pytest.fixture
@@ -31,6 +31,15 @@ def case(make_cache, random_block_tables):
 def test_matches_reference(case, num_heads, num_kv_heads, head_dim, block_size, dtype, layout):
     _, args = case(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
                    dtype=dtype, layout=layout, strided_query=layout != "contiguous")
+    assert_close(paged_prefill(*args), paged_prefill_ref(*args))
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size, dtype, layout", GEOMETRIES)
+def test_every_block_size_and_head_dim_range(case, num_heads, num_kv_heads, head_dim, block_size, dtype, layout):
+    # Fewer sequences than SEQS (the interpreter's cost grows with query tiles), still: a prefix hit over
+    # several query tiles, a 1-token sequence, a full prefill and a sequence with no new tokens.
+    _, args = case(seqs=[(53, 20), (1, 1), (30, 30), (9, 0)], num_heads=num_heads, num_kv_heads=num_kv_heads,
+                   head_dim=head_dim, block_size=block_size, dtype=dtype, layout=layout, strided_query=True)
     assert_close(paged_prefill(*args), paged_prefill_ref(*args))
 
 
@@ -131,6 +140,20 @@ def test_bad_options_raise(case, options, match):
     _, args = case(seqs=[(13, 5)], num_heads=2, num_kv_heads=1, head_dim=64, block_size=8, dtype=F32)
     with pytest.raises(InvalidArgumentError, match=match):
         paged_prefill(*args, **options)
+
+
+def test_meta_tensors_raise_instead_of_a_torch_traceback(case):
+    _, args = case(seqs=[(13, 5), (6, 6)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8, dtype=F32)
+    with pytest.raises(InvalidArgumentError, match="kv_cache is a meta tensor .* real memory"):
+        paged_prefill(*(t.to("meta") for t in args))
+
+
+def test_a_cache_with_overlapping_heads_raises(case):
+    _, (q, cache, tables, lens, cu) = case(seqs=[(13, 5)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8,
+                                           dtype=F32)
+    overlapping = cache.as_strided(cache.shape, (*cache.stride()[:3], 32, 1))  # head 1 starts mid-way into head 0
+    with pytest.raises(InvalidArgumentError, match="gives its heads a stride of 32, inside the 64 elements"):
+        paged_prefill(q, overlapping, tables, lens, cu)
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's bf16 limitation only applies on CPU")

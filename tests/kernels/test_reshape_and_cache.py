@@ -8,7 +8,7 @@ import torch
 
 from kvlab.device import DEVICE, ON_GPU
 from kvlab.errors import InvalidArgumentError
-from kvlab.kernels._checks import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS
+from kvlab.kernels._checks import SUPPORTED_BLOCK_SIZES
 from kvlab.kernels.reshape_and_cache import reshape_and_cache
 from kvlab.reference import reshape_and_cache_ref
 
@@ -44,12 +44,18 @@ def test_matches_reference(make_cache, randn, random_slot_mapping, assert_bitwis
                     block_size=block_size, num_kv_heads=3, head_dim=head_dim, dtype=dtype, layout=layout)
 
 
-@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+# The ends of the supported range, and padded ones (on tiles of 32, 128, 256).
+HEAD_DIMS = (16, 17, 64, 80, 128, 200, 256)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("block_size", SUPPORTED_BLOCK_SIZES)
 def test_every_supported_geometry(make_cache, randn, random_slot_mapping, assert_bitwise_equal, block_size,
                                   head_dim):
-    run_and_compare(make_cache, randn, random_slot_mapping, assert_bitwise_equal, num_tokens=5, num_blocks=3,
-                    block_size=block_size, num_kv_heads=1, head_dim=head_dim, dtype=torch.float16, num_skipped=1)
+    # At least 8 slots: room for the 5 tokens and for slots that must keep their NaN.
+    run_and_compare(make_cache, randn, random_slot_mapping, assert_bitwise_equal, num_tokens=5,
+                    num_blocks=max(3, 8 // block_size), block_size=block_size, num_kv_heads=1, head_dim=head_dim,
+                    dtype=torch.float16, num_skipped=1)
 
 
 def test_only_the_mapped_slots_change(make_cache, randn, random_slot_mapping, assert_bitwise_equal):
@@ -82,7 +88,7 @@ def test_all_skipped_and_empty_inputs_write_nothing(make_cache, randn, assert_bi
 
 BAD_INPUTS = ["key dtype", "key ndim", "key heads", "value tokens", "key strided dim", "key device", "slot dtype",
               "slot device", "slot range", "slot below -1", "duplicate slot", "slot count", "cache block size",
-              "cache layout"]
+              "cache head_dim", "cache layout"]
 
 
 def _bad_input(name, randn):
@@ -104,7 +110,10 @@ def _bad_input(name, randn):
         "slot below -1": (key, value, torch.tensor([0, -5, 1], device=DEVICE), None, r"slot_mapping\[1\] = -5"),
         "duplicate slot": (key, value, torch.tensor([7, 3, 7], device=DEVICE), None, "slot 7 is the target of tokens"),
         "slot count": (key, value, slots[:2], None, "slot_mapping has 2 entries but there are 3 tokens"),
-        "cache block size": (key, value, slots, (2, 2, 12, 2, 64), "block_size 12"),
+        "cache block size": (key, value, slots, (2, 2, 12, 2, 64),
+                             "block_size 12; supported: 1, 2, 4, 8, 16, 32, 64, 128"),
+        "cache head_dim": (key[..., :8], value[..., :8], slots, (4, 2, 8, 2, 8),
+                           "head_dim 8; supported: any int from 16 to 256"),
         "cache layout": (key, value, slots, (4, 8, 2, 2, 64), "dim 1 is 8, not 2"),
     }[name]
 
@@ -123,3 +132,21 @@ def test_bad_input_raises_and_writes_nothing(make_cache, randn, assert_bitwise_e
 def test_cache_must_be_a_tensor(randn):
     with pytest.raises(InvalidArgumentError, match="kv_cache must be a torch.Tensor"):
         reshape_and_cache(randn(1, 2, 64), randn(1, 2, 64), [0.0], torch.tensor([0], device=DEVICE))
+
+
+def test_meta_tensors_raise_instead_of_a_torch_traceback(randn):
+    key, value = randn(3, 2, 64).to("meta"), randn(3, 2, 64).to("meta")
+    cache = torch.empty(4, 2, 8, 2, 64, device="meta")
+    with pytest.raises(InvalidArgumentError, match="kv_cache is a meta tensor .* real memory"):
+        reshape_and_cache(key, value, cache, torch.tensor([0, 9, -1], device="meta"))
+
+
+@pytest.mark.parametrize("strides", [(512, 256, 32, 64, 1), (200, 256, 64, 32, 1)],
+                         ids=["slot-step-inside-a-head", "block-step-inside-a-block"])
+def test_a_cache_with_overlapping_strides_raises_and_writes_nothing(randn, strides):
+    # Views of one NaN buffer where different slots share memory: two tokens' writes would land on each other.
+    storage = torch.full((4096,), float("nan"), device=DEVICE)
+    cache = storage.as_strided((4, 2, 8, 2, 64), strides)
+    with pytest.raises(InvalidArgumentError, match="overlap in memory"):
+        reshape_and_cache(randn(3, 2, 64), randn(3, 2, 64), cache, torch.tensor([0, 9, 17], device=DEVICE))
+    assert storage.isnan().all()
