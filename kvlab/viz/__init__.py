@@ -1,10 +1,11 @@
 """Matplotlib pictures of a live BlockManager: tokens in logical blocks, the pool, the block tables, the
-event timeline, and a step-through of recorded snapshots.
+event timeline, a step-through of recorded snapshots, and a serving engine's step timeline.
 
 Every drawing takes a manager (plus the sequences whose tables to draw) or a recorded ``snapshot``, and an
 optional Axes; it returns the Axes (``ax.figure`` is the Figure) and never calls ``plt.show()``.
 """
 
+from kvlab.viz.engine_timeline import draw_engine_timeline
 from kvlab.viz.pool import draw_block_tables, draw_pool
 from kvlab.viz.snapshot import STATE_COLORS, STATE_NAMES, PoolView, TableView, snapshot
 from kvlab.viz.timeline import EVENT_KINDS, draw_timeline, event_label
@@ -13,4 +14,4 @@ from kvlab.viz.widget import show_steps, snapshot_grid, step_widget
 
 __all__ = ["draw_tokens", "draw_pool", "draw_block_tables", "draw_timeline", "snapshot", "snapshot_grid",
            "step_widget", "show_steps", "event_label", "PoolView", "TableView", "STATE_COLORS", "STATE_NAMES",
-           "EVENT_KINDS"]
+           "EVENT_KINDS", "draw_engine_timeline"]

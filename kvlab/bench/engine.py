@@ -1,0 +1,206 @@
+"""Engine throughput: kvlab.engine against Hugging Face ``generate`` (static batches, no paging) on the same
+requests. ``python -m kvlab.bench engine [--model DIR] [--quick]``.
+
+Workloads (random token ids from ``--seed``, every request runs to its own output length, EOS ignored):
+  random         nano-vllm's benchmark: many requests, prompt and output lengths uniform at random;
+  shared-prefix  every prompt starts with the same long system prompt, then a short random suffix.
+The engine runs each with prefix caching on and off; HF generate runs each once, in batches of
+``--hf-batch-size`` requests padded to the batch's longest prompt and output. Reported per run: generated
+tokens/s, total (prompt + generated) tokens/s, peak KV memory (engine: blocks in use at the fullest step;
+HF: the largest batch's padded cache) and the prefix hit rate.
+
+On a GPU: ``--model DIR`` (a local Llama/Qwen3 directory, e.g. Qwen3-0.6B downloaded with huggingface_hub)
+or, without it, a random model of Qwen3-0.6B's shape in bf16; 256 requests, prompts 100-1024 tokens,
+outputs 100-1024. Without a GPU the kernels run in the Triton interpreter, so the default is a tiny random
+model (2 layers, hidden 64) and 16 short requests: the numbers show the engine working, not its speed.
+Writes ``<out-dir>/<device>.csv`` (default ``data/bench/engine/``; notebook 09 plots it).
+"""
+
+import argparse
+import gc
+import platform
+import random
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from kvlab.device import ON_GPU
+
+CPU_WORKLOAD = dict(requests=16, input_len=(8, 48), output_len=(4, 16), prefix_len=64, suffix_len=(4, 16))
+GPU_WORKLOAD = dict(requests=256, input_len=(100, 1024), output_len=(100, 1024), prefix_len=1024,
+                    suffix_len=(32, 256))
+
+
+def device_name() -> str:
+    """File-name-safe name of the machine the numbers come from: the GPU, else the CPU model."""
+    if ON_GPU:
+        name = torch.cuda.get_device_name()
+    else:
+        name = platform.processor() or platform.machine()
+        cpuinfo = Path("/proc/cpuinfo")
+        if cpuinfo.is_file():
+            models = re.findall(r"model name\s*:\s*(.+)", cpuinfo.read_text())
+            name = f"cpu {models[0]}" if models else name
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
+
+
+def make_workloads(vocab: int, seed: int, spec: dict) -> dict:
+    """name -> (prompts, output lengths)."""
+    rng = random.Random(seed)
+    n = spec["requests"]
+
+    def tokens(k):
+        return [rng.randrange(vocab) for _ in range(k)]
+
+    random_prompts = [tokens(rng.randint(*spec["input_len"])) for _ in range(n)]
+    random_outputs = [rng.randint(*spec["output_len"]) for _ in range(n)]
+    system = tokens(spec["prefix_len"])
+    shared_prompts = [system + tokens(rng.randint(*spec["suffix_len"])) for _ in range(n)]
+    shared_outputs = [rng.randint(*spec["output_len"]) for _ in range(n)]
+    return {"random": (random_prompts, random_outputs), "shared-prefix": (shared_prompts, shared_outputs)}
+
+
+def sync():
+    if ON_GPU:
+        torch.cuda.synchronize()
+
+
+def release_device_memory():
+    """After a run: its model and KV cache are garbage now; hand their GPU memory back for the next run."""
+    gc.collect()
+    if ON_GPU:
+        torch.cuda.empty_cache()
+
+
+def run_engine(model_dir, prompts, outputs, *, prefix_caching: bool, block_size: int, max_num_seqs: int) -> dict:
+    from kvlab.engine import LLM, SamplingParams
+
+    max_len = max(len(p) + o for p, o in zip(prompts, outputs))
+    llm = LLM(model_dir, block_size=block_size, enable_prefix_caching=prefix_caching, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=max(8192, max_len))
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for o in outputs]
+    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up (compiles on a GPU)
+    llm.block_manager.reset_prefix_cache()
+    first_step = len(llm.step_records)
+    sync()
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=True)
+    sync()
+    wall = time.perf_counter() - start
+    steps = llm.step_dataframe().iloc[first_step:]
+    return dict(wall_s=wall, peak_kv_mib=steps["blocks_used"].max() * llm.kv_cache.bytes_per_block / 2**20,
+                kv_pool_mib=llm.block_manager.num_blocks * llm.kv_cache.bytes_per_block / 2**20,
+                prefix_hit_rate=llm.block_manager.stats.hit_rate, preemptions=int(steps["preempted"].sum()),
+                steps=len(steps), dtype=str(llm.dtype).replace("torch.", ""))
+
+
+@torch.inference_mode()
+def run_hf(model_dir, prompts, outputs, *, batch_size: int, dtype) -> dict:
+    """HF generate in static batches of ``batch_size`` (arrival order), left-padded, each batch running to its
+    longest output; only each request's own tokens count as generated."""
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if ON_GPU else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    model.generation_config.eos_token_id = None  # run every batch to its max_new_tokens
+    model.generation_config.pad_token_id = 0
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
+                          * torch.empty((), dtype=dtype).element_size())
+
+    def batch(ps, n):
+        width = max(map(len, ps))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in ps], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=device)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False)
+        return len(ps) * (width + n) * kv_bytes_per_token
+
+    batch([prompts[0][:16]], 2)  # warm-up
+    sync()
+    start, peak = time.perf_counter(), 0
+    for i in range(0, len(prompts), batch_size):
+        peak = max(peak, batch(prompts[i:i + batch_size], max(outputs[i:i + batch_size])))
+    sync()
+    wall = time.perf_counter() - start
+    return dict(wall_s=wall, peak_kv_mib=peak / 2**20, steps=sum(max(outputs[i:i + batch_size])
+                                                                    for i in range(0, len(prompts), batch_size)))
+
+
+def main(argv=None) -> int:
+    intro, details = __doc__.split("\n\n", 1)
+    parser = argparse.ArgumentParser(prog="python -m kvlab.bench engine", description=intro, epilog=details,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="local HF model directory (GPU); default: a random model (see above)")
+    parser.add_argument("--requests", type=int, help="number of requests per workload")
+    parser.add_argument("--quick", action="store_true", help="a quarter of the requests")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--hf-batch-size", type=int, default=None, help="default: 64 on a GPU, 16 on CPU")
+    parser.add_argument("--out-dir", default="data/bench/engine", help="where to write <device>.csv")
+    args = parser.parse_args(argv)
+    from kvlab.engine.config import load_model_config
+    from kvlab.engine.random_model import save_random_model
+
+    spec = dict(GPU_WORKLOAD if ON_GPU else CPU_WORKLOAD)
+    spec["requests"] = args.requests or (spec["requests"] // 4 if args.quick else spec["requests"])
+    hf_batch = args.hf_batch_size or (64 if ON_GPU else 16)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model:
+            model_dir, model_name = Path(args.model), Path(args.model).name
+        else:
+            shape = "qwen3-0.6b" if ON_GPU else "tiny"
+            model_dir = save_random_model(Path(tmp) / shape, shape, dtype=torch.bfloat16 if ON_GPU else torch.float32)
+            model_name = f"random {shape}"
+        config = load_model_config(model_dir)
+        params = sum(p.numel() for p in _param_shapes(model_dir))
+        rows = []
+        for workload, (prompts, outputs) in make_workloads(config.vocab_size, args.seed, spec).items():
+            base = dict(device=device_name(), model=model_name, params_m=round(params / 1e6, 1), workload=workload,
+                        requests=len(prompts), prompt_tokens=sum(map(len, prompts)), generated_tokens=sum(outputs))
+            for caching in (True, False):
+                print(f"{workload}: kvlab engine, prefix caching {'on' if caching else 'off'}")
+                result = run_engine(model_dir, prompts, outputs, prefix_caching=caching, block_size=args.block_size,
+                                    max_num_seqs=args.max_num_seqs)
+                release_device_memory()
+                rows.append({**base, "system": "kvlab.engine", "prefix_caching": caching,
+                             "max_batch": args.max_num_seqs, **result})
+            print(f"{workload}: HF generate, batches of {hf_batch}")
+            dtype = getattr(torch, rows[-1]["dtype"])
+            rows.append({**base, "system": "hf-generate", "prefix_caching": False, "max_batch": hf_batch,
+                         "dtype": rows[-1]["dtype"], **run_hf(model_dir, prompts, outputs, batch_size=hf_batch,
+                                                              dtype=dtype)})
+            release_device_memory()
+    frame = pd.DataFrame(rows)
+    frame["generated_tok_s"] = frame["generated_tokens"] / frame["wall_s"]
+    frame["total_tok_s"] = (frame["generated_tokens"] + frame["prompt_tokens"]) / frame["wall_s"]
+    hf = frame[frame["system"] == "hf-generate"].set_index("workload")["generated_tok_s"]
+    frame["vs_hf"] = frame["generated_tok_s"] / frame["workload"].map(hf)
+    engine_kernels = "kvlab, compiled" if ON_GPU else "kvlab, Triton interpreter"
+    frame["kernels"] = [engine_kernels if s == "kvlab.engine" else "torch" for s in frame["system"]]
+    out = Path(args.out_dir) / f"{device_name()}.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    frame.round(4).to_csv(out, index=False)
+    shown = ["workload", "system", "prefix_caching", "generated_tok_s", "total_tok_s", "vs_hf", "peak_kv_mib",
+             "prefix_hit_rate", "preemptions", "wall_s"]
+    print(f"\n{model_name} ({params / 1e6:.1f}M parameters) on {device_name()}, engine kernels: {engine_kernels}")
+    print(frame[shown].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    print(f"wrote {out}")
+    return 0
+
+
+def _param_shapes(model_dir):
+    """Every weight tensor's shape, read from the safetensors headers (nothing loaded)."""
+    from safetensors import safe_open
+
+    from kvlab.engine.weights import weight_files
+
+    for file in weight_files(Path(model_dir)):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield torch.Size(f.get_slice(name).get_shape())

@@ -1,0 +1,16 @@
+"""A tiny continuous-batching serving engine on kvlab: Llama/Qwen3 models whose every KV byte lives in kvlab's
+paged cache, managed by ``kvlab.BlockManager`` and read and written by kvlab's Triton kernels.
+
+    from kvlab.engine import LLM, SamplingParams
+    llm = LLM("path/to/hf_model_dir", block_size=16)
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
+"""
+
+from kvlab.engine.errors import NoTokenizerError, PromptTooLongError, UnsupportedModelError, WeightsError
+from kvlab.engine.llm import LLM
+from kvlab.engine.request import CompletionOutput, RequestMetrics, RequestOutput
+from kvlab.engine.sampling_params import SamplingParams
+from kvlab.engine.step_record import StepRecord
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "StepRecord",
+           "UnsupportedModelError", "WeightsError", "PromptTooLongError", "NoTokenizerError"]

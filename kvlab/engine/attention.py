@@ -1,0 +1,67 @@
+"""Self-attention whose every K/V byte lives in kvlab's paged cache.
+
+Per layer and step: project, (Qwen3: normalise q and k per head), rotate, write the new tokens' K/V into
+their slots with ``reshape_and_cache``, and only then attend: ``paged_prefill`` for prompt tokens (they see
+the cached prefix through the block table, so a prefix hit is compute skipped), ``paged_attention_decode``
+for one new token per sequence. There is no other attention path.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvlab.engine.config import ModelConfig
+from kvlab.engine.layers import RMSNorm, RotaryEmbedding
+from kvlab.kernels import paged_attention_decode, paged_prefill, reshape_and_cache
+
+
+@dataclass
+class AttentionBatch:
+    """Where one step's tokens live in the paged cache (the same for every layer).
+
+    ``slot_mapping`` int64 ``[T]``: cache slot of each new token. ``block_tables`` int32 ``[S, max_blocks]``,
+    ``seq_lens`` int32 ``[S]``: every sequence's whole context, new tokens included. ``cu_query_lens`` int32
+    ``[S + 1]`` (prefill only): sequence s owns query rows ``cu_query_lens[s]:cu_query_lens[s + 1]``.
+    Decode has exactly one new token per sequence (T == S).
+    """
+    is_prefill: bool
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_query_lens: torch.Tensor | None = None
+
+
+class PagedSelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, kv_cache: torch.Tensor,
+                batch: AttentionBatch) -> torch.Tensor:
+        """x ``[T, hidden]`` -> ``[T, hidden]``; kv_cache ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``."""
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope.apply(positions, q, k)
+        # The ordering rule: this step's K/V are in the cache before any query reads it (a sequence that hit
+        # a prefix another sequence is computing in this very step reads it here).
+        reshape_and_cache(k, v, kv_cache, batch.slot_mapping)
+        if batch.is_prefill:
+            out = paged_prefill(q, kv_cache, batch.block_tables, batch.seq_lens, batch.cu_query_lens, scale=self.scale)
+        else:
+            out = paged_attention_decode(q, kv_cache, batch.block_tables, batch.seq_lens, scale=self.scale)
+        return self.o_proj(out.view(tokens, self.num_heads * self.head_dim))

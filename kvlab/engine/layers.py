@@ -1,0 +1,72 @@
+"""The parts of a Llama/Qwen3 decoder layer that are not attention: RMSNorm, rotary embeddings, SwiGLU.
+
+Each computes exactly what ``transformers`` computes (same dtypes at the same places), so that fp32 logits
+match Hugging Face's to rounding.
+"""
+
+import torch
+from torch import nn
+
+from kvlab.engine.config import ModelConfig, rope_parameters
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dim, normalised in fp32 and cast back before the weight (as HF)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """The MLP: down(silu(gate(x)) * up(x)); [T, hidden] -> [T, hidden]."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[head_dim / 2]`` and the factor cos/sin are scaled by (1 except YaRN-like
+    types). The plain variant is one line; the scaled ones come from transformers' own helpers."""
+    params = rope_parameters(config.hf_config)
+    if config.rope_type == "default":
+        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+        return 1.0 / (params["rope_theta"] ** exponents), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[config.rope_type](config.hf_config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for every position up to ``max_positions``, computed once in fp32 as HF does and
+    stored in the model dtype; ``apply`` rotates q ``[T, H, D]`` and k ``[T, KH, D]`` at ``positions [T]``."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device):
+        inv_freq, scaling = rope_frequencies(config)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, D/2]
+        angles = torch.cat((angles, angles), dim=-1)                                     # [P, D]
+        self.cos = (angles.cos() * scaling).to(device=device, dtype=dtype)
+        self.sin = (angles.sin() * scaling).to(device=device, dtype=dtype)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    def apply(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, D]
+        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin

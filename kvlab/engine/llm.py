@@ -1,0 +1,192 @@
+"""``LLM``: load a local Hugging Face model and serve it with continuous batching on kvlab's paged KV cache.
+
+Offline: ``llm.generate(prompts, SamplingParams(...))``. Step by step (to watch the pool between steps):
+``llm.add_request(...)``, then ``llm.step()`` while ``llm.has_unfinished_requests()``.
+"""
+
+import itertools
+
+from tqdm.auto import tqdm
+
+from kvlab.block_manager import BlockManager
+from kvlab.engine.config import load_model_config
+from kvlab.engine.errors import NoTokenizerError, PromptTooLongError
+from kvlab.engine.kv_cache import PagedKVCache, blocks_for_memory, check_kernel_support
+from kvlab.engine.request import Request, RequestOutput
+from kvlab.engine.runner import ModelRunner
+from kvlab.engine.sampler import Sampler
+from kvlab.engine.sampling_params import SamplingParams
+from kvlab.engine.scheduler import Scheduler
+from kvlab.engine.settings import check_settings, resolve_device, resolve_dtype
+from kvlab.engine.step_loop import StepLoop
+from kvlab.engine.step_record import records_to_dataframe
+from kvlab.engine.weights import load_model
+from kvlab.errors import InvalidArgumentError
+from kvlab.validation import is_int
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+class LLM:
+    """``model``: a local directory with ``config.json`` and ``*.safetensors`` (Llama or Qwen3 architecture);
+    its tokenizer is loaded when the directory has one. ``num_blocks=None`` takes as many KV blocks as the
+    memory budget allows (see ``kv_cache.blocks_for_memory``). ``preemption_mode``: "recompute" (free the
+    newest sequence and prefill it again later) or "swap" (move its blocks to ``num_cpu_blocks`` CPU blocks,
+    default as many as the device pool). ``dtype``/``device`` None: fp32 on CPU, the checkpoint's dtype on a
+    GPU. ``max_model_len`` defaults to the config's ``max_position_embeddings``.
+    """
+
+    def __init__(self, model, *, block_size: int = 16, num_blocks: int | None = None,
+                 enable_prefix_caching: bool = True, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 preemption_mode: str = "recompute", dtype=None, device=None, max_model_len: int | None = None,
+                 num_cpu_blocks: int | None = None, gpu_memory_utilization: float = 0.9, seed: int = 0,
+                 record_events: bool = False):
+        check_settings(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
+                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                       preemption_mode=preemption_mode, max_model_len=max_model_len, num_cpu_blocks=num_cpu_blocks,
+                       gpu_memory_utilization=gpu_memory_utilization, seed=seed, record_events=record_events)
+        self.device = resolve_device(device)
+        self.model_config = config = load_model_config(model)
+        self.dtype = resolve_dtype(dtype, config, self.device)
+        if max_model_len is not None and max_model_len > config.max_position_embeddings:
+            raise InvalidArgumentError(f"max_model_len={max_model_len} is longer than the model's context "
+                                       f"({config.max_position_embeddings} positions)")
+        self.max_model_len = max_model_len or config.max_position_embeddings
+        self.max_num_batched_tokens = max_num_batched_tokens
+        check_kernel_support(config, block_size, self.dtype, self.device)
+        self.model = load_model(config, self.dtype, self.device)
+        self.model.init_rope(self.max_model_len, self.dtype, self.device)
+        if num_blocks is None:
+            num_blocks = blocks_for_memory(
+                config, block_size, self.dtype, self.device, gpu_memory_utilization=gpu_memory_utilization,
+                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                max_useful_blocks=max_num_seqs * -(-self.max_model_len // block_size))
+        if num_cpu_blocks is None:
+            num_cpu_blocks = num_blocks if preemption_mode == "swap" else 0
+        self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
+                                          enable_prefix_caching=enable_prefix_caching, record_events=record_events)
+        self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.dtype, self.device, num_cpu_blocks)
+        self.tokenizer = self._load_tokenizer(config.path)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens, preemption_mode=preemption_mode)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device)
+        self._loop = StepLoop(self.scheduler, self.runner, Sampler(seed, self.device), config.eos_token_ids,
+                              self.max_model_len)
+        self._request_ids = itertools.count()
+
+    @staticmethod
+    def _load_tokenizer(path):
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            return None
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+
+    # ---- the step-level API ------------------------------------------------------------------------------
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue one prompt (a string, or a list of token ids); it joins the batch at a coming step. Returns its
+        id. Raises before queueing anything if the prompt or the parameters cannot be served."""
+        params = self._check_params(params)
+        token_ids = self._encode(prompt)
+        if request_id is not None and (not isinstance(request_id, str) or request_id in self._loop.requests):
+            raise InvalidArgumentError(f"request_id must be a new string (not one of the unfinished requests), "
+                                       f"got {request_id!r}")
+        return self._queue(prompt, token_ids, params, request_id)
+
+    def _queue(self, prompt, token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        if request_id is None:
+            request_id = str(next(self._request_ids))
+            while request_id in self._loop.requests:  # a caller may have taken that name
+                request_id = str(next(self._request_ids))
+        request = Request.create(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
+                                 self.block_manager.block_size, self.device)
+        self._loop.add(request)
+        return request_id
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; returns the requests that finished in it."""
+        return [r.output(self.tokenizer) for r in self._loop.step()]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._loop.requests)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request between steps (its unfinished samples end with finish_reason "abort")."""
+        self._loop.abort(request_id, "aborted by the caller")
+
+    # ---- offline generation ------------------------------------------------------------------------------
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run ``prompts`` (a list of strings or of token-id lists, or one string) to completion, in a batch
+        with any requests already queued. ``sampling_params``: one for all, or a list with one per prompt.
+        Every prompt is checked before the first is queued."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or any(is_int(p) for p in prompts):
+            raise InvalidArgumentError("prompts must be a list of strings or of token-id lists (e.g. [[1, 2, 3]])")
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise InvalidArgumentError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
+            params = [self._check_params(p) for p in sampling_params]
+        else:
+            params = [self._check_params(sampling_params)] * len(prompts)
+        token_ids = [self._encode(prompt) for prompt in prompts]  # all checked before any is queued
+        ids = [self._queue(*args) for args in zip(prompts, token_ids, params)]
+        pending, done = set(ids), {}
+        with tqdm(total=len(ids), desc="requests", disable=not use_tqdm) as bar:
+            while pending:
+                finished = [o for o in self.step() if o.request_id in pending]
+                pending.difference_update(o.request_id for o in finished)
+                done.update((o.request_id, o) for o in finished)
+                bar.update(len(finished))
+        return [done[i] for i in ids]
+
+    # ---- what happened ------------------------------------------------------------------------------------
+    @property
+    def prefix_cache_stats(self):
+        """Overall prefix-cache counters (hit and queried tokens and blocks, ``hit_rate``); per request, see
+        ``RequestOutput.metrics.num_cached_prompt_tokens``."""
+        return self.block_manager.stats
+
+    @property
+    def step_records(self) -> list:
+        return self._loop.records
+
+    def step_dataframe(self):
+        """One row per step (see ``kvlab.engine.step_record.StepRecord``), for ``kvlab.viz.draw_engine_timeline``."""
+        return records_to_dataframe(self._loop.records)
+
+    # ---- input checks -------------------------------------------------------------------------------------
+    def _check_params(self, params) -> SamplingParams:
+        if params is None:
+            return SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidArgumentError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if params.n > self.scheduler.max_num_seqs:
+            raise InvalidArgumentError(f"n={params.n} samples can never run together: max_num_seqs is "
+                                       f"{self.scheduler.max_num_seqs}")
+        return params
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise NoTokenizerError(f"{self.model_config.path} has no tokenizer: pass prompts as token-id lists")
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
+            token_ids = [int(t) for t in prompt]
+        else:
+            raise InvalidArgumentError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        vocab = self.model_config.vocab_size
+        if not token_ids or not all(0 <= t < vocab for t in token_ids):
+            raise InvalidArgumentError(f"a prompt needs at least one token, each an id in [0, {vocab}); got "
+                                       f"{token_ids[:8]}{'...' if len(token_ids) > 8 else ''}")
+        n, manager = len(token_ids), self.block_manager
+        if n >= self.max_model_len:
+            raise PromptTooLongError(f"the prompt has {n} tokens; the model's context is {self.max_model_len}, "
+                                     "and at least one position must be left to generate")
+        if -(-n // manager.block_size) > manager.num_blocks:
+            raise PromptTooLongError(f"the prompt has {n} tokens = {-(-n // manager.block_size)} blocks of "
+                                     f"{manager.block_size}; the KV pool holds only {manager.num_blocks} blocks")
+        if n > self.max_num_batched_tokens:
+            raise PromptTooLongError(f"the prompt has {n} tokens, more than max_num_batched_tokens="
+                                     f"{self.max_num_batched_tokens} (prefill is not chunked): raise it")
+        return token_ids

@@ -1,0 +1,63 @@
+"""Llama / Qwen3 decoder-only models in plain torch. Module names follow Hugging Face's
+(``model.layers.0.self_attn.q_proj.weight`` ...), so a checkpoint's tensors load by name."""
+
+import torch
+from torch import nn
+
+from kvlab.engine.attention import AttentionBatch, PagedSelfAttention
+from kvlab.engine.config import ModelConfig
+from kvlab.engine.layers import RMSNorm, RotaryEmbedding, SwiGLU
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = PagedSelfAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, h, positions, rope, kv_cache, batch):
+        h = h + self.self_attn(self.input_layernorm(h), positions, rope, kv_cache, batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """``forward`` runs one step's new tokens (flattened across sequences) through every layer; the caller
+    picks the rows it wants logits for (each prefill sequence's last token, every decode token)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope: RotaryEmbedding | None = None  # built by ``init_rope`` once the device and dtype are known
+
+    def init_rope(self, max_positions: int, dtype: torch.dtype, device) -> None:
+        self.rope = RotaryEmbedding(self.config, max_positions, dtype, device)
+
+    def tie_weights(self) -> None:
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                kv_caches: list) -> torch.Tensor:
+        """input_ids, positions int64 ``[T]`` -> hidden states ``[T, hidden]`` (final norm applied);
+        ``kv_caches``: one paged cache per layer."""
+        h = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            h = layer(h, positions, self.rope, kv_cache, batch)
+        return self.model.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[R, hidden]`` -> fp32 logits ``[R, vocab]``."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,58 @@
+"""Pick each sequence's next token from its logits: greedy, or temperature + top-k + top-p sampling.
+
+Sampling uses the exponential race: with E_i ~ Exp(1) independent, argmax_i p_i / E_i is token i with
+probability p_i. One vectorised draw serves the whole batch, and a seeded sequence draws its own noise row
+from its own generator, so its samples do not depend on what else is in the batch.
+"""
+
+import numpy as np
+import torch
+
+from kvlab.engine.sampling_params import SamplingParams
+
+
+def sample_generator(seed: int, sample_index: int, device) -> torch.Generator:
+    """The generator of sample ``sample_index`` of a request with ``seed``: the two numbers are mixed with
+    NumPy's SeedSequence so that samples of one request, and requests with nearby seeds, draw unrelated noise."""
+    state = int(np.random.SeedSequence([seed, sample_index]).generate_state(1, np.uint64)[0]) >> 1
+    return torch.Generator(device=device).manual_seed(state)
+
+
+def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every logit outside a row's ``top_k [B]`` largest and outside the smallest set of most
+    likely tokens whose probability reaches ``top_p [B]`` (computed after the top-k cut). ``[B, V]`` in and out."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)
+    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs   # probability of the more likely tokens; 0 for the first
+    threshold = torch.where(top_p < 1.0, top_p, torch.inf)  # p = 1 keeps all, whatever the rounding of cumsum
+    sorted_logits = sorted_logits.masked_fill(mass_before >= threshold[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, seed: int, device):
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)  # for sequences without a seed
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
+        """logits fp32 ``[B, V]``; row b uses ``params[b]`` and ``generators[b]`` (None: the engine's)."""
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        argmax = logits.argmax(dim=-1)
+        if bool(greedy.all()):
+            return argmax.tolist()
+        vocab = logits.shape[-1]
+        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
+        logits = logits / temperature[:, None]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
+        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+        if bool((top_k < vocab).any() or (top_p < 1.0).any()):
+            logits = top_k_top_p(logits, top_k, top_p)
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, generator in enumerate(generators):
+            if generator is not None:
+                noise[row].exponential_(generator=generator)
+        sampled = (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+        return torch.where(greedy, argmax, sampled).tolist()

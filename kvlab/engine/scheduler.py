@@ -1,0 +1,152 @@
+"""Continuous batching over kvlab's ``BlockManager``: which sequences run in the next step.
+
+Queues: ``waiting`` (new prompts, and sequences preempted by recompute: their prompt plus what they generated
+is prefilled again, prefix hits included), ``running`` (blocks in the device pool) and ``swapped`` (blocks in
+the CPU pool). Each step is one of two kinds, as in nano-vllm and vLLM v0 without chunked prefill:
+
+* prefill: when nothing is swapped out, waiting sequences are admitted first come first served while the
+  token budget, the sequence cap and ``can_allocate`` allow (LATER: wait; NEVER: it can never fit, abort it);
+* decode: otherwise, swapped sequences come back first, then every running sequence gets a slot for its new
+  token with ``append_slots``; when the pool is short the newest running sequence is preempted (recompute:
+  freed and re-queued; swap: moved to the CPU pool), possibly the one asking.
+
+Scheduling never frees a sequence that is already in the step (the block manager's ordering rule): victims
+are taken from the sequences not yet given a slot.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvlab.block_manager import AllocStatus, BlockManager
+from kvlab.engine.kv_cache import BlockMoves
+from kvlab.engine.request import Request
+from kvlab.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledStep:
+    kind: str                                   # "prefill" or "decode"
+    seqs: list[Sequence]
+    moves: BlockMoves                           # apply before the forward pass
+    num_new_tokens: int = 0                     # tokens the forward pass computes
+    num_cached_tokens: int = 0                  # prefill: prompt tokens found in the prefix cache (not computed)
+    num_preempted: int = 0
+    aborted: list = field(default_factory=list)  # (sequence, why): can never run in this pool
+
+
+class Scheduler:
+    def __init__(self, manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 preemption_mode: str):
+        self.manager = manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption_mode = preemption_mode
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.owner: dict[int, Request] = {}      # seq_id -> its request
+
+    def add(self, request: Request) -> None:
+        self.owner[request.seqs[0].seq_id] = request
+        self.waiting.append(request.seqs[0])
+
+    def add_fork(self, after: Sequence, child: Sequence) -> None:
+        """A sample forked after its prompt's prefill: it runs right behind ``after`` (the prompt's sequence or
+        the previous fork), so a request's samples stay together in the running order."""
+        self.owner[child.seq_id] = self.owner[after.seq_id]
+        self.running.insert(self.running.index(after) + 1, child)
+
+    def remove(self, seq: Sequence) -> None:
+        """Forget a finished or aborted sequence and free its blocks (between steps only)."""
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        if seq.status in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
+            self.manager.free(seq)
+        self.owner.pop(seq.seq_id, None)
+
+    def schedule(self) -> ScheduledStep:
+        if not self.swapped:
+            step = self._schedule_prefill()
+            if step.seqs or step.aborted:
+                return step
+        return self._schedule_decode()
+
+    def _seats(self, seq: Sequence) -> int:
+        """Running slots a waiting sequence takes: a prompt with n samples becomes n sequences after prefill."""
+        request = self.owner[seq.seq_id]
+        return request.params.n if request.needs_fork and seq is request.seqs[0] else 1
+
+    def _schedule_prefill(self) -> ScheduledStep:
+        step = ScheduledStep("prefill", [], BlockMoves())
+        seats, tokens = len(self.running), 0
+        while self.waiting:
+            seq = self.waiting[0]
+            if seats + self._seats(seq) > self.max_num_seqs:
+                break
+            # Budgeted on all its tokens (hits are known only once allocated, and an allocated prompt must run).
+            # A sequence over the budget on its own is a recompute that grew while decoding: it runs alone.
+            if tokens + seq.num_tokens > self.max_num_batched_tokens and step.seqs:
+                break
+            status = self.manager.can_allocate(seq)
+            if status is AllocStatus.LATER:
+                break
+            self.waiting.popleft()
+            if status is AllocStatus.NEVER:
+                blocks = -(-seq.num_tokens // self.manager.block_size)
+                step.aborted.append((seq, f"{seq.num_tokens} tokens need {blocks} blocks, more than the "
+                                          f"{self.manager.num_blocks}-block pool holds"))
+                continue
+            self.manager.allocate(seq)
+            step.seqs.append(seq)
+            step.num_cached_tokens += seq.num_cached_tokens
+            step.num_new_tokens += seq.num_tokens - seq.num_cached_tokens
+            seats += self._seats(seq)
+            tokens += seq.num_tokens
+        self.running.extend(step.seqs)
+        return step
+
+    def _schedule_decode(self) -> ScheduledStep:
+        step = ScheduledStep("decode", [], BlockMoves())
+        self._swap_in(step)
+        queue, scheduled = deque(self.running), []
+        while queue:
+            seq = queue.popleft()
+            while not self.manager.can_append_slots(seq):
+                if queue:
+                    self._preempt(queue.pop(), step)
+                elif scheduled:
+                    self._preempt(seq, step)
+                    break
+                else:  # alone in the pool and still no room: it can never grow here
+                    step.aborted.append((seq, f"grew to {seq.num_tokens} tokens, more than the "
+                                              f"{self.manager.num_blocks}-block pool holds"))
+                    break
+            else:
+                step.moves.add("copy", self.manager.append_slots(seq))
+                scheduled.append(seq)
+        step.seqs, self.running = scheduled, list(scheduled)  # preempted and aborted sequences are out
+        step.num_new_tokens = len(scheduled)
+        return step
+
+    def _swap_in(self, step: ScheduledStep) -> None:
+        """Bring swapped sequences back, oldest first, while the pool keeps a block of headroom per running
+        sequence (so the decode below rarely has to push out what just came in)."""
+        while self.swapped and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            blocks = len(self.manager.get_block_table(seq))
+            if (self.manager.can_swap_in(seq) is not AllocStatus.OK
+                    or self.manager.num_free_blocks - blocks < len(self.running)):
+                break
+            step.moves.add("swap_in", self.manager.swap_in(seq))
+            self.running.append(self.swapped.popleft())
+
+    def _preempt(self, seq: Sequence, step: ScheduledStep) -> None:
+        if self.preemption_mode == "swap" and self.manager.can_swap_out(seq) is AllocStatus.OK:
+            step.moves.add("swap_out", self.manager.swap_out(seq))
+            self.swapped.appendleft(seq)
+        else:  # recompute (also the fallback when the CPU pool is full)
+            self.manager.free(seq, preempted=True)
+            self.waiting.appendleft(seq)
+        self.owner[seq.seq_id].metrics.num_preemptions += 1
+        step.num_preempted += 1

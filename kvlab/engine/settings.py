@@ -1,0 +1,65 @@
+"""Checking and resolving ``LLM(...)``'s arguments before anything is loaded."""
+
+import torch
+
+import kvlab.device
+from kvlab.engine.config import DTYPES, ModelConfig
+from kvlab.errors import InvalidArgumentError
+from kvlab.validation import check_int, check_number
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+def resolve_device(device) -> torch.device:
+    """None: where kvlab's kernels run (the GPU if there is one, else CPU with the Triton interpreter). The
+    kernels run compiled on CUDA tensors or interpreted on CPU ones, never both on one machine."""
+    if device is None:
+        return kvlab.device.DEVICE
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError):
+        raise InvalidArgumentError(f"device must be None, 'cpu', 'cuda' or a torch.device, got {device!r}") from None
+    if device.type != kvlab.device.DEVICE.type:
+        raise InvalidArgumentError(
+            f"device {device} cannot run kvlab's kernels here: they run in {kvlab.device.mode()} mode, on "
+            f"{kvlab.device.DEVICE.type} tensors (pass device=None)")
+    return device
+
+
+def resolve_dtype(dtype, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """None: float32 on CPU (the interpreter computes bf16 wrongly and fp16 slowly); on a GPU the checkpoint's
+    dtype, with bf16 replaced by fp16 where the GPU lacks native bf16."""
+    if dtype is None:
+        if device.type != "cuda":
+            return torch.float32
+        dtype = config.dtype or torch.float16
+        if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
+            return torch.float16
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if dtype in DTYPES.values():
+        return dtype
+    raise InvalidArgumentError(f"dtype must be None or one of {', '.join(DTYPES)} (a name or torch dtype), "
+                               f"got {dtype!r}")
+
+
+def check_settings(*, block_size, num_blocks, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
+                   preemption_mode, max_model_len, num_cpu_blocks, gpu_memory_utilization, seed, record_events):
+    """Validate the plain-value settings (each error names the argument and what is allowed)."""
+    check_int("block_size", block_size, minimum=1)
+    if num_blocks is not None:
+        check_int("num_blocks", num_blocks, minimum=1)
+    for name, value in (("enable_prefix_caching", enable_prefix_caching), ("record_events", record_events)):
+        if not isinstance(value, bool):
+            raise InvalidArgumentError(f"{name} must be a bool, got {value!r}")
+    check_int("max_num_seqs", max_num_seqs, minimum=1)
+    check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=max_num_seqs)  # a full decode step fits
+    if preemption_mode not in PREEMPTION_MODES:
+        raise InvalidArgumentError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+    if max_model_len is not None:
+        check_int("max_model_len", max_model_len, minimum=2)
+    if num_cpu_blocks is not None:
+        check_int("num_cpu_blocks", num_cpu_blocks, minimum=1 if preemption_mode == "swap" else 0)
+    check_number("gpu_memory_utilization", gpu_memory_utilization, 0.0, 1.0, min_open=True)
+    check_int("seed", seed, minimum=0)

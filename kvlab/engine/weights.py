@@ -1,0 +1,102 @@
+"""Build the model and load its weights from a local Hugging Face directory's ``*.safetensors`` files.
+
+Every tensor name and shape is checked against the model before any weight is read, so a wrong or
+incomplete checkpoint fails fast with the names at fault. Sharded checkpoints list their files in
+``model.safetensors.index.json``; otherwise every ``*.safetensors`` file in the directory is read.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from kvlab.engine.config import ModelConfig
+from kvlab.engine.errors import WeightsError
+from kvlab.engine.model import CausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def weight_files(path: Path) -> list[Path]:
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise WeightsError(f"cannot read the shard list {index}: {e!r}") from None
+        files = [path / name for name in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise WeightsError(f"{index.name} lists shards that are not in {path}: {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"{path} has no *.safetensors weights (kvlab.engine reads safetensors only)")
+    return files
+
+
+def _skipped(name: str, config: ModelConfig) -> bool:
+    """Tensors a checkpoint may carry that the model does not load: rotary tables some exporters save, and
+    the output matrix of a tied model (it is the embedding matrix)."""
+    return name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight")
+
+
+def _describe(names, limit=5) -> str:
+    names = sorted(names)
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def check_checkpoint(files: list[Path], config: ModelConfig, expected: dict) -> dict:
+    """Map each tensor the model needs to the file holding it, after checking names and shapes (metadata
+    only, nothing is loaded). ``expected``: name -> shape."""
+    where, unexpected, misshapen = {}, [], []
+    for file in files:
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if _skipped(name, config):
+                        continue
+                    if name in where:
+                        raise WeightsError(f"tensor {name} is in both {where[name].name} and {file.name}")
+                    if name not in expected:
+                        unexpected.append(name)
+                        continue
+                    shape = tuple(f.get_slice(name).get_shape())
+                    if shape != tuple(expected[name]):
+                        misshapen.append(f"{name}: {shape} in the file, {tuple(expected[name])} from config.json")
+                    where[name] = file
+        except SafetensorError as e:
+            raise WeightsError(f"cannot read {file}: {e}") from None
+    missing = set(expected) - set(where)
+    if missing:
+        raise WeightsError(f"{config.path}: {len(missing)} weights missing: {_describe(missing)}")
+    if unexpected:
+        raise WeightsError(f"{config.path}: {len(unexpected)} tensors the {config.model_type} model does not have "
+                           f"(another architecture?): {_describe(unexpected)}")
+    if misshapen:
+        raise WeightsError(f"{config.path}: {len(misshapen)} weights do not match config.json: "
+                           + "; ".join(misshapen[:5]))
+    return where
+
+
+def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """The model with its weights in ``dtype`` on ``device`` (built on the meta device first, so no memory is
+    spent on random initial weights)."""
+    with torch.device("meta"):
+        model = CausalLM(config)
+    expected = {name: p.shape for name, p in model.named_parameters()}
+    if config.tie_word_embeddings:
+        del expected["lm_head.weight"]  # tied: the output matrix is the embedding, not read from the files
+    where = check_checkpoint(weight_files(config.path), config, expected)
+    state = {}
+    for file in sorted(set(where.values())):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in (n for n, w in where.items() if w == file):
+                state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.requires_grad_(False).eval()
