@@ -99,6 +99,11 @@ class BlockManager:
         return self._pool.evictions
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Blocks a prefix lookup can hit now (in use or free-but-warm)."""
+        return len(self._pool.cached)
+
+    @property
     def num_cpu_blocks(self) -> int:
         return self._swap.num_blocks
 

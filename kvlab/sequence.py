@@ -33,6 +33,8 @@ class SequenceStatus(enum.Enum):
 MAX_BLOCK_SIZE = 1 << 16
 #: Token ids are int64 everywhere outside the manager (torch tensors), so they stay below 2**63.
 MAX_TOKEN_ID = (1 << 63) - 1
+#: Positions are int32 in the kernels (seq_lens), and 2**31 tokens are 16 GiB of ids alone.
+MAX_TOKENS = (1 << 31) - 1
 
 
 def check_block_size(block_size) -> int:
@@ -59,6 +61,12 @@ def as_token_array(token_ids) -> array:
         return tokens
     if isinstance(token_ids, (str, bytes)):
         raise InvalidArgumentError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
+    try:  # refused before any memory is taken
+        too_long = hasattr(token_ids, "__len__") and len(token_ids) > MAX_TOKENS
+    except OverflowError:  # a length beyond ssize_t, e.g. range(10**30)
+        too_long = True
+    if too_long:
+        raise InvalidArgumentError(f"a sequence holds at most {MAX_TOKENS} tokens")
     try:
         tokens = array("Q", token_ids)
     except (TypeError, OverflowError) as e:

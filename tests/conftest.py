@@ -1,5 +1,6 @@
 """Hypothesis profiles, chosen by HYPOTHESIS_PROFILE (default "dev"; .ci/run sets "ci"; "long" is for soaking
-the model-checking state machines locally: KVLAB_LONG_EXAMPLES examples each, 2000 by default).
+the model-checking state machines locally: KVLAB_LONG_EXAMPLES examples each, 2000 by default; their
+programs are KVLAB_STATEFUL_STEPS operations long, 40 by default).
 
 Neither profile has a deadline: the machines are shared and kernels run in the Triton interpreter on
 CPU, so a per-example time limit would only make tests flaky (timing belongs in benchmarks).

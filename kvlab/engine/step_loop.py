@@ -16,13 +16,6 @@ from kvlab.engine.step_record import StepRecord
 from kvlab.sequence import Sequence
 
 
-def count_cached_blocks(manager) -> int:
-    """Blocks a prefix lookup can hit now: the manager's O(1) ``num_cached_blocks`` where it has one, else an
-    O(pool) scan of the public ``is_cached`` (milliseconds per step on a GPU-sized pool)."""
-    counter = getattr(manager, "num_cached_blocks", None)
-    return counter if counter is not None else sum(map(manager.is_cached, range(manager.num_blocks)))
-
-
 class StepLoop:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler, eos_token_ids, max_model_len: int):
         self.scheduler, self.runner, self.sampler = scheduler, runner, sampler
@@ -130,7 +123,7 @@ class StepLoop:
     def _pool_state(self) -> dict:
         free = self.manager.num_free_blocks
         return dict(blocks_used=self.manager.num_blocks - free, blocks_free=free,
-                    blocks_cached=count_cached_blocks(self.manager))
+                    blocks_cached=self.manager.num_cached_blocks)
 
     def _record(self, step: ScheduledStep, pool: dict, start: float) -> None:
         moves = step.moves.counts

@@ -31,8 +31,8 @@ def test_numpy_prompt_takes_the_same_tokens():
 
 
 @pytest.mark.parametrize("bad", [[1, 2.5], ["a"], [1, None], [-1], "abc", np.array([1.0, 2.0]), np.array([[1]]),
-                                 [2**64]])
-def test_non_integer_or_negative_tokens_are_rejected(bad):
+                                 [2**64], [2**63], np.array([2**63], dtype=np.uint64), range(10**30)])
+def test_non_integer_negative_huge_or_too_many_tokens_are_rejected(bad):
     with pytest.raises(InvalidArgumentError, match="token"):
         Sequence(bad)
 

@@ -12,6 +12,7 @@ swaps with tokens not yet given slots, every eviction policy and a user-written 
 """
 
 import itertools
+import os
 
 import hypothesis.strategies as st
 from hypothesis import settings
@@ -243,8 +244,10 @@ MACHINES = [
     _machine("NoPrefixCaching", num_blocks=20, block_size=3, num_cpu_blocks=8, enable_prefix_caching=False),
 ]
 
+# max_examples comes from the Hypothesis profile; a soak can also lengthen every program.
+STEPS = int(os.environ.get("KVLAB_STATEFUL_STEPS", "40"))
 for _machine_class in MACHINES:
     _case = _machine_class.TestCase
-    _case.settings = settings(stateful_step_count=40, deadline=None)  # max_examples comes from the profile
+    _case.settings = settings(stateful_step_count=STEPS, deadline=None)
     globals()[f"Test{_machine_class.__name__}"] = _case
 del _case

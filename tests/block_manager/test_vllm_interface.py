@@ -126,6 +126,7 @@ def test_num_cached_tokens_and_hit_rate():
     m.allocate(waiting)
     assert waiting.num_cached_tokens == 8
     assert m.get_prefix_cache_hit_rate("gpu") == 2 / 4 and m.get_prefix_cache_hit_rate("cpu") == -1.0
+    assert m.num_cached_blocks == 2 == sum(map(m.is_cached, range(m.num_blocks)))
     assert BlockManager(4, enable_prefix_caching=False).get_prefix_cache_hit_rate("gpu") == -1.0
     with pytest.raises(InvalidArgumentError, match="'gpu' or 'cpu'"):
         m.get_prefix_cache_hit_rate("tpu")
