@@ -17,13 +17,13 @@ private token range: Azure requests share nothing and never hit the prefix cache
 
 Bundled traces are found by short name in the repository's ``data/`` directory (the ``KVLAB_DATA``
 environment variable points elsewhere); anything else is read as a path: ``.jsonl`` files in the Mooncake
-shape, ``.csv`` files in the Azure shape. A malformed record raises ``TraceFormatError`` naming the file
-and the 1-based line number.
+shape, ``.csv`` files in the Azure shape, UTF-8 with or without a byte-order mark. A malformed record (bad
+UTF-8, a missing or out-of-range field, a non-finite number) raises ``TraceFormatError`` naming the file and
+the 1-based line number. A request holds at most ``MAX_REQUEST_TOKENS`` tokens, prompt and output together.
 """
 
 import csv
 import json
-import math
 import os
 from pathlib import Path
 
@@ -31,6 +31,7 @@ import numpy as np
 import pandas as pd
 
 from kvlab.errors import InvalidArgumentError, TraceFormatError
+from kvlab.validation import check_int, check_number, check_optional_int
 
 BUNDLED = {
     "mooncake_conversation": "mooncake_conversation_trace.jsonl",
@@ -47,6 +48,8 @@ AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 MAX_HASH_ID = 2**31 - 1
 PRIVATE_TOKEN_BASE = 2**40
 PRIVATE_RANGE = 2**24
+#: A request's prompt and generated tokens together fit its private range (generated tokens get private ids).
+MAX_REQUEST_TOKENS = PRIVATE_RANGE
 
 
 def data_dir() -> Path:
@@ -58,7 +61,11 @@ def data_dir() -> Path:
 def trace_path(trace: str | os.PathLike) -> Path:
     """A bundled trace's file by short name, or ``trace`` itself as a path."""
     if isinstance(trace, str) and trace in BUNDLED:
-        return data_dir() / BUNDLED[trace]
+        path = data_dir() / BUNDLED[trace]
+        if not path.is_file():
+            raise InvalidArgumentError(f"bundled trace {trace!r} is missing: no file {path} "
+                                       "(KVLAB_DATA, if set, names the directory that holds the traces)")
+        return path
     if not isinstance(trace, (str, os.PathLike)):
         raise InvalidArgumentError(f"a trace is a bundled name or a path, got {type(trace).__name__}")
     path = Path(trace)
@@ -71,51 +78,77 @@ def trace_path(trace: str | os.PathLike) -> Path:
 def load_trace(trace: str | os.PathLike, limit: int | None = None) -> pd.DataFrame:
     """Load a trace (short name or path) as a DataFrame with the normalised columns; ``limit`` keeps the
     first N requests (and stops reading there)."""
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise InvalidArgumentError(f"limit must be a positive int or None, got {limit!r}")
+    limit = check_optional_int("limit", limit, 1)
     path = trace_path(trace)
-    if path.suffix == ".jsonl":
-        return read_mooncake(path, limit)
-    if path.suffix == ".csv":
-        return read_azure(path, limit)
-    raise InvalidArgumentError(f"{path}: unknown trace format; expected .jsonl (Mooncake) or .csv (Azure)")
+    if path.suffix not in (".jsonl", ".csv"):
+        raise InvalidArgumentError(f"{path}: unknown trace format; expected .jsonl (Mooncake) or .csv (Azure)")
+    try:
+        return read_mooncake(path, limit) if path.suffix == ".jsonl" else read_azure(path, limit)
+    except OSError as e:
+        raise InvalidArgumentError(f"cannot read trace {path}: {e.strerror or e}") from None
 
 
-def _int_field(record: dict, key: str, minimum: int, where: str) -> int:
-    value = record.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise TraceFormatError(f"{where}: {key!r} must be an int >= {minimum}, got {value!r}")
-    return value
+def _open_text(path: Path):
+    # utf-8-sig drops a leading byte-order mark; surrogateescape defers undecodable bytes to _check_utf8,
+    # which can then name their line.
+    return open(path, encoding="utf-8-sig", errors="surrogateescape", newline="")
+
+
+def _check_utf8(text: str, where: str) -> None:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise TraceFormatError(f"{where}: not valid UTF-8") from None
+
+
+def _field(where: str, check, name: str, value, *bounds):
+    """``check(name, value, *bounds)`` (a ``kvlab.validation`` checker), failing as a TraceFormatError."""
+    try:
+        return check(name, value, *bounds)
+    except InvalidArgumentError as e:
+        raise TraceFormatError(f"{where}: {e}") from None
+
+
+def _lengths(where: str, names: tuple[str, str], input_length, output_length) -> tuple[int, int]:
+    input_length = _field(where, check_int, names[0], input_length, 1, MAX_REQUEST_TOKENS)
+    output_length = _field(where, check_int, names[1], output_length, 0, MAX_REQUEST_TOKENS)
+    if input_length + output_length > MAX_REQUEST_TOKENS:
+        raise TraceFormatError(f"{where}: {names[0]} + {names[1]} = {input_length + output_length} tokens; a "
+                               f"request holds at most {MAX_REQUEST_TOKENS}")
+    return input_length, output_length
 
 
 def read_mooncake(path: Path, limit: int | None = None) -> pd.DataFrame:
     """Mooncake JSONL: one object per line with timestamp, input_length, output_length, hash_ids."""
     rows = []
-    with open(path, encoding="utf-8") as f:
+    with _open_text(path) as f:
         for line_no, line in enumerate(f, start=1):
+            where = f"{path}:{line_no}"
+            _check_utf8(line, where)
             if not line.strip():
                 continue
-            where = f"{path}:{line_no}"
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceFormatError(f"{where}: not valid JSON ({e.msg})") from None
+            except (ValueError, RecursionError) as e:  # also a 5,000-digit number, or arrays nested 10^5 deep
+                raise TraceFormatError(f"{where}: not valid JSON ({getattr(e, 'msg', None) or e})") from None
             if not isinstance(record, dict):
                 raise TraceFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            timestamp = record.get("timestamp")
-            if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)) or not timestamp >= 0:
-                raise TraceFormatError(f"{where}: 'timestamp' must be a number of ms >= 0, got {timestamp!r}")
-            input_length = _int_field(record, "input_length", 1, where)
-            output_length = _int_field(record, "output_length", 0, where)
+            # json accepts NaN and Infinity; check_number refuses them.
+            timestamp = _field(where, check_number, "'timestamp' (ms)", record.get("timestamp"), 0)
+            input_length, output_length = _lengths(where, ("'input_length'", "'output_length'"),
+                                                   record.get("input_length"), record.get("output_length"))
             hash_ids = record.get("hash_ids")
-            if not isinstance(hash_ids, list) or any(
-                    isinstance(h, bool) or not isinstance(h, int) or not 0 <= h <= MAX_HASH_ID for h in hash_ids):
+            # JSON gives plain ints (never NumPy's), and bool is not an int here: the exact type test is both
+            # right and fast, which matters at ~300k ids per trace.
+            if (not isinstance(hash_ids, list) or not all(type(h) is int for h in hash_ids)
+                    or (hash_ids and not 0 <= min(hash_ids) <= max(hash_ids) <= MAX_HASH_ID)):
                 raise TraceFormatError(f"{where}: 'hash_ids' must be a list of ints in [0, {MAX_HASH_ID}]")
-            expected = math.ceil(input_length / MOONCAKE_BLOCK_TOKENS)
+            expected = -(-input_length // MOONCAKE_BLOCK_TOKENS)
             if len(hash_ids) != expected:
                 raise TraceFormatError(f"{where}: {len(hash_ids)} hash_ids for input_length {input_length}; "
                                        f"expected one per {MOONCAKE_BLOCK_TOKENS}-token block ({expected})")
-            rows.append((float(timestamp), input_length, output_length, np.array(hash_ids, dtype=np.int64)))
+            rows.append((timestamp, input_length, output_length, np.array(hash_ids, dtype=np.int64)))
             if len(rows) == limit:
                 break
     return _frame(rows, path)
@@ -124,31 +157,33 @@ def read_mooncake(path: Path, limit: int | None = None) -> pd.DataFrame:
 def read_azure(path: Path, limit: int | None = None) -> pd.DataFrame:
     """Azure CSV: a header with TIMESTAMP, ContextTokens, GeneratedTokens (other columns are ignored)."""
     rows, stamps, line_nos = [], [], []
-    with open(path, newline="", encoding="utf-8") as f:
+    with _open_text(path) as f:
         reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None or not set(AZURE_COLUMNS) <= set(header):
-            raise TraceFormatError(f"{path}:1: header must contain {', '.join(AZURE_COLUMNS)}, got {header}")
-        t_col, in_col, out_col = (header.index(c) for c in AZURE_COLUMNS)
-        for row in reader:
-            where = f"{path}:{reader.line_num}"
-            if not row:
-                continue
-            if len(row) != len(header):
-                raise TraceFormatError(f"{where}: {len(row)} fields, the header has {len(header)}")
-            try:
-                input_length, output_length = int(row[in_col]), int(row[out_col])
-            except ValueError:
-                raise TraceFormatError(f"{where}: ContextTokens and GeneratedTokens must be integers, "
-                                       f"got {row[in_col]!r}, {row[out_col]!r}") from None
-            if input_length < 1 or output_length < 0:
-                raise TraceFormatError(f"{where}: need ContextTokens >= 1 and GeneratedTokens >= 0, "
-                                       f"got {input_length}, {output_length}")
-            rows.append((0.0, input_length, output_length, None))
-            stamps.append(row[t_col])
-            line_nos.append(reader.line_num)
-            if len(rows) == limit:
-                break
+        try:
+            header = next(reader, None)
+            _check_utf8(",".join(header or ()), f"{path}:1")
+            if header is None or not set(AZURE_COLUMNS) <= set(header):
+                raise TraceFormatError(f"{path}:1: header must contain {', '.join(AZURE_COLUMNS)}, got {header}")
+            t_col, in_col, out_col = (header.index(c) for c in AZURE_COLUMNS)
+            for row in reader:
+                where = f"{path}:{reader.line_num}"
+                _check_utf8(",".join(row), where)
+                if not row:
+                    continue
+                if len(row) != len(header):
+                    raise TraceFormatError(f"{where}: {len(row)} fields, the header has {len(header)}")
+                try:
+                    lengths = int(row[in_col]), int(row[out_col])
+                except ValueError:
+                    raise TraceFormatError(f"{where}: ContextTokens and GeneratedTokens must be integers, "
+                                           f"got {row[in_col]!r}, {row[out_col]!r}") from None
+                rows.append((0.0, *_lengths(where, ("ContextTokens", "GeneratedTokens"), *lengths), None))
+                stamps.append(row[t_col])
+                line_nos.append(reader.line_num)
+                if len(rows) == limit:
+                    break
+        except csv.Error as e:  # a NUL byte, an unterminated quote, a field over csv's size limit
+            raise TraceFormatError(f"{path}:{reader.line_num}: not a valid CSV row ({e})") from None
     # Parse the timestamps in one vectorised call; a failure is traced back to its line afterwards.
     times = pd.to_datetime(pd.Series(stamps, dtype=object), format="ISO8601", errors="coerce")
     bad = np.flatnonzero(times.isna().to_numpy())
@@ -166,6 +201,44 @@ def _frame(rows: list, path: Path) -> pd.DataFrame:
         raise TraceFormatError(f"{path}: no requests in the file")
     frame = pd.DataFrame(rows, columns=COLUMNS)
     return frame.astype({"timestamp": "float64", "input_length": "int64", "output_length": "int64"})
+
+
+def check_frame(frame, *, timestamps: bool = True) -> pd.DataFrame:
+    """``frame`` if it is a non-empty trace DataFrame whose lengths (and, with ``timestamps``, arrival times)
+    a loader would accept; else InvalidArgumentError naming the column and the first bad row (0-based
+    position). For traces built in Python, which skip the loaders' checks."""
+    needed = (["timestamp"] if timestamps else []) + ["input_length", "output_length"]
+    if not isinstance(frame, pd.DataFrame) or not set(needed) <= set(frame.columns) or frame.empty:
+        raise InvalidArgumentError(f"a trace must be a non-empty DataFrame with columns {', '.join(needed)} "
+                                   "(the columns of kvlab.traces.load_trace)")
+    for column, minimum in (("input_length", 1), ("output_length", 0)):
+        values = frame[column]
+        if not pd.api.types.is_integer_dtype(values.dtype):
+            raise InvalidArgumentError(f"trace column {column} must hold ints, got dtype {values.dtype}")
+        inside = values.between(minimum, MAX_REQUEST_TOKENS).fillna(False).to_numpy(dtype=bool)
+        _refuse(values, ~inside, f"ints in [{minimum}, {MAX_REQUEST_TOKENS}]")
+    total = frame["input_length"].to_numpy(np.int64) + frame["output_length"].to_numpy(np.int64)
+    _refuse(pd.Series(total, name="input_length + output_length"), total > MAX_REQUEST_TOKENS,
+            f"at most {MAX_REQUEST_TOKENS} tokens")
+    if "token_ids" in frame:  # explicit prompts (synthetic workloads) must be as long as the lengths say
+        explicit = frame["token_ids"].notna().to_numpy()
+        sizes = frame["token_ids"][explicit].map(len).to_numpy(np.int64)
+        _refuse(frame["input_length"][explicit], sizes != frame["input_length"][explicit].to_numpy(),
+                "the lengths of the token_ids column")
+    if timestamps:
+        values = frame["timestamp"]
+        if not pd.api.types.is_numeric_dtype(values.dtype) or pd.api.types.is_bool_dtype(values.dtype):
+            raise InvalidArgumentError(f"trace column timestamp must hold numbers of ms, got dtype {values.dtype}")
+        # NaN or infinite arrival times would stall the overlap replay's clock.
+        _refuse(values, ~np.isfinite(values.to_numpy(dtype=np.float64, na_value=np.nan)), "finite numbers of ms")
+    return frame
+
+
+def _refuse(values: pd.Series, bad: np.ndarray, allowed: str) -> None:
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise InvalidArgumentError(f"trace column {values.name} must hold {allowed}; row {row} has "
+                                   f"{values.iloc[row]}")
 
 
 def mooncake_token_ids(hash_ids, input_length: int) -> np.ndarray:

@@ -9,18 +9,21 @@ FIFO and LFU. It prints a table and a summary, and writes ``results/study.csv`` 
 import argparse
 import math
 import sys
+import tempfile
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 
 from kvlab.errors import KvlabError
 from kvlab.eviction import POLICIES
+from kvlab.sequence import check_block_size
 from kvlab.studies.overlap import EngineModel
 from kvlab.studies.plots import plot_hit_rates
-from kvlab.studies.simulator import MODES
+from kvlab.studies.simulator import MAX_CAPACITY, MODES, check_capacity, policy_factory
 from kvlab.studies.study import cache_hit_study, summary
 from kvlab.studies.synthetic import WORKLOADS
 from kvlab.traces import BUNDLED
+from kvlab.validation import check_int, check_number
 
 DEFAULTS = dict(trace="mooncake_conversation", block_size="512",
                 capacity="1000,2000,4000,8000,16000,32000,64000,inf", policy="lru,fifo,lfu", mode="sequential",
@@ -31,33 +34,62 @@ SHOWN = ["trace", "block_size", "capacity_blocks", "policy", "hit_rate_tokens", 
          "ceiling_hit_rate_tokens", "evictions", "prefill_tokens_saved", "requests_skipped"]
 
 
-def _list(convert):
-    def parse(text: str) -> list:
+# Option types. Each raises ValueError (kvlab's InvalidArgumentError is one) with a message that reads well
+# after argparse's "argument --name:"; _option turns it into the ArgumentTypeError argparse prints.
+def _option(parse):
+    def checked(text: str):
         try:
-            values = [convert(item.strip()) for item in text.split(",") if item.strip()]
+            return parse(text.strip())
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
+    return checked
+
+
+def _list(parse):
+    def parse_list(text: str) -> list:
+        values = [parse(item.strip()) for item in text.split(",") if item.strip()]
         if not values:
-            raise argparse.ArgumentTypeError("expected a comma-separated list")
+            raise ValueError("expected a comma-separated list")
         return values
-    return parse
+    return _option(parse_list)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"expected a positive integer, got {text!r}")
-    return value
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"expected a whole number, got {text!r}") from None
+
+
+def _block_size(text: str) -> int:
+    return check_block_size(_whole(text))
 
 
 def _capacity(text: str):
-    return math.inf if text.lower() in ("inf", "infinite") else _positive_int(text)
+    if text.lower() in ("inf", "infinite"):
+        return math.inf
+    try:
+        return check_capacity(_whole(text))
+    except ValueError:
+        raise ValueError(f"expected a number of blocks in [1, {MAX_CAPACITY:,}] or 'inf', got {text!r}") from None
 
 
 def _policy(text: str) -> str:
-    if text not in POLICIES:
-        raise ValueError(f"unknown policy {text!r}; known: {', '.join(POLICIES)}")
-    return text
+    return policy_factory(text)[0]
+
+
+def _count(name: str):
+    def count(text: str) -> int:
+        return check_int(name, _whole(text), 1)
+    return count
+
+
+def _time_scale(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"expected a number, got {text!r}") from None
+    return check_number("time scale", value, 0, min_open=True)  # inf or NaN would stall the replay's clock
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                "(synthetic), or a path to a .jsonl (Mooncake shape) or .csv (Azure shape) file.")
     parser.add_argument("--trace", type=_list(str), default=DEFAULTS["trace"],
                         help="trace names or paths, comma-separated (default: %(default)s)")
-    parser.add_argument("--block-size", type=_list(_positive_int), default=DEFAULTS["block_size"],
+    parser.add_argument("--block-size", type=_list(_block_size), default=DEFAULTS["block_size"],
                         help="tokens per block, comma-separated (default: %(default)s)")
     parser.add_argument("--capacity", type=_list(_capacity), default=DEFAULTS["capacity"],
                         help="pool sizes in blocks, comma-separated; 'inf' never evicts (default: %(default)s)")
@@ -77,13 +109,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mode", choices=MODES, default=DEFAULTS["mode"],
                         help="one request at a time, or overlapping requests under continuous batching "
                              "(default: %(default)s)")
-    parser.add_argument("--limit", type=_positive_int, default=None, help="replay only the first N requests")
-    parser.add_argument("--time-scale", type=float, default=1.0,
+    parser.add_argument("--limit", type=_option(_count("limit")), default=None,
+                        help="replay only the first N requests")
+    parser.add_argument("--time-scale", type=_option(_time_scale), default=1.0,
                         help="overlap mode: multiply arrival times (2 = half the request rate)")
+    parser.add_argument("--jobs", type=_option(_count("jobs")), default=None,
+                        help="replays run in N processes (default: all cores; 1: in this process; with "
+                             "--dask-scheduler: all the cluster's worker threads)")
+    parser.add_argument("--dask-scheduler", metavar="ADDRESS", default=None,
+                        help="run the replays on this Dask cluster (e.g. tcp://10.0.0.5:8786) instead of locally; "
+                             "its workers need kvlab installed")
     parser.add_argument("--out", type=Path, default=Path(DEFAULTS["out"]),
                         help="directory for study.csv and study.png (default: %(default)s)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
+
+
+def check_out(out: Path) -> str | None:
+    """Why ``out`` cannot take study.csv and study.png, or None: checked before the replays, not after."""
+    if out.exists() and not out.is_dir():
+        return f"{out} exists and is not a directory"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        return f"cannot write in {out}: {e.strerror or e}"
+    taken = [name for name in ("study.csv", "study.png") if (out / name).is_dir()]
+    return f"{out / taken[0]} is a directory" if taken else None
 
 
 def format_table(table) -> str:
@@ -102,23 +155,36 @@ def main(argv=None) -> int:
         argv = argv[1:]
     parser = build_parser()
     args = parser.parse_args(argv)  # list options arrive parsed; string defaults go through type= too
+    problem = check_out(args.out)
+    if problem:
+        parser.error(f"argument --out: {problem}")
     try:
         table = cache_hit_study(args.trace, block_sizes=args.block_size, capacities=args.capacity,
                                 policies=args.policy, mode=args.mode, limit=args.limit,
-                                engine=EngineModel(time_scale=args.time_scale), progress=not args.quiet)
+                                engine=EngineModel(time_scale=args.time_scale), progress=not args.quiet,
+                                jobs=-1 if args.jobs is None else args.jobs, dask_scheduler=args.dask_scheduler)
     except KvlabError as e:
         print(f"kvlab study: error: {e}", file=sys.stderr)
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    # Whole numbers in the CSV ("inf" for the infinite pool), not the float column pandas keeps.
-    whole = {c: table[c].map(lambda v: "inf" if v == math.inf else int(v))
-             for c in ("capacity_blocks", "capacity_tokens")}
-    table.assign(**whole).to_csv(args.out / "study.csv", index=False)
-    figure = plot_hit_rates(table)
-    figure.savefig(args.out / "study.png", dpi=120)
-    plt.close(figure)
+    try:
+        write_results(table, args.out)
+    except OSError as e:
+        print(f"kvlab study: error: cannot write the results in {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 1
     print(format_table(table))
     print()
     print(summary(table))
     print(f"\nwrote {args.out / 'study.csv'} and {args.out / 'study.png'}")
     return 0
+
+
+def write_results(table, out: Path) -> None:
+    # Whole numbers in the CSV ("inf" for the infinite pool), not the float column pandas keeps.
+    whole = {c: table[c].map(lambda v: "inf" if v == math.inf else int(v))
+             for c in ("capacity_blocks", "capacity_tokens")}
+    table.assign(**whole).to_csv(out / "study.csv", index=False)
+    figure = plot_hit_rates(table)
+    try:
+        figure.savefig(out / "study.png", dpi=120)
+    finally:
+        plt.close(figure)

@@ -3,7 +3,8 @@
 Schemes (Kwon et al., "Efficient Memory Management for Large Language Model Serving with PagedAttention",
 SOSP 2023, section 2.3 and Figure 2):
 - contiguous, as in Orca: each request reserves one contiguous range up front, of ``max_len`` slots
-  (Max), of the next power of two >= its final length (Pow2), or of exactly its final length (Oracle).
+  (Max), of its prompt plus its output length rounded up to a power of two (Pow2: the paper's "over-reserves
+  the space for outputs by at most 2x", section 6.1), or of exactly its final length (Oracle).
   Ranges come from a first-fit allocator over one address space of ``budget_tokens`` slots.
 - paged, as in vLLM: blocks of ``block_size`` slots, taken one at a time as a request grows; when none
   is free, the youngest running request is preempted (its blocks freed, recomputed later).
@@ -31,7 +32,8 @@ import numpy as np
 import pandas as pd
 
 from kvlab.errors import InvalidArgumentError
-from kvlab.traces import load_trace
+from kvlab.traces import check_frame, load_trace
+from kvlab.validation import check_int, check_optional_int, is_int
 
 #: Figure 2 of Kwon et al. (SOSP 2023): average share of KV-cache memory holding token states. Cited,
 #: not computed; the paper measured OPT-13B-sized requests from its own workloads with max length 2048.
@@ -40,12 +42,13 @@ CONTIGUOUS = ("Max", "Pow2", "Oracle")
 SHARES = ["token_states", "reservation", "internal_fragmentation", "external_fragmentation"]
 
 
-def reservation(scheme: str, final_len: np.ndarray, max_len: int) -> np.ndarray:
-    """Slots a contiguous scheme reserves for requests of these final lengths."""
+def reservation(scheme: str, final_len: np.ndarray, max_len: int, prompt_len: np.ndarray) -> np.ndarray:
+    """Slots a contiguous scheme reserves for requests of these final and prompt lengths (output >= 1)."""
     if scheme == "Max":
         return np.full_like(final_len, max_len)
-    if scheme == "Pow2":
-        return np.minimum(2 ** np.ceil(np.log2(final_len)).astype(np.int64), max_len)
+    if scheme == "Pow2":  # the prompt exactly, the output rounded up to a power of two (a true 25 reserves 32)
+        output = final_len - prompt_len
+        return np.minimum(prompt_len + 2 ** np.ceil(np.log2(output)).astype(np.int64), max_len)
     return final_len.copy()
 
 
@@ -83,7 +86,7 @@ def simulate(prompt: np.ndarray, final: np.ndarray, scheme: str, budget_tokens: 
     ``"Pow2"``, ``"Oracle"`` or ``"Paged <block size>"``."""
     paged = scheme.startswith("Paged ")
     block = int(scheme.split()[1]) if paged else 0
-    reserve = None if paged else reservation(scheme, final, max_len)
+    reserve = None if paged else reservation(scheme, final, max_len, prompt)
     total_blocks = budget_tokens // block if paged else 0
     space = None if paged else _FirstFit(budget_tokens)
     free_blocks = total_blocks
@@ -175,14 +178,14 @@ def memory_waste(trace="azure_conv", *, budget_tokens: int = 48_000, max_len: in
     the mean number of requests running at once, and the paper's token-state share where it has one.
     The default budget, 48,000 slots, is ~23 GiB of fp16 KV for a 7B model (512 KiB per token:
     2 x 32 layers x 4096 x 2 B): what a 40 GB GPU keeps after 13.5 GB of weights and some activations."""
+    limit = check_optional_int("limit", limit, 1)
     frame = trace.head(limit) if isinstance(trace, pd.DataFrame) else load_trace(trace, limit=limit)
-    if not {"input_length", "output_length"} <= set(frame) or frame.empty:
-        raise InvalidArgumentError("trace must have requests with input_length and output_length columns")
-    if not isinstance(budget_tokens, int) or not isinstance(max_len, int) or not 1 <= max_len <= budget_tokens:
-        raise InvalidArgumentError(f"need ints 1 <= max_len <= budget_tokens, got {max_len!r}, {budget_tokens!r}")
+    check_frame(frame, timestamps=False)
+    max_len = check_int("max_len", max_len, 1)
+    budget_tokens = check_int("budget_tokens", budget_tokens, max_len)
     for b in block_sizes:
         # A request of max_len tokens must fit the pool's whole blocks, or the backlog could stall.
-        if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b or (budget_tokens // b) * b < max_len:
+        if not is_int(b) or not 1 <= b or (budget_tokens // b) * b < max_len:
             raise InvalidArgumentError(f"block sizes must be ints >= 1 whose whole blocks in the budget hold "
                                        f"max_len={max_len} tokens, got {b!r}")
     prompt = frame["input_length"].to_numpy(np.int64)

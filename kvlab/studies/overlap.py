@@ -48,6 +48,7 @@ from kvlab.block_manager import AllocStatus
 from kvlab.errors import InvalidArgumentError
 from kvlab.sequence import Sequence
 from kvlab.traces import PRIVATE_RANGE, PRIVATE_TOKEN_BASE, PromptTokens
+from kvlab.validation import check_int, check_number
 
 _GROW, _FINISH = 0, 1  # within a step: slots are reserved before it runs, requests finish after
 
@@ -62,13 +63,12 @@ class EngineModel:
     time_scale: float = 1.0  # multiplies arrival times: 2.0 halves the request rate
 
     def __post_init__(self):
-        for name in ("decode_step_ms", "time_scale"):
-            if not getattr(self, name) > 0:
-                raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if not self.prefill_ms_per_token >= 0:
-            raise InvalidArgumentError(f"prefill_ms_per_token must be >= 0, got {self.prefill_ms_per_token!r}")
-        if isinstance(self.max_num_seqs, bool) or not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
-            raise InvalidArgumentError(f"max_num_seqs must be an int >= 1, got {self.max_num_seqs!r}")
+        # Finite, and a decode step of at least a microsecond: the clock divides gaps by it and must not
+        # overflow (an infinite or NaN clock would never reach the next arrival).
+        check_number("decode_step_ms", self.decode_step_ms, 1e-3)
+        check_number("prefill_ms_per_token", self.prefill_ms_per_token, 0)
+        check_number("time_scale", self.time_scale, 0, min_open=True)
+        check_int("max_num_seqs", self.max_num_seqs, 1)
 
 
 class _Job:
@@ -86,7 +86,11 @@ class _Engine:
     def __init__(self, trace, manager, model: EngineModel, bar):
         self.m, self.bs, self.model, self.bar = manager, manager.block_size, model, bar
         self.prompts = PromptTokens(trace)
-        times = trace["timestamp"].to_numpy() * model.time_scale
+        with np.errstate(over="ignore"):  # an overflow is reported just below, as an error
+            times = trace["timestamp"].to_numpy(dtype=np.float64) * model.time_scale
+        if not np.isfinite(times).all():
+            raise InvalidArgumentError(f"arrival times overflow: the trace's timestamps x time_scale "
+                                       f"{model.time_scale} are not all finite")
         inputs, outputs = trace["input_length"].to_numpy(), trace["output_length"].to_numpy()
         self.arrivals = [_Job(int(i), float(times[i]), int(inputs[i]), int(outputs[i]))
                          for i in np.argsort(times, kind="stable")]
@@ -238,6 +242,8 @@ class _Engine:
             c["batch_steps"] += len(self.running)
             c["steps"] += 1
             self.now_ms += model.decode_step_ms + model.prefill_ms_per_token * prefill
+            if not math.isfinite(self.now_ms):
+                raise InvalidArgumentError(f"the simulated clock overflowed ({model}); use smaller times")
             self._finish()
             more_arrivals = self.next_arrival < len(self.arrivals)
             if not self.running:

@@ -13,23 +13,40 @@ when a prefix cache could share it). From the keys, in arrival order, follow:
 import numpy as np
 import pandas as pd
 
+from kvlab.errors import InvalidArgumentError
+from kvlab.sequence import check_block_size
 from kvlab.traces import MOONCAKE_BLOCK_TOKENS, PromptTokens
 
 
+def _id_prefix_numbers(hash_ids: list) -> np.ndarray:
+    """For every hash id of every request, flattened: a number naming the request's ids up to that one. In a
+    real Mooncake trace an id already names its prefix, but nothing in a file guarantees it."""
+    known: dict[tuple[int, int], int] = {}
+    numbers = []
+    for ids in hash_ids:
+        parent = -1
+        for h in ids.tolist():
+            parent = known.setdefault((parent, h), len(known))
+            numbers.append(parent)
+    return np.array(numbers, dtype=np.int64)
+
+
 def _hash_id_keys(hash_ids: list, lengths: np.ndarray, block_size: int) -> np.ndarray:
-    """Keys for Mooncake-style prompts, vectorised over the whole trace. The prefix ending at token p is
-    fixed by the 512-token id covering token p - 1 and how far into it p reaches, so the key is
-    id * 1024 + (p - 512 * index_of_that_id)."""
+    """Keys for Mooncake-style prompts. The prefix ending at token p is the expansion of the ids up to the
+    one covering token p - 1, cut p - 512 * (its index) tokens into it, so the key is that id prefix's
+    number * 1024 + those tokens; vectorised over the whole trace but for one dict lookup per id."""
+    id_counts = np.array([len(h) for h in hash_ids], dtype=np.int64)
+    if (id_counts * MOONCAKE_BLOCK_TOKENS < lengths).any():
+        r = int(np.flatnonzero(id_counts * MOONCAKE_BLOCK_TOKENS < lengths)[0])
+        raise InvalidArgumentError(f"request {r}: {id_counts[r]} hash ids cannot cover input_length {lengths[r]}")
     num_full = lengths // block_size
     starts = np.cumsum(num_full) - num_full
     request = np.repeat(np.arange(len(lengths)), num_full)
     ends = (np.arange(num_full.sum()) - starts[request] + 1) * block_size   # p, one per full block
     index = (ends - 1) // MOONCAKE_BLOCK_TOKENS
-    id_counts = np.array([len(h) for h in hash_ids])
-    flat_ids = np.concatenate(hash_ids) if len(hash_ids) else np.zeros(0, dtype=np.int64)
+    prefixes = _id_prefix_numbers(hash_ids)
     id_starts = np.cumsum(id_counts) - id_counts
-    ids = flat_ids[id_starts[request] + index]
-    return ids * (2 * MOONCAKE_BLOCK_TOKENS) + (ends - MOONCAKE_BLOCK_TOKENS * index)
+    return prefixes[id_starts[request] + index] * (2 * MOONCAKE_BLOCK_TOKENS) + (ends - MOONCAKE_BLOCK_TOKENS * index)
 
 
 def _token_keys(prompts: PromptTokens, block_size: int) -> np.ndarray:
@@ -48,20 +65,25 @@ def _token_keys(prompts: PromptTokens, block_size: int) -> np.ndarray:
 
 def block_keys(trace: pd.DataFrame, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """``(keys, request)``: one prefix key per full prompt block, in request order, and the index of the
-    request each belongs to. Requests without hash ids or token ids (Azure) get keys no other shares."""
-    lengths = trace["input_length"].to_numpy()
+    request each belongs to. Two keys are equal exactly when the prefixes their blocks end are equal:
+    requests without hash ids or token ids (Azure) get keys no other shares."""
+    block_size = check_block_size(block_size)
+    lengths = trace["input_length"].to_numpy(np.int64)
     num_full = lengths // block_size
     request = np.repeat(np.arange(len(trace)), num_full)
-    if "token_ids" in trace and trace["token_ids"].notna().any():
-        return _token_keys(PromptTokens(trace), block_size), request
-    if "hash_ids" in trace and trace["hash_ids"].notna().all():
+    explicit = "token_ids" in trace and trace["token_ids"].notna().any()
+    hashed = trace["hash_ids"].notna() if "hash_ids" in trace else pd.Series(False, index=trace.index)
+    if not explicit and hashed.all():
         return _hash_id_keys(trace["hash_ids"].tolist(), lengths, block_size), request
+    if explicit or hashed.any():  # a mix: follow the tokens a replay would see, one block at a time
+        return _token_keys(PromptTokens(trace), block_size), request
     return -1 - np.arange(num_full.sum(), dtype=np.int64), request  # private blocks: all distinct
 
 
-def reuse_profile(trace: pd.DataFrame, block_size: int) -> dict:
-    """Block reuse statistics of ``trace`` (rows in arrival order) at ``block_size``."""
-    keys, request = block_keys(trace, block_size)
+def reuse_profile(trace: pd.DataFrame, block_size: int, *, keys=None) -> dict:
+    """Block reuse statistics of ``trace`` (rows in arrival order) at ``block_size``; ``keys`` is
+    ``block_keys(trace, block_size)`` if already computed."""
+    keys, request = block_keys(trace, block_size) if keys is None else keys
     lengths = trace["input_length"].to_numpy()
     _, first, inverse, counts = np.unique(keys, return_index=True, return_inverse=True, return_counts=True)
     seen_before = request[first][inverse] < request          # an earlier request filled this block

@@ -1,27 +1,33 @@
 """Replay a trace through kvlab's real ``BlockManager`` and measure what its prefix cache saves.
 
 ``replay(trace, block_size=16, capacity=1000, policy="lru", mode="sequential")`` returns one dict of
-metrics. Modes:
+metrics. A sweep prepares a trace once per block size (``prepare``) and replays it for each capacity and
+policy (``replay_prepared``). Modes:
 
 - ``"sequential"``: requests one at a time in arrival order: allocate the prompt, then free it. Nothing
   else holds blocks, so the whole pool is cache and the result isolates capacity and eviction policy. A
-  prompt larger than the pool is skipped and counted (``requests_skipped``).
+  prompt larger than the pool is skipped and counted (``requests_skipped``). The manager sees compact
+  prompts, two token ids per block, with exactly the same hits (``kvlab.studies.sequential``).
 - ``"overlap"``: requests overlap in time, decode and compete with the cache for blocks, under the
   continuous-batching model of ``kvlab.studies.overlap`` (its docstring lists every assumption).
 
-``capacity`` is the pool size in blocks, or ``math.inf``: a pool just large enough never to evict
-(distinct full blocks of the trace plus what can be in flight; the ``evictions`` column proves it: 0).
-``policy`` is a name in ``kvlab.eviction.POLICIES`` (lru, fifo, lfu) or an ``EvictionPolicy`` subclass.
+``capacity`` is the pool size in blocks (at most ``MAX_CAPACITY``), or ``math.inf``: a pool just large
+enough never to evict (distinct full blocks of the trace plus what can be in flight; the ``evictions``
+column proves it: 0). ``policy`` is a name in ``kvlab.eviction.POLICIES`` (lru, fifo, lfu) or an
+``EvictionPolicy`` subclass.
 
 Metrics (one row of a study): hit_rate_tokens = prompt tokens served from the cache / all prompt tokens
 of the trace; hit_rate_blocks = full prompt blocks hit / all full prompt blocks (hits as counted by the
 manager: a prompt's last token is always computed, so a prompt never hits in full; a skipped request
 counts as all misses); prefill_tokens_saved = prompt tokens not recomputed; evictions =
-``manager.num_evictions``; peak_blocks_used = most blocks referenced at once.
+``manager.num_evictions``; peak_blocks_used = most blocks referenced at once; wall_s = seconds the replay
+took (preparing the trace, done once for a whole sweep, not included).
 """
 
 import math
+import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -30,12 +36,16 @@ from tqdm.auto import tqdm
 from kvlab.block_manager import BlockManager
 from kvlab.errors import InvalidArgumentError
 from kvlab.eviction import POLICIES, EvictionPolicy
-from kvlab.sequence import Sequence
+from kvlab.sequence import check_block_size
 from kvlab.studies.overlap import EngineModel, replay_overlap
 from kvlab.studies.reuse import block_keys
-from kvlab.traces import PromptTokens
+from kvlab.studies.sequential import COMPACT_BLOCK_SIZE, CompactTrace, replay_sequential
+from kvlab.traces import check_frame
+from kvlab.validation import check_int
 
 MODES = ("sequential", "overlap")
+#: Block ids fit int32, as in vLLM's block tables; capacity x block size then fits int64 (capacity_tokens).
+MAX_CAPACITY = 2**31 - 1
 
 
 def policy_factory(policy) -> tuple[str, type[EvictionPolicy]]:
@@ -52,78 +62,115 @@ def policy_factory(policy) -> tuple[str, type[EvictionPolicy]]:
 
 
 def check_capacity(capacity) -> float | int:
-    if capacity == math.inf or (isinstance(capacity, (int, np.integer)) and not isinstance(capacity, bool)
-                                and capacity >= 1):
-        return capacity if capacity == math.inf else int(capacity)
-    raise InvalidArgumentError(f"capacity must be a number of blocks >= 1 or math.inf, got {capacity!r}")
+    """``math.inf``, or a whole number of blocks in [1, MAX_CAPACITY] (as an int)."""
+    if isinstance(capacity, float) and capacity == math.inf:
+        return math.inf
+    try:
+        return check_int("capacity", capacity, 1, MAX_CAPACITY)
+    except InvalidArgumentError:
+        raise InvalidArgumentError(f"capacity must be a number of blocks in [1, {MAX_CAPACITY}] or math.inf, "
+                                   f"got {capacity!r}") from None
 
 
-def infinite_pool_blocks(trace: pd.DataFrame, block_size: int, mode: str, engine: EngineModel) -> int:
+def check_mode(mode) -> str:
+    if mode not in MODES:
+        raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedTrace:
+    """A trace made ready to replay at one block size, for any capacity and policy: the number of distinct
+    full blocks (which sizes the infinite pool) and what the mode's replay reads, the compact prompts
+    (sequential) or the trace itself (overlap)."""
+    label: str
+    mode: str
+    block_size: int
+    distinct_blocks: int
+    prompt_tokens: int
+    full_blocks: int
+    compact: CompactTrace | None = None
+    frame: pd.DataFrame | None = None
+
+    def __sizeof__(self) -> int:  # see CompactTrace.__sizeof__: lets Dask ship it to each worker once
+        return object.__sizeof__(self) + sys.getsizeof(self.compact) + sys.getsizeof(self.frame)
+
+
+def prepare(trace: pd.DataFrame, block_size: int, mode: str = "sequential", label: str = "trace",
+            keys=None) -> PreparedTrace:
+    """``keys``: ``block_keys(trace, block_size)`` if already computed."""
+    check_frame(trace)
+    block_size, mode = check_block_size(block_size), check_mode(mode)
+    keys, request = block_keys(trace, block_size) if keys is None else keys
+    distinct, numbers = np.unique(keys, return_inverse=True)
+    lengths = trace["input_length"].to_numpy(np.int64)
+    sequential = mode == "sequential"
+    return PreparedTrace(label, mode, block_size, distinct_blocks=len(distinct),
+                         prompt_tokens=int(lengths.sum()), full_blocks=int((lengths // block_size).sum()),
+                         compact=CompactTrace.build(trace, block_size, numbers.reshape(-1), request)
+                         if sequential else None,
+                         frame=None if sequential else trace)
+
+
+def infinite_pool_blocks(prepared: PreparedTrace, engine: EngineModel) -> int:
     """A pool that never evicts: every distinct full prompt block can stay cached, plus room for what is in
     flight. Policies reuse never-cached blocks before evicting, so this bound suffices."""
-    distinct = len(np.unique(block_keys(trace, block_size)[0]))
-    prompt = trace["input_length"].to_numpy()
-    if mode == "sequential":
-        return distinct + int(-(-prompt.max() // block_size))
+    bs = prepared.block_size
+    if prepared.mode == "sequential":
+        return prepared.distinct_blocks + int(-(-prepared.compact.lengths.max() // bs))
     # Overlap: each request also seals private decode blocks, and up to max_num_seqs requests are in
     # flight with partial or duplicate (computed twice at once, registered once) blocks.
-    final = prompt + np.maximum(trace["output_length"].to_numpy() - 1, 0)
-    decode_blocks = int((final // block_size - prompt // block_size).sum())
-    largest = np.sort(-(-final // block_size))[-engine.max_num_seqs:]
-    return distinct + decode_blocks + int(largest.sum())
-
-
-def _replay_sequential(trace: pd.DataFrame, manager: BlockManager, bar) -> dict:
-    prompts, bs, pool = PromptTokens(trace), manager.block_size, manager.num_blocks
-    lengths = trace["input_length"].to_numpy()
-    skipped = peak = 0
-    for done, i in enumerate(np.argsort(trace["timestamp"].to_numpy(), kind="stable"), start=1):
-        if -(-lengths[i] // bs) > pool:
-            skipped += 1
-        else:
-            seq = Sequence(prompts[i], bs)
-            manager.allocate(seq)  # between requests every block is free: a prompt that fits the pool fits now
-            peak = max(peak, pool - manager.num_free_blocks)
-            manager.free(seq)
-        if done % 256 == 0:
-            bar.update(256)
-    return {"requests": len(trace) - skipped, "requests_skipped": skipped, "requests_dropped_mid_decode": 0,
-            "hit_tokens": manager.stats.hit_tokens,
-            "hit_blocks": manager.stats.hit_blocks, "peak_blocks_used": peak}
+    prompt = prepared.frame["input_length"].to_numpy()
+    final = prompt + np.maximum(prepared.frame["output_length"].to_numpy() - 1, 0)
+    decode_blocks = int((final // bs - prompt // bs).sum())
+    largest = np.sort(-(-final // bs))[-engine.max_num_seqs:]
+    return prepared.distinct_blocks + decode_blocks + int(largest.sum())
 
 
 def replay(trace: pd.DataFrame, *, block_size: int = 16, capacity=math.inf, policy="lru",
            mode: str = "sequential", engine: EngineModel | None = None, label: str = "trace",
            progress: bool = False) -> dict:
     """Replay ``trace`` once; returns the metrics row described in the module docstring."""
-    if (not isinstance(trace, pd.DataFrame) or not {"timestamp", "input_length", "output_length"} <= set(trace)
-            or trace.empty):
-        raise InvalidArgumentError("trace must be a non-empty DataFrame with the columns of kvlab.traces.load_trace")
-    if mode not in MODES:
-        raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
-    capacity = check_capacity(capacity)
+    check_capacity(capacity)  # fail before the trace is prepared
+    policy_factory(policy)
+    return replay_prepared(prepare(trace, block_size, mode, label), [(capacity, policy)], engine=engine,
+                           progress=progress)[0]
+
+
+def replay_prepared(prepared: PreparedTrace, configs, *, engine: EngineModel | None = None,
+                    progress: bool = False) -> list[dict]:
+    """One row per ``(capacity, policy)`` in ``configs``, each as ``replay`` would return it, replaying a
+    trace prepared by ``prepare``. Sequential replays share the prompts' ``Sequence`` objects, built once;
+    each row's wall_s includes an equal share of building them."""
+    configs = [(check_capacity(capacity), *policy_factory(policy)) for capacity, policy in configs]
     engine = engine or EngineModel()
-    policy_name, policy_class = policy_factory(policy)
+    started = time.perf_counter()
+    sequences = prepared.compact.sequences() if prepared.mode == "sequential" else None
+    shared_s = (time.perf_counter() - started) / max(len(configs), 1)
+    return [_replay_one(prepared, capacity, name, policy_class, engine, sequences, progress, shared_s)
+            for capacity, name, policy_class in configs]
+
+
+def _replay_one(prepared, capacity, policy_name, policy_class, engine, sequences, progress, shared_s) -> dict:
+    bs, sequential = prepared.block_size, prepared.mode == "sequential"
     start = time.perf_counter()
-    pool = capacity if capacity != math.inf else infinite_pool_blocks(trace, block_size, mode, engine)
-    manager = BlockManager(pool, block_size, eviction=policy_class())
-    with tqdm(total=len(trace), disable=not progress, leave=False, mininterval=0.5,
-              desc=f"{label} bs={block_size} cap={capacity} {policy_name}") as bar:
-        if mode == "sequential":
-            metrics = _replay_sequential(trace, manager, bar)
+    pool = capacity if capacity != math.inf else infinite_pool_blocks(prepared, engine)
+    manager = BlockManager(pool, COMPACT_BLOCK_SIZE if sequential else bs, eviction=policy_class())
+    requests = len(prepared.compact.lengths) if sequential else len(prepared.frame)
+    with tqdm(total=requests, disable=not progress, leave=False, mininterval=0.5,
+              desc=f"{prepared.label} bs={bs} cap={capacity} {policy_name}") as bar:
+        if sequential:
+            metrics = replay_sequential(prepared.compact, sequences, manager, bar)
         else:
-            metrics = replay_overlap(trace, manager, engine, bar)
+            metrics = replay_overlap(prepared.frame, manager, engine, bar)
     # Rates over the whole trace: a skipped request's prompt counts as computed, so every row of a trace
     # shares one denominator and rows compare across capacities.
-    lengths = trace["input_length"].to_numpy()
     hit_tokens, hit_blocks = metrics.pop("hit_tokens"), metrics.pop("hit_blocks")
     return {
-        "trace": label, "mode": mode, "block_size": block_size, "capacity_blocks": capacity,
-        "capacity_tokens": capacity * block_size, "policy": policy_name, "pool_blocks": pool,
-        "prompt_tokens": int(lengths.sum()), "prefill_tokens_saved": hit_tokens,
-        "hit_rate_tokens": hit_tokens / int(lengths.sum()),
-        "hit_rate_blocks": hit_blocks / max(int((lengths // block_size).sum()), 1),
-        **metrics, "evictions": manager.num_evictions, "wall_s": time.perf_counter() - start,
+        "trace": prepared.label, "mode": prepared.mode, "block_size": bs, "capacity_blocks": capacity,
+        "capacity_tokens": capacity * bs, "policy": policy_name, "pool_blocks": pool,
+        "prompt_tokens": prepared.prompt_tokens, "prefill_tokens_saved": hit_tokens,
+        "hit_rate_tokens": hit_tokens / prepared.prompt_tokens,
+        "hit_rate_blocks": hit_blocks / max(prepared.full_blocks, 1),
+        **metrics, "evictions": manager.num_evictions, "wall_s": time.perf_counter() - start + shared_s,
     }

@@ -2,25 +2,31 @@
 
 ``cache_hit_study(["mooncake_conversation"], block_sizes=[16], capacities=[1000, 10000, math.inf],
 policies=["lru", "lfu", "fifo"])`` replays each combination through the real ``BlockManager``
-(``kvlab.studies.simulator.replay``) and returns the rows, with ``ceiling_hit_rate_tokens``: the
-hit rate of a cache that never evicts, computed from the trace alone (``kvlab.studies.reuse``).
+(``kvlab.studies.simulator``) and returns the rows, with ``ceiling_hit_rate_tokens``: the hit rate of a
+cache that never evicts, computed from the trace alone (``kvlab.studies.reuse``). Each trace is read and
+prepared once per block size (its block keys, compact prompts), then replayed per capacity and policy;
+``jobs`` runs the replays in parallel processes and ``dask_scheduler`` on a Dask cluster
+(``kvlab.studies.sweep``). The rows are the same either way, ``wall_s`` aside.
 
 An infinite pool never evicts, so every policy gives it the same hits; it is replayed once per
-trace x block size and its row is shared by all policies (``evictions == 0`` is checked).
+trace x block size and its row is shared by all policies (``evictions == 0`` is checked; a policy that
+evicts anyway, by reusing cached blocks before never-cached ones, is replayed on its own).
 """
 
 import math
 from pathlib import Path
 
 import pandas as pd
-from tqdm.auto import tqdm
 
 from kvlab.errors import InvalidArgumentError
+from kvlab.sequence import check_block_size
 from kvlab.studies.overlap import EngineModel
-from kvlab.studies.reuse import reuse_profile
-from kvlab.studies.simulator import check_capacity, policy_factory, replay
+from kvlab.studies.reuse import block_keys, reuse_profile
+from kvlab.studies.simulator import check_capacity, check_mode, policy_factory, prepare
+from kvlab.studies.sweep import check_jobs, run_replays
 from kvlab.studies.synthetic import WORKLOADS
-from kvlab.traces import BUNDLED, load_trace
+from kvlab.traces import BUNDLED, check_frame, load_trace
+from kvlab.validation import check_optional_int
 
 #: Column order of a study's table and CSV (overlap runs add their engine metrics after these).
 COLUMNS = ["trace", "mode", "block_size", "capacity_blocks", "capacity_tokens", "policy", "hit_rate_tokens",
@@ -32,8 +38,10 @@ COLUMNS = ["trace", "mode", "block_size", "capacity_blocks", "capacity_tokens", 
 def resolve_trace(trace, limit: int | None = None) -> tuple[str, pd.DataFrame]:
     """``(label, frame)`` for a bundled trace name, a synthetic workload name (``WORKLOADS``), a path,
     or a ``(label, DataFrame)`` pair; ``limit`` keeps the first N requests."""
+    limit = check_optional_int("limit", limit, 1)
     if isinstance(trace, tuple) and len(trace) == 2 and isinstance(trace[1], pd.DataFrame):
         label, frame = trace
+        check_frame(frame)
     elif isinstance(trace, str) and trace in WORKLOADS:
         label, frame = trace, WORKLOADS[trace]()
     elif isinstance(trace, (str, Path)):
@@ -47,41 +55,57 @@ def resolve_trace(trace, limit: int | None = None) -> tuple[str, pd.DataFrame]:
 
 def cache_hit_study(traces=("mooncake_conversation",), *, block_sizes=(16,), capacities=(1000, 10000, math.inf),
                     policies=("lru", "fifo", "lfu"), mode: str = "sequential", limit: int | None = None,
-                    engine: EngineModel | None = None, progress: bool = True) -> pd.DataFrame:
-    """Replay every combination; returns one row per trace x block size x capacity x policy."""
+                    engine: EngineModel | None = None, progress: bool = True, jobs: int | None = None,
+                    dask_scheduler: str | None = None) -> pd.DataFrame:
+    """Replay every combination; returns one row per trace x block size x capacity x policy. ``jobs``:
+    parallel workers (None: joblib's current setting, 1 unless set by ``joblib.parallel_config``; -1: all
+    cores); ``dask_scheduler``: the address of a Dask scheduler to run on instead (``jobs`` then defaults
+    to all of its workers' threads)."""
     one_trace = isinstance(traces, (str, Path)) or (isinstance(traces, tuple) and len(traces) == 2
                                                      and isinstance(traces[1], pd.DataFrame))
     traces = [traces] if one_trace else list(traces)
     capacities = [check_capacity(c) for c in capacities]
-    policies, block_sizes = list(policies), list(block_sizes)
-    for policy in policies:
-        policy_factory(policy)  # fail before hours of replay, not after
-    for block_size in block_sizes:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise InvalidArgumentError(f"block sizes must be positive ints, got {block_size!r}")
+    policies, block_sizes = list(policies), [check_block_size(b) for b in block_sizes]
+    names = [policy_factory(policy)[0] for policy in policies]  # fail before hours of replay, not after
+    mode, engine, jobs = check_mode(mode), engine or EngineModel(), check_jobs(jobs)
     if not (traces and block_sizes and capacities and policies):
         raise InvalidArgumentError("need at least one trace, block size, capacity and policy")
+    frames = [resolve_trace(trace, limit) for trace in traces]  # every trace is read before any replay
+    prepared, ceilings = [], []
+    for label, frame in frames:
+        for block_size in block_sizes:
+            keys = block_keys(frame, block_size)  # once per trace and block size, for every replay
+            ceilings.append(reuse_profile(frame, block_size, keys=keys)["ceiling_hit_rate_tokens"])
+            prepared.append(prepare(frame, block_size, mode, label, keys=keys))
+    run = dict(engine=engine, jobs=jobs, dask_scheduler=dask_scheduler, progress=progress)
+    # The infinite pool is replayed with the first policy only: the other policies share its row...
+    per_trace = [(c, policy) for c in capacities for policy in (policies if c != math.inf else policies[:1])]
+    replayed = run_replays([(p, c, policy) for p in prepared for c, policy in per_trace], **run)
+    groups = [replayed[g * len(per_trace):(g + 1) * len(per_trace)] for g in range(len(prepared))]
+    # ... unless it evicted after all (see the module docstring): then each policy gets its own replay.
+    evicted = [g for g, rows in enumerate(groups)
+               if any(row["capacity_blocks"] == math.inf and row["evictions"] for row in rows)]
+    own = iter(run_replays([(prepared[g], c, policy) for g in evicted for c in capacities if c == math.inf
+                            for policy in policies[1:]], **run))
     rows = []
-    runs = len(traces) * len(block_sizes) * len(capacities) * len(policies)
-    with tqdm(total=runs, desc="replays", disable=not progress) as bar:
-        for trace in traces:
-            label, frame = resolve_trace(trace, limit)
-            for block_size in block_sizes:
-                ceiling = reuse_profile(frame, block_size)["ceiling_hit_rate_tokens"]
-                for capacity in capacities:
-                    shared = None  # the infinite pool's row, replayed once
-                    for policy in policies:
-                        if shared is None or capacity != math.inf or shared["evictions"]:
-                            bar.set_postfix_str(f"{label} bs={block_size} cap={capacity} {policy_factory(policy)[0]}")
-                            row = replay(frame, block_size=block_size, capacity=capacity, policy=policy, mode=mode,
-                                         engine=engine, label=label)
-                            shared = row
-                        else:
-                            row = {**shared, "policy": policy_factory(policy)[0]}
-                        rows.append({**row, "ceiling_hit_rate_tokens": ceiling})
-                        bar.update(1)
+    for g, ceiling in enumerate(ceilings):
+        rows += [{**row, "ceiling_hit_rate_tokens": ceiling}
+                 for row in _in_sweep_order(capacities, names, groups[g], own if g in evicted else None)]
     table = pd.DataFrame(rows)
     return table[COLUMNS + [c for c in table.columns if c not in COLUMNS]]
+
+
+def _in_sweep_order(capacities, names, replayed: list[dict], own) -> list[dict]:
+    """One trace x block size's rows, capacity by capacity and policy by policy: an infinite pool's one
+    replay stands for every policy, unless ``own`` (an iterator) yields the other policies' own replays."""
+    rows, first = [], iter(replayed)
+    for capacity in capacities:
+        if capacity != math.inf:
+            rows += [next(first) for _ in names]
+            continue
+        shared = next(first)
+        rows += [shared] + [next(own) if own else {**shared, "policy": name} for name in names[1:]]
+    return rows
 
 
 def summary(table: pd.DataFrame) -> str:

@@ -19,7 +19,8 @@ import numpy as np
 import pandas as pd
 
 from kvlab.errors import InvalidArgumentError
-from kvlab.traces import COLUMNS
+from kvlab.traces import COLUMNS, MAX_REQUEST_TOKENS
+from kvlab.validation import check_int, check_number, is_int
 
 
 class _Text:
@@ -30,10 +31,12 @@ class _Text:
         self._next = 0
 
     def length(self, bounds) -> int:
-        low, high = (bounds, bounds) if isinstance(bounds, int) else bounds
-        if not 1 <= low <= high:
-            raise InvalidArgumentError(f"a length must be an int >= 1 or a (low, high) range, got {bounds!r}")
-        return int(self.rng.integers(low, high + 1))
+        pair = (bounds, bounds) if is_int(bounds) else bounds
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(is_int(x) for x in pair)
+                and 1 <= pair[0] <= pair[1] <= MAX_REQUEST_TOKENS):
+            raise InvalidArgumentError(f"a length must be an int in [1, {MAX_REQUEST_TOKENS}] or a (low, high) "
+                                       f"range of them, got {bounds!r}")
+        return int(self.rng.integers(pair[0], pair[1] + 1))
 
     def fresh(self, bounds) -> np.ndarray:
         n = self.length(bounds)
@@ -42,8 +45,7 @@ class _Text:
 
 
 def _arrivals_ms(rng, n: int, rate_per_s: float) -> np.ndarray:
-    if not rate_per_s > 0:
-        raise InvalidArgumentError(f"rate_per_s must be > 0, got {rate_per_s!r}")
+    rate_per_s = check_number("rate_per_s", rate_per_s, 0, min_open=True)
     return np.cumsum(rng.exponential(1000.0 / rate_per_s, size=n))
 
 
@@ -59,15 +61,10 @@ def _frame(timestamps, prompts, output_lengths) -> pd.DataFrame:
     return frame[COLUMNS + ["token_ids"]].sort_values("timestamp", kind="stable").reset_index(drop=True)
 
 
-def _check_count(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgumentError(f"{name} must be an int >= 1, got {value!r}")
-
-
 def shared_system_prompt(num_requests=200, system_tokens=1024, user_tokens=(64, 512), output_tokens=(32, 256),
                          rate_per_s=4.0, seed=0) -> pd.DataFrame:
     """Every prompt = one shared system prompt + a private user message."""
-    _check_count("num_requests", num_requests)
+    check_int("num_requests", num_requests, 1)
     text = _Text(np.random.default_rng(seed))
     system = text.fresh(system_tokens)
     prompts = [np.concatenate([system, text.fresh(user_tokens)]) for _ in range(num_requests)]
@@ -78,9 +75,9 @@ def shared_system_prompt(num_requests=200, system_tokens=1024, user_tokens=(64, 
 def few_shot(num_requests=200, num_examples=8, shots=3, instruction_tokens=256, example_tokens=(128, 384),
              question_tokens=(32, 128), output_tokens=(16, 128), rate_per_s=4.0, seed=0) -> pd.DataFrame:
     """Instruction + ``shots`` distinct examples (random order and choice from a pool) + a question."""
-    _check_count("num_requests", num_requests)
-    if isinstance(shots, bool) or not isinstance(shots, int) or not 1 <= shots <= num_examples:
-        raise InvalidArgumentError(f"shots must be an int in [1, num_examples={num_examples}], got {shots!r}")
+    check_int("num_requests", num_requests, 1)
+    check_int("num_examples", num_examples, 1)
+    check_int("shots (at most num_examples)", shots, 1, num_examples)
     text = _Text(np.random.default_rng(seed))
     instruction = text.fresh(instruction_tokens)
     examples = [text.fresh(example_tokens) for _ in range(num_examples)]
@@ -96,8 +93,9 @@ def multi_turn_chat(num_conversations=25, turns=8, system_tokens=256, user_token
                     reply_tokens=(64, 384), think_time_s=30.0, rate_per_s=0.5, seed=0) -> pd.DataFrame:
     """Conversations starting at Poisson times; turn k+1 arrives an exponential think time after turn k
     and its prompt extends turn k's prompt with the reply and a new user message."""
-    _check_count("num_conversations", num_conversations)
-    _check_count("turns", turns)
+    check_int("num_conversations", num_conversations, 1)
+    check_int("turns", turns, 1)
+    check_number("think_time_s", think_time_s, 0)
     text = _Text(np.random.default_rng(seed))
     system = text.fresh(system_tokens)  # shared by all conversations, as a chat product's would be
     starts = _arrivals_ms(text.rng, num_conversations, rate_per_s)
@@ -117,8 +115,8 @@ def multi_turn_chat(num_conversations=25, turns=8, system_tokens=256, user_token
 def parallel_sampling(num_prompts=50, samples=4, prompt_tokens=(256, 2048), output_tokens=(64, 256),
                       rate_per_s=1.0, seed=0) -> pd.DataFrame:
     """Each prompt submitted ``samples`` times at once (n > 1 sampling issued as separate requests)."""
-    _check_count("num_prompts", num_prompts)
-    _check_count("samples", samples)
+    check_int("num_prompts", num_prompts, 1)
+    check_int("samples", samples, 1)
     text = _Text(np.random.default_rng(seed))
     times, prompts, outputs = [], [], []
     for when in _arrivals_ms(text.rng, num_prompts, rate_per_s):

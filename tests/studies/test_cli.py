@@ -2,6 +2,9 @@
 
 import json
 import math
+import os
+import re
+import tempfile
 
 import pandas as pd
 import pytest
@@ -42,12 +45,78 @@ def test_a_leading_study_word_is_accepted(tmp_path):
                  "--out", str(tmp_path), "--quiet"]) == 0
 
 
-@pytest.mark.parametrize("argv", [["--capacity", "0"], ["--capacity", "ten"], ["--policy", "lru,random"],
-                                  ["--block-size", "-16"], ["--mode", "parallel"], ["--limit", "0"]])
-def test_bad_options_exit_with_status_2(argv, capsys):
+HUGE = "1" + "0" * 30
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--capacity", "0"], "--capacity: expected a number of blocks in"),
+    (["--capacity", "ten"], "--capacity: expected a number of blocks in"),
+    (["--capacity", "1e30"], "--capacity: expected a number of blocks in"),
+    (["--capacity", HUGE], "--capacity: expected a number of blocks in \\[1, 2,147,483,647\\]"),
+    (["--policy", "lru,random"], "--policy: unknown eviction policy 'random'"),
+    (["--block-size", "-16"], "--block-size: block_size must be an int in"),
+    (["--block-size", "1e30"], "--block-size: expected a whole number, got '1e30'"),
+    (["--block-size", HUGE], "--block-size: block_size must be an int in"),
+    (["--mode", "parallel"], "--mode: invalid choice"),
+    (["--limit", "0"], "--limit: limit must be an int >= 1, got 0"),
+    (["--time-scale", "inf"], "--time-scale: time scale must be a finite number > 0, got inf"),
+    (["--time-scale", "nan"], "--time-scale: time scale must be a finite number > 0, got nan"),
+    (["--time-scale", "-1"], "--time-scale: time scale must be a finite number > 0"),
+    (["--jobs", "0"], "--jobs: jobs must be an int >= 1, got 0"),
+])
+def test_bad_options_exit_with_status_2_and_one_argparse_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
-    assert exit_info.value.code == 2 and "error" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert re.search(rf"^kvlab study: error: argument {message}", err, re.MULTILINE), err
+
+
+def refuse_to_run(*args, **kwargs):
+    raise AssertionError("the study ran before --out was checked")
+
+
+@pytest.mark.parametrize("out, message", [("a_file", "exists and is not a directory"),
+                                          ("a_file/below", "cannot write in .*Not a directory")])
+def test_an_unusable_out_fails_before_the_study_runs(out, message, tmp_path, monkeypatch, capsys):
+    (tmp_path / "a_file").write_text("x")
+    monkeypatch.setattr("kvlab.studies.cli.cache_hit_study", refuse_to_run)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--out", str(tmp_path / out)])
+    assert exit_info.value.code == 2 and re.search(f"error: argument --out: .*{message}", capsys.readouterr().err)
+
+
+def can_write_in(path) -> bool:
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys") or can_write_in("/sys"), reason="needs a directory we cannot write in")
+def test_an_out_directory_without_write_permission_fails_before_the_study_runs(monkeypatch, capsys):
+    monkeypatch.setattr("kvlab.studies.cli.cache_hit_study", refuse_to_run)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--out", "/sys"])
+    assert exit_info.value.code == 2 and "error: argument --out: cannot write in /sys" in capsys.readouterr().err
+
+
+def test_an_infinite_timestamp_in_a_trace_is_reported_not_replayed_forever(tmp_path, capsys):
+    trace = tmp_path / "forever.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1]}\n'
+                     '{"timestamp": Infinity, "input_length": 10, "output_length": 2, "hash_ids": [1]}\n')
+    assert main(["--trace", str(trace), "--mode", "overlap", "--out", str(tmp_path), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"kvlab study: error: .*forever\.jsonl:2: 'timestamp' \(ms\) must be a finite number >= 0, "
+                        r"got inf\n", err), err
+
+
+def test_an_unreachable_dask_scheduler_is_one_line(tmp_path, capsys):
+    assert main(["--trace", "synthetic_parallel", "--limit", "4", "--dask-scheduler", "localhost",
+                 "--out", str(tmp_path), "--quiet"]) == 2
+    assert re.fullmatch(r"kvlab study: error: cannot use the Dask scheduler at 'localhost': .*\n",
+                        capsys.readouterr().err)
 
 
 def test_an_unknown_trace_is_reported_without_a_traceback(tmp_path, capsys):

@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 from kvlab.errors import InvalidArgumentError
-from kvlab.studies.memory_waste import PAPER_TOKEN_STATES, SHARES, _FirstFit, memory_waste, simulate
+from kvlab.studies.memory_waste import PAPER_TOKEN_STATES, SHARES, _FirstFit, memory_waste, reservation, simulate
 
 
 def requests(prompts, outputs) -> pd.DataFrame:
@@ -13,13 +13,14 @@ def requests(prompts, outputs) -> pd.DataFrame:
 
 
 # Six identical requests (prompt 10, output 10: final length 20), budget 50, max_len 40. Every admitted
-# request holds 10 + j tokens after step j, j = 1..10: 15.5 on average. Max reserves 40 and Pow2 32, so
-# one runs at a time; Oracle reserves 20, so two; blocks of 10 give a request exactly 20 slots at admission.
+# request holds 10 + j tokens after step j, j = 1..10: 15.5 on average. Max reserves 40 and Pow2 10 + 16 (the
+# output rounded up to a power of two), so one runs at a time; Oracle reserves 20, so two; blocks of 10 give a
+# request exactly 20 slots at admission.
 HAND = {
     "Max": dict(token_states=15.5 / 50, reservation=4.5 / 50, internal_fragmentation=20 / 50,
                 external_fragmentation=10 / 50, concurrent_requests=1),
-    "Pow2": dict(token_states=15.5 / 50, reservation=4.5 / 50, internal_fragmentation=12 / 50,
-                 external_fragmentation=18 / 50, concurrent_requests=1),
+    "Pow2": dict(token_states=15.5 / 50, reservation=4.5 / 50, internal_fragmentation=6 / 50,
+                 external_fragmentation=24 / 50, concurrent_requests=1),
     "Oracle": dict(token_states=31 / 50, reservation=9 / 50, internal_fragmentation=0,
                    external_fragmentation=10 / 50, concurrent_requests=2),
     "Paged 10": dict(token_states=31 / 50, reservation=9 / 50, internal_fragmentation=0,
@@ -31,6 +32,14 @@ HAND = {
 def test_shares_by_hand(scheme):
     result = simulate(np.full(6, 10), np.full(6, 20), scheme, budget_tokens=50, max_len=40)
     assert {k: result[k] for k in HAND[scheme]} == pytest.approx(HAND[scheme])
+
+
+def test_pow2_rounds_the_output_up_to_a_power_of_two_as_in_the_paper():
+    # Kwon et al. section 6.1: "if the true output length is 25, it reserves 32 positions for outputs".
+    prompt, final = np.array([100, 3, 10, 7]), np.array([125, 8, 11, 7 + 1000])
+    assert reservation("Pow2", final, 1024, prompt).tolist() == [132, 11, 11, 1024]  # capped at max_len
+    assert reservation("Oracle", final, 1024, prompt).tolist() == final.tolist()
+    assert reservation("Max", final, 1024, prompt).tolist() == [1024] * 4
 
 
 def test_the_study_table_on_a_hand_workload():
@@ -70,10 +79,18 @@ def test_requests_longer_than_max_len_are_excluded_and_counted():
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_len=0), dict(max_len=60_000), dict(block_sizes=(0,)),
-                                    dict(budget_tokens=10_000, max_len=9_000, block_sizes=(4096,))])
+                                    dict(budget_tokens=10_000, max_len=9_000, block_sizes=(4096,)),
+                                    dict(max_len=True), dict(budget_tokens=48_000.0), dict(block_sizes=(True,)),
+                                    dict(limit=0)])
 def test_bad_arguments_are_refused(kwargs):
     with pytest.raises(InvalidArgumentError):
         memory_waste(requests([10], [5]), **kwargs)
+
+
+@pytest.mark.parametrize("prompts, outputs", [([10, np.nan], [5, 5]), ([10, 20], [5, -1]), ([10.5, 20], [5, 5])])
+def test_bad_lengths_in_a_frame_are_refused(prompts, outputs):
+    with pytest.raises(InvalidArgumentError, match="trace column"):
+        memory_waste(requests(prompts, outputs))
 
 
 def test_first_fit_takes_the_lowest_hole_and_merges_freed_neighbours():

@@ -4,12 +4,15 @@ Every expected number is worked out by hand in the comments (block size 4 throug
 0-based position of the token a step stores; a new block starts at every pos that is a multiple of 4).
 """
 
+import math
+
 import numpy as np
 import pandas as pd
 import pytest
 from tqdm.auto import tqdm
 
 from kvlab import BlockManager
+from kvlab.errors import InvalidArgumentError
 from kvlab.studies import EngineModel, replay
 from kvlab.studies.overlap import replay_overlap
 
@@ -107,3 +110,24 @@ def test_who_finishes_is_decided_by_sizes_alone(seed, block_size, capacity):
     assert metrics["requests"] == n - skipped - dropped and metrics["preemptions"] > 0
     assert manager.num_free_blocks == capacity
     manager.check_invariants()
+
+
+@pytest.mark.parametrize("kwargs", [dict(time_scale=math.inf), dict(time_scale=math.nan), dict(time_scale=0),
+                                    dict(decode_step_ms=math.inf), dict(decode_step_ms=1e-300),
+                                    dict(prefill_ms_per_token=math.nan), dict(max_num_seqs=True),
+                                    dict(max_num_seqs=2.0)])
+def test_engine_knobs_must_be_finite_and_in_range(kwargs):
+    with pytest.raises(InvalidArgumentError, match=next(iter(kwargs))):
+        EngineModel(**kwargs)
+
+
+def test_arrival_times_that_overflow_are_refused_not_replayed():
+    trace = trace_of([[1, 2, 3], [4, 5, 6]], outputs=[2, 2], times_ms=[0.0, 1e308])
+    with pytest.raises(InvalidArgumentError, match="arrival times overflow"):
+        replay(trace, block_size=4, capacity=8, mode="overlap", engine=EngineModel(time_scale=10.0))
+
+
+@pytest.mark.parametrize("times_ms", [[0.0, math.inf], [math.nan, 0.0]])
+def test_non_finite_arrival_times_in_a_frame_are_refused(times_ms):
+    with pytest.raises(InvalidArgumentError, match="timestamp must hold finite numbers"):
+        replay(trace_of([[1, 2, 3], [4, 5, 6]], outputs=[2, 2], times_ms=times_ms), block_size=4, mode="overlap")

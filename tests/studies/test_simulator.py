@@ -165,7 +165,8 @@ def test_a_user_policy_class_plugs_in():
 
 
 @pytest.mark.parametrize("kwargs", [dict(mode="parallel"), dict(capacity=0), dict(capacity=2.5),
-                                    dict(capacity=True), dict(block_size=0), dict(policy="random"),
+                                    dict(capacity=True), dict(capacity=2**31), dict(capacity=math.nan),
+                                    dict(block_size=0), dict(block_size=10**30), dict(policy="random"),
                                     dict(policy=object)])
 def test_bad_arguments_are_refused(kwargs):
     with pytest.raises(InvalidArgumentError):
@@ -193,5 +194,16 @@ def test_a_study_accepts_a_tuple_of_names_and_refuses_bad_block_sizes():
     table = cache_hit_study(("synthetic_chat", "synthetic_parallel"), block_sizes=(16,), capacities=(64,),
                             policies=("lru",), limit=10, progress=False)
     assert table["trace"].tolist() == ["synthetic_chat", "synthetic_parallel"]
-    with pytest.raises(InvalidArgumentError, match="block sizes"):
+    with pytest.raises(InvalidArgumentError, match="block_size"):
         cache_hit_study("synthetic_chat", block_sizes=(0,), progress=False)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(traces=("nan", trace_of(HAND_BUILT).assign(timestamp=np.nan))), "timestamp must hold finite numbers"),
+    (dict(traces=("float", trace_of(HAND_BUILT).assign(input_length=12.0))), "input_length must hold ints"),
+    (dict(limit=0), "limit must be an int >= 1"),
+    (dict(capacities=[10**30]), "capacity must be a number of blocks"),
+])
+def test_a_study_refuses_bad_frames_and_bounds_before_replaying(kwargs, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        cache_hit_study(**{"traces": ("hand", trace_of(HAND_BUILT)), **kwargs}, progress=False)

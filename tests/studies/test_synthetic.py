@@ -52,10 +52,17 @@ def test_parallel_samples_repeat_the_prompt_at_the_same_moment():
         assert len(group) == 3 and all(np.array_equal(group["token_ids"].iloc[0], p) for p in group["token_ids"])
 
 
-def test_bad_parameters_are_refused():
+@pytest.mark.parametrize("make, kwargs", [
+    (synthetic.few_shot, dict(shots=9, num_examples=8)),
+    (synthetic.shared_system_prompt, dict(user_tokens=(10, 5))),
+    (synthetic.shared_system_prompt, dict(user_tokens=(10.5, 20))),
+    (synthetic.shared_system_prompt, dict(system_tokens=True)),
+    (synthetic.shared_system_prompt, dict(system_tokens=2**30)),
+    (synthetic.parallel_sampling, dict(rate_per_s=0)),
+    (synthetic.parallel_sampling, dict(rate_per_s=float("inf"))),
+    (synthetic.parallel_sampling, dict(samples=1.0)),
+    (synthetic.multi_turn_chat, dict(think_time_s=float("nan"))),
+])
+def test_bad_parameters_are_refused(make, kwargs):
     with pytest.raises(InvalidArgumentError):
-        synthetic.few_shot(shots=9, num_examples=8)
-    with pytest.raises(InvalidArgumentError):
-        synthetic.shared_system_prompt(user_tokens=(10, 5))
-    with pytest.raises(InvalidArgumentError):
-        synthetic.parallel_sampling(rate_per_s=0)
+        make(**kwargs)

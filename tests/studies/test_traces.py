@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 
 from kvlab.errors import InvalidArgumentError, TraceFormatError
-from kvlab.traces import (BUNDLED, COLUMNS, MOONCAKE_BLOCK_TOKENS, PromptTokens, load_trace, mooncake_token_ids,
-                          private_token_ids)
+from kvlab.traces import (BUNDLED, COLUMNS, MOONCAKE_BLOCK_TOKENS, PromptTokens, check_frame, load_trace,
+                          mooncake_token_ids, private_token_ids)
 
 RECORDS = {"mooncake_conversation": 12_031, "mooncake_synthetic": 3_993, "azure_code": 8_819, "azure_conv": 19_366}
 
@@ -74,7 +74,7 @@ def test_a_malformed_jsonl_line_names_the_file_and_line(tmp_path, bad, what):
 GOOD_CSV = "2023-11-16 18:17:03.9799600,4808,10"
 BAD_CSV_ROWS = [
     ("2023-11-16 18:17:04.0,12,x", "must be integers"),
-    ("2023-11-16 18:17:04.0,0,5", "ContextTokens >= 1"),
+    ("2023-11-16 18:17:04.0,0,5", r"ContextTokens must be an int in \[1, "),
     ("yesterday,12,5", "TIMESTAMP 'yesterday'"),
     ("2023-11-16 18:17:04.0,12", "2 fields"),
 ]
@@ -133,3 +133,86 @@ def test_explicit_token_ids_take_precedence_over_hash_ids():
     trace = pd.DataFrame({"timestamp": [0.0], "input_length": [3], "output_length": [1],
                           "hash_ids": [np.array([5])], "token_ids": [np.array([9, 8, 7])]})
     assert PromptTokens(trace)[0].tolist() == [9, 8, 7]
+
+
+NON_FINITE_OR_HUGE = [
+    ('{"timestamp": Infinity, "input_length": 600, "output_length": 3, "hash_ids": [1, 2]}', "'timestamp'.*finite"),
+    ('{"timestamp": NaN, "input_length": 600, "output_length": 3, "hash_ids": [1, 2]}', "'timestamp'.*finite"),
+    ('{"timestamp": 0, "input_length": 600, "output_length": 100000000000000000000000000000, "hash_ids": [1, 2]}',
+     "'output_length' must be an int in"),
+    ('{"timestamp": 0, "input_length": 600, "output_length": NaN, "hash_ids": [1, 2]}', "'output_length'"),
+    ('{"timestamp": 0, "input_length": 600, "output_length": 16777000, "hash_ids": [1, 2]}', "at most 16777216"),
+    ('{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [1, 10000000000000000000000]}',
+     "hash_ids"),
+    ('{"timestamp": 0, "input_length": ' + "9" * 5000 + "}", "not valid JSON"),
+    ('{"timestamp": 0, "hash_ids": ' + "[" * 100_000 + "]" * 100_000 + "}", "not valid JSON"),
+]
+
+
+@pytest.mark.parametrize("bad, what", NON_FINITE_OR_HUGE,
+                         ids=["inf-time", "nan-time", "huge-output", "nan-output", "too-many-tokens", "huge-hash-id",
+                              "5000-digits", "deeply-nested"])
+def test_non_finite_and_huge_numbers_in_a_jsonl_trace_name_their_line(tmp_path, bad, what):
+    path = tmp_path / "broken.jsonl"
+    path.write_text(f"{GOOD_JSON}\n{bad}\n")
+    with pytest.raises(TraceFormatError, match=rf"broken\.jsonl:2: .*{what}"):
+        load_trace(path)
+
+
+def test_huge_lengths_in_a_csv_trace_name_their_line(tmp_path):
+    path = tmp_path / "broken.csv"
+    path.write_text(f"TIMESTAMP,ContextTokens,GeneratedTokens\n{GOOD_CSV}\n"
+                    "2023-11-16 18:17:04.0,12,100000000000000000000000000000\n")
+    with pytest.raises(TraceFormatError, match=r"broken\.csv:3: GeneratedTokens must be an int in"):
+        load_trace(path)
+
+
+@pytest.mark.parametrize("suffix, good", [(".jsonl", GOOD_JSON), (".csv", GOOD_CSV)])
+def test_invalid_utf8_names_its_line(tmp_path, suffix, good):
+    path = tmp_path / f"broken{suffix}"
+    header = b"TIMESTAMP,ContextTokens,GeneratedTokens\n" if suffix == ".csv" else b""
+    path.write_bytes(header + f"{good}\n{good}\n".encode() + good.encode().replace(b"0", b"\xff", 1) + b"\n")
+    with pytest.raises(TraceFormatError, match=rf"broken\{suffix}:{3 + bool(header)}: not valid UTF-8"):
+        load_trace(path)
+
+
+def test_a_row_the_csv_module_refuses_is_a_format_error(tmp_path):
+    path = tmp_path / "broken.csv"
+    path.write_text(f"TIMESTAMP,ContextTokens,GeneratedTokens\n{GOOD_CSV}\n{'9' * 200_000},1,1\n")
+    with pytest.raises(TraceFormatError, match=r"broken\.csv:3: not a valid CSV row \(field larger"):
+        load_trace(path)
+
+
+@pytest.mark.parametrize("suffix, text", [
+    (".csv", f"TIMESTAMP,ContextTokens,GeneratedTokens\n{GOOD_CSV}\n"), (".jsonl", f"{GOOD_JSON}\n")])
+def test_a_byte_order_mark_is_accepted(tmp_path, suffix, text):
+    path = tmp_path / f"excel{suffix}"
+    path.write_text(text, encoding="utf-8-sig")  # what Excel and Notepad write
+    trace = load_trace(path)
+    assert len(trace) == 1 and trace["input_length"].iloc[0] in (4808, 600)
+
+
+def test_a_missing_bundled_trace_says_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLAB_DATA", str(tmp_path))
+    with pytest.raises(InvalidArgumentError, match="bundled trace 'azure_code' is missing.*KVLAB_DATA"):
+        load_trace("azure_code")
+
+
+def frame(**columns) -> pd.DataFrame:
+    base = {"timestamp": [0.0, 1.0], "input_length": [10, 20], "output_length": [1, 2]}
+    return pd.DataFrame({**base, **columns})
+
+
+@pytest.mark.parametrize("columns, what", [
+    (dict(timestamp=[0.0, np.inf]), "timestamp must hold finite numbers"),
+    (dict(timestamp=[np.nan, 1.0]), "timestamp must hold finite numbers"),
+    (dict(input_length=[10.0, np.nan]), "input_length must hold ints"),
+    (dict(input_length=pd.array([10, None], dtype="Int64")), "input_length must hold ints in"),
+    (dict(output_length=[1, -1]), "output_length must hold ints in"),
+    (dict(input_length=[10, 2**40]), "input_length must hold ints in"),
+    (dict(input_length=[10, 2**24], output_length=[1, 1]), "input_length \\+ output_length"),
+    (dict(token_ids=[np.arange(10), np.arange(19)]), "lengths of the token_ids column"),
+])
+def test_check_frame_names_the_column_and_row(columns, what):
+    with pytest.raises(InvalidArgumentError, match=what):
+        check_frame(frame(**columns))

@@ -1,0 +1,85 @@
+"""The sequential replay: one request at a time, allocated then freed, on prompts of two tokens per block.
+
+What a prefix cache does with a prompt depends only on which of its full blocks are equal to blocks seen
+before, and equality of a full block means equality of the whole prefix it ends (the manager chains each
+block to its parent). So the replay hands the manager *compact* prompts: full block i of a request becomes
+the two token ids ``2k, 2k + 1``, where k numbers the block's prefix key (``kvlab.studies.reuse``: equal
+keys exactly when the first (i + 1) x block_size tokens are equal), and a partial last block becomes one
+token, on a manager of block size 2. Every allocate and free then takes, hits, seals, evicts and frees the
+same blocks in the same order as with the real tokens: each prompt needs the same number of blocks, its
+full blocks match the same earlier blocks, and the manager's rule that a prompt's last token is always
+computed keeps the same blocks out of reach (a compact prompt of f full blocks ends with a partial block
+exactly when the real one does). Only hits in tokens need the real block size: hit_blocks x block_size.
+
+Why: the manager hashes, copies and compares every block's tokens, 4 KiB at block size 512, for an answer
+the keys already hold; compact prompts cut a replay's time by more than half and are built once per trace
+and block size, for every capacity and policy replayed on them. ``tests/studies/test_sequential.py`` checks
+the rows against replays of the real tokens.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from kvlab.block_manager import BlockManager
+from kvlab.sequence import Sequence
+
+COMPACT_BLOCK_SIZE = 2  # a full block is two tokens, so that a one-token partial block stays partial
+
+
+@dataclass(frozen=True, eq=False)
+class CompactTrace:
+    """A trace at one block size, as the sequential replay reads it: request i (in arrival order) has
+    ``lengths[i]`` prompt tokens and the compact prompt ``tokens[ends[i - 1]:ends[i]]``."""
+    block_size: int
+    lengths: np.ndarray
+    tokens: np.ndarray
+    ends: np.ndarray
+
+    @classmethod
+    def build(cls, trace: pd.DataFrame, block_size: int, numbers: np.ndarray, request: np.ndarray) -> "CompactTrace":
+        """``numbers``: the full blocks' prefix keys (``kvlab.studies.reuse.block_keys``) renumbered 0, 1, ...
+        (so never negative); ``request``: the request of each block, as ``block_keys`` returns it."""
+        lengths = trace["input_length"].to_numpy(np.int64)
+        full, partial = lengths // block_size, (lengths % block_size > 0).astype(np.int64)
+        sizes = 2 * full + partial
+        order = np.argsort(trace["timestamp"].to_numpy(), kind="stable")
+        ends = np.cumsum(sizes[order])  # the prompts are stored in arrival order, the replay's
+        start = np.empty_like(sizes)
+        start[order] = ends - sizes[order]
+        tokens = np.zeros(int(ends[-1]), dtype=np.int64)  # a partial block keeps token 0: it is never hashed
+        first = start[request] + 2 * (np.arange(len(numbers)) - (np.cumsum(full) - full)[request])
+        tokens[first], tokens[first + 1] = 2 * numbers, 2 * numbers + 1
+        return cls(block_size, lengths[order], tokens, ends)
+
+    def __sizeof__(self) -> int:
+        # Dask's joblib backend ships arguments larger than a kilobyte to its workers once, not once per task;
+        # it measures them with sys.getsizeof, which would otherwise see only this small object.
+        return object.__sizeof__(self) + self.lengths.nbytes + self.tokens.nbytes + self.ends.nbytes
+
+    def sequences(self) -> list[Sequence]:
+        """Every request's compact prompt as a ``Sequence``, in arrival order. A freed sequence can be
+        allocated again, in any manager, so a process builds them once for all the replays it runs."""
+        ends = [0, *self.ends.tolist()]
+        return [Sequence(self.tokens[ends[i]:ends[i + 1]], COMPACT_BLOCK_SIZE) for i in range(len(self.lengths))]
+
+
+def replay_sequential(compact: CompactTrace, sequences: list[Sequence], manager: BlockManager, bar) -> dict:
+    """Replay ``compact.sequences()`` on ``manager`` (block size ``COMPACT_BLOCK_SIZE``, empty); ``bar`` is a
+    tqdm bar (or disabled)."""
+    needed = (-(-compact.lengths // compact.block_size)).tolist()  # blocks per prompt, as with the real tokens
+    pool = manager.num_blocks
+    skipped = peak = 0
+    for i, (blocks, seq) in enumerate(zip(needed, sequences), start=1):
+        if blocks > pool:
+            skipped += 1
+        else:
+            manager.allocate(seq)  # between requests every block is free: a prompt that fits the pool fits now
+            peak = max(peak, pool - manager.num_free_blocks)
+            manager.free(seq)
+        if i % 256 == 0:
+            bar.update(256)
+    hit_blocks = manager.stats.hit_blocks
+    return {"requests": len(needed) - skipped, "requests_skipped": skipped, "requests_dropped_mid_decode": 0,
+            "hit_tokens": hit_blocks * compact.block_size, "hit_blocks": hit_blocks, "peak_blocks_used": peak}

@@ -1,0 +1,85 @@
+"""Running a study's replays: in this process, in local worker processes, or on a Dask cluster.
+
+The replays of one prepared trace (one per capacity and policy) are dealt into chunks, about two per
+worker: a chunk builds the trace's ``Sequence`` objects once for all its replays, and several chunks per
+worker keep the workers evenly busy. Each chunk is a pure function of its inputs, whichever process runs
+it, so a parallel run's rows equal a serial run's, row for row (only ``wall_s``, a timing, differs).
+Chunks run through joblib: ``jobs`` local processes (joblib's loky backend), or, given ``dask_scheduler``,
+joblib's Dask backend on that cluster, which ships each prepared trace to a worker once however many
+chunks use it.
+"""
+
+from contextlib import contextmanager
+
+from joblib import Parallel, delayed, effective_n_jobs, parallel_config
+from tqdm.auto import tqdm
+
+from kvlab.errors import InvalidArgumentError
+from kvlab.studies.overlap import EngineModel
+from kvlab.studies.simulator import PreparedTrace, replay_prepared
+from kvlab.validation import check_int, is_int
+
+
+def check_jobs(jobs):
+    """None (joblib's current setting: 1 unless inside ``joblib.parallel_config``), -1 (every core, or every
+    Dask worker thread) or a number of parallel workers >= 1."""
+    return jobs if jobs is None or (is_int(jobs) and jobs == -1) else check_int("jobs", jobs, 1)
+
+
+def run_replays(tasks: list[tuple[PreparedTrace, object, object]], *, engine: EngineModel, jobs=None,
+                dask_scheduler: str | None = None, progress: bool = True) -> list[dict]:
+    """The row of each ``(prepared trace, capacity, policy)`` task, in the tasks' order."""
+    rows = [None] * len(tasks)
+    if not tasks:
+        return rows
+    with _backend(jobs, dask_scheduler) as workers:
+        chunks = plan(tasks, workers)
+        inner = progress and workers == 1  # one worker is this process, where a per-request bar can show
+        calls = (delayed(_replay_chunk)(indices, tasks[indices[0]][0], [tasks[i][1:] for i in indices], engine, inner)
+                 for indices in chunks)
+        with tqdm(total=len(tasks), desc="replays", disable=not progress) as bar:
+            for indices, replayed in Parallel(n_jobs=min(workers, len(chunks)), return_as="generator_unordered")(calls):
+                for i, row in zip(indices, replayed):
+                    rows[i] = row
+                bar.update(len(indices))
+    return rows
+
+
+def plan(tasks: list[tuple[PreparedTrace, object, object]], workers: int) -> list[list[int]]:
+    """Task indices per chunk. A prepared trace's tasks are dealt round-robin into chunks (so that each
+    chunk gets a mix of capacities and policies), about two chunks per worker in all; overlap replays share
+    nothing, so each is a chunk of its own."""
+    by_trace: dict[int, list[int]] = {}
+    for i, (prepared, _, _) in enumerate(tasks):
+        by_trace.setdefault(id(prepared), []).append(i)
+    chunks = []
+    for indices in by_trace.values():
+        sequential = tasks[indices[0]][0].mode == "sequential"
+        count = min(len(indices), -(-2 * workers // len(by_trace))) if sequential else len(indices)
+        chunks += [indices[start::count] for start in range(count)]
+    return chunks
+
+
+def _replay_chunk(indices: list[int], prepared: PreparedTrace, configs: list, engine: EngineModel, progress: bool):
+    return indices, replay_prepared(prepared, configs, engine=engine, progress=progress)
+
+
+@contextmanager
+def _backend(jobs, dask_scheduler):
+    """Yields how many tasks can run at once under joblib's backend for these settings."""
+    jobs = check_jobs(jobs)
+    if dask_scheduler is None:  # joblib's current backend: loky processes unless the caller chose another
+        yield effective_n_jobs(jobs)
+        return
+    if not isinstance(dask_scheduler, str):
+        raise InvalidArgumentError(f"dask_scheduler must be an address such as 'tcp://10.0.0.5:8786', "
+                                   f"got {dask_scheduler!r}")
+    from distributed import Client  # imported only for cluster runs: it takes a second
+
+    try:
+        client = Client(dask_scheduler, timeout="10s")
+    except (OSError, ValueError) as e:
+        raise InvalidArgumentError(f"cannot use the Dask scheduler at {dask_scheduler!r}: {e}") from None
+    jobs = -1 if jobs is None else jobs
+    with client, parallel_config(backend="dask", n_jobs=jobs):
+        yield effective_n_jobs(jobs)
