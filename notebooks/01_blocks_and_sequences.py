@@ -23,20 +23,31 @@
 # and is freed. The last section measures what paging saves over contiguous reservation.
 
 # %%
-# Setup. In a checkout (or CI) this uses the checkout's kvlab. On Colab it clones the repository (code and
-# bundled traces) and installs kvlab's missing dependencies; Colab's torch and Triton are kept as they are.
+# Setup (generated from scripts/sync_notebooks.py: edit it there, then `make notebooks`). In a checkout, or in
+# CI, this uses the checkout's kvlab. On Colab it clones the repository (code and bundled traces) and installs
+# kvlab's missing dependencies; Colab's torch and Triton are kept as they are. `%matplotlib inline` keeps
+# figures in the notebook however it runs (Jupyter, Colab, nbconvert with MPLBACKEND=Agg).
+# %matplotlib inline
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-KVLAB_REPO = "https://github.com/kvlab/kvlab"  # the repository this notebook comes from
+# The repository to clone when kvlab is not installed: for a fork, change it here or set $KVLAB_REPO.
+KVLAB_REPO = os.environ.get("KVLAB_REPO", "https://github.com/kvlab/kvlab")
 if importlib.util.find_spec("kvlab") is None:
     checkout = Path.cwd().parent
     if not (checkout / "kvlab" / "__init__.py").is_file():  # not run from notebooks/ in a checkout
         checkout = Path.cwd() / "kvlab-repo"
         if not checkout.is_dir():
-            subprocess.check_call(["git", "clone", "-q", "--depth", "1", KVLAB_REPO, str(checkout)])
+            clone = subprocess.run(["git", "clone", "-q", "--depth", "1", KVLAB_REPO, str(checkout)],
+                                   capture_output=True, text=True)
+            if clone.returncode != 0:
+                raise RuntimeError(
+                    f"Could not clone kvlab from {KVLAB_REPO}: {clone.stderr.strip() or 'git failed'}\n"
+                    "If your copy of kvlab lives elsewhere, set KVLAB_REPO in this cell to its address (or the "
+                    "KVLAB_REPO environment variable), then run the cell again.") from None
         subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", str(checkout)])
     sys.path.insert(0, str(checkout))
 
@@ -46,8 +57,14 @@ import numpy as np
 
 from kvlab import AllocStatus, BlockManager, Sequence, viz
 
-rng = np.random.default_rng(0)
-BLOCK_SIZE = 4  # tiny, so that every slot fits in a picture; servers use 16 or more
+# Knobs: change them and run the notebook again (Run All). The checks below explain what your change did.
+BLOCK_SIZE = 4     # token slots per block: tiny so every slot fits in a picture; servers use 16 or more
+NUM_BLOCKS = 12    # blocks in the pool: both sequences must fit (BLOCK_SIZE = 1 needs about 40)
+DECODE_STEPS = 9   # tokens each sequence generates in section 3
+SEED = 0           # the random tokens
+
+DEFAULTS = (BLOCK_SIZE, NUM_BLOCKS, DECODE_STEPS, SEED) == (4, 12, 9, 0)  # the setting CI checks exactly
+rng = np.random.default_rng(SEED)
 
 # %% [markdown]
 # ## 1. A sequence and its logical blocks
@@ -57,7 +74,8 @@ BLOCK_SIZE = 4  # tiny, so that every slot fits in a picture; servers use 16 or 
 
 # %%
 prompt = Sequence([17, 4, 99, 23, 8, 61, 5, 42, 11, 70], block_size=BLOCK_SIZE)
-viz.draw_tokens(prompt, names=["prompt"], title="a 10-token prompt in logical blocks of 4 (dashed: empty slots)")
+viz.draw_tokens(prompt, names=["prompt"],
+                title=f"a 10-token prompt in logical blocks of {BLOCK_SIZE} (dashed: empty slots)")
 plt.show()
 last_fill = prompt.num_tokens - (prompt.num_blocks - 1) * BLOCK_SIZE
 print(f"The prompt has {prompt.num_tokens} tokens, so it spans {prompt.num_blocks} logical blocks of "
@@ -72,10 +90,11 @@ print(f"The prompt has {prompt.num_tokens} tokens, so it spans {prompt.num_block
 # handed out next).
 
 # %%
-manager = BlockManager(num_blocks=12, block_size=BLOCK_SIZE, record_events=True)
+manager = BlockManager(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, record_events=True)
+phases = [(len(manager.events), "allocate(prompt)")]  # for the timeline in section 6: which call logged what
 print("can_allocate:", manager.can_allocate(prompt).name)
 manager.allocate(prompt)
-viz.draw_block_tables(manager, [prompt], title="after allocate(prompt)")
+viz.draw_block_tables(manager, [prompt], names=["prompt"], title="after allocate(prompt)")
 plt.show()
 print(f"allocate gave logical blocks 0..{prompt.num_blocks - 1} the physical blocks {manager.get_block_table(prompt)}; "
       f"{manager.num_free_blocks} of {manager.num_blocks} blocks are still free.")
@@ -91,7 +110,7 @@ slot = manager.slot_mapping(prompt, p, p + 1)[0]
 print(f"The last prompt token (position {p}) sits in logical block {p // BLOCK_SIZE} -> physical block "
       f"{table[p // BLOCK_SIZE]}, offset {p % BLOCK_SIZE}: slot {table[p // BLOCK_SIZE]} * {BLOCK_SIZE} + "
       f"{p % BLOCK_SIZE} = {slot}.")
-assert slot == table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+assert slot == table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE  # the formula, whatever the knobs
 
 # %% [markdown]
 # ## 3. Growing during decode
@@ -106,32 +125,43 @@ assert slot == table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
 # snapshot whenever a step takes a new block.
 
 # %%
+NAMES = ["prompt", "chat"]
 chat = Sequence(rng.integers(100, 200, size=5), BLOCK_SIZE)
+phases.append((len(manager.events), "allocate(chat)"))
 manager.allocate(chat)
-steps = [viz.snapshot(manager, [prompt, chat], "prompt and chat allocated")]
+steps = [viz.snapshot(manager, [prompt, chat], "prompt and chat allocated", names=NAMES)]
 seal_events_before = sum(e.kind == "seal" for e in manager.events)
-num_steps = 9
-for step in range(num_steps):
+phases.append((len(manager.events), f"{DECODE_STEPS} decode steps"))
+for step in range(DECODE_STEPS):
     blocks_before = manager.num_free_blocks
     for seq in (prompt, chat):
         seq.append_token(int(rng.integers(200, 300)))
         copies = manager.append_slots(seq)
         assert copies == []  # nothing is shared here, so nothing is copied on write
     if manager.num_free_blocks < blocks_before:
-        steps.append(viz.snapshot(manager, [prompt, chat], f"decode step {step + 1}: took a new block"))
-steps.append(viz.snapshot(manager, [prompt, chat], f"after {num_steps} decode steps"))
-viz.show_steps(steps, ncols=2)
+        steps.append(viz.snapshot(manager, [prompt, chat], f"decode step {step + 1} took a new block", names=NAMES))
+steps.append(viz.snapshot(manager, [prompt, chat], f"after {DECODE_STEPS} decode steps", names=NAMES))
+viz.show_steps(steps, ncols=2)  # a slider in Jupyter or Colab; every snapshot side by side elsewhere
 plt.show()
 
 # %%
 new_blocks = sum(e.kind == "append" for e in manager.events)
 sealed = sum(e.kind == "seal" for e in manager.events) - seal_events_before
 empty_slots = sum(len(s.block_table) * BLOCK_SIZE - s.num_tokens for s in (prompt, chat))
-print(f"In {num_steps} steps the two sequences generated {2 * num_steps} tokens and took only {new_blocks} new "
-      f"blocks; {sealed} blocks filled up and were sealed on the way.")
+print(f"In {DECODE_STEPS} steps the two sequences generated {2 * DECODE_STEPS} tokens and took only {new_blocks} "
+      f"new blocks; {sealed} blocks filled up and were sealed on the way.")
 print(f"Right now {empty_slots} slots are allocated but empty: at most block_size - 1 = {BLOCK_SIZE - 1} per "
       "sequence, in its last block.")
 print(f"prompt's table: {prompt.block_table}; chat's table: {chat.block_table} (interleaved in the pool).")
+assert empty_slots <= 2 * (BLOCK_SIZE - 1)  # paging's promise, whatever the knobs
+
+# %% [markdown]
+# **Try it.** Set `BLOCK_SIZE = 8` in the knobs cell and run the notebook again. Before you look, predict:
+# how many new blocks do the nine decode steps take now, and how many allocated slots are empty at the end?
+# Look at the snapshot grid: fewer, longer blocks mean fewer `append` steps but more empty slots in each
+# sequence's last block. Then try `BLOCK_SIZE = 1` with `NUM_BLOCKS = 40`: no slot is ever empty, and every
+# token seals a block. (With 12 blocks of one token, `allocate(chat)` raises `OutOfBlocksError`: the pool is
+# full, and `can_allocate` would have said so.)
 
 # %% [markdown]
 # A sealed block is immutable and *cached*: a prefix lookup could hit it from now on (the gold dot). The
@@ -140,38 +170,47 @@ print(f"prompt's table: {prompt.block_table}; chat's table: {chat.block_table} (
 # %%
 viz.draw_pool(manager, title="the pool after decoding (gold dot: sealed and cached)")
 plt.show()
-sealed_blocks = [b for b in prompt.block_table + chat.block_table if manager.is_cached(b)]
-print(f"{len(sealed_blocks)} of the {len(prompt.block_table) + len(chat.block_table)} blocks in use are sealed "
-      f"and hittable; the two partial tail blocks, {prompt.block_table[-1]} and {chat.block_table[-1]}, are not.")
-assert not manager.is_cached(prompt.block_table[-1]) and not manager.is_cached(chat.block_table[-1])
+in_use = prompt.block_table + chat.block_table
+sealed_blocks = [b for b in in_use if manager.is_cached(b)]
+tails = {name: seq.block_table[-1] for name, seq in zip(NAMES, (prompt, chat))}
+print(f"{len(sealed_blocks)} of the {len(in_use)} blocks in use are sealed and hittable; the two tail blocks "
+      f"{list(tails.values())} are partial, so not sealed.")
+viz.check(not any(manager.is_cached(b) for b in tails.values()),
+          f"a tail block is sealed: {[n for n, b in tails.items() if manager.is_cached(b)]} ended exactly on a "
+          f"block boundary (its length is a multiple of BLOCK_SIZE={BLOCK_SIZE}), so its last block is full",
+          defaults=DEFAULTS)
 
 # %% [markdown]
 # ## 4. Admission: OK, LATER, NEVER
 #
 # Before allocating, a scheduler asks `can_allocate`. A request that fits the free blocks is `OK`; one
 # that fits the pool but not the free blocks must wait for others to finish (`LATER`); one bigger than the
-# whole pool can never run (`NEVER`).
+# whole pool can never run (`NEVER`). (Notebook 10 adds the *watermark*, a reserve of free blocks kept for
+# running sequences to grow into.)
 
 # %%
 free_now = manager.num_free_blocks
-fits = Sequence(range(1000, 1000 + free_now * BLOCK_SIZE), BLOCK_SIZE)
-waits = Sequence(range(2000, 2000 + (free_now + 1) * BLOCK_SIZE), BLOCK_SIZE)
-never = Sequence(range(3000, 3000 + (manager.num_blocks + 1) * BLOCK_SIZE), BLOCK_SIZE)
-for name, seq in (("fits", fits), ("waits", waits), ("never", never)):
+requests = {"fits": max(1, free_now), "waits": free_now + 1, "never": manager.num_blocks + 1}  # in blocks
+answers = {}
+for k, (name, blocks) in enumerate(requests.items()):
+    seq = Sequence(range(1000 * (k + 1), 1000 * (k + 1) + blocks * BLOCK_SIZE), BLOCK_SIZE)
+    answers[name] = manager.can_allocate(seq)
     print(f"a {seq.num_tokens}-token request needs {seq.num_blocks} blocks with {free_now} free of "
-          f"{manager.num_blocks}: {manager.can_allocate(seq).name}")
-assert [manager.can_allocate(s) for s in (fits, waits, never)] == [AllocStatus.OK, AllocStatus.LATER,
-                                                                    AllocStatus.NEVER]
+          f"{manager.num_blocks}: {answers[name].name}")
+viz.check(list(answers.values()) == [AllocStatus.OK, AllocStatus.LATER, AllocStatus.NEVER],
+          f"no free block was left (free: {free_now}), so even a one-block request must wait" if free_now == 0
+          else f"unexpected answers {[a.name for a in answers.values()]}", defaults=DEFAULTS)
 
 # %% [markdown]
 # ## 5. Freeing
 #
 # When `chat` finishes, `free(chat)` drops its references. Its blocks return to the free list, but the
-# sealed ones keep their content and stay hittable (**warm**, amber) until the pool reuses them: never-cached
-# blocks are reused first, then warm ones, least recently freed first.
+# sealed ones keep their content and stay hittable (**warm**, amber) until the pool reuses them:
+# never-cached blocks are reused first, then warm ones, least recently freed first.
 
 # %%
 chat_blocks = list(chat.block_table)
+phases.append((len(manager.events), "free(chat)"))
 manager.free(chat)
 viz.draw_pool(manager, title="after free(chat): its sealed blocks are warm")
 plt.show()
@@ -180,16 +219,35 @@ order = manager.free_block_ids()
 print(f"chat's {len(chat_blocks)} blocks are free again; {len(warm)} of them ({warm}) stay cached. "
       f"Reuse order starts with {order[:3]}... and the warm ones come last: positions "
       f"{[order.index(b) for b in warm]} of {len(order)}.")
-assert chat.status.name == "FINISHED" and set(order[-len(warm):]) == set(warm)
+assert chat.status.name == "FINISHED" and set(order[len(order) - len(warm):]) == set(warm)  # any knobs
+
+# %% [markdown]
+# > **In vLLM.** This reuse order is a blend of vLLM's two engines. **V0** (the original engine, removed in
+# > 2025; read it at a tag such as `v0.8.5`) hands out never-cached free blocks first and only then evicts a
+# > cached one, least recently *accessed* first (`vllm/core/block/prefix_caching_block.py`,
+# > `vllm/core/evictor.py`). **V1** (today's engine) keeps a single free queue: a finished request appends its
+# > blocks tail first, and allocation pops from the head, so a never-cached block freed recently is reused
+# > *after* older cached ones (`FreeKVCacheBlockQueue` in `vllm/v1/core/kv_cache_utils.py`, `BlockPool` in
+# > `vllm/v1/core/block_pool.py`; the design doc is docs.vllm.ai, *Automatic Prefix Caching*). Notebook 02
+# > shows why the order matters.
 
 # %% [markdown]
 # ## 6. The whole story as a timeline
 #
-# With `record_events=True` the manager logs every step: `miss` (a new block for a prompt), `seal`,
-# `allocate`, `append` (a new block during decode), `release` (a block's ref count reached 0), `free`.
+# With `record_events=True` the manager logs every step of its work. Each row is one kind of event, each
+# square one event, in the order they happened; the shaded bands group the events by the call that caused
+# them. A square's label is the physical block it concerns, or the sequence for `allocate` and `free`:
+#
+# * `miss`: a prompt block that was not in the cache, so it got a fresh block (`hit` would reuse one);
+# * `seal`: a block became full, was hashed and is now hittable;
+# * `allocate`: a prompt has all its blocks (logged after its misses);
+# * `append`: a decode step needed a new block;
+# * `release`: a block's reference count dropped to zero (it is free, maybe still warm);
+# * `free`: a sequence gave back all its blocks (logged after its releases, tail first).
 
 # %%
-viz.draw_timeline(manager, title="events of this notebook's manager")
+viz.draw_timeline(manager, names={prompt.seq_id: "prompt", chat.seq_id: "chat"}, phases=phases,
+                  title="everything this notebook's manager did")
 plt.show()
 
 # %% [markdown]
@@ -203,8 +261,8 @@ plt.show()
 
 # %%
 MAX_LEN = 2048
-sigma = 0.8
-lengths = np.minimum(MAX_LEN, np.maximum(1, rng.lognormal(np.log(500) - sigma**2 / 2, sigma, 500).astype(int)))
+SIGMA = 0.8        # spread of the log-normal lengths: try 0.3 (similar lengths) or 1.5 (a long tail)
+lengths = np.minimum(MAX_LEN, np.maximum(1, rng.lognormal(np.log(500) - SIGMA**2 / 2, SIGMA, 500).astype(int)))
 
 
 def paged_slots(block_size: int) -> int:
@@ -222,17 +280,24 @@ def paged_slots(block_size: int) -> int:
 tokens = int(lengths.sum())
 block_sizes = [1, 8, 16, 32, 64, 128, 256]
 waste = {f"paged, block {bs}": 1 - tokens / paged_slots(bs) for bs in block_sizes}
-waste = {"contiguous, reserve 2048": 1 - tokens / (MAX_LEN * len(lengths)), **waste}
+waste = {f"contiguous, reserve {MAX_LEN}": 1 - tokens / (MAX_LEN * len(lengths)), **waste}
 fig, ax = plt.subplots(figsize=(8, 3.2))
 bars = ax.barh(list(waste), [100 * w for w in waste.values()], color=["#d1495b"] + ["#4e79a7"] * len(block_sizes))
 ax.bar_label(bars, fmt="%.1f%%", fontsize=8)
 ax.invert_yaxis()
 ax.set_xlabel("reserved KV slots holding no token (%)")
-ax.set_title(f"{len(lengths)} requests, mean length {lengths.mean():.0f} tokens")
+ax.set_title(f"{len(lengths)} requests, mean length {lengths.mean():.0f} tokens: the share of reserved memory "
+             "left empty", fontsize=10)
 plt.show()
-print(f"Reserving {MAX_LEN} slots per request leaves {100 * waste['contiguous, reserve 2048']:.0f}% of them empty; "
-      f"paging with 16-token blocks leaves {100 * waste['paged, block 16']:.1f}% empty (only the last, partial "
-      f"block of each request), and even 256-token blocks leave {100 * waste['paged, block 256']:.0f}%.")
+print(f"Reserving {MAX_LEN} slots per request leaves {100 * waste[f'contiguous, reserve {MAX_LEN}']:.0f}% of them "
+      f"empty; paging with 16-token blocks leaves {100 * waste['paged, block 16']:.1f}% empty (only the last, "
+      f"partial block of each request), and even 256-token blocks leave {100 * waste['paged, block 256']:.0f}%.")
+
+# %% [markdown]
+# **Try it.** Predict first, then change `SIGMA` above to 0.3 and to 1.5 and rerun this section: which bars
+# move, and which hardly do? A paged request wastes at most one partial block, whatever its length, so the
+# paged bars depend on the block size and barely on the spread; the contiguous bar is `1 - mean / 2048`, so
+# it moves only with the mean length. (Notebook 07 runs the same comparison on real request lengths.)
 
 # %% [markdown]
 # ## Takeaways

@@ -21,20 +21,31 @@
 # function cannot cause wrong sharing, and how the hit rate on a real trace falls as the pool shrinks.
 
 # %%
-# Setup. In a checkout (or CI) this uses the checkout's kvlab. On Colab it clones the repository (code and
-# bundled traces) and installs kvlab's missing dependencies; Colab's torch and Triton are kept as they are.
+# Setup (generated from scripts/sync_notebooks.py: edit it there, then `make notebooks`). In a checkout, or in
+# CI, this uses the checkout's kvlab. On Colab it clones the repository (code and bundled traces) and installs
+# kvlab's missing dependencies; Colab's torch and Triton are kept as they are. `%matplotlib inline` keeps
+# figures in the notebook however it runs (Jupyter, Colab, nbconvert with MPLBACKEND=Agg).
+# %matplotlib inline
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-KVLAB_REPO = "https://github.com/kvlab/kvlab"  # the repository this notebook comes from
+# The repository to clone when kvlab is not installed: for a fork, change it here or set $KVLAB_REPO.
+KVLAB_REPO = os.environ.get("KVLAB_REPO", "https://github.com/kvlab/kvlab")
 if importlib.util.find_spec("kvlab") is None:
     checkout = Path.cwd().parent
     if not (checkout / "kvlab" / "__init__.py").is_file():  # not run from notebooks/ in a checkout
         checkout = Path.cwd() / "kvlab-repo"
         if not checkout.is_dir():
-            subprocess.check_call(["git", "clone", "-q", "--depth", "1", KVLAB_REPO, str(checkout)])
+            clone = subprocess.run(["git", "clone", "-q", "--depth", "1", KVLAB_REPO, str(checkout)],
+                                   capture_output=True, text=True)
+            if clone.returncode != 0:
+                raise RuntimeError(
+                    f"Could not clone kvlab from {KVLAB_REPO}: {clone.stderr.strip() or 'git failed'}\n"
+                    "If your copy of kvlab lives elsewhere, set KVLAB_REPO in this cell to its address (or the "
+                    "KVLAB_REPO environment variable), then run the cell again.") from None
         subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", str(checkout)])
     sys.path.insert(0, str(checkout))
 
@@ -46,7 +57,15 @@ from tqdm.auto import tqdm
 from kvlab import BlockManager, Sequence, viz
 from kvlab.traces import MOONCAKE_BLOCK_TOKENS, load_trace, mooncake_token_ids
 
-rng = np.random.default_rng(0)
+# Knobs: change them and run the notebook again. Checks that hold only for the defaults explain what changed.
+BS = 4                      # block size of sections 1-5: try 8 (A's prompt is exactly one block) or 2
+EVICTION = "lru"            # section 4's policy: "lru" (kvlab's default), "fifo" or "lfu"
+SEED = 0                    # the random user messages
+NUM_TRACE_REQUESTS = 1000   # section 6: how much of the Mooncake trace to replay
+TRACE_BS = 64               # section 6's block size
+
+DEFAULTS = (BS, EVICTION, SEED, NUM_TRACE_REQUESTS, TRACE_BS) == (4, "lru", 0, 1000, 64)
+rng = np.random.default_rng(SEED)
 HIT, COMPUTED = "#59a14f", "#dbe6f1"  # colours of a block served from the cache / computed by the model
 
 
@@ -59,14 +78,13 @@ def hit_colors(seq):
 # %% [markdown]
 # ## 1. Chained hashes: the same tokens after a different prefix must not hit
 #
-# Block size 4. `A = [1..8]`, `B = [1..10]`, `C = [0, 2, 3, ..., 10]`. `B` starts with all of `A`; `C`
-# differs from `A` in its very first token only, so its second block holds the same tokens `[5, 6, 7, 8]`
-# as A's second block. But the K/V of a token depend on every token before it (attention looked at
-# them), so C's second block must **not** reuse A's. The captions show each full block's hash (its last 4
-# hex digits): hash(block i) = xxh64(tokens of block i, seed = hash(block i - 1)).
+# `A = [1..8]`, `B = [1..10]`, `C = [0, 2, 3, ..., 10]`, in blocks of `BS` = 4 tokens. `B` starts with all of
+# `A`; `C` differs from `A` in its very first token only, so its second block holds the same tokens
+# `[5, 6, 7, 8]` as A's second block. But the K/V of a token depend on every token before it (attention
+# looked at them), so C's second block must **not** reuse A's. The captions show each full block's hash (its
+# last 4 hex digits): hash(block i) = xxh64(tokens of block i, seed = hash(block i - 1)).
 
 # %%
-BS = 4
 manager = BlockManager(16, BS, record_events=True)
 A, B, C = Sequence(range(1, 9), BS), Sequence(range(1, 11), BS), Sequence([0, *range(2, 11)], BS)
 for seq in (A, B, C):
@@ -80,24 +98,36 @@ def hash_captions(seq):
 
 viz.draw_tokens([A, B, C], names=["A", "B", "C"], captions={k: hash_captions(s) for k, s in enumerate((A, B, C))},
                 block_colors={k: hit_colors(s) for k, s in enumerate((A, B, C))},
-                title="green: served from the cache; captions: block hash")
+                title=f"blocks of {BS}; green: served from the cache; captions: the block's hash")
 plt.show()
 print(f"B reuses {B.num_cached_tokens // BS} blocks of A ({B.num_cached_tokens} of its {B.num_tokens} tokens "
       f"need no prefill); C reuses {C.num_cached_tokens // BS}.")
-print(f"C's second block holds the same tokens as A's ({A.block(1)} == {C.block(1)}: {A.block(1) == C.block(1)}) "
-      f"but its hash differs ({hash_captions(C)[1]} vs {hash_captions(A)[1]}), because its parent differs.")
-assert B.num_cached_tokens == 8 and C.num_cached_tokens == 0 and A.block(1) == C.block(1)
+second = {name: seq.block(1) if seq.num_blocks > 1 else [] for name, seq in (("A", A), ("C", C))}
+print(f"C's second block holds {second['C']}, A's {second['A']}; their hashes are {hash_captions(C)[1:2]} and "
+      f"{hash_captions(A)[1:2]}: different, because the parents differ.")
+b_expected = min(A.num_tokens // BS, (B.num_tokens - 1) // BS) * BS  # A's full blocks, never B's last token
+viz.check(B.num_cached_tokens == b_expected == 8,
+          f"B reused {B.num_cached_tokens} tokens, not 8: with BS={BS} A has {A.num_tokens // BS} full block(s), and "
+          f"B may reuse at most its first {(B.num_tokens - 1) // BS} (a prompt never hits its last token)",
+          defaults=DEFAULTS)
+viz.check(C.num_cached_tokens == 0, "C hit a block: its first token differs from A's, so nothing may be shared",
+          defaults=True)  # a law, whatever the knobs
+viz.check(second["A"] == second["C"], f"with BS={BS}, A's and C's second blocks hold different tokens "
+          f"({second['A']} vs {second['C']}), so this demo of equal tokens after different parents needs BS = 4",
+          defaults=DEFAULTS)
 
 # %% [markdown]
 # What would an unchained cache do? Key each block by its own tokens only, and C's second block would
 # be served from A's second block, whose K/V were computed after `[1, 2, 3, 4]`, not after `[0, 2, 3, 4]`.
 
 # %%
-by_tokens = {tuple(A.block(i)): A.block_table[i] for i in range(2)}  # an unchained cache of A's blocks
+by_tokens = {tuple(A.block(i)): A.block_table[i] for i in range(A.num_tokens // BS)}  # unchained cache of A
 wrong = by_tokens.get(tuple(C.block(1)))
 print(f"An unchained cache would give C's logical block 1 the physical block {wrong} (A's), computed after "
-      f"the prefix {A.block(0)} instead of C's {C.block(0)}: silently wrong attention.")
-viz.draw_block_tables(manager, [A, B, C], title="A and B share two blocks; C shares nothing")
+      f"the prefix {A.block(0)} instead of C's {C.block(0)}: silently wrong attention." if wrong is not None else
+      f"With BS={BS} no block of C holds the same tokens as a block of A, so even an unchained cache shares nothing.")
+viz.draw_block_tables(manager, [A, B, C], names=["A", "B", "C"],
+                      title=f"A and B share {B.num_cached_tokens // BS} blocks (ref count 2); C shares nothing")
 plt.show()
 
 # %% [markdown]
@@ -109,14 +139,22 @@ A_again = Sequence(range(1, 9), BS)
 manager.allocate(A_again)
 print(f"A again ({A_again.num_tokens} tokens, {A_again.num_tokens // BS} full blocks): "
       f"{A_again.num_cached_tokens // BS} block hit, {A_again.num_tokens - A_again.num_cached_tokens} tokens computed.")
-assert A_again.num_cached_tokens == BS
+viz.check(A_again.num_cached_tokens == (A_again.num_tokens - 1) // BS * BS == 4,
+          f"A again hit {A_again.num_cached_tokens} tokens: with BS={BS} its last full block holds its last token, "
+          f"which must be computed, so it may hit only {(A_again.num_tokens - 1) // BS} of its "
+          f"{A_again.num_tokens // BS} full blocks", defaults=DEFAULTS)
+
+# %% [markdown]
+# **Try it.** Predict, then set `BS = 8` in the knobs cell and run again: how many blocks does B reuse now,
+# and how many tokens does "A again" compute? (A is exactly one block of 8, and a prompt must compute its last
+# token.) The checks print what changed instead of stopping.
 
 # %% [markdown]
 # ## 2. A shared system prompt across many requests
 #
-# Ten chat requests start with the same 16-token system prompt (4 blocks) followed by a user message of
-# 2 to 9 tokens. All ten run at the same time. With prefix caching the system prompt's blocks are computed
-# once and shared by all ten (ref count 10); without, every request holds its own copy.
+# Ten chat requests start with the same 16-token system prompt followed by a user message of 2 to 9 tokens.
+# All ten run at the same time. With prefix caching the system prompt's full blocks are computed once and
+# shared by all ten (ref count 10); without, every request holds its own copy.
 
 # %%
 SYSTEM = list(range(500, 516))
@@ -125,7 +163,7 @@ questions = [rng.integers(1000, 2000, size=int(rng.integers(2, 10))).tolist() fo
 
 
 def run_all(enable_prefix_caching):
-    m = BlockManager(64, BS, enable_prefix_caching=enable_prefix_caching)
+    m = BlockManager(256 // BS, BS, enable_prefix_caching=enable_prefix_caching)
     seqs = [Sequence(SYSTEM + q, BS) for q in questions]
     for s in seqs:
         m.allocate(s)
@@ -134,7 +172,8 @@ def run_all(enable_prefix_caching):
 
 shared_m, shared_seqs = run_all(True)
 plain_m, plain_seqs = run_all(False)
-viz.draw_pool(shared_m, title="with prefix caching: the 4 system-prompt blocks are shared by all 10 requests")
+viz.draw_pool(shared_m, title=f"with prefix caching: the {len(SYSTEM) // BS} system-prompt blocks are shared "
+                              f"by all {NUM_REQUESTS} requests")
 plt.show()
 
 # %%
@@ -146,6 +185,7 @@ for ax, values, label in ((left, used, "blocks in use"), (right, computed, "prom
     bars = ax.bar([f"{k} prefix caching" for k in values], list(values.values()), color=["#59a14f", "#bab0ac"])
     ax.bar_label(bars)
     ax.set_title(label, fontsize=10)
+fig.suptitle(f"{NUM_REQUESTS} requests sharing a {len(SYSTEM)}-token system prompt", fontsize=10)
 plt.tight_layout()
 plt.show()
 print(f"Prefix caching holds {used['with']} blocks instead of {used['without']} "
@@ -164,7 +204,7 @@ print(f"Prefix caching holds {used['with']} blocks instead of {used['without']} 
 # blocks are **pinned**: nothing can evict them while a request uses them.
 
 # %%
-m = BlockManager(16, BS, record_events=True)
+m = BlockManager(64 // BS, BS, record_events=True)
 r1, r2, r3 = (Sequence(SYSTEM + q, BS) for q in questions[:3])
 steps = []
 
@@ -184,68 +224,122 @@ def admit(seq, label):
     return in_use, len(hits)
 
 
+system_blocks = len(SYSTEM) // BS
 admit(r1, "r1 arrives (cold cache)")
-assert admit(r2, "r2 arrives while r1 runs") == (4, 4)
+viz.check(admit(r2, "r2 arrives while r1 runs") == (system_blocks, system_blocks),
+          "r2 should hit every system-prompt block, all of them in use by r1", defaults=True)
 m.free(r1)
 m.free(r2)
 steps.append(viz.snapshot(m, [], "r1 and r2 finish: system prompt is warm"))
-assert admit(r3, "r3 arrives after both finished") == (0, 4)
-viz.show_steps(steps, draw=viz.draw_pool, ncols=2, panel_size=(7.5, 1.7))
+viz.check(admit(r3, "r3 arrives after both finished") == (0, system_blocks),
+          "r3 should hit every system-prompt block, all of them warm", defaults=True)
+viz.show_steps(steps, draw=viz.draw_pool, ncols=2, panel_size=(7.5, 1.7 if BS >= 4 else 3))
 plt.show()
 
 # %% [markdown]
 # ## 4. Eviction order: least recently used, chain tail first
 #
 # When no never-used block is left, new content must reuse a warm block and its cached prefix is
-# **evicted**. vLLM's order (kvlab's default, `eviction="lru"`): never-cached free blocks first, then cached
-# ones least recently freed first, and among blocks freed together the **chain's tail first**, because a
+# **evicted**. kvlab's default order (`eviction="lru"`): never-cached free blocks first, then cached ones
+# least recently freed first, and among blocks freed together the **chain's tail first**, because a
 # sequence frees its blocks tail first. Two reasons: every request that shares block `i` of a prefix also
 # shares blocks `0..i-1`, so heads are worth more; and a lookup stops at its first miss, so evicting a head
 # would strand the blocks after it (cached, but unreachable).
 #
-# Below: `X` (3 full blocks + 1 partial) finishes, then `Y` (2 full + 1 partial). The free-block numbers
-# are the reuse order.
+# Below, in a pool of 10 blocks: `X` (3 full blocks + 1 partial) finishes, then `Y` (2 full + 1 partial).
+# Then `Z` needs 7 blocks: the 5 never-cached free blocks, and 2 cached ones. Finally a request starting with
+# X's three full blocks asks what is left of X. The free-block numbers are the reuse order.
 
 # %%
-def eviction_demo(policy):
+def eviction_story(policy, z_blocks=7):
+    """X and Y run and finish, Z (z_blocks full blocks) arrives and finishes, then X's prefix comes back.
+    Returns the manager, a snapshot before Z, X's blocks, the blocks Z evicted, the returning request, the
+    timeline phases and the sequences' names."""
     m = BlockManager(10, BS, eviction=policy, record_events=True)
-    X, Y = Sequence(range(100, 113), BS), Sequence(range(200, 209), BS)
+    X, Y = Sequence(range(100, 100 + 3 * BS + 1), BS), Sequence(range(200, 200 + 2 * BS + 1), BS)
+    Z = Sequence(range(300, 300 + z_blocks * BS), BS)
+    again = Sequence([*range(100, 100 + 3 * BS), 999], BS)  # X's three full blocks, then something new
+    names = {X.seq_id: "X", Y.seq_id: "Y", Z.seq_id: "Z", again.seq_id: "X again"}
+    phases = [(0, "X and Y arrive")]
     m.allocate(X)
     m.allocate(Y)
     x_blocks = list(X.block_table)
+    phases.append((len(m.events), "X, then Y finish"))
     m.free(X)
     m.free(Y)
-    before = viz.snapshot(m, [], f"{policy}: X then Y freed")
-    Z = Sequence(range(300, 328), BS)  # 7 blocks: the 5 never-cached free blocks, then 2 cached ones
+    before = viz.snapshot(m, [], f"{policy}: free blocks in reuse order (#0 first) after X, then Y, finished")
+    phases.append((len(m.events), f"Z arrives ({z_blocks} blocks)"))
     m.allocate(Z)
     evicted = [e.block_id for e in m.events if e.kind == "evict"]
+    phases.append((len(m.events), "Z finishes"))
     m.free(Z)
-    again = Sequence([*range(100, 112), 999], BS)  # X's three full blocks, then something new
+    phases.append((len(m.events), "X's prefix again"))
     m.allocate(again)
-    return m, before, x_blocks, evicted, again
+    return m, before, x_blocks, evicted, again, phases, names
 
 
-lru, lru_before, x_blocks, lru_evicted, lru_again = eviction_demo("lru")
-viz.draw_pool(lru_before, title="LRU: reuse order of the free blocks (#0 first) after X, then Y, finished")
+lru, lru_before, x_blocks, lru_evicted, lru_again, lru_phases, story_names = eviction_story(EVICTION)
+viz.draw_pool(lru_before)
 plt.show()
-print(f"X's blocks were {x_blocks[:3]} (full) + {x_blocks[3]} (partial). Allocating Z evicted {lru_evicted}: "
-      f"X's tail first. A new request starting with X's 12 tokens still hits "
-      f"{lru_again.num_cached_tokens // BS} of them (X's head).")
-assert lru_evicted == x_blocks[2:0:-1] and lru_again.num_cached_tokens == BS
+viz.draw_timeline(lru, kinds=["release", "miss", "evict", "hit"], names=story_names, phases=lru_phases,
+                  title=f"{EVICTION}: which call released, took, evicted and hit which block")
+plt.show()
+print(f"X's blocks were {x_blocks[:3]} (full) + {x_blocks[3:]} (partial). Allocating Z evicted {lru_evicted}. "
+      f"A new request starting with X's {3 * BS} tokens still hits {lru_again.num_cached_tokens // BS} of them.")
+viz.check(lru_evicted == x_blocks[2:0:-1] and lru_again.num_cached_tokens == BS,
+          f"with eviction={EVICTION!r}, Z evicted {lru_evicted} (LRU takes X's tail first: {x_blocks[2:0:-1]}), and "
+          f"X's prefix came back with {lru_again.num_cached_tokens // BS} block hit(s) (LRU keeps 1)",
+          defaults=DEFAULTS)
 
 # %% [markdown]
-# For contrast, `eviction="fifo"` evicts the block whose content is **oldest**, which in a chain is the
-# head. The same run then strands X's tail: still cached, never reachable again.
+# In the timeline, X's `release` row reads `3 2 1 0` (partial block first, then the chain tail to head), and
+# Z's `evict` marks take X's blocks in that order. For contrast, `eviction="fifo"` evicts the block whose
+# content is **oldest**, which in a chain is the head. The same run then strands X's tail: still cached,
+# never reachable again.
 
 # %%
-fifo, _, _, fifo_evicted, fifo_again = eviction_demo("fifo")
+fifo, _, _, fifo_evicted, fifo_again, _, _ = eviction_story("fifo")
 stranded = [b for b in x_blocks[:3] if fifo.is_cached(b) and b not in fifo_evicted]
-print(f"FIFO evicted {fifo_evicted} (X's head first); X's block {stranded} is still cached but the same "
+print(f"FIFO evicted {fifo_evicted} (X's head first); X's block(s) {stranded} are still cached but the same "
       f"request hits {fifo_again.num_cached_tokens // BS} blocks: the lookup stops at the evicted head.")
-assert fifo_evicted == x_blocks[:2] and stranded == x_blocks[2:3] and fifo_again.num_cached_tokens == 0
-viz.draw_timeline(lru, kinds=["free", "release", "allocate", "evict", "hit", "miss"],
-                  title="LRU run: X and Y freed (tail first), Z evicts X's tail, the X-prefixed request hits X's head")
-plt.show()
+viz.check(fifo_evicted == x_blocks[:2] and stranded == x_blocks[2:3] and fifo_again.num_cached_tokens == 0,
+          f"FIFO evicted {fifo_evicted} and stranded {stranded}: this story assumes blocks of several tokens",
+          defaults=DEFAULTS)
+
+# %% [markdown]
+# > **In vLLM.** The orders differ by engine. **V0** (removed in 2025; read it at a tag such as `v0.8.5`)
+# > reuses never-cached free blocks first, then evicts the cached block accessed least recently, and among
+# > equally old ones the one ending the longest prefix, i.e. a chain's tail (`vllm/core/evictor.py`,
+# > `vllm/core/block/prefix_caching_block.py`). kvlab's default follows V0's first rule; it orders cached blocks
+# > by when they were freed, unless the engine records accesses with `access_all_blocks_in_seq(seq, now)` as
+# > V0's scheduler does. **V1** has no separate tier for never-cached blocks: one free queue, a finished
+# > request's blocks appended **tail first**, allocation popping from the head
+# > (`vllm/v1/core/kv_cache_utils.py`: `FreeKVCacheBlockQueue`; `vllm/v1/core/kv_cache_manager.py`: `free`).
+# > So in V1 a freshly freed empty block waits behind older cached ones. Read docs.vllm.ai, *Automatic Prefix
+# > Caching* (design docs), for V1's version of this section.
+#
+# > **In SGLang.** No hashes and no fixed blocks: `RadixCache` (`python/sglang/srt/mem_cache/radix_cache.py`)
+# > keeps every cached prefix in a radix tree keyed by the tokens themselves (by default one token per page),
+# > so a lookup compares tokens and matches prefixes of any length. It evicts only **leaves**, least recently
+# > used first: a head is never evicted while a longer prefix below it is cached, so nothing is ever stranded.
+# > The price: a tree walk instead of one dictionary lookup per block.
+
+# %% [markdown]
+# **Try it.** Predict before you move anything: with `policy="lfu"`, which of X's blocks does Z evict, and how
+# many blocks does X's prefix hit afterwards? Then vary `z_blocks`: from how many blocks on does Z start
+# evicting at all (the pool has 10, X and Y left 5 of them never cached), and when does it reach X's head?
+# In Jupyter or Colab the widgets rerun the story; elsewhere this cell runs it once with the defaults.
+
+# %%
+def try_eviction(policy="lfu", z_blocks=7):
+    m, _, xb, evicted, again, phases, names = eviction_story(policy, z_blocks)
+    viz.draw_timeline(m, kinds=["release", "miss", "evict", "hit"], names=names, phases=phases,
+                      title=f"{policy}, Z of {z_blocks} blocks")
+    plt.show()
+    print(f"X's full blocks {xb[:3]}; Z evicted {evicted}; X's prefix hits {again.num_cached_tokens // BS} block(s).")
+
+
+viz.explore(try_eviction, policy=["lru", "fifo", "lfu"], z_blocks=(1, 10, 1))
 
 # %% [markdown]
 # ## 5. A weak hash cannot cause wrong sharing
@@ -256,7 +350,7 @@ plt.show()
 # correctness. To see the guard at work we replace the hash by a constant (`hash_fn=lambda parent, tokens:
 # 0`: *every* block collides) and replay a small workload: 40 requests, each one of three 12-token system
 # prompts plus a user message. A content oracle checks every hit: the hit block must hold the request's
-# exact prefix. The last bar is a cache that trusts the hash (no guard).
+# exact prefix. The third pair of bars is a cache that trusts the hash (no guard).
 
 # %%
 systems = [list(range(k * 100, k * 100 + 12)) for k in (7, 8, 9)]
@@ -304,17 +398,22 @@ def constant(parent, tokens):
     return 0
 
 
-results = {"default hash (xxh64)": replay_with_oracle(None), "constant hash, kvlab": replay_with_oracle(constant),
-           "constant hash, no guard": replay_trusting_the_hash(constant)}
-fig, ax = plt.subplots(figsize=(8, 2.6))
+results = {"default hash (xxh64),\nkvlab": replay_with_oracle(None),
+           "constant hash,\nkvlab (tokens + parent checked)": replay_with_oracle(constant),
+           "constant hash,\na cache that trusts the hash": replay_trusting_the_hash(constant)}
+fig, ax = plt.subplots(figsize=(9, 3.2))
 x = np.arange(len(results))
-ax.bar(x - 0.2, [h for h, _ in results.values()], 0.4, label="block hits", color=HIT)
-ax.bar(x + 0.2, [w for _, w in results.values()], 0.4, label="wrong hits", color="#d1495b")
-for i, (h, w) in enumerate(results.values()):
-    ax.annotate(f"{h} / {w}", (i, max(h, w)), ha="center", va="bottom", fontsize=8)
-ax.set_xticks(x, list(results))
-ax.legend(fontsize=8)
-ax.set_ylim(0, 1.25 * max(h for h, _ in results.values()))
+right = ax.bar(x - 0.2, [h for h, _ in results.values()], 0.4, label="block hits (prefill skipped)", color=HIT)
+wrong_bars = ax.bar(x + 0.2, [w for _, w in results.values()], 0.4,
+                    label="wrong hits (the block holds another prefix's K/V)", color="#d1495b")
+ax.bar_label(right, fontsize=8)
+ax.bar_label(wrong_bars, fontsize=8)
+ax.set_xticks(x, list(results), fontsize=8)
+ax.set_ylabel("blocks")
+ax.legend(fontsize=8, loc="upper left")
+ax.set_ylim(0, 1.3 * max(h for h, _ in results.values()))
+ax.set_title(f"{len(workload)} requests, each one of 3 system prompts + a user message: hits and wrong hits",
+             fontsize=10)
 plt.show()
 (good_hits, good_wrong), (weak_hits, weak_wrong), (naive_hits, naive_wrong) = results.values()
 same_first_block = sum(tokens[:BS] == workload[0][:BS] for tokens in workload[1:])
@@ -322,7 +421,21 @@ print(f"With the real hash: {good_hits} block hits, {good_wrong} wrong. With a c
       f"nothing wrongly ({weak_wrong} wrong) but finds only {weak_hits} hits: the hash map has one entry, so only "
       f"the very first block ever sealed is hittable, and {same_first_block} later requests start with it. "
       f"Trusting the hash instead would have shared {naive_wrong} of {naive_hits} blocks wrongly.")
-assert good_wrong == weak_wrong == 0 and weak_hits == same_first_block < good_hits and naive_wrong > 0
+viz.check(good_wrong == weak_wrong == 0, "kvlab shared a block holding another prefix", defaults=True)
+viz.check(weak_hits == same_first_block < good_hits and naive_wrong > 0,
+          f"with BS={BS} the constant-hash run found {weak_hits} hits ({same_first_block} requests share the first "
+          f"sealed block) and the trusting cache {naive_wrong} wrong ones", defaults=DEFAULTS)
+
+# %% [markdown]
+# > **In vLLM and nano-vllm.** The token-and-parent check is kvlab's own. **vLLM V1** trusts the hash: a block's
+# > hash covers its parent's hash, its tokens and extra keys (`hash_block_tokens` in
+# > `vllm/v1/core/kv_cache_utils.py`), and `BlockPool.get_cached_block` (`vllm/v1/core/block_pool.py`) shares
+# > whatever block is filed under it. vLLM's answer to collisions is a stronger hash (the
+# > `--prefix-caching-hash-algo` option, e.g. `sha256`), not a content check. **nano-vllm**
+# > (`nanovllm/engine/block_manager.py`, `allocate`) compares the cached block's token ids with the new
+# > block's, but not its parent: with a colliding hash, two prompts whose blocks hold the same tokens after
+# > different prefixes would share, exactly the wrong hit of section 1. SGLang's radix tree compares every
+# > token of the prefix, so it needs no hash at all.
 
 # %% [markdown]
 # ## 6. Hit rate as the pool shrinks, on a real trace
@@ -331,24 +444,23 @@ assert good_wrong == weak_wrong == 0 and weak_hits == same_first_block < good_hi
 # prompt block; two requests share an id exactly when they share the whole prefix up to the end of that
 # block. Expanding id `h` into tokens `h * 512 + j` reproduces that sharing at any block size. We replay
 # the first requests in arrival order, one at a time (allocate the prompt, then free it), so the whole pool
-# acts as cache and only its size and the LRU order decide what is still there. Block size 64.
+# acts as cache and only its size and the LRU order decide what is still there.
 
 # %%
-NUM_TRACE_REQUESTS, TRACE_BS = 1000, 64
 trace = load_trace("mooncake_conversation", limit=NUM_TRACE_REQUESTS)
 prompts = [mooncake_token_ids(h, n) for h, n in zip(trace["hash_ids"], trace["input_length"])]
 per_id = MOONCAKE_BLOCK_TOKENS // TRACE_BS
-# A full 64-token block is identified by (the 512-token id it falls in, its index inside that id's span).
+# A full block is identified by (the 512-token id it falls in, its index inside that id's span).
 keys = {(int(h[j // per_id]), j % per_id) for h, n in zip(trace["hash_ids"], trace["input_length"])
         for j in range(n // TRACE_BS)}
 largest = max(-(-len(p) // TRACE_BS) for p in prompts)
 never_evicts = len(keys) + largest
-print(f"{len(prompts)} requests, {sum(map(len, prompts)):,} prompt tokens, {len(keys):,} distinct full blocks; "
-      f"the largest prompt needs {largest} blocks.")
+print(f"{len(prompts)} requests, {sum(map(len, prompts)):,} prompt tokens, {len(keys):,} distinct full blocks of "
+      f"{TRACE_BS} tokens; the largest prompt needs {largest} blocks.")
 
 
-def replay(num_blocks):
-    m = BlockManager(num_blocks, TRACE_BS)
+def replay(num_blocks, policy="lru"):
+    m = BlockManager(num_blocks, TRACE_BS, eviction=policy)
     for tokens in prompts:
         seq = Sequence(tokens, TRACE_BS)
         m.allocate(seq)
@@ -359,21 +471,26 @@ def replay(num_blocks):
 pool_sizes = np.unique(np.geomspace(largest, never_evicts, 9).astype(int))
 curve = [replay(int(n)) for n in tqdm(pool_sizes, desc="pool sizes")]
 rates = np.array([r for r, _ in curve])
-assert curve[-1][1] == 0  # the largest pool never evicts: its hit rate is the trace's ceiling
+assert curve[-1][1] == 0  # by construction the largest pool never evicts: its hit rate is the trace's ceiling
+
+
+def plot_curve(ax):
+    ax.plot(pool_sizes, 100 * rates, "o-", color="#4e79a7", label="LRU")
+    ax.axhline(100 * rates[-1], ls="--", color="#999999", lw=1)
+    ax.annotate("pool that never evicts", (pool_sizes[0], 100 * rates[-1]), xytext=(0, -12),
+                textcoords="offset points", fontsize=8, color="#666666")
+    ax.set_ylim(0, 110 * rates[-1])
+    ax.set_xscale("log")
+    ax.set_xlabel(f"pool size (blocks of {TRACE_BS} tokens)")
+    ax.set_ylabel("prompt tokens served from cache (%)")
+    secondary = ax.secondary_xaxis("top", functions=(lambda b: b * TRACE_BS / 1e6, lambda t: t * 1e6 / TRACE_BS))
+    secondary.set_xlabel("pool size (million tokens)", fontsize=8)
+
 
 # %%
-fig, ax = plt.subplots(figsize=(8, 3.6))
-ax.plot(pool_sizes, 100 * rates, "o-", color="#4e79a7")
-ax.axhline(100 * rates[-1], ls="--", color="#999999", lw=1)
-ax.annotate("pool that never evicts", (pool_sizes[0], 100 * rates[-1]), xytext=(0, -12), textcoords="offset points",
-            fontsize=8, color="#666666")
-ax.set_ylim(0, 105 * rates[-1])
-ax.set_xscale("log")
-ax.set_xlabel(f"pool size (blocks of {TRACE_BS} tokens)")
-ax.set_ylabel("prompt tokens served from cache (%)")
-ax.set_title(f"Mooncake conversation trace, first {NUM_TRACE_REQUESTS} requests, LRU")
-secondary = ax.secondary_xaxis("top", functions=(lambda b: b * TRACE_BS / 1e6, lambda t: t * 1e6 / TRACE_BS))
-secondary.set_xlabel("pool size (million tokens)")
+fig, ax = plt.subplots(figsize=(8, 3.8))
+plot_curve(ax)
+ax.set_title(f"Mooncake conversation trace, first {NUM_TRACE_REQUESTS} requests, one at a time", fontsize=10)
 plt.show()
 half = int(np.argmax(rates >= rates[-1] / 2))  # the first pool size reaching half the ceiling
 first_ids = trace["hash_ids"].map(lambda h: int(h[0]))
@@ -393,10 +510,29 @@ print(f"For a model of Llama-2-7B's size ({kv_bytes_per_token / 2**20:.1f} MiB o
       "traffic like this has to live beyond one GPU's memory.")
 
 # %% [markdown]
+# **Try it.** Pick a pool size and a policy, and predict where the point lands against the LRU curve before
+# you look. FIFO evicts chain heads (section 4); LFU keeps the blocks hit most often, such as the shared
+# opening. Notebook 08 runs this comparison systematically, on more traces.
+
+# %%
+def try_policy(pool_blocks=int(pool_sizes[len(pool_sizes) // 2]), policy="fifo"):
+    rate, evictions = replay(pool_blocks, policy)
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    plot_curve(ax)
+    ax.plot([pool_blocks], [100 * rate], "D", color="#e15759", ms=9, label=f"{policy}, {pool_blocks:,} blocks")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(f"{policy} at {pool_blocks:,} blocks: {100 * rate:.1f}% ({evictions:,} evictions)", fontsize=10)
+    plt.show()
+
+
+viz.explore(try_policy, pool_blocks=(int(pool_sizes[0]), int(pool_sizes[-1]), int(pool_sizes[0])),
+            policy=["lru", "fifo", "lfu"])
+
+# %% [markdown]
 # ## Takeaways
 #
-# * A block is shareable only with its whole prefix: the hash is chained, and the guard compares tokens and
-#   parent, so a collision costs hits and never correctness.
+# * A block is shareable only with its whole prefix: the hash is chained, and kvlab's guard compares tokens and
+#   parent, so a collision costs hits and never correctness (vLLM relies on a strong hash instead).
 # * A hit on a block in use is free; a warm hit costs a free block but no computation; both pin the block.
 # * LRU evicts chain tails first, which keeps the heads that later requests can still reach.
 # * On real conversation traffic, most of the reuse needs a pool large enough to hold conversations between

@@ -20,20 +20,31 @@
 # realistic ones.
 
 # %%
-# Setup. In a checkout (or CI) this uses the checkout's kvlab. On Colab it clones the repository (code and
-# bundled traces) and installs kvlab's missing dependencies; Colab's torch and Triton are kept as they are.
+# Setup (generated from scripts/sync_notebooks.py: edit it there, then `make notebooks`). In a checkout, or in
+# CI, this uses the checkout's kvlab. On Colab it clones the repository (code and bundled traces) and installs
+# kvlab's missing dependencies; Colab's torch and Triton are kept as they are. `%matplotlib inline` keeps
+# figures in the notebook however it runs (Jupyter, Colab, nbconvert with MPLBACKEND=Agg).
+# %matplotlib inline
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-KVLAB_REPO = "https://github.com/kvlab/kvlab"  # the repository this notebook comes from
+# The repository to clone when kvlab is not installed: for a fork, change it here or set $KVLAB_REPO.
+KVLAB_REPO = os.environ.get("KVLAB_REPO", "https://github.com/kvlab/kvlab")
 if importlib.util.find_spec("kvlab") is None:
     checkout = Path.cwd().parent
     if not (checkout / "kvlab" / "__init__.py").is_file():  # not run from notebooks/ in a checkout
         checkout = Path.cwd() / "kvlab-repo"
         if not checkout.is_dir():
-            subprocess.check_call(["git", "clone", "-q", "--depth", "1", KVLAB_REPO, str(checkout)])
+            clone = subprocess.run(["git", "clone", "-q", "--depth", "1", KVLAB_REPO, str(checkout)],
+                                   capture_output=True, text=True)
+            if clone.returncode != 0:
+                raise RuntimeError(
+                    f"Could not clone kvlab from {KVLAB_REPO}: {clone.stderr.strip() or 'git failed'}\n"
+                    "If your copy of kvlab lives elsewhere, set KVLAB_REPO in this cell to its address (or the "
+                    "KVLAB_REPO environment variable), then run the cell again.") from None
         subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", str(checkout)])
     sys.path.insert(0, str(checkout))
 
@@ -48,14 +59,19 @@ from kvlab.device import DEVICE, ON_GPU, mode
 from kvlab.kernels.reshape_and_cache import reshape_and_cache
 from kvlab.reference import reshape_and_cache_ref
 
-torch.manual_seed(0)
+# Knobs: change them and run the notebook again (on a GPU, the realistic sizes below replace the first four).
+BLOCK_SIZE = 8                    # slots per block: try 4 or 16 (token labels are drawn up to 8)
+NUM_BLOCKS = 10                   # the pool: A, B and C need 7 blocks of 8; give smaller blocks more
+PROMPT_LENS = {"A": 20, "C": 11}  # B is A's full blocks plus BLOCK_SIZE - 1 tokens of its own
+NUM_KV_HEADS, HEAD_DIM = 2, 64
+NUM_PADDING = 3                   # padding tokens at the end of the batch (slot -1)
+SHARE_PREFIX = True               # B starts with A's full blocks (a shared system prompt); False: it does not
+SEED = 0
 if ON_GPU:   # realistic head shapes, a pool of a few dozen blocks
     BLOCK_SIZE, NUM_BLOCKS, NUM_KV_HEADS, HEAD_DIM = 16, 24, 8, 128
     PROMPT_LENS = {"A": 150, "C": 90}
-else:        # tiny, so that the interpreter finishes in seconds and every cell of the picture is readable
-    BLOCK_SIZE, NUM_BLOCKS, NUM_KV_HEADS, HEAD_DIM = 8, 10, 2, 64
-    PROMPT_LENS = {"A": 20, "C": 11}
 DTYPE = torch.float16
+torch.manual_seed(SEED)
 print(f"kernels run in {mode()} mode on {DEVICE}; block_size={BLOCK_SIZE}, {NUM_BLOCKS} blocks, "
       f"{NUM_KV_HEADS} kv heads x head_dim {HEAD_DIM}")
 
@@ -68,7 +84,7 @@ print(f"kernels run in {mode()} mode on {DEVICE}; block_size={BLOCK_SIZE}, {NUM_
 # %%
 vocab = 1000
 prompt_a = torch.randint(vocab, (PROMPT_LENS["A"],)).tolist()
-shared = (PROMPT_LENS["A"] // BLOCK_SIZE) * BLOCK_SIZE      # A's full blocks
+shared = (PROMPT_LENS["A"] // BLOCK_SIZE) * BLOCK_SIZE if SHARE_PREFIX else 0  # A's full blocks
 prompts = {"A": prompt_a,
            "B": prompt_a[:shared] + torch.randint(vocab, (BLOCK_SIZE - 1,)).tolist(),
            "C": torch.randint(vocab, (PROMPT_LENS["C"],)).tolist()}
@@ -146,12 +162,11 @@ plt.show()
 
 # %%
 to_write = {name: range(seq.num_cached_tokens, len(seq)) for name, seq in seqs.items()}
-num_padding = 3
 slot_mapping = [slot for name, rng in to_write.items()
                 for slot in manager.slot_mapping(seqs[name], rng.start, rng.stop)]
-slot_mapping = torch.tensor(slot_mapping + [-1] * num_padding, dtype=torch.int64, device=DEVICE)
+slot_mapping = torch.tensor(slot_mapping + [-1] * NUM_PADDING, dtype=torch.int64, device=DEVICE)
 num_tokens = len(slot_mapping)
-print(f"{num_tokens} tokens in the batch ({num_padding} of them padding); "
+print(f"{num_tokens} tokens in the batch ({NUM_PADDING} of them padding); "
       f"B skips {seqs['B'].num_cached_tokens} cached tokens")
 print("slot_mapping:", slot_mapping.tolist())
 
@@ -179,7 +194,13 @@ same = torch.equal(kv_cache.view(torch.int16), expected.view(torch.int16))  # bi
 written = written_slots(kv_cache)
 print(f"kernel == reference, bit for bit: {same}; slots written: {int(written.sum())} "
       f"(non-padding tokens: {int((slot_mapping >= 0).sum())})")
-assert same and int(written.sum()) == int((slot_mapping >= 0).sum())
+assert same and int(written.sum()) == int((slot_mapping >= 0).sum())  # whatever the knobs
+
+# %% [markdown]
+# **Try it.** Predict before you run: if B's prompt shared *no* full block with A (`SHARE_PREFIX = False`),
+# how many tokens would the batch write, and how many rows of the pool picture would be coloured? And if
+# `NUM_PADDING = 0`? The kernel writes exactly the non-padding tokens, so "slots written"
+# always equals the slot mapping's non-negative entries; what changes is how many there are.
 
 # %% [markdown]
 # The right-hand picture is read back from the cache itself: a cell is coloured when its slot no longer
@@ -218,6 +239,22 @@ owners_now = planned_owners({n: range(len(s)) for n, s in seqs.items()})
 fig, ax = plt.subplots(figsize=(7, 4))
 pool_picture(ax, {cell: o for cell, o in owners_now.items() if bool(written[cell])}, "cache after one decode step")
 plt.show()
+
+# %% [markdown]
+# **Try it.** Set `BLOCK_SIZE = 4` and `NUM_BLOCKS = 16` and predict: how many rows does the pool picture
+# have now, and does B still share A's prefix? (B takes A's *full* blocks: with smaller blocks more of A is
+# full, so B shares more tokens, and writes fewer.)
+#
+# > **In vLLM.** The same kernel exists under the same name, with another cache layout. vLLM's **V0**
+# > PagedAttention kernels used two tensors per layer, keys as `[num_blocks, num_kv_heads, head_size / x,
+# > block_size, x]` (x elements = 16 bytes, so a thread loads 16 bytes at a time) and values as `[num_blocks,
+# > num_kv_heads, head_size, block_size]` (`reshape_and_cache` in `csrc/cache_kernels.cu`). **V1**'s
+# > FlashAttention backend uses one tensor `[2, num_blocks, block_size, num_kv_heads, head_size]` written by
+# > `reshape_and_cache_flash` (`vllm/v1/attention/backends/flash_attn.py`, `get_kv_cache_shape`); nano-vllm
+# > keeps `k_cache` and `v_cache` as `[num_blocks, block_size, num_kv_heads, head_dim]` and writes them with a
+# > Triton kernel (`store_kvcache` in `nanovllm/layers/attention.py`). kvlab keeps a block's K and V next to
+# > each other (`[num_blocks, 2, block_size, ...]`), so copying or swapping a block is one contiguous move. All
+# > of them skip a slot of `-1` (vLLM calls it `PAD_SLOT_ID`).
 
 # %% [markdown]
 # ## Takeaways

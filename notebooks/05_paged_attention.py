@@ -25,20 +25,31 @@
 # realistic ones.
 
 # %%
-# Setup. In a checkout (or CI) this uses the checkout's kvlab. On Colab it clones the repository (code and
-# bundled traces) and installs kvlab's missing dependencies; Colab's torch and Triton are kept as they are.
+# Setup (generated from scripts/sync_notebooks.py: edit it there, then `make notebooks`). In a checkout, or in
+# CI, this uses the checkout's kvlab. On Colab it clones the repository (code and bundled traces) and installs
+# kvlab's missing dependencies; Colab's torch and Triton are kept as they are. `%matplotlib inline` keeps
+# figures in the notebook however it runs (Jupyter, Colab, nbconvert with MPLBACKEND=Agg).
+# %matplotlib inline
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-KVLAB_REPO = "https://github.com/kvlab/kvlab"  # the repository this notebook comes from
+# The repository to clone when kvlab is not installed: for a fork, change it here or set $KVLAB_REPO.
+KVLAB_REPO = os.environ.get("KVLAB_REPO", "https://github.com/kvlab/kvlab")
 if importlib.util.find_spec("kvlab") is None:
     checkout = Path.cwd().parent
     if not (checkout / "kvlab" / "__init__.py").is_file():  # not run from notebooks/ in a checkout
         checkout = Path.cwd() / "kvlab-repo"
         if not checkout.is_dir():
-            subprocess.check_call(["git", "clone", "-q", "--depth", "1", KVLAB_REPO, str(checkout)])
+            clone = subprocess.run(["git", "clone", "-q", "--depth", "1", KVLAB_REPO, str(checkout)],
+                                   capture_output=True, text=True)
+            if clone.returncode != 0:
+                raise RuntimeError(
+                    f"Could not clone kvlab from {KVLAB_REPO}: {clone.stderr.strip() or 'git failed'}\n"
+                    "If your copy of kvlab lives elsewhere, set KVLAB_REPO in this cell to its address (or the "
+                    "KVLAB_REPO environment variable), then run the cell again.") from None
         subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", str(checkout)])
     sys.path.insert(0, str(checkout))
 
@@ -61,13 +72,20 @@ from kvlab.kernels.paged_attention_decode import (
 )
 from kvlab.reference import attention_ref, gather_kv_ref, paged_attention_decode_ref
 
-torch.manual_seed(0)
+# Knobs: change them and run the notebook again (on a GPU, the realistic sizes below replace them). Kernels run
+# in the Triton interpreter on CPU: keep contexts in the hundreds there.
+BLOCK_SIZE = 8             # any power of two from 1 to 128
+NUM_HEADS, NUM_KV_HEADS = 8, 2   # query heads and KV heads: NUM_HEADS must be a multiple of NUM_KV_HEADS
+HEAD_DIM = 64              # 16 to 256
+SEQ_LENS = [70, 7, 45]     # one decode query per sequence, attending to this many cached tokens
+NUM_PARTITIONS = 3         # section 4's split-K partitions (on CPU: 5 tiles of sequence 0 in 2 + 2 + 1)
+SCORE_DRIFT = 120          # section 2: how far the scores climb over the context (large: exp overflows)
+SEED = 0
+DTYPE = torch.float32
 if ON_GPU:   # a Llama-3-8B-like layer and contexts of a few thousand tokens
     BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, SEQ_LENS = 16, 32, 8, 128, [3001, 37, 1500]
-    DTYPE = torch.float16
-else:        # tiny, so the interpreter finishes in seconds
-    BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, SEQ_LENS = 8, 8, 2, 64, [70, 7, 45]
-    DTYPE = torch.float32
+    NUM_PARTITIONS, DTYPE = 4, torch.float16
+torch.manual_seed(SEED)
 print(f"kernels run in {mode()} mode on {DEVICE}; block_size={BLOCK_SIZE}, {NUM_HEADS} query heads, "
       f"{NUM_KV_HEADS} kv heads, head_dim {HEAD_DIM}, sequence lengths {SEQ_LENS}, {DTYPE}")
 
@@ -164,7 +182,7 @@ def online_softmax(scores, values, tile, rescale=True):
 
 
 n = 8 * DECODE_TILE_N
-scores = torch.linspace(0, 120, n) + 15 * torch.randn(n)
+scores = torch.linspace(0, SCORE_DRIFT, n) + 15 * torch.randn(n)
 values = torch.randn(n, 4)
 online, history = online_softmax(scores, values, DECODE_TILE_N)
 exact = torch.softmax(scores.double(), 0) @ values.double()
@@ -187,10 +205,11 @@ for end in tile_ends:
 a.set(xlabel="key position", ylabel="score", title="tiles and the running max")
 a.legend(fontsize=8)
 tiles_read = np.arange(1, len(history) + 1)
-b.semilogy(tiles_read, l_direct, "-", color="0.6", lw=6, alpha=0.5, label="Σ exp(s - m) over all keys so far")
-b.semilogy(tiles_read, l_hist, "o", color="C0", label="running l, rescaled")
-b.semilogy(tiles_read, [l for _, l in forgetful_history], "x--", color="C3", label="running l, never rescaled")
-b.set(xlabel="tiles read", ylabel="l", title="rescaling keeps the running sum exact")
+b.plot(tiles_read, l_direct, "-", color="0.6", lw=6, alpha=0.5, label="exact: Σ exp(s - m) over all keys so far")
+b.plot(tiles_read, l_hist, "o", color="C0", label="running sum, rescaled by exp(m_old - m_new)")
+b.plot(tiles_read, [l for _, l in forgetful_history], "x--", color="C3", label="running sum, never rescaled (the bug)")
+b.set(xlabel="tiles read", ylabel="running sum l = Σ exp(s - m)", ylim=(0, None),
+      title="rescaling keeps the running sum exact")
 b.legend(fontsize=8)
 plt.tight_layout()
 plt.show()
@@ -201,12 +220,22 @@ print(f"output error with rescaling {(online - exact).abs().max():.1e}, "
 # The kernel does exactly this, in fp32 and in base 2 (`exp2`, with the scores pre-multiplied by log2 e),
 # for a whole tile of query heads at once.
 #
+# **Try it.** Predict, then check: with `SCORE_DRIFT = 60` (knobs cell), does the naive softmax still overflow
+# in fp32? fp32's `exp` overflows above about 88, so the largest score decides. Does the online softmax's error
+# change? (It should not: it never exponentiates anything larger than 0.)
+#
 # ## 3. Grouped-query attention
 #
 # With `num_heads` query heads and `num_kv_heads` KV heads, query head `h` reads KV head
-# `h // (num_heads // num_kv_heads)`. A kernel with one program per *query* head would read every K/V tile
+# `h // (num_heads // num_kv_heads)`. A kernel with one program per *query* head would request every K/V tile
 # once per query head of the group; `paged_attention_decode` runs one program per *KV* head, whose query
-# tile holds the whole group, so each K/V byte is read once.
+# tile holds the whole group, so each K/V byte is requested once.
+#
+# What the bar chart counts is bytes **requested** by the programs, not bytes read from DRAM. The programs of
+# one group read the same tiles at about the same time, so on a GPU most repeated requests are served by the
+# L2 cache: DRAM traffic is closer to the right-hand bar than the left one suggests. What grouping certainly
+# saves is load instructions and L2 bandwidth; how much DRAM traffic it saves depends on how many tiles stay
+# in L2 between the group's reads (a profiler's `dram__bytes_read` against `lts__t_bytes` tells).
 
 # %%
 group = NUM_HEADS // NUM_KV_HEADS
@@ -223,7 +252,8 @@ context, itemsize = 32768, torch.empty((), dtype=torch.float16).element_size()
 kv_bytes = 2 * context * NUM_KV_HEADS * HEAD_DIM * itemsize
 b.bar(["one program\nper query head", "one program\nper KV head (kvlab)"], [group * kv_bytes / 1e6, kv_bytes / 1e6],
       color=["C7", "C0"])
-b.set(ylabel="MB of K/V read per sequence", title=f"one decode step, {context} fp16 tokens, this layer")
+b.set(ylabel="MB of K/V requested per sequence", title=f"one decode step, {context} fp16 tokens, this layer\n"
+      "(bytes requested; L2 serves part of the repeats)")
 plt.tight_layout()
 plt.show()
 
@@ -247,7 +277,6 @@ for name, kv_heads in [("multi-head", NUM_HEADS), ("grouped-query", NUM_KV_HEADS
 # Partitions split a sequence's tiles evenly, so the shortest sequences leave some partitions empty.
 
 # %%
-NUM_PARTITIONS = 4 if ON_GPU else 3  # on CPU: 5 tiles of sequence 0 in 2 + 2 + 1
 fig, ax = plt.subplots(figsize=(9, 2.2))
 for s, n in enumerate(SEQ_LENS):
     tiles = -(-n // DECODE_TILE_N)
@@ -284,6 +313,19 @@ split_outputs = {split: paged_attention_decode(query, kv_cache, block_tables, se
 for split, o in split_outputs.items():
     print(f"split_k={split!s:>5}: max |error| vs reference {max_error(o, reference):.1e}, "
           f"vs no split {max_error(o, split_outputs[False]):.1e}")
+
+# %% [markdown]
+# **Try it.** Predict, then try: with `NUM_KV_HEADS = 8` (multi-head: a group of one) in the knobs cell, what
+# do the GQA picture and the bar chart show? And with `SEQ_LENS = [7, 7, 7]`, how many partitions does
+# sequence 0 leave empty in the split-K picture, and does the answer still match the reference?
+#
+# > **In vLLM.** vLLM's **V0** decode kernels are CUDA: `paged_attention_v1` (one pass per sequence and head)
+# > and `paged_attention_v2` (split-K, with 512-token partitions and a reduce kernel: flash-decoding), in
+# > `csrc/attention/`. **V1** runs prefill and decode through one varlen attention call with a block table
+# > (FlashAttention's `flash_attn_varlen_func`, or FlashInfer; `vllm/v1/attention/backends/`), which splits long
+# > contexts itself. nano-vllm calls FlashAttention's `flash_attn_with_kvcache` for decode
+# > (`nanovllm/layers/attention.py`). The ideas of this notebook (paged gather, online softmax, GQA tiles,
+# > split-K) are inside all of them.
 
 # %% [markdown]
 # By default (`split_k=None`) the launcher decides: when `num_seqs * num_kv_heads` programs already fill
@@ -361,10 +403,14 @@ for df in frames:
 # %% [markdown]
 # ## Takeaways
 #
-# * Paging costs one extra lookup per token (its block id); masking every load to the sequence's used
-#   positions means table padding and unused blocks are never touched, which the NaN-poisoned cache proves.
+# * Paging costs one extra lookup per block of K/V: its physical block id. (kvlab's kernel issues that load per
+#   token, `block_table[pos // block_size]`, so that tiles need not line up with blocks; the tokens of a block
+#   all read the same table entry, which the hardware serves as one cached load.) Masking every load to the
+#   sequence's used positions means table padding and unused blocks are never touched, which the
+#   NaN-poisoned cache proves.
 # * Online softmax turns attention into one pass over the context with O(1) state per query row; the
 #   rescale by `exp(m - m')` is what makes tiles independent of the ones after them.
-# * Grouped-query attention reads each KV head once for its whole group of query heads.
+# * Grouped-query attention requests each KV head once for its whole group of query heads; how much DRAM
+#   traffic that saves over one program per query head depends on what L2 would have caught anyway.
 # * Split-K trades a small merge for parallelism when the batch is too small to fill the GPU; it does not
 #   change the answer beyond rounding.

@@ -22,20 +22,31 @@
 # a full prefill over every token, and counts what the hit saves.
 
 # %%
-# Setup. In a checkout (or CI) this uses the checkout's kvlab. On Colab it clones the repository (code and
-# bundled traces) and installs kvlab's missing dependencies; Colab's torch and Triton are kept as they are.
+# Setup (generated from scripts/sync_notebooks.py: edit it there, then `make notebooks`). In a checkout, or in
+# CI, this uses the checkout's kvlab. On Colab it clones the repository (code and bundled traces) and installs
+# kvlab's missing dependencies; Colab's torch and Triton are kept as they are. `%matplotlib inline` keeps
+# figures in the notebook however it runs (Jupyter, Colab, nbconvert with MPLBACKEND=Agg).
+# %matplotlib inline
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-KVLAB_REPO = "https://github.com/kvlab/kvlab"  # the repository this notebook comes from
+# The repository to clone when kvlab is not installed: for a fork, change it here or set $KVLAB_REPO.
+KVLAB_REPO = os.environ.get("KVLAB_REPO", "https://github.com/kvlab/kvlab")
 if importlib.util.find_spec("kvlab") is None:
     checkout = Path.cwd().parent
     if not (checkout / "kvlab" / "__init__.py").is_file():  # not run from notebooks/ in a checkout
         checkout = Path.cwd() / "kvlab-repo"
         if not checkout.is_dir():
-            subprocess.check_call(["git", "clone", "-q", "--depth", "1", KVLAB_REPO, str(checkout)])
+            clone = subprocess.run(["git", "clone", "-q", "--depth", "1", KVLAB_REPO, str(checkout)],
+                                   capture_output=True, text=True)
+            if clone.returncode != 0:
+                raise RuntimeError(
+                    f"Could not clone kvlab from {KVLAB_REPO}: {clone.stderr.strip() or 'git failed'}\n"
+                    "If your copy of kvlab lives elsewhere, set KVLAB_REPO in this cell to its address (or the "
+                    "KVLAB_REPO environment variable), then run the cell again.") from None
         subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", str(checkout)])
     sys.path.insert(0, str(checkout))
 
@@ -51,15 +62,18 @@ from kvlab.kernels.paged_prefill import paged_prefill
 from kvlab.kernels.reshape_and_cache import reshape_and_cache
 from kvlab.reference import attention_ref
 
-torch.manual_seed(0)
+# Knobs: change them and run the notebook again (on a GPU, the realistic sizes below replace them).
+BLOCK_SIZE, NUM_BLOCKS = 8, 24            # the pool must hold A, B and C: about 11 blocks of 8 here
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 64
+SYSTEM_LEN = 37                           # the shared system prompt: 4 full blocks of 8 and 5 tokens more
+USER_LENS = {"A": 13, "B": 6, "C": 21}    # each request's own message after it
+SEED = 0
+DTYPE = torch.float32
 if ON_GPU:   # a Llama-3-8B-like attention layer, a 2000-token system prompt
     BLOCK_SIZE, NUM_BLOCKS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 512, 32, 8, 128
     SYSTEM_LEN, USER_LENS = 2000, {"A": 300, "B": 170, "C": 45}
     DTYPE = torch.float16
-else:        # tiny, so the interpreter finishes in seconds
-    BLOCK_SIZE, NUM_BLOCKS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 24, 4, 2, 64
-    SYSTEM_LEN, USER_LENS = 37, {"A": 13, "B": 6, "C": 21}
-    DTYPE = torch.float32
+torch.manual_seed(SEED)
 VOCAB = 1000
 print(f"kernels run in {mode()} mode on {DEVICE}; block_size={BLOCK_SIZE}, {NUM_HEADS} query / "
       f"{NUM_KV_HEADS} kv heads, head_dim {HEAD_DIM}, system prompt of {SYSTEM_LEN} tokens")
@@ -190,7 +204,9 @@ for name, seq in seqs.items():
 # (about 2 FLOPs per weight per token) plus attention: new token `i` scores and mixes `i + 1` keys, 4
 # FLOPs per key per head dimension per head. A hit ratio `h` removes a fraction `h` of the first part and
 # about `h²` of the second (the skipped tokens are the early ones, which attend to few keys). Below for a
-# Llama-3-8B-shaped layer; the dots are this notebook's requests.
+# Llama-3-8B-shaped layer: on the left the three parts for an 8192-token prompt; on the right the whole
+# layer for prompts of several lengths, with this notebook's requests as dots on the curve of their own
+# length.
 
 # %%
 MODEL = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336)
@@ -212,22 +228,49 @@ def skipped_fraction(n, cached):
 
 prompt_len = 8192
 ratios = np.linspace(0, 1, 65)
-curves = np.array([skipped_fraction(prompt_len, int(h * prompt_len)) for h in ratios])
-fig, ax = plt.subplots(figsize=(7, 4))
+
+
+def curve(n):
+    """skipped_fraction over hit ratios for an n-token prompt (hits in whole tokens)."""
+    return np.array([skipped_fraction(n, int(h * n)) for h in ratios])
+
+
+curves = curve(prompt_len)
+fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
 for k, label in enumerate(["projections + MLP", "attention", "all of the layer"]):
-    ax.plot(ratios, curves[:, k], label=f"{label} ({prompt_len}-token prompt)")
-for name, seq in seqs.items():
-    h = seq.num_cached_tokens / len(seq)
-    ax.plot(h, skipped_fraction(len(seq), seq.num_cached_tokens)[2], "o", color="k")
-    ax.annotate(name, (h, skipped_fraction(len(seq), seq.num_cached_tokens)[2]), textcoords="offset points",
-                xytext=(5, -12))
-ax.set(xlabel="prefix hit ratio (cached tokens / prompt tokens)", ylabel="fraction of prefill FLOPs skipped",
-       title="what a prefix hit skips (one layer, Llama-3-8B shape)")
-ax.legend(fontsize=8)
+    left.plot(ratios, curves[:, k], label=label)
+left.set(xlabel="prefix hit ratio (cached tokens / prompt tokens)", ylabel="fraction of prefill FLOPs skipped",
+         title=f"the parts of one layer, {prompt_len}-token prompt")
+left.legend(fontsize=8)
+for n, color in ((512, "C0"), (8192, "C2"), (32768, "C3"), (131072, "C4")):
+    right.plot(ratios, curve(n)[:, 2], color=color, label=f"{n:,}-token prompt")
+for name, seq in seqs.items():  # each request on the curve of its own length
+    n, h = len(seq), seq.num_cached_tokens / len(seq)
+    right.plot(ratios, curve(n)[:, 2], color="0.6", lw=0.8, ls=":")
+    right.plot(h, skipped_fraction(n, seq.num_cached_tokens)[2], "o", color="k")
+    right.annotate(f"{name} ({n} tokens)", (h, skipped_fraction(n, seq.num_cached_tokens)[2]),
+                   textcoords="offset points", xytext=(6, -12), fontsize=8)
+right.plot([], [], color="0.6", lw=0.8, ls=":", label="this notebook's requests, at their length")
+right.set(xlabel="prefix hit ratio", title="all of the layer: longer prompts save less than their hit ratio")
+right.legend(fontsize=8)
+fig.suptitle("what a prefix hit skips (one layer, Llama-3-8B shape)", fontsize=11)
+plt.tight_layout()
 plt.show()
 half = skipped_fraction(prompt_len, prompt_len // 2)
 print(f"at a 50% hit ratio on a {prompt_len}-token prompt: {half[0]:.0%} of projection/MLP FLOPs, "
       f"{half[1]:.0%} of attention FLOPs, {half[2]:.0%} of the layer's FLOPs are skipped")
+
+# %% [markdown]
+# **Try it.** Predict, then set `SYSTEM_LEN = 7` in the knobs cell (less than one block): how many tokens do
+# B and C hit now, and where do their dots land? Then `SYSTEM_LEN = 40` (exactly five blocks): does B hit all
+# 40 tokens? (Only full blocks are shared, and a hit never covers a prompt's last token.)
+#
+# > **In vLLM.** vLLM's **V0** had a dedicated Triton kernel for this path, `context_attention_fwd` in
+# > `vllm/attention/ops/prefix_prefill.py` (new tokens' queries against a paged cached prefix plus
+# > themselves), used when prefix caching or chunked prefill gave a prompt a cached part. **V1** does not
+# > distinguish: every step calls one varlen attention kernel with a block table and per-sequence query and
+# > context lengths (`vllm/v1/attention/backends/flash_attn.py`), and with chunked prefill a long prompt's
+# > later chunks take exactly this path, their earlier chunks playing the cached prefix.
 
 # %% [markdown]
 # ## 6. Time to first token on a GPU
@@ -282,7 +325,8 @@ if ON_GPU:
     ttft = [layer_ms(ttft_len, c) for c in cached_tokens]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([c / ttft_len for c in cached_tokens], ttft, "o-", label="measured (32 layers)")
-    ax.plot(ratios, ttft[0] * (1 - curves[:, 2]), "--", color="0.5", label="FLOP model, scaled to the 0% point")
+    ax.plot(ratios, ttft[0] * (1 - curve(ttft_len)[:, 2]), "--", color="0.5",
+            label="FLOP model, scaled to the 0% point")
     ax.set(xlabel="prefix hit ratio", ylabel="time to first token (ms)",
            title=f"{ttft_len}-token prompt on {torch.cuda.get_device_name()}")
     ax.legend(fontsize=8)

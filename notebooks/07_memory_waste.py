@@ -26,47 +26,64 @@
 # * **internal fragmentation**: reserved slots that nothing will ever fill (beyond the final length);
 # * **external fragmentation**: free slots that cannot be used, because the next request does not fit.
 #
-# The schemes: contiguous reservation of the model's maximum length (**Max**), of the next power of two of
-# the final length (**Pow2**, which needs to know the output length), of exactly the final length
-# (**Oracle**, knows it exactly), and **paged** blocks of 8, 16 or 32 slots taken one at a time as the
-# request grows (vLLM).
+# The schemes, as the paper defines its Orca baselines (§6.1): contiguous reservation of the model's maximum
+# length (**Max**); of the prompt plus the output length rounded up to a power of two (**Pow2**: it knows the
+# output length within a factor of 2, so a true 25-token output reserves 32); of exactly the prompt plus the
+# output (**Oracle**, knows the output length exactly); and **paged** blocks of 8, 16 or 32 slots taken one at
+# a time as the request grows (vLLM).
 
 # %%
-# Setup. In a checkout (or CI) this uses the checkout's kvlab. On Colab it clones the repository (code and
-# bundled traces) and installs kvlab's missing dependencies; Colab's torch and Triton are kept as they are.
+# Setup (generated from scripts/sync_notebooks.py: edit it there, then `make notebooks`). In a checkout, or in
+# CI, this uses the checkout's kvlab. On Colab it clones the repository (code and bundled traces) and installs
+# kvlab's missing dependencies; Colab's torch and Triton are kept as they are. `%matplotlib inline` keeps
+# figures in the notebook however it runs (Jupyter, Colab, nbconvert with MPLBACKEND=Agg).
+# %matplotlib inline
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-KVLAB_REPO = "https://github.com/kvlab/kvlab"  # the repository this notebook comes from
+# The repository to clone when kvlab is not installed: for a fork, change it here or set $KVLAB_REPO.
+KVLAB_REPO = os.environ.get("KVLAB_REPO", "https://github.com/kvlab/kvlab")
 if importlib.util.find_spec("kvlab") is None:
     checkout = Path.cwd().parent
     if not (checkout / "kvlab" / "__init__.py").is_file():  # not run from notebooks/ in a checkout
         checkout = Path.cwd() / "kvlab-repo"
         if not checkout.is_dir():
-            subprocess.check_call(["git", "clone", "-q", "--depth", "1", KVLAB_REPO, str(checkout)])
+            clone = subprocess.run(["git", "clone", "-q", "--depth", "1", KVLAB_REPO, str(checkout)],
+                                   capture_output=True, text=True)
+            if clone.returncode != 0:
+                raise RuntimeError(
+                    f"Could not clone kvlab from {KVLAB_REPO}: {clone.stderr.strip() or 'git failed'}\n"
+                    "If your copy of kvlab lives elsewhere, set KVLAB_REPO in this cell to its address (or the "
+                    "KVLAB_REPO environment variable), then run the cell again.") from None
         subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", str(checkout)])
     sys.path.insert(0, str(checkout))
 
 # %%
-import os
-
 import matplotlib.pyplot as plt
 import numpy as np
-from IPython.display import Markdown, display
+import pandas as pd
 from tqdm.auto import tqdm
 
 from kvlab.studies.memory_waste import PAPER_TOKEN_STATES, SHARES, memory_waste
 from kvlab.studies.plots import plot_memory_waste
 from kvlab.traces import load_trace
 
-# The whole study takes seconds, so CI runs it on full traces; KVLAB_FULL=1 only adds budget points.
-FULL = os.environ.get("KVLAB_FULL") == "1"
+# Knobs: change them and run the notebook again (the whole study takes well under a minute).
 BUDGET = 48_000   # KV slots: ~23 GiB of fp16 KV for a 7B model (512 KiB/token), what a 40 GB GPU keeps
-MAX_LEN = 8192    # the longest request any scheme must hold: a power of two above nearly every Azure request
-BUDGETS = [16_384, 24_000, 32_768, 48_000, 65_536, 98_304, 131_072] if FULL else [16_384, 48_000, 131_072]
+MAX_LEN = 8192    # the longest request any scheme must hold: try 2048, the paper's OPT-13B context
+BLOCK_SIZES = (8, 16, 32)                 # the paged schemes of sections 2-3
+BUDGETS = [12_000, 16_384, 24_000, 32_768, 48_000, 65_536, 98_304, 131_072]   # section 4's sweep
+SWEEP_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)                                  # section 4's sweep
 traces = {name: load_trace(name) for name in ("azure_code", "azure_conv")}
+
+
+def pct(frame):
+    """Shares (0..1) as percentages with one decimal, for tables."""
+    return (100 * frame).round(1)
+
 
 # %% [markdown]
 # ## 1. The requests
@@ -84,15 +101,22 @@ ax.axvline(MAX_LEN, color="k", linestyle="--", linewidth=1, label=f"max length {
 ax.set_xscale("log")
 ax.set_xlabel("final length: prompt + output tokens")
 ax.set_ylabel("requests")
+ax.set_title("Azure LLM inference traces (2023): how long requests end up", fontsize=10)
 ax.legend(fontsize=8)
 plt.show()
-lines = []
-for name, trace in traces.items():
-    final = trace["input_length"] + trace["output_length"].clip(lower=1)
-    lines.append(f"* **{name}**: median final length {final.median():,.0f} tokens, mean {final.mean():,.0f}; "
-                 f"outputs are {100 * trace['output_length'].sum() / final.sum():.0f}% of all tokens; "
-                 f"{(final > MAX_LEN).sum()} requests exceed {MAX_LEN} and are left out of every scheme.")
-display(Markdown("\n".join(lines)))
+def length_stats(t):
+    final = t["input_length"] + t["output_length"].clip(lower=1)
+    return {"requests": len(t), "median final length": int(final.median()), "mean final length": round(final.mean()),
+            "outputs, % of all tokens": round(100 * t["output_length"].sum() / final.sum(), 1),
+            f"longer than {MAX_LEN} (left out)": int((final > MAX_LEN).sum())}
+
+
+pd.DataFrame.from_dict({name: length_stats(t) for name, t in traces.items()}, orient="index")
+
+# %% [markdown]
+# Reading: both traces are prompt-heavy (outputs are a small share of all tokens, far less than the
+# PagedAttention paper's workloads), so reserving room for the output costs little here; the spread of final
+# lengths, over two orders of magnitude, is what a one-size reservation pays for.
 
 # %% [markdown]
 # ## 2. The four shares, scheme by scheme
@@ -105,33 +129,25 @@ display(Markdown("\n".join(lines)))
 # The black bars mark the paper's published token-state shares.
 
 # %%
-tables = {name: memory_waste(trace, budget_tokens=BUDGET, max_len=MAX_LEN) for name, trace in traces.items()}
+tables = {name: memory_waste(trace, budget_tokens=BUDGET, max_len=MAX_LEN, block_sizes=BLOCK_SIZES)
+          for name, trace in tqdm(traces.items(), desc="traces")}
 fig, axes = plt.subplots(1, 2, figsize=(13, 4), sharey=True)
 for ax, (name, table) in zip(axes, tables.items()):
     plot_memory_waste(table, ax=ax)
-    ax.set_title(f"{name}: budget {BUDGET:,} slots, max length {MAX_LEN}")
+    ax.set_title(f"{name}: budget {BUDGET:,} slots, max length {MAX_LEN}", fontsize=10)
 axes[0].get_legend().remove()
 fig.tight_layout()
 plt.show()
-tables["azure_conv"][["scheme", *SHARES, "concurrent_requests"]].round(3)
+code, conv = (tables[n].set_index("scheme") for n in ("azure_code", "azure_conv"))
+pct(conv[SHARES]).assign(**{"paper: token states": 100 * conv["paper_token_states"]}).rename_axis("azure_conv (%)")
 
 # %%
-code, conv = (tables[n].set_index("scheme") for n in ("azure_code", "azure_conv"))
-display(Markdown(
-    f"Paging keeps **{100 * code.loc['Paged 16', 'token_states']:.1f}%** (code) and "
-    f"**{100 * conv.loc['Paged 16', 'token_states']:.1f}%** (conversation) of the budget in token states, close "
-    f"to the paper's {100 * PAPER_TOKEN_STATES['Paged 16']:.1f}%. Its only reservation and internal "
-    f"fragmentation is the unfilled part of each request's last block "
-    f"({100 * (conv.loc['Paged 16', 'reservation'] + conv.loc['Paged 16', 'internal_fragmentation']):.2f}% on "
-    f"conversation); what remains is free memory too small for the prompt at the head of the queue "
-    f"({100 * conv.loc['Paged 16', 'external_fragmentation']:.1f}%).\n\n"
-    f"Reserving the maximum wastes most: on conversation only "
-    f"{100 * conv.loc['Max', 'token_states']:.1f}% holds tokens and "
-    f"{100 * conv.loc['Max', 'internal_fragmentation']:.1f}% is reserved for tokens that never come. Even the "
-    f"Oracle, which knows every output length, holds tokens in only "
-    f"{100 * conv.loc['Oracle', 'token_states']:.1f}%: it reserves room for the whole output at admission "
-    f"({100 * conv.loc['Oracle', 'reservation']:.1f}% reservation) and strands "
-    f"{100 * conv.loc['Oracle', 'external_fragmentation']:.1f}% in holes between ranges."))
+paged = f"Paged {16 if 16 in BLOCK_SIZES else BLOCK_SIZES[0]}"
+print(f"Reading: on conversation, {paged} keeps {100 * conv.loc[paged, 'token_states']:.1f}% of the budget in token "
+      f"states (paper: {100 * PAPER_TOKEN_STATES['Paged 16']:.1f}%), against "
+      f"{100 * conv.loc['Oracle', 'token_states']:.1f}% for the Oracle, which reserves each whole output at admission "
+      f"({100 * conv.loc['Oracle', 'reservation']:.1f}% reservation) and strands "
+      f"{100 * conv.loc['Oracle', 'external_fragmentation']:.1f}% in holes between ranges.")
 
 # %% [markdown]
 # ## 3. How many requests run at once
@@ -143,80 +159,102 @@ display(Markdown(
 fig, ax = plt.subplots(figsize=(8, 3.4))
 width = 0.38
 for offset, (name, table) in zip((-width / 2, width / 2), tables.items()):
-    ax.bar(np.arange(len(table)) + offset, table["concurrent_requests"], width, label=name)
+    bars = ax.bar(np.arange(len(table)) + offset, table["concurrent_requests"], width, label=name)
+    ax.bar_label(bars, fmt="%.0f", fontsize=7)
 ax.set_xticks(np.arange(len(code)), code.index)
 ax.set_ylabel("requests running at once (mean)")
+ax.set_title(f"batch size each scheme sustains in a {BUDGET:,}-slot budget", fontsize=10)
 ax.legend(fontsize=8)
 plt.show()
-display(Markdown(
-    f"On conversation, paging runs **{conv.loc['Paged 16', 'concurrent_requests']:.1f}** requests at once on "
-    f"average, {conv.loc['Paged 16', 'concurrent_requests'] / conv.loc['Max', 'concurrent_requests']:.1f}x "
-    f"Max ({conv.loc['Max', 'concurrent_requests']:.0f}: the budget holds {BUDGET // MAX_LEN} maximum-length "
-    f"ranges) and {conv.loc['Paged 16', 'concurrent_requests'] / conv.loc['Oracle', 'concurrent_requests']:.2f}x "
-    f"the Oracle. The paper measures the same effect as larger batches and higher throughput for vLLM."))
+batch = pd.DataFrame({name: t.set_index("scheme")["concurrent_requests"] for name, t in tables.items()})
+batch.assign(**{"conv, x Max": batch["azure_conv"] / batch.loc["Max", "azure_conv"],
+                "conv, x Oracle": batch["azure_conv"] / batch.loc["Oracle", "azure_conv"]}).round(2)
 
 # %% [markdown]
-# ## 4. Block size and budget
+# Reading: the batch follows the token-state share. Max holds only `BUDGET // MAX_LEN` ranges at a time
+# whatever the requests' lengths; paging runs several times as many, and even beats the Oracle, which knows
+# every length but still holds each request's future tokens and holes between ranges. The paper measures the
+# same effect as larger batches and higher throughput for vLLM.
 #
-# Smaller blocks waste less in each request's last block, but the difference between 8 and 32 is a
-# fraction of a percent: the last block is small next to a whole request. The budget matters more for the
-# contiguous schemes: a larger budget holds more ranges, so a stranded hole is a smaller share of it.
+# **Try it.** Predict, then set `MAX_LEN = 2048` (the paper's OPT-13B context) in the knobs cell and run the
+# notebook again: which share moves most, and for which scheme? (Requests longer than `MAX_LEN` are left out
+# of every scheme, and Max now reserves a quarter as much per request.)
+
+# %% [markdown]
+# ## 4. Budget and block size
+#
+# The budget matters for the contiguous schemes: a larger budget holds more ranges, so a stranded hole is a
+# smaller share of it. The block size matters for paging: a request's last block is its only waste, so larger
+# blocks waste more, and more so for short requests.
 
 # %%
-sweep = []
-for budget in tqdm(BUDGETS, desc="budgets"):
-    table = memory_waste(traces["azure_conv"], budget_tokens=budget, max_len=MAX_LEN, block_sizes=(16,))
-    sweep.append(table.assign(budget=budget))
-fig, axes = plt.subplots(1, 2, figsize=(12, 3.6))
-for scheme in ("Max", "Pow2", "Oracle", "Paged 16"):
-    rows = [t.set_index("scheme").loc[scheme] for t in sweep]
-    axes[0].plot(BUDGETS, [100 * r["token_states"] for r in rows], "o-", label=scheme)
-    axes[1].plot(BUDGETS, [r["concurrent_requests"] for r in rows], "o-", label=scheme)
-for ax, label in zip(axes, ("token states (% of budget)", "requests running at once")):
+sweep = pd.concat([memory_waste(traces["azure_conv"], budget_tokens=b, max_len=MAX_LEN, block_sizes=(16,))
+                   .assign(budget=b) for b in tqdm(BUDGETS, desc="budgets")])
+by_block = memory_waste(traces["azure_conv"], budget_tokens=BUDGET, max_len=MAX_LEN,
+                        block_sizes=SWEEP_BLOCK_SIZES).set_index("scheme").iloc[3:]  # the paged rows
+fig, axes = plt.subplots(1, 3, figsize=(15, 3.8), layout="constrained")
+for scheme, rows in sweep.groupby("scheme", sort=False):
+    axes[0].plot(rows["budget"], 100 * rows["token_states"], "o-", label=scheme)
+    axes[1].plot(rows["budget"], rows["concurrent_requests"], "o-", label=scheme)
+for ax, label, title in ((axes[0], "token states (% of budget)", "useful share of the budget"),
+                         (axes[1], "requests running at once (mean)", "batch size")):
     ax.set_xscale("log")
-    ax.set_xticks(BUDGETS, [f"{b / 1000:.0f}k" for b in BUDGETS], minor=False)
+    ax.set_xticks(BUDGETS, [f"{b / 1000:.0f}k" for b in BUDGETS])
     ax.minorticks_off()
-    ax.set_xlabel("KV budget (token slots)")
-    ax.set_ylabel(label)
+    ax.set(xlabel="KV budget (token slots)", ylabel=label, title=f"azure_conv: {title} vs budget")
     ax.grid(alpha=0.3)
-axes[0].legend(fontsize=8)
+axes[0].set_ylim(0, 100)
+axes[1].legend(fontsize=8, loc="upper left")
+last_block = 100 * (by_block["reservation"] + by_block["internal_fragmentation"])
+axes[2].plot(SWEEP_BLOCK_SIZES, last_block, "o-", color="C3", label="reserved, no token yet (last block)")
+axes[2].plot(SWEEP_BLOCK_SIZES, 100 * by_block["external_fragmentation"], "s--", color="0.5",
+             label="free but unusable (head of queue does not fit)")
+axes[2].set_xscale("log", base=2)
+axes[2].set_xticks(SWEEP_BLOCK_SIZES, SWEEP_BLOCK_SIZES)
+axes[2].set(xlabel="block size (slots)", ylabel="% of budget", ylim=(0, None),
+            title=f"azure_conv: paged waste vs block size ({BUDGET:,} slots)")
+axes[2].grid(alpha=0.3)
+axes[2].legend(fontsize=8)
 plt.show()
-paged = conv.loc[["Paged 8", "Paged 16", "Paged 32"]]
-waste = 100 * (paged["reservation"] + paged["internal_fragmentation"])
-display(Markdown("Last-block waste on conversation: " + ", ".join(
-    f"{scheme} {w:.2f}%" for scheme, w in waste.items()) + "."))
+pct(by_block[SHARES]).rename_axis("azure_conv (%)")
+
+# %%
+states = sweep.pivot(index="budget", columns="scheme", values="token_states")
+print(f"Reading: the last-block waste grows from {last_block.iloc[0]:.1f}% of the budget with "
+      f"{SWEEP_BLOCK_SIZES[0]}-slot blocks to {last_block.iloc[-1]:.1f}% with {SWEEP_BLOCK_SIZES[-1]}-slot ones (vLLM's default, 16: "
+      f"{last_block.get('Paged 16', float('nan')):.1f}%). Between the smallest and the largest budget the Oracle's "
+      f"token states go from {100 * states['Oracle'].iloc[0]:.0f}% to {100 * states['Oracle'].iloc[-1]:.0f}% and "
+      f"paging's from {100 * states['Paged 16'].iloc[0]:.0f}% to {100 * states['Paged 16'].iloc[-1]:.0f}%; Max "
+      f"zigzags because the budget holds a whole number of {MAX_LEN}-slot ranges.")
 
 # %% [markdown]
 # ## 5. Why these numbers differ from the paper's
 #
-# The black bars are the paper's four published figures; everything else here is computed. It is not the
-# same experiment, and the differences are instructive:
+# The black bars of section 2 are the paper's four published figures; everything else here is computed. It
+# is not the same experiment, and the differences are instructive:
+#
+# * **Lengths.** The paper served OPT-13B, whose maximum length is 2048 tokens, on its own request mix. Azure
+#   requests run far longer, so Max reserves `MAX_LEN` slots here, and its token share is roughly the mean
+#   final length over `MAX_LEN`.
+# * **Output lengths.** Reservation is output still to come, and Azure's outputs are a small share of its
+#   tokens (section 1), so Pow2 and the Oracle reserve little for the future and keep more token states than
+#   in the paper.
+# * **Allocator and admission.** Orca is not public (the paper re-implemented it); kvlab uses first-fit over
+#   one address space with strict FIFO admission, and counts all free memory as external fragmentation while
+#   requests wait. A better allocator, or admission that lets a smaller request overtake, would strand less.
+# * **Budget.** The shares depend on how many maximum-size ranges the budget holds (section 4); the paper's KV
+#   budget for OPT-13B is not the one used here.
+# * **Paging** is the robust result: a request wastes at most part of one block, on any trace.
 
 # %%
-longest = {name: int((t["input_length"] + t["output_length"]).max()) for name, t in traces.items()}
-out_share = {name: t["output_length"].sum() / (t["input_length"] + t["output_length"]).sum()
-             for name, t in traces.items()}
-paged_floor = min(t.set_index("scheme").loc[[f"Paged {b}" for b in (8, 16, 32)], "token_states"].min()
+pd.DataFrame({"paper (%)": {k: 100 * v for k, v in PAPER_TOKEN_STATES.items()},
+              "azure_code (%)": 100 * code["token_states"], "azure_conv (%)": 100 * conv["token_states"]}
+             ).loc[list(code.index)].round(1).rename_axis("token states")
+
+# %%
+paged_floor = min(t.set_index("scheme").loc[[f"Paged {b}" for b in BLOCK_SIZES], "token_states"].min()
                   for t in tables.values())
-display(Markdown(
-    f"* **Lengths.** The paper served OPT-13B, whose maximum length is 2048 tokens, on its own request mix. "
-    f"Azure requests reach {longest['azure_code']:,} (code) and {longest['azure_conv']:,} (conversation) tokens, "
-    f"so Max reserves {MAX_LEN} slots here, and its token share is roughly the mean final length over "
-    f"{MAX_LEN}: {100 * code.loc['Max', 'token_states']:.1f}% on code, "
-    f"{100 * conv.loc['Max', 'token_states']:.1f}% on the shorter conversation requests "
-    f"(paper: {100 * PAPER_TOKEN_STATES['Max']:.1f}%).\n"
-    f"* **Output lengths.** Reservation is output still to come. Outputs are {100 * out_share['azure_code']:.0f}% "
-    f"of all tokens on code and {100 * out_share['azure_conv']:.0f}% on conversation, so Pow2 and the Oracle "
-    f"reserve little for the future, and keep more token states than the paper's "
-    f"{100 * PAPER_TOKEN_STATES['Pow2']:.1f}% and {100 * PAPER_TOKEN_STATES['Oracle']:.1f}% "
-    f"(here {100 * conv.loc['Pow2', 'token_states']:.1f}% and {100 * conv.loc['Oracle', 'token_states']:.1f}% "
-    f"on conversation).\n"
-    f"* **Allocator and admission.** Orca is not public (the paper re-implemented it); kvlab uses first-fit over "
-    f"one address space with strict FIFO admission, and counts all free memory as external fragmentation while "
-    f"requests wait. A better allocator, or admission that lets a smaller request overtake, would strand less.\n"
-    f"* **Budget.** The shares depend on how many maximum-size ranges the budget holds (section 4); the "
-    f"paper's KV budget for OPT-13B is not the {BUDGET:,} slots used here.\n"
-    f"* **Paging** is the robust result: on both traces and every block size here, at least "
-    f"{100 * paged_floor:.1f}% of the budget holds token states, because a request wastes at most part of "
-    f"one block."))
+print(f"Reading: on both traces and every block size in BLOCK_SIZES, paging keeps at least "
+      f"{100 * paged_floor:.1f}% of the budget in token states; the contiguous schemes move with the trace, the "
+      f"maximum length ({MAX_LEN}) and the budget.")
 assert all(np.allclose(t[SHARES].sum(axis=1), 1.0) for t in tables.values())  # the shares partition the budget

@@ -24,49 +24,59 @@
 # `kvlab study` on the command line runs the same sweeps and writes a CSV and a plot.
 
 # %%
-# Setup. In a checkout (or CI) this uses the checkout's kvlab. On Colab it clones the repository (code and
-# bundled traces) and installs kvlab's missing dependencies; Colab's torch and Triton are kept as they are.
+# Setup (generated from scripts/sync_notebooks.py: edit it there, then `make notebooks`). In a checkout, or in
+# CI, this uses the checkout's kvlab. On Colab it clones the repository (code and bundled traces) and installs
+# kvlab's missing dependencies; Colab's torch and Triton are kept as they are. `%matplotlib inline` keeps
+# figures in the notebook however it runs (Jupyter, Colab, nbconvert with MPLBACKEND=Agg).
+# %matplotlib inline
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-KVLAB_REPO = "https://github.com/kvlab/kvlab"  # the repository this notebook comes from
+# The repository to clone when kvlab is not installed: for a fork, change it here or set $KVLAB_REPO.
+KVLAB_REPO = os.environ.get("KVLAB_REPO", "https://github.com/kvlab/kvlab")
 if importlib.util.find_spec("kvlab") is None:
     checkout = Path.cwd().parent
     if not (checkout / "kvlab" / "__init__.py").is_file():  # not run from notebooks/ in a checkout
         checkout = Path.cwd() / "kvlab-repo"
         if not checkout.is_dir():
-            subprocess.check_call(["git", "clone", "-q", "--depth", "1", KVLAB_REPO, str(checkout)])
+            clone = subprocess.run(["git", "clone", "-q", "--depth", "1", KVLAB_REPO, str(checkout)],
+                                   capture_output=True, text=True)
+            if clone.returncode != 0:
+                raise RuntimeError(
+                    f"Could not clone kvlab from {KVLAB_REPO}: {clone.stderr.strip() or 'git failed'}\n"
+                    "If your copy of kvlab lives elsewhere, set KVLAB_REPO in this cell to its address (or the "
+                    "KVLAB_REPO environment variable), then run the cell again.") from None
         subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", str(checkout)])
     sys.path.insert(0, str(checkout))
 
 # %%
 import math
-import os
 import random
 from collections import OrderedDict
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
-from IPython.display import Markdown, display
 
+from kvlab import viz
 from kvlab.eviction import EvictionPolicy
-from kvlab.studies import cache_hit_study, replay, reuse_profile
+from kvlab.studies import EngineModel, cache_hit_study, replay, reuse_profile
 from kvlab.studies.plots import plot_hit_rates
 from kvlab.studies.reuse import reuse_counts
 from kvlab.studies.synthetic import WORKLOADS
 from kvlab.traces import load_trace
 
-# CI replays the first 3,000 of the trace's 12,031 requests (~30 s); KVLAB_FULL=1 replays them all (~1.5 min).
-FULL = os.environ.get("KVLAB_FULL") == "1"
-LIMIT = None if FULL else 3000
+# Knobs: change them and run the notebook again.
+LIMIT = 3000          # Mooncake requests to replay (of 12,031; None: all of them, about three times as long)
+TRACE_BS = 512        # Mooncake's natural block size: one trace id per 512 tokens
 POLICIES = ["lru", "fifo", "lfu"]
+SYNTHETIC_BS = 16     # block size of the synthetic workloads
 trace = load_trace("mooncake_conversation", limit=LIMIT)
-display(Markdown(f"Mooncake conversation trace: **{len(trace):,} requests** over "
-                 f"{trace['timestamp'].iloc[-1] / 60_000:.0f} minutes, {trace['input_length'].sum() / 1e6:.1f} M "
-                 f"prompt tokens (mean {trace['input_length'].mean():,.0f} per request)."))
+print(f"Mooncake conversation trace: {len(trace):,} requests over {trace['timestamp'].iloc[-1] / 60_000:.0f} minutes, "
+      f"{trace['input_length'].sum() / 1e6:.1f} M prompt tokens (mean {trace['input_length'].mean():,.0f} per request).")
 
 # %% [markdown]
 # ## 1. The ceiling: how much the trace repeats itself
@@ -78,33 +88,37 @@ display(Markdown(f"Mooncake conversation trace: **{len(trace):,} requests** over
 # often each distinct block is used.
 
 # %%
-profile = reuse_profile(trace, 512)
-counts = reuse_counts(trace, 512)
+profile = reuse_profile(trace, TRACE_BS)
+counts = reuse_counts(trace, TRACE_BS)
 fig, ax = plt.subplots(figsize=(8, 3.2))
 ax.hist(counts, bins=np.geomspace(1, counts.max() + 1, 30), color="#4e79a7")
 ax.set_xscale("log")
 ax.set_yscale("log")
 ax.set_xlabel("requests using the block")
-ax.set_ylabel("distinct 512-token blocks")
+ax.set_ylabel(f"distinct {TRACE_BS}-token blocks")
+ax.set_title("how often each distinct block is used: most once, a few by nearly every request", fontsize=10)
 plt.show()
-display(Markdown(
-    f"The trace holds {profile['full_blocks']:,} full blocks, of which {profile['distinct_blocks']:,} are "
-    f"distinct. An infinite cache would serve **{100 * profile['ceiling_hit_rate_tokens']:.1f}%** of the prompt "
-    f"tokens. **{100 * profile['never_reused']:.0f}%** of the distinct blocks are used by one request only: "
-    f"caching them is pure cost. A few blocks are used by hundreds of requests (up to {counts.max():,}): "
-    f"shared system prompts and the opening turns of popular conversations."))
+pd.Series({"full blocks in all prompts": profile["full_blocks"], "distinct blocks": profile["distinct_blocks"],
+           "infinite-cache ceiling (% of prompt tokens)": round(100 * profile["ceiling_hit_rate_tokens"], 1),
+           "distinct blocks used by one request only (%)": round(100 * profile["never_reused"], 1),
+           "most requests sharing one block": int(counts.max())}, name="Mooncake", dtype=object).to_frame()
+
+# %% [markdown]
+# Reading: a cache that never evicts serves the ceiling's share of prompt tokens, and most distinct blocks are
+# never used twice, so caching them is pure cost; the blocks used by hundreds of requests are shared system
+# prompts and the opening turns of popular conversations.
 
 # %% [markdown]
 # ## 2. Hit rate versus capacity, per policy
 #
 # Now the real `BlockManager`, one request at a time (allocate the prompt, then free it), so every block
-# in the pool is cache. Capacities are fractions of the blocks an infinite cache would keep. The dashed
-# line is the ceiling.
+# in the pool is cache. Capacities are fractions of the blocks an infinite cache would keep (the *working
+# set*). The dashed line is the ceiling.
 
 # %%
 working_set = profile["distinct_blocks"]
 capacities = sorted({max(64, working_set // d) for d in (64, 32, 16, 8, 4, 2)}) + [math.inf]
-study = cache_hit_study("mooncake_conversation", block_sizes=[512], capacities=capacities, policies=POLICIES,
+study = cache_hit_study("mooncake_conversation", block_sizes=[TRACE_BS], capacities=capacities, policies=POLICIES,
                         limit=LIMIT)
 plot_hit_rates(study)
 plt.show()
@@ -112,7 +126,7 @@ plt.show()
 # %%
 finite = study[study["capacity_blocks"] != math.inf].copy()
 finite["share_of_ceiling"] = finite["hit_rate_tokens"] / finite["ceiling_hit_rate_tokens"]
-gap = finite.pivot(index="capacity_blocks", columns="policy", values="share_of_ceiling")
+gap = finite.pivot(index="capacity_blocks", columns="policy", values="share_of_ceiling")[POLICIES]
 fig, ax = plt.subplots(figsize=(8, 3.2))
 fractions = gap.index / working_set
 for policy in POLICIES:
@@ -122,25 +136,23 @@ ax.set_xticks(fractions, [f"{100 * f:.1f}%" for f in fractions])
 ax.minorticks_off()
 ax.set_xlabel("capacity, as a share of the blocks an infinite cache keeps")
 ax.set_ylabel("% of the ceiling reached")
+ax.set_title("Mooncake: how close each policy gets to the ceiling", fontsize=10)
 ax.grid(alpha=0.3)
 ax.legend()
 plt.show()
-assert (gap["lru"] >= 0.5).any()
-half = int(gap.index[np.argmax(gap["lru"].to_numpy() >= 0.5)])
-best = finite.loc[finite.groupby("capacity_blocks")["hit_rate_tokens"].idxmax()].set_index("capacity_blocks")
-lfu_ahead = [int(c) for c in gap.index if gap.loc[c, "lfu"] > gap.loc[c, "lru"]]
-behind = (gap["lru"] - gap["lfu"]).idxmax()
-display(Markdown(
-    f"LRU reaches half the ceiling at {half:,} blocks, {100 * half / working_set:.0f}% of what an infinite "
-    f"cache keeps. Best policy per capacity: " +
-    ", ".join(f"{int(c):,} blocks {p}" for c, p in best["policy"].items()) + ". "
-    f"LFU is ahead of LRU at {', '.join(f'{c:,}' for c in lfu_ahead) or 'no capacity'} blocks, and furthest "
-    f"behind at {int(behind):,} ({100 * gap.loc[behind, 'lfu']:.0f}% against {100 * gap.loc[behind, 'lru']:.0f}% "
-    f"of the ceiling). A reading of the two rules: in a very small cache little survives between a "
-    f"conversation's turns, and the most-hit blocks (shared openings) are what is worth keeping; once the cache "
-    f"can hold conversations until their next turn, recency keeps them while frequency still favours blocks "
-    f"that were hit often in the past. FIFO, which ignores hits and evicts the oldest content, chain heads "
-    f"included, is best at {(best['policy'] == 'fifo').sum()} of {len(best)} capacities."))
+by_capacity = (100 * gap).round(1).assign(best=gap.idxmax(axis=1))
+by_capacity.index = [f"{int(c):,} ({100 * c / working_set:.1f}%)" for c in by_capacity.index]
+by_capacity.rename_axis("capacity in blocks (share of working set)")
+
+# %%
+viz.check((gap["lru"] >= 0.5).any(), "LRU never reaches half the ceiling in this sweep: with fewer requests "
+          "(LIMIT) or another block size the working set and its reuse change",
+          defaults=(LIMIT, TRACE_BS) == (3000, 512))
+half = int(gap.index[np.argmax(gap["lru"].to_numpy() >= 0.5)]) if (gap["lru"] >= 0.5).any() else int(gap.index[-1])
+print(f"Reading: LRU reaches half the ceiling at {half:,} blocks, {100 * half / working_set:.0f}% of what an infinite "
+      f"cache keeps. The best policy changes with capacity ({', '.join(by_capacity['best'])}, smallest first): in a "
+      f"cache too small to hold conversations between turns the shared openings are what is worth keeping "
+      f"(frequency), and once it can hold them, recency keeps the conversations that come back.")
 
 # %% [markdown]
 # ## 3. Synthetic workloads: patterns with known sharing
@@ -148,25 +160,84 @@ display(Markdown(
 # `kvlab.studies.synthetic` builds seeded workloads where the sharing is known by construction: one system
 # prompt for everyone, few-shot prompts that draw examples from a pool in varying order, multi-turn chats
 # whose every turn extends the previous one, and parallel sampling (the same prompt several times at once).
-# Block size 16 here.
+# Each workload gets capacities that stress it: from the smallest pool that holds its largest prompt up to
+# its working set.
 
 # %%
-synthetic = cache_hit_study(list(WORKLOADS), block_sizes=[16], capacities=[128, 256, 512, 1024, 2048, math.inf],
-                            policies=POLICIES)
-plot_hit_rates(synthetic)
+def stressing_capacities(frame, block_size, steps=6):
+    """From the largest prompt's blocks (the smallest pool that runs every request) to the working set."""
+    smallest = int((-(-frame["input_length"] // block_size)).max())
+    largest = max(smallest + 1, reuse_profile(frame, block_size)["distinct_blocks"])
+    return sorted({int(c) for c in np.geomspace(smallest, largest, steps)})
+
+
+synthetic_frames = {name: make() for name, make in WORKLOADS.items()}
+synthetic = pd.concat([cache_hit_study((name, frame), block_sizes=[SYNTHETIC_BS], policies=POLICIES, progress=False,
+                                       capacities=stressing_capacities(frame, SYNTHETIC_BS))
+                       for name, frame in synthetic_frames.items()])
+synthetic["share_of_ceiling"] = synthetic["hit_rate_tokens"] / synthetic["ceiling_hit_rate_tokens"]
+synthetic["capacity_share"] = synthetic["capacity_blocks"] / synthetic["trace"].map(
+    {n: reuse_profile(f, SYNTHETIC_BS)["distinct_blocks"] for n, f in synthetic_frames.items()})
+fig, axes = plt.subplots(1, 3, figsize=(15, 3.8), layout="constrained")
+for name, rows in synthetic[synthetic["policy"] == "lru"].groupby("trace", sort=False):
+    axes[0].plot(rows["capacity_share"], 100 * rows["share_of_ceiling"], "o-", label=name.removeprefix("synthetic_"))
+axes[0].set(xscale="log", ylim=(0, 105), xlabel="capacity, share of the working set",
+            ylabel="% of the ceiling reached", title="LRU, every workload: who needs a big cache?")
+axes[0].legend(fontsize=8)
+for ax, name in zip(axes[1:], ["synthetic_few_shot", "synthetic_chat"]):
+    rows = synthetic[synthetic["trace"] == name]
+    for policy in POLICIES:
+        mine = rows[rows["policy"] == policy]
+        ax.plot(mine["capacity_blocks"], 100 * mine["hit_rate_tokens"], "o-", label=policy)
+    ax.axhline(100 * rows["ceiling_hit_rate_tokens"].iloc[0], color="k", ls="--", lw=1, label="infinite cache")
+    ax.set(xscale="log", xlabel=f"capacity (blocks of {SYNTHETIC_BS} tokens)", ylabel="prompt tokens from cache (%)",
+           title=f"{name.removeprefix('synthetic_')}: the policies", ylim=(0, None))
+    ticks = sorted(rows["capacity_blocks"].unique())
+    ax.set_xticks(ticks, [f"{int(t):,}" for t in ticks])
+    ax.minorticks_off()
+    ax.legend(fontsize=8)
+for ax in axes:
+    ax.grid(alpha=0.3)
 plt.show()
-at = synthetic[synthetic["capacity_blocks"] == 512].pivot(index="trace", columns="policy", values="hit_rate_tokens")
-def ranking(row):
-    if row.max() - row.min() < 0.005:
-        return f"every policy {100 * row.max():.0f}%"
-    return f"best {row.idxmax()} {100 * row.max():.0f}%, worst {row.idxmin()} {100 * row.min():.0f}%"
+at_middle = synthetic.loc[synthetic.groupby(["trace", "policy"])["capacity_blocks"].transform(
+    lambda c: c == sorted(c.unique())[len(c.unique()) // 2])]
+(100 * at_middle.pivot(index="trace", columns="policy", values="hit_rate_tokens")[POLICIES]).round(1).assign(
+    capacity_blocks=at_middle.groupby("trace")["capacity_blocks"].first()).rename_axis("hit rate (%) at a mid capacity")
+
+# %% [markdown]
+# Reading: a shared system prompt or a prompt sampled several times at once reaches its ceiling as soon as
+# the pool holds one request, whatever the policy, because every request hits the shared blocks before
+# anything could evict them. Few-shot prompts draw from a fixed pool of examples, so the most-hit blocks stay
+# useful (frequency: LFU); a chat's next turn returns after a think time, so the most recently used
+# conversations are the ones to keep (recency: LRU).
+
+# %% [markdown]
+# **Try it.** Pick a capacity, a policy and a block size for the Mooncake trace and predict where the point
+# lands against section 2's LRU curve (dashed: the ceiling at that block size). Smaller blocks take longer
+# to replay; on CPU keep the block size at 128 or more.
+
+# %%
+lru_curve = study[(study["policy"] == "lru") & (study["capacity_blocks"] != math.inf)]
 
 
-display(Markdown("At 512 blocks (8,192 tokens): " + "; ".join(
-    f"**{name}** {ranking(row)}" for name, row in at.iterrows()) + ". A shared system prompt or a prompt "
-    "sampled several times at once needs only a small cache, and any policy keeps it. Few-shot prompts draw from "
-    "a fixed pool of examples, so the most-hit blocks stay useful (frequency); a chat's next turn returns after "
-    "a think time, so the most recently used conversations are the ones to keep (recency)."))
+def try_mooncake(capacity_share=0.125, policy="lfu", block_size=TRACE_BS):
+    blocks = int(capacity_share * working_set * TRACE_BS / block_size)
+    row = replay(trace, block_size=block_size, capacity=blocks, policy=policy)
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    ax.plot(lru_curve["capacity_blocks"] * TRACE_BS / 1e6, 100 * lru_curve["hit_rate_tokens"], "o-", color="C0",
+            label=f"LRU, blocks of {TRACE_BS} (section 2)")
+    ax.axhline(100 * reuse_profile(trace, block_size)["ceiling_hit_rate_tokens"], color="k", ls="--", lw=1)
+    ax.plot([blocks * block_size / 1e6], [100 * row["hit_rate_tokens"]], "D", color="C3", ms=9,
+            label=f"{policy}, blocks of {block_size}")
+    ax.set(xscale="log", xlabel="capacity (million tokens)", ylabel="prompt tokens from cache (%)",
+           title=f"{policy}, {blocks:,} blocks of {block_size}: {100 * row['hit_rate_tokens']:.1f}% "
+                 f"({row['wall_s']:.1f} s to replay)")
+    ax.legend(fontsize=8)
+    plt.show()
+
+
+viz.explore(try_mooncake, capacity_share=(0.02, 0.5, 0.02), policy=POLICIES,
+            block_size=[512, 256, 128, 64])
 
 # %% [markdown]
 # ## 4. Block size
@@ -179,48 +250,63 @@ display(Markdown("At 512 blocks (8,192 tokens): " + "; ".join(
 
 # %%
 block_sizes = [16, 32, 64, 128, 256, 512]
-ceilings = {"mooncake_conversation": [reuse_profile(trace, b)["ceiling_hit_rate_tokens"] for b in block_sizes]}
-for name, make in WORKLOADS.items():
-    frame = make()
-    ceilings[name] = [reuse_profile(frame, b)["ceiling_hit_rate_tokens"] for b in block_sizes]
+frames = {"mooncake_conversation": trace, **synthetic_frames}
+ceilings = pd.DataFrame({name: [100 * reuse_profile(frame, b)["ceiling_hit_rate_tokens"] for b in block_sizes]
+                         for name, frame in frames.items()}, index=pd.Index(block_sizes, name="block size"))
 fig, ax = plt.subplots(figsize=(8, 3.4))
-for name, values in ceilings.items():
-    ax.plot(block_sizes, 100 * np.array(values), "o-", label=name)
+for name in ceilings:
+    ax.plot(block_sizes, ceilings[name], "o-", label=name)
 ax.set_xscale("log", base=2)
 ax.set_xticks(block_sizes, block_sizes)
 ax.set_xlabel("block size (tokens)")
 ax.set_ylabel("infinite-cache ceiling (%)")
-ax.legend(fontsize=8)
+ax.set_title("sharing that ends mid-block is lost: the ceiling by block size", fontsize=10)
+ax.legend(fontsize=8, loc="lower left")
 plt.show()
-drop = {name: 100 * (v[0] - v[-1]) for name, v in ceilings.items()}
-display(Markdown("From block size 16 to 512 the ceiling drops by " + ", ".join(
-    f"{d:.1f} points on {name}" for name, d in drop.items()) + "."))
+ceilings.round(1)
 
 # %% [markdown]
-# At a fixed amount of memory (here an eighth of the tokens an infinite cache keeps, LRU), does the block size
-# change what the cache achieves? And what does a small block cost? Every block is hashed, looked up and
-# tracked, so the replay's wall time shows the price per block.
+# Reading: the 512-aligned Mooncake ceiling does not move; the few-shot and chat workloads lose many points
+# between blocks of 16 and 512, because their sharing ends at arbitrary token positions.
+#
+# At a fixed amount of memory, does the block size change what the cache achieves, and what does a small
+# block cost? Every block is hashed, looked up and tracked. Below, each workload gets a quarter of its
+# working set (in tokens, at block size 16), LRU; the right panel is the replay's wall time on this machine
+# per million prompt tokens.
 
 # %%
-budget_tokens = working_set * 512 // 8
-by_size = pd.DataFrame([replay(trace, block_size=b, capacity=budget_tokens // b, policy="lru", label="mooncake")
-                        for b in block_sizes])
-fig, ax = plt.subplots(figsize=(8, 3.2))
-ax.plot(block_sizes, 100 * by_size["hit_rate_tokens"], "o-", label="LRU, fixed memory")
-ax.plot(block_sizes, 100 * np.array(ceilings["mooncake_conversation"]), "k--", label="ceiling")
-ax.set_xscale("log", base=2)
-ax.set_xticks(block_sizes, block_sizes)
-ax.set_xlabel("block size (tokens)")
-ax.set_ylabel("prompt tokens from cache (%)")
-ax.legend()
+fixed = []
+for name in ("synthetic_few_shot", "synthetic_chat", "mooncake_conversation"):
+    frame = frames[name]
+    budget = reuse_profile(frame, 16)["distinct_blocks"] * 16 // 4
+    for b in block_sizes:
+        row = replay(frame, block_size=b, capacity=max(1, budget // b), policy="lru", label=name)
+        fixed.append({"trace": name, "block size": b, "hit rate (%)": 100 * row["hit_rate_tokens"],
+                      "skipped": row["requests_skipped"],
+                      "replay s per M prompt tokens": row["wall_s"] / (row["prompt_tokens"] / 1e6)})
+fixed = pd.DataFrame(fixed)
+fig, (left, right) = plt.subplots(1, 2, figsize=(12, 3.6), layout="constrained")
+for name, rows in fixed.groupby("trace", sort=False):
+    left.plot(rows["block size"], rows["hit rate (%)"], "o-", label=name)
+    right.plot(rows["block size"], rows["replay s per M prompt tokens"], "o-", label=name)
+for ax in (left, right):
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(block_sizes, block_sizes)
+    ax.set_xlabel("block size (tokens)")
+    ax.grid(alpha=0.3)
+left.set(ylabel="prompt tokens from cache (%)", ylim=(0, None), title="a quarter of the working set, LRU")
+right.set(yscale="log", ylabel="seconds per M prompt tokens", title="the bookkeeping: replay time (this CPU)")
+left.legend(fontsize=8)
 plt.show()
-display(Markdown(
-    f"With {budget_tokens / 1e6:.1f} M tokens of cache, the hit rate is "
-    f"{100 * by_size['hit_rate_tokens'].iloc[0]:.1f}% "
-    f"at block size 16 and {100 * by_size['hit_rate_tokens'].iloc[-1]:.1f}% at 512; the replay took "
-    f"{by_size['wall_s'].iloc[0]:.1f} s against {by_size['wall_s'].iloc[-1]:.1f} s, for "
-    f"{block_sizes[-1] // block_sizes[0]}x as many blocks. On this trace, whose sharing is 512-token aligned, "
-    f"small blocks buy nothing; on traffic that shares arbitrary prefixes they raise the ceiling (above)."))
+fixed.pivot(index="block size", columns="trace", values="hit rate (%)").round(1)
+
+# %%
+cost = fixed.pivot(index="block size", columns="trace", values="replay s per M prompt tokens")["mooncake_conversation"]
+print(f"Reading: where sharing ends anywhere (few-shot, chat), small blocks keep more of it in the same memory; on "
+      f"the 512-aligned trace they buy nothing. The price is bookkeeping: from blocks of 512 to blocks of 16 the "
+      f"replay time per prompt token grows {cost.iloc[0] / cost.iloc[-1]:.0f}x "
+      f"on Mooncake's long prompts (32x as many blocks), less on the short synthetic prompts, where per-request "
+      f"costs dominate. A GPU kernel pays a related price in block-table lookups; vLLM settles on 16.")
 
 # %% [markdown]
 # ## 5. Requests that overlap in time
@@ -230,29 +316,50 @@ display(Markdown(
 # a simple continuous-batching engine (`kvlab.studies.overlap`; its docstring lists every assumption: a
 # fixed 20 ms decode step, prefill time proportional to the uncached tokens, FIFO admission with
 # `can_allocate`, growth with `append_token` + `append_slots`, preemption by recompute of the youngest
-# request when no block is free). Generated tokens are private, so they take cache space but never hit.
+# request when no block is free).
+#
+# One assumption matters for hit rates: **generated tokens never hit**. The traces do not record output
+# tokens, so the simulation gives them private ids: decode blocks take cache space but are never reused. A
+# real engine can do better on multi-turn chat, where the next turn's prompt contains the previous reply:
+# kvlab's block manager seals full decode blocks, and vLLM V1 caches them too, so that reply can hit. The hit
+# rates below are therefore a floor for chat traffic.
 
 # %%
 overlap_capacities = capacities[1:-1]
-both = pd.concat([cache_hit_study("mooncake_conversation", block_sizes=[512], capacities=overlap_capacities,
-                                  policies=["lru"], mode=mode, limit=LIMIT) for mode in ("sequential", "overlap")])
+model = EngineModel()
+both = pd.concat([cache_hit_study("mooncake_conversation", block_sizes=[TRACE_BS], capacities=overlap_capacities,
+                                  policies=["lru"], mode=mode, limit=LIMIT, engine=model)
+                  for mode in ("sequential", "overlap")])
 fig, ax = plt.subplots(figsize=(8, 3.2))
 for mode, rows in both.groupby("mode"):
     ax.plot(rows["capacity_blocks"], 100 * rows["hit_rate_tokens"], "o-", label=mode)
 ax.set_xscale("log")
-ax.set_xlabel("capacity (blocks of 512 tokens)")
+ticks = sorted(both["capacity_blocks"].unique())
+ax.set_xticks(ticks, [f"{int(t):,}" for t in ticks])
+ax.minorticks_off()
+ax.set_xlabel(f"capacity (blocks of {TRACE_BS} tokens)")
 ax.set_ylabel("prompt tokens from cache (%)")
+ax.set_title("one request at a time vs requests overlapping in time (LRU)", fontsize=10)
 ax.legend()
 plt.show()
 overlap = both[both["mode"] == "overlap"].set_index("capacity_blocks")
 sequential = both[both["mode"] == "sequential"].set_index("capacity_blocks")
-mode_gap = (overlap["hit_rate_tokens"] - sequential["hit_rate_tokens"]).abs().max()
-display(Markdown("In overlap mode: " + "; ".join(
-    f"{int(c):,} blocks: {r['mean_batch']:.0f} requests running on average, {int(r['preemptions']):,} "
-    f"preemptions, mean queueing {r['mean_queue_s']:.1f} s" for c, r in overlap.iterrows()) +
-    f". The hit rates of the two modes differ by at most {100 * mode_gap:.1f} points" +
-    (": here a small pool costs a server mostly queueing and preemptions (recomputation), not hits."
-     if mode_gap < 0.01 else ": running requests take blocks the cache would have kept.")))
+uncached = overlap["prompt_tokens"] * (1 - overlap["hit_rate_tokens"]) + overlap["recomputed_tokens"]
+pd.DataFrame({"hit rate, sequential (%)": 100 * sequential["hit_rate_tokens"],
+              "hit rate, overlap (%)": 100 * overlap["hit_rate_tokens"],
+              "prefill in the model (s)": uncached * model.prefill_ms_per_token / 1000,
+              "mean batch": overlap["mean_batch"], "preemptions": overlap["preemptions"],
+              "mean queueing (s)": overlap["mean_queue_s"]}).round(1).rename_axis("capacity (blocks)")
+
+# %% [markdown]
+# Reading: the two modes' hit rates barely differ, so here a small pool costs a server mostly queueing and
+# preemptions (recomputation), not hits. Why does the **mean batch fall** as capacity grows past the
+# smallest pools? Every request spends its output length in decode steps whatever the pool, so the sum over
+# steps of the batch size is fixed, and the mean batch is that sum divided by the number of steps. A larger
+# cache hits more, so less prefill is charged to each step (0.02 ms per uncached token in this model):
+# steps get shorter, the trace's minutes hold more of them, and the same work spreads over more, smaller
+# batches (Little's law: requests in service = arrival rate x time in service). In the smallest pool the
+# batch is instead capped by memory, and requests queue.
 
 # %% [markdown]
 # ## 6. Your own policy, in a few lines
@@ -299,30 +406,35 @@ class RandomPolicy(EvictionPolicy):
 
 
 # %%
-with_random = pd.concat([study, cache_hit_study("mooncake_conversation", block_sizes=[512], capacities=capacities,
+with_random = pd.concat([study, cache_hit_study("mooncake_conversation", block_sizes=[TRACE_BS], capacities=capacities,
                                                 policies=[RandomPolicy], limit=LIMIT)])
 plot_hit_rates(with_random)
 plt.show()
-lru = study[study["policy"] == "lru"].set_index("capacity_blocks")["hit_rate_tokens"]
-rnd = with_random[with_random["policy"] == "RandomPolicy"].set_index("capacity_blocks")["hit_rate_tokens"]
-display(Markdown("Random against LRU: " + ", ".join(
-    f"{int(c):,} blocks {100 * rnd[c]:.1f}% vs {100 * lru[c]:.1f}%" for c in capacities if c != math.inf) +
-    ". Any class works wherever a policy name does in the Python API; add it to `kvlab.eviction.POLICIES` "
-    "to use it by name."))
+rates = with_random[with_random["capacity_blocks"] != math.inf].pivot(index="capacity_blocks", columns="policy",
+                                                                     values="hit_rate_tokens")
+(100 * rates[["RandomPolicy", *POLICIES]]).round(1).rename_axis("capacity (blocks)")
+
+# %% [markdown]
+# Reading: random eviction trails LRU at every capacity, most where the cache can almost hold the
+# conversations between turns; any class works wherever a policy name does in the Python API (add it to
+# `kvlab.eviction.POLICIES` to use it by name).
+#
+# > **In vLLM and SGLang.** vLLM V1 has one eviction order and no policy option: its free queue (chain tails
+# > first, then least recently freed: `vllm/v1/core/kv_cache_utils.py`). SGLang's radix cache evicts least
+# > recently used leaves (`python/sglang/srt/mem_cache/radix_cache.py`), and its scheduler can also *order the
+# > waiting queue* to raise hits (longest prefix match first, the `--schedule-policy lpm` option), a lever this
+# > notebook's FIFO replays do not pull. Both offload evicted blocks to CPU memory or storage in recent
+# > versions (vLLM's KV connectors, SGLang's hierarchical cache), turning a miss into a copy instead of a
+# > recomputation: Mooncake's own design, which section 2's "beyond one GPU" numbers argue for.
 
 # %% [markdown]
 # ## Takeaways
-
-# %%
-display(Markdown(
-    f"* The trace sets the ceiling: on these Mooncake conversations a cache that never evicts serves "
-    f"{100 * profile['ceiling_hit_rate_tokens']:.0f}% of the prompt tokens, and "
-    f"{100 * profile['never_reused']:.0f}% of the distinct blocks are never used twice.\n"
-    f"* Capacity matters most: of the capacities tried, LRU first reaches half the ceiling at "
-    f"{100 * half / working_set:.0f}% of the blocks an infinite cache keeps. Recency suits conversational "
-    f"reuse once the cache can hold conversations between turns; frequency helps when a fixed set of prefixes "
-    f"stays popular (few-shot) and falls behind on chats.\n"
-    f"* Sharing that ends mid-block is lost: from block size 16 to 512 the few-shot ceiling drops "
-    f"{drop['synthetic_few_shot']:.0f} points, while the 512-aligned Mooncake trace loses "
-    f"{drop['mooncake_conversation']:.1f}; small blocks cost more bookkeeping per token.\n"
-    f"* In a running server, active requests compete with the cache for the same blocks."))
+#
+# * The trace sets the ceiling: a cache that never evicts serves a fixed share of prompt tokens, and most
+#   distinct blocks are never used twice.
+# * Capacity matters most; recency suits conversational reuse once the cache can hold conversations between
+#   turns, frequency helps when a fixed set of prefixes stays popular (few-shot) and falls behind on chats.
+# * Sharing that ends mid-block is lost, so small blocks help where prefixes end anywhere, at a bookkeeping
+#   cost per block.
+# * In a running server, active requests compete with the cache for the same blocks, and better hits make
+#   steps shorter; the simulation's hit rates are a floor where replies are reused.

@@ -23,20 +23,31 @@
 # check against Hugging Face `transformers`, and throughput and memory from the benchmark.
 
 # %%
-# Setup. In a checkout (or CI) this uses the checkout's kvlab. On Colab it clones the repository (code and
-# bundled traces) and installs kvlab's missing dependencies; Colab's torch and Triton are kept as they are.
+# Setup (generated from scripts/sync_notebooks.py: edit it there, then `make notebooks`). In a checkout, or in
+# CI, this uses the checkout's kvlab. On Colab it clones the repository (code and bundled traces) and installs
+# kvlab's missing dependencies; Colab's torch and Triton are kept as they are. `%matplotlib inline` keeps
+# figures in the notebook however it runs (Jupyter, Colab, nbconvert with MPLBACKEND=Agg).
+# %matplotlib inline
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-KVLAB_REPO = "https://github.com/kvlab/kvlab"  # the repository this notebook comes from
+# The repository to clone when kvlab is not installed: for a fork, change it here or set $KVLAB_REPO.
+KVLAB_REPO = os.environ.get("KVLAB_REPO", "https://github.com/kvlab/kvlab")
 if importlib.util.find_spec("kvlab") is None:
     checkout = Path.cwd().parent
     if not (checkout / "kvlab" / "__init__.py").is_file():  # not run from notebooks/ in a checkout
         checkout = Path.cwd() / "kvlab-repo"
         if not checkout.is_dir():
-            subprocess.check_call(["git", "clone", "-q", "--depth", "1", KVLAB_REPO, str(checkout)])
+            clone = subprocess.run(["git", "clone", "-q", "--depth", "1", KVLAB_REPO, str(checkout)],
+                                   capture_output=True, text=True)
+            if clone.returncode != 0:
+                raise RuntimeError(
+                    f"Could not clone kvlab from {KVLAB_REPO}: {clone.stderr.strip() or 'git failed'}\n"
+                    "If your copy of kvlab lives elsewhere, set KVLAB_REPO in this cell to its address (or the "
+                    "KVLAB_REPO environment variable), then run the cell again.") from None
         subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", str(checkout)])
     sys.path.insert(0, str(checkout))
 
@@ -101,9 +112,8 @@ def add(name, prompt, params=GREEDY):
 def draw(title):
     """Block tables of every sequence the scheduler holds (running, swapped, then waiting) over the pool."""
     seqs = llm.scheduler.running + list(llm.scheduler.swapped) + list(llm.scheduler.waiting)
-    viz.draw_block_tables(llm.block_manager, seqs, title=title)
+    viz.draw_block_tables(llm.block_manager, seqs, names=names, title=title)  # tables labelled A, B, ...
     plt.show()
-    print("sequences:", {s.seq_id: names.get(s.seq_id, "?") for s in seqs})
 
 
 add("A", SYSTEM + [7, 8, 9])

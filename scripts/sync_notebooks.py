@@ -1,13 +1,20 @@
-"""Regenerate notebooks/*.ipynb from their jupytext percent-format .py sources.
+"""Regenerate notebooks/*.ipynb from their jupytext percent-format .py sources, and every notebook's setup cell
+from the one below.
 
-The .py file is the source of truth; the .ipynb is what Colab and Jupyter open. Generated notebooks
-have no outputs, no execution counts, minimal metadata (python3 kernelspec plus the jupytext pairing)
-and cell ids derived from the cell source, so regenerating an unchanged notebook changes no byte.
+The .py file is the source of truth; the .ipynb is what Colab and Jupyter open. Generated notebooks have no
+outputs, no execution counts, minimal metadata (python3 kernelspec plus the jupytext pairing) and cell ids
+derived from the cell source, so regenerating an unchanged notebook changes no byte.
+
+The first code cell of every notebook is its setup cell (make Colab find kvlab, show figures inline). It is
+generated: ``SETUP_CELL`` below is the only copy to edit, and ``KVLAB_REPO_URL`` the only place that names the
+repository. Syncing writes it into each .py (so the .py and a Jupyter session agree) and then into the
+.ipynb. A new notebook needs only a placeholder first code cell that starts with ``# Setup``.
 
 Usage: python scripts/sync_notebooks.py [notebooks/NAME.py ...]   (default: every notebooks/*.py)
 """
 
 import hashlib
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -17,12 +24,78 @@ import nbformat
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 
+#: Where Colab clones kvlab from. Change it here for a fork, then run `make notebooks`; the README's Colab
+#: badges must name the same repository (a test checks).
+KVLAB_REPO_URL = "https://github.com/kvlab/kvlab"
+
+#: Every notebook's first code cell, as it appears in the .py (jupytext comments out the %-magic there).
+SETUP_CELL = f'''\
+# Setup (generated from scripts/sync_notebooks.py: edit it there, then `make notebooks`). In a checkout, or in
+# CI, this uses the checkout's kvlab. On Colab it clones the repository (code and bundled traces) and installs
+# kvlab's missing dependencies; Colab's torch and Triton are kept as they are. `%matplotlib inline` keeps
+# figures in the notebook however it runs (Jupyter, Colab, nbconvert with MPLBACKEND=Agg).
+# %matplotlib inline
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# The repository to clone when kvlab is not installed: for a fork, change it here or set $KVLAB_REPO.
+KVLAB_REPO = os.environ.get("KVLAB_REPO", "{KVLAB_REPO_URL}")
+if importlib.util.find_spec("kvlab") is None:
+    checkout = Path.cwd().parent
+    if not (checkout / "kvlab" / "__init__.py").is_file():  # not run from notebooks/ in a checkout
+        checkout = Path.cwd() / "kvlab-repo"
+        if not checkout.is_dir():
+            clone = subprocess.run(["git", "clone", "-q", "--depth", "1", KVLAB_REPO, str(checkout)],
+                                   capture_output=True, text=True)
+            if clone.returncode != 0:
+                raise RuntimeError(
+                    f"Could not clone kvlab from {{KVLAB_REPO}}: {{clone.stderr.strip() or 'git failed'}}\\n"
+                    "If your copy of kvlab lives elsewhere, set KVLAB_REPO in this cell to its address (or the "
+                    "KVLAB_REPO environment variable), then run the cell again.") from None
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", str(checkout)])
+    sys.path.insert(0, str(checkout))'''
+
 METADATA = {
     "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
     "language_info": {"name": "python"},
     # Lets Jupyter's jupytext extension keep both files in step when the notebook is edited there.
     "jupytext": {"formats": "ipynb,py:percent"},
 }
+
+CELL_MARKER = re.compile(r"^# %%(?P<rest>.*)$", re.MULTILINE)
+
+
+class SetupCellError(ValueError):
+    pass
+
+
+def setup_cell_span(text: str) -> tuple[int, int]:
+    """(start, end) of the first code cell's body in a percent-format source: from after its ``# %%`` line to
+    the next cell marker, trailing blank lines excluded."""
+    markers = list(CELL_MARKER.finditer(text))
+    for k, marker in enumerate(markers):
+        if marker.group("rest").strip().startswith("[markdown]"):
+            continue
+        start = marker.end() + 1
+        end = markers[k + 1].start() if k + 1 < len(markers) else len(text)
+        return start, start + len(text[start:end].rstrip("\n"))
+    raise SetupCellError("has no code cell")
+
+
+def setup_cell_of(text: str) -> str:
+    start, end = setup_cell_span(text)
+    return text[start:end]
+
+
+def with_setup_cell(text: str) -> str:
+    """``text`` with its first code cell replaced by SETUP_CELL (which must be a setup cell or a placeholder)."""
+    start, end = setup_cell_span(text)
+    if not text[start:end].startswith("# Setup"):
+        raise SetupCellError("its first code cell must be the setup cell (a cell starting with '# Setup')")
+    return text[:start] + SETUP_CELL + text[end:]
 
 
 def notebook_from_source(py: Path) -> nbformat.NotebookNode:
@@ -41,14 +114,18 @@ def notebook_from_source(py: Path) -> nbformat.NotebookNode:
     return nb
 
 
-def sync(py: Path) -> bool:
-    """Write py's .ipynb twin; return whether its content changed."""
-    text = nbformat.writes(notebook_from_source(py)) + "\n"
-    ipynb = py.with_suffix(".ipynb")
-    if ipynb.exists() and ipynb.read_text(encoding="utf-8") == text:
+def write_if_changed(path: Path, text: str) -> bool:
+    if path.exists() and path.read_text(encoding="utf-8") == text:
         return False
-    ipynb.write_text(text, encoding="utf-8")
+    path.write_text(text, encoding="utf-8")
     return True
+
+
+def sync(py: Path) -> bool:
+    """Give py the current setup cell, then write its .ipynb twin; return whether either file changed."""
+    source_changed = write_if_changed(py, with_setup_cell(py.read_text(encoding="utf-8")))
+    text = nbformat.writes(notebook_from_source(py)) + "\n"
+    return write_if_changed(py.with_suffix(".ipynb"), text) or source_changed
 
 
 def main(args: list[str]) -> int:
@@ -57,7 +134,12 @@ def main(args: list[str]) -> int:
         if py.suffix != ".py" or not py.is_file():
             print(f"error: {py} is not a notebook .py source", file=sys.stderr)
             return 2
-        print(f"{'updated  ' if sync(py) else 'unchanged'} {py.with_suffix('.ipynb')}")
+        try:
+            changed = sync(py)
+        except SetupCellError as error:
+            print(f"error: {py}: {error}", file=sys.stderr)
+            return 2
+        print(f"{'updated  ' if changed else 'unchanged'} {py.with_suffix('.ipynb')}")
     return 0
 
 

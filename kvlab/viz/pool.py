@@ -128,18 +128,19 @@ def _pool_columns(view: PoolView, max_pool_boxes: int) -> tuple[dict, bool]:
     return {b: x for x, b in enumerate(sorted(used))}, True
 
 
-def draw_block_tables(pool, seqs=(), ax=None, *, max_pool_boxes: int = 24, max_cells: int = 40, arrows=None,
-                      title=None):
+def draw_block_tables(pool, seqs=(), ax=None, *, names=None, max_pool_boxes: int = 24, max_cells: int = 40,
+                      arrows=None, title=None):
     """Draw each sequence's block table above the pool, with arrows from logical to physical blocks.
 
-    ``pool`` is a BlockManager (then ``seqs`` says whose tables to draw) or a PoolView. A pool of more
+    ``pool`` is a BlockManager (then ``seqs`` says whose tables to draw, and ``names`` what to call them: a
+    list parallel to ``seqs`` or a dict from sequence id to name) or a PoolView. A pool of more
     than ``max_pool_boxes`` blocks shows only the blocks the tables use. Swapped-out sequences are drawn
     on top, under the CPU blocks they point at. ``arrows`` defaults to on while there
     are at most 48 table entries. Tables longer than ``max_cells`` are drawn compactly instead (one
     coloured cell per logical block, no pool row). Returns the Axes."""
     _check_positive("max_pool_boxes", max_pool_boxes)
     _check_positive("max_cells", max_cells)
-    view = as_view(pool, seqs)
+    view = as_view(pool, seqs, names)
     if max((len(t.blocks) for t in view.tables), default=0) > max_cells:
         return _draw_compact_tables(view, ax, title)
     # Swapped tables go on top, next to the CPU row they point up to; GPU tables below, next to the pool.
@@ -177,7 +178,7 @@ def draw_block_tables(pool, seqs=(), ax=None, *, max_pool_boxes: int = 24, max_c
 
     for table in tables:
         y, color = row_y[table.seq_id], color_of[table.seq_id]
-        ax.text(-0.3, y + 0.5, f"seq {table.seq_id}\n{table.status}, {table.num_tokens} tok", ha="right",
+        ax.text(-0.3, y + 0.5, f"{table.display_name}\n{table.status}, {table.num_tokens} tok", ha="right",
                 va="center", fontsize=8, color=color)
         for i, block in enumerate(table.blocks):
             released = i < table.num_released
@@ -230,7 +231,7 @@ def _draw_compact_tables(view: PoolView, ax, title):
     cmap = ListedColormap(palette).with_extremes(bad="white")
     ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=-0.5, vmax=len(palette) - 0.5, aspect="auto",
               interpolation="nearest", gid="tables-heatmap")
-    ax.set_yticks(range(len(tables)), [f"seq {t.seq_id} ({t.status}, {t.num_tokens} tok)" for t in tables],
+    ax.set_yticks(range(len(tables)), [f"{t.display_name} ({t.status}, {t.num_tokens} tok)" for t in tables],
                   fontsize=8)
     ax.set_xlabel("logical block index", fontsize=8)
     extra = [Patch(facecolor=CPU_COLOR, label="CPU block (swapped out)")] if view.cpu_refs else []

@@ -32,6 +32,11 @@ class TableView:
     blocks: tuple
     on_cpu: bool
     num_released: int = 0  # leading entries the sliding window released (they point at the null block)
+    name: str = ""         # the notebook's name for the sequence ("A", "chat"); drawings fall back to its id
+
+    @property
+    def display_name(self) -> str:
+        return self.name or f"seq {self.seq_id}"
 
     def tokens_in(self, i: int, block_size: int) -> int:
         """How many token slots of logical block ``i`` are filled (block_size except maybe the last)."""
@@ -72,12 +77,27 @@ def _check_seqs(seqs) -> list:
     return seqs
 
 
-def snapshot(manager: BlockManager, seqs=(), label: str = "") -> PoolView:
+def names_for(seqs: list, names) -> list[str]:
+    """One display name per sequence: ``names`` is None, a list parallel to ``seqs``, or a mapping from
+    sequence id to name (sequences it does not name get "")."""
+    if names is None:
+        return [""] * len(seqs)
+    if hasattr(names, "get"):
+        return [str(names.get(seq.seq_id, "")) for seq in seqs]
+    names = [str(n) for n in names]
+    if len(names) != len(seqs):
+        raise InvalidArgumentError(f"{len(names)} names for {len(seqs)} sequences")
+    return names
+
+
+def snapshot(manager: BlockManager, seqs=(), label: str = "", *, names=None) -> PoolView:
     """Copy the pool state of ``manager`` and the block tables of ``seqs`` (any iterable of Sequence; a
-    finished or waiting sequence shows as an empty table). O(num_blocks)."""
+    finished or waiting sequence shows as an empty table). ``names``: what the drawings call each sequence,
+    as a list parallel to ``seqs`` or a dict from sequence id to name (default ``seq <id>``). O(num_blocks)."""
     if not isinstance(manager, BlockManager):
         raise InvalidArgumentError(f"expected a kvlab.BlockManager, got {type(manager).__name__}")
     seqs = _check_seqs(seqs)
+    seq_names = names_for(seqs, names)
     n = manager.num_blocks
     refs = np.fromiter((manager.ref_count(b) for b in range(n)), dtype=np.int32, count=n)
     cached = np.fromiter((manager.is_cached(b) for b in range(n)), dtype=bool, count=n)
@@ -91,21 +111,22 @@ def snapshot(manager: BlockManager, seqs=(), label: str = "") -> PoolView:
     free = manager.free_block_ids()
     reuse_rank[free] = np.arange(len(free), dtype=np.int32)
     tables = []
-    for seq in seqs:
+    for seq, name in zip(seqs, seq_names):
         blocks = tuple(seq.block_table)
         allocated = bool(blocks)  # allocate always gives at least one block; free empties the table
         on_cpu = allocated and manager.is_swapped(seq)
         released = manager.num_released_blocks(seq) if allocated else 0
-        tables.append(TableView(seq.seq_id, seq.status.name.lower(), seq.num_tokens, blocks, on_cpu, released))
+        tables.append(TableView(seq.seq_id, seq.status.name.lower(), seq.num_tokens, blocks, on_cpu, released, name))
     cpu_refs = {b: manager.cpu_ref_count(b) for b in range(manager.num_cpu_blocks) if manager.cpu_ref_count(b)}
     return PoolView(n, manager.block_size, states, refs, cached, reuse_rank, tuple(tables),
                     manager.num_free_cpu_blocks, label, cpu_refs)
 
 
-def as_view(pool, seqs=()) -> PoolView:
-    """``pool`` itself if it is a PoolView (``seqs`` must then be empty), else ``snapshot(pool, seqs)``."""
+def as_view(pool, seqs=(), names=None) -> PoolView:
+    """``pool`` itself if it is a PoolView (``seqs`` and ``names`` must then be empty), else
+    ``snapshot(pool, seqs, names=names)``."""
     if isinstance(pool, PoolView):
-        if _check_seqs(seqs):
-            raise InvalidArgumentError("pass sequences to snapshot(), not alongside an existing PoolView")
+        if _check_seqs(seqs) or names is not None:
+            raise InvalidArgumentError("pass sequences and names to snapshot(), not alongside an existing PoolView")
         return pool
-    return snapshot(pool, seqs)
+    return snapshot(pool, seqs, names=names)

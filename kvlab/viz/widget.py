@@ -1,15 +1,14 @@
 """Step through recorded snapshots: a slider widget in a live Jupyter session, a static grid elsewhere.
 
 Record with ``steps.append(snapshot(manager, seqs, "after allocate"))`` after each operation, then call
-``show_steps(steps)``. The grid is the default wherever a widget would not render (GitHub's notebook
-viewer, CI, nbconvert), so a notebook always shows every step.
+``show_steps(steps)``. The grid is the default wherever a widget would not render (executed headless by
+nbconvert or nbclient, in CI, GitHub's notebook viewer), so a notebook always shows every snapshot.
 """
-
-import os
 
 import matplotlib.pyplot as plt
 
 from kvlab.errors import InvalidArgumentError
+from kvlab.viz.interactive import is_interactive
 from kvlab.viz.pool import draw_block_tables
 from kvlab.viz.snapshot import PoolView
 
@@ -30,8 +29,13 @@ def _panel_size(views) -> tuple[float, float]:
     return 6.5, 0.5 * (2.2 + 1.3 * rows) + 0.4
 
 
+def panel_title(i: int, view: PoolView) -> str:
+    """``"(i) label"``: the snapshot's number (the widget's slider value) and what it shows."""
+    return f"({i}) {view.label}" if view.label else f"({i})"
+
+
 def snapshot_grid(views, *, ncols: int = 2, draw=draw_block_tables, panel_size=None):
-    """All snapshots side by side, ``ncols`` per row, each titled ``"step i: label"``; returns the Figure.
+    """All snapshots side by side, ``ncols`` per row, each titled ``"(i) label"``; returns the Figure.
     ``panel_size`` (inches) defaults to what a block-table drawing of these snapshots needs."""
     views = _check_views(views)
     panel_size = panel_size or _panel_size(views)
@@ -42,24 +46,11 @@ def snapshot_grid(views, *, ncols: int = 2, draw=draw_block_tables, panel_size=N
     fig, axes = plt.subplots(nrows, ncols, figsize=(panel_size[0] * ncols, panel_size[1] * nrows), squeeze=False)
     for i, ax in enumerate(axes.flat):
         if i < len(views):
-            draw(views[i], ax=ax, title=f"step {i}: {views[i].label}")
+            draw(views[i], ax=ax, title=panel_title(i, views[i]))
         else:
             ax.axis("off")
     fig.tight_layout()
     return fig
-
-
-def widgets_available() -> bool:
-    """True inside a live Jupyter kernel with ipywidgets installed and not under CI (``KVLAB_CI``/``CI``)."""
-    if os.environ.get("KVLAB_CI") or os.environ.get("CI"):
-        return False
-    try:
-        import ipywidgets  # noqa: F401
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and hasattr(shell, "kernel")
 
 
 def step_widget(views, *, draw=draw_block_tables, figsize=(9, 3.6)):
@@ -68,14 +59,14 @@ def step_widget(views, *, draw=draw_block_tables, figsize=(9, 3.6)):
     from IPython.display import display
 
     views = _check_views(views)
-    slider = widgets.IntSlider(value=0, min=0, max=len(views) - 1, description="step", continuous_update=False)
+    slider = widgets.IntSlider(value=0, min=0, max=len(views) - 1, description="snapshot", continuous_update=False)
     out = widgets.Output()
 
     def render(change=None):
         with out:
             out.clear_output(wait=True)
             fig, ax = plt.subplots(figsize=figsize)
-            draw(views[slider.value], ax=ax, title=f"step {slider.value}: {views[slider.value].label}")
+            draw(views[slider.value], ax=ax, title=panel_title(slider.value, views[slider.value]))
             display(fig)
             plt.close(fig)
 
@@ -85,11 +76,11 @@ def step_widget(views, *, draw=draw_block_tables, figsize=(9, 3.6)):
 
 
 def show_steps(views, *, interactive=None, **kwargs):
-    """Where widgets work (or with ``interactive=True``): display a ``step_widget`` and return it. Else
-    return ``snapshot_grid``'s Figure (pyplot shows it at the end of the cell). ``kwargs`` go to
+    """In a live frontend (``is_interactive()``, or ``interactive=True``): display a ``step_widget`` and return
+    it. Else return ``snapshot_grid``'s Figure (``plt.show()`` or the end of the cell shows it). ``kwargs`` go to
     ``snapshot_grid`` (``ncols``, ``draw``, ``panel_size``) or ``step_widget`` (``draw``, ``figsize``)."""
     if interactive is None:
-        interactive = widgets_available()
+        interactive = is_interactive()
     if interactive:
         from IPython.display import display
 

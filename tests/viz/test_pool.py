@@ -215,3 +215,19 @@ def test_draws_into_a_given_axes_and_rejects_bad_input():
         draw_pool(m, max_boxes=0)
     with pytest.raises(InvalidArgumentError, match="snapshot"):
         draw_block_tables(snapshot(m, seqs), seqs)
+
+
+def test_tables_use_the_notebooks_names():
+    m = BlockManager(8, 4)
+    a, b = Sequence(range(1, 9), 4), Sequence(range(1, 11), 4)
+    m.allocate(a)
+    m.allocate(b)
+    by_list = [t.get_text() for t in draw_block_tables(m, [a, b], names=["A", "B"]).texts]
+    assert any(t.startswith("A\n") for t in by_list) and any(t.startswith("B\n") for t in by_list)
+    assert not any(t.startswith("seq ") for t in by_list)
+    view = snapshot(m, [a, b], names={b.seq_id: "B"})  # a mapping may leave some out
+    assert [t.display_name for t in view.tables] == [f"seq {a.seq_id}", "B"]
+    with pytest.raises(InvalidArgumentError, match="names"):
+        snapshot(m, [a, b], names=["A"])
+    with pytest.raises(InvalidArgumentError, match="snapshot"):
+        draw_block_tables(view, names=["A", "B"])

@@ -93,3 +93,27 @@ def test_empty_log_and_bad_input():
         draw_timeline([("hit", 1, 2, None)])
     with pytest.raises(InvalidArgumentError, match="kinds"):
         draw_timeline([], kinds=[])
+
+
+def test_names_and_phases_tell_which_operation_caused_which_events():
+    m = BlockManager(8, 4, record_events=True)
+    x, y = Sequence(range(1, 10), 4), Sequence(range(50, 55), 4)
+    phases = [(len(m.events), "X and Y arrive")]
+    m.allocate(x)
+    m.allocate(y)
+    phases.append((len(m.events), "X freed"))
+    m.free(x)
+    names = {x.seq_id: "X", y.seq_id: "Y"}
+    ax = draw_timeline(m, names=names, phases=phases)
+    labels = {t.get_gid(): t.get_text() for t in ax.texts}
+    allocations = [t for t, e in enumerate(m.events) if e.kind == "allocate"]
+    assert [labels[f"event-{t}"] for t in allocations] == ["X", "Y"]
+    assert labels[f"event-{len(m.events) - 1}"] == "X"  # the free
+    captions = [a for a in ax.texts if (a.get_gid() or "").startswith("phase-label")]
+    assert [c.get_text() for c in captions] == ["X and Y arrive", "X freed"]
+    # Each caption sits over its phase's events: the middle of [start, next start).
+    assert captions[1].xy[0] == pytest.approx((phases[1][0] + len(m.events) - 1) / 2)
+    assert "allocate, free: sequence" in ax.get_xlabel() and "physical block id" in ax.get_xlabel()
+    assert event_label(Event("fork", 5, None, 2), {5: "B", 2: "A"}) == "B<A"
+    with pytest.raises(InvalidArgumentError, match="phases"):
+        draw_timeline(m, phases=[(len(m.events) + 1, "after the end")])

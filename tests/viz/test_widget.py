@@ -54,9 +54,9 @@ def test_grid_has_one_titled_panel_per_step():
     steps, _ = recorded_steps()
     fig = snapshot_grid(steps, ncols=3)
     titled = [ax.get_title() for ax in fig.axes if ax.get_title()]
-    assert titled == [f"step {i}: {s.label}" for i, s in enumerate(steps)]
+    assert titled == [f"({i}) {s.label}" for i, s in enumerate(steps)]
     assert len(fig.axes) == 6  # 2 rows of 3; the spare panels are blank
-    assert show_steps(steps, interactive=False).axes[0].get_title() == "step 0: allocate"
+    assert show_steps(steps, interactive=False).axes[0].get_title() == "(0) allocate"
 
 
 def test_widget_has_a_slider_over_all_steps():

@@ -1,0 +1,466 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 10 · Scheduling: continuous batching, admission, preemption
+#
+# Notebook 09 ran kvlab's engine one step at a time. This one looks at the decisions its **scheduler** makes
+# before every step, the part of a server that turns a fixed pool of KV blocks into throughput and latency:
+#
+# 1. **continuous batching**: requests join and leave the batch between steps, and each step is a prefill
+#    (new prompts) or a decode (one token for every running sequence);
+# 2. **admission**: `can_allocate` answers OK, LATER or NEVER, and a **watermark** keeps a reserve of free
+#    blocks for the running sequences to grow into;
+# 3. **preemption**: when a running sequence needs a block and none is free, someone must give theirs
+#    back, by **recompute** (free the blocks, prefill again later) or by **swap** (copy them to CPU memory
+#    and back): the same workload, the two costs side by side;
+# 4. a **token budget** per step (`max_num_batched_tokens`), and what it does to time to first token;
+# 5. throughput and latency as the pool shrinks.
+#
+# Everything runs on a tiny random model (one layer: nothing is downloaded, the text is noise), so on a CPU
+# the Triton interpreter gets through a few hundred steps in about a minute. Costs are therefore counted in
+# **engine steps** and **tokens**, which do not depend on the machine: on a GPU a decode step costs about the
+# same for one or for eight sequences (it is bound by memory bandwidth), so tokens per step is throughput.
+
+# %%
+# Setup (generated from scripts/sync_notebooks.py: edit it there, then `make notebooks`). In a checkout, or in
+# CI, this uses the checkout's kvlab. On Colab it clones the repository (code and bundled traces) and installs
+# kvlab's missing dependencies; Colab's torch and Triton are kept as they are. `%matplotlib inline` keeps
+# figures in the notebook however it runs (Jupyter, Colab, nbconvert with MPLBACKEND=Agg).
+# %matplotlib inline
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# The repository to clone when kvlab is not installed: for a fork, change it here or set $KVLAB_REPO.
+KVLAB_REPO = os.environ.get("KVLAB_REPO", "https://github.com/kvlab/kvlab")
+if importlib.util.find_spec("kvlab") is None:
+    checkout = Path.cwd().parent
+    if not (checkout / "kvlab" / "__init__.py").is_file():  # not run from notebooks/ in a checkout
+        checkout = Path.cwd() / "kvlab-repo"
+        if not checkout.is_dir():
+            clone = subprocess.run(["git", "clone", "-q", "--depth", "1", KVLAB_REPO, str(checkout)],
+                                   capture_output=True, text=True)
+            if clone.returncode != 0:
+                raise RuntimeError(
+                    f"Could not clone kvlab from {KVLAB_REPO}: {clone.stderr.strip() or 'git failed'}\n"
+                    "If your copy of kvlab lives elsewhere, set KVLAB_REPO in this cell to its address (or the "
+                    "KVLAB_REPO environment variable), then run the cell again.") from None
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", str(checkout)])
+    sys.path.insert(0, str(checkout))
+
+# %%
+import tempfile
+from functools import cache
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import torch
+
+from kvlab import AllocStatus, BlockManager, Sequence, viz
+from kvlab.device import DEVICE, mode
+from kvlab.engine import LLM, SamplingParams
+from kvlab.engine.random_model import save_random_model
+from kvlab.kernels import bytes_per_block
+
+# Knobs: change them and run the notebook again.
+BLOCK_SIZE = 8          # tokens per KV block
+ROOMY_POOL = 32         # blocks: enough for the whole workload at once (section 1)
+TIGHT_POOL = 14         # blocks: the workload does not fit, so sequences get preempted (section 3)
+POOL_SWEEP = [10, 14, 32]   # section 5's pool sizes (each must hold the longest request: 5 blocks of 8)
+MAX_NUM_SEQS = 8        # sequences in a batch at most
+TOKEN_BUDGET = 256      # max_num_batched_tokens: tokens one step may compute (a prompt must fit whole)
+SMALL_BUDGET = 32       # section 4's tight budget: about one prompt per step (the longest prompt has 30 tokens)
+WATERMARK = 0.1         # section 2: the share of the pool admission keeps free
+SEED = 0
+
+# One layer, one KV head of 16 dimensions: the smallest model the kernels take, so the interpreter is quick.
+MODEL_DIR = save_random_model(tempfile.mkdtemp() + "/tiny-qwen3", "tiny", num_hidden_layers=1, hidden_size=32,
+                              intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+print(f"kernels run in {mode()} mode on {DEVICE}")
+
+# %% [markdown]
+# ## The workload, and how we watch the scheduler
+#
+# Six requests, A to F, arrive in three bursts over the first 8 steps: prompts of 12 to 30 tokens, 10 generated
+# tokens each
+# (greedy, `ignore_eos`, so every run generates exactly the same tokens and runs differ only in scheduling).
+# In total they need about 28 blocks of 8 tokens at their longest.
+#
+# `llm.step_dataframe()` has one row per step (what kind, how many tokens, the pool, preemptions, swaps).
+# To see *which* request ran in each step, `Run` below also wraps the scheduler's decision,
+# `llm.scheduler.schedule()`, and keeps the sequences it picked. It records, per step and request, a state:
+# `prefill`, `decode`, `recompute` (a prefill again after a preemption), `waiting` or `swapped`.
+
+# %%
+rng = np.random.default_rng(SEED)
+NAMES = "ABCDEF"
+WORKLOAD = {name: dict(prompt=rng.integers(0, 500, size=int(rng.integers(12, 31))).tolist(), arrives=arrival)
+            for name, arrival in zip(NAMES, (0, 0, 0, 4, 8, 8))}
+PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+pd.DataFrame({name: {"prompt tokens": len(r["prompt"]), "arrives before step": r["arrives"],
+                     "blocks at the end": -(-(len(r["prompt"]) + PARAMS.max_tokens) // BLOCK_SIZE)}
+              for name, r in WORKLOAD.items()}).T
+
+
+# %%
+class Run:
+    """One engine run of WORKLOAD: every step's scheduling decision, per request, and what it cost."""
+
+    def __init__(self, num_blocks, preemption_mode="recompute", budget=TOKEN_BUDGET):
+        self.llm = LLM(MODEL_DIR, block_size=BLOCK_SIZE, num_blocks=num_blocks, max_num_seqs=MAX_NUM_SEQS,
+                       max_num_batched_tokens=budget, preemption_mode=preemption_mode, seed=SEED)
+        self.rows = []  # (step, request, state, preempted in this step)
+        self.arrived, self.first_token, self.finished, self.outputs = {}, {}, {}, {}
+        self.recomputed_tokens = 0  # tokens prefilled again after a preemption by recompute (prefix hits excluded)
+        self.recompute_hits = 0     # tokens of those prefills found in the victim's own cached blocks
+        self._prefilled, self._ran = set(), []
+        self._schedule = self.llm.scheduler.schedule
+        self.llm.scheduler.schedule = self._watched_schedule
+        pending = dict(WORKLOAD)
+        while pending or self.llm.has_unfinished_requests():
+            step = len(self.llm.step_records)
+            for name in [n for n, r in pending.items() if r["arrives"] <= step]:
+                self.llm.add_request(pending.pop(name)["prompt"], PARAMS, request_id=name)
+                self.arrived[name] = step
+            self._step(step)
+
+    def _watched_schedule(self):
+        """The scheduler's decision, noted before the step carries it out: who runs, as what."""
+        decision = self._schedule()
+        self._ran = []
+        for seq in decision.seqs:
+            state = decision.kind
+            if decision.kind == "prefill":
+                if seq.seq_id in self._prefilled:  # its second prefill: a preemption by recompute came first
+                    state = "recompute"
+                    self.recomputed_tokens += seq.num_tokens - seq.num_cached_tokens
+                    self.recompute_hits += seq.num_cached_tokens
+                self._prefilled.add(seq.seq_id)
+            self._ran.append((self.llm.scheduler.owner[seq.seq_id].request_id, state))
+        return decision
+
+    def _step(self, step):
+        scheduler = self.llm.scheduler
+        running_before = {s.seq_id for s in scheduler.running}
+        for out in self.llm.step():
+            self.finished[out.request_id] = step
+            self.outputs[out.request_id] = out.outputs[0].token_ids
+        if len(self.llm.step_records) == step:
+            raise RuntimeError("the engine ran no step although requests are unfinished")
+        for name, state in self._ran:
+            self.rows.append((step, name, state, False))
+            self.first_token.setdefault(name, step)
+        ran = {name for name, _ in self._ran}
+        for seq in [*scheduler.running, *scheduler.waiting, *scheduler.swapped]:  # did not run in this step
+            name = scheduler.owner[seq.seq_id].request_id
+            if name not in ran:
+                state = {"RUNNING": "paused", "SWAPPED": "swapped"}.get(seq.status.name, "waiting")
+                self.rows.append((step, name, state, state != "paused" and seq.seq_id in running_before))
+
+    def schedule_frame(self):
+        return pd.DataFrame(self.rows, columns=["step", "request", "state", "preempted"])
+
+    def summary(self):
+        """Machine-independent costs: steps, tokens and blocks (the step counts are 0-based, so +1)."""
+        steps = self.llm.step_dataframe()
+        generated = sum(map(len, self.outputs.values()))
+        return {"steps": len(steps), "generated tokens per step": generated / len(steps),
+                "mean latency (steps)": np.mean([self.finished[n] + 1 - self.arrived[n] for n in self.finished]),
+                "mean time to first token (steps)": np.mean([self.first_token[n] + 1 - self.arrived[n]
+                                                             for n in self.first_token]),
+                "preemptions": int(steps["preempted"].sum()), "recomputed tokens": self.recomputed_tokens,
+                "recompute tokens hit in own blocks": self.recompute_hits,
+                "blocks swapped out + in": int(steps["blocks_swapped_out"].sum() + steps["blocks_swapped_in"].sum())}
+
+
+@cache
+def run(num_blocks, preemption_mode="recompute", budget=TOKEN_BUDGET):
+    """Each configuration runs once; later sections reuse it."""
+    return Run(num_blocks, preemption_mode, budget)
+
+
+# %% [markdown]
+# ## 1. Continuous batching, step by step
+#
+# A pool of 32 blocks holds the whole workload. Each row below is a request, each column an engine step.
+# Watch three things: a request joins the batch at the first step after it arrives (no waiting for the
+# batch to drain, unlike static batching); each step is *either* a prefill (blue: the new prompts, all
+# at once) *or* a decode (green: one token for every running request), so a prefill step pauses everybody
+# else's decoding (pale green); and a request leaves as soon as it has its 10 tokens, freeing its blocks.
+
+# %%
+roomy = run(ROOMY_POOL)
+fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 5.5), gridspec_kw=dict(height_ratios=[1.3, 1]),
+                                  layout="constrained")
+viz.draw_schedule(roomy.schedule_frame(), ax=top, title=f"who ran in each step ({ROOMY_POOL}-block pool)")
+steps = roomy.llm.step_dataframe()
+bottom.bar(steps["step"], steps["blocks_used"], color="#4e79a7", label="blocks in use")
+bottom.bar(steps["step"], steps["blocks_free"], bottom=steps["blocks_used"], color="#d3d3d3", label="free")
+bottom.set(xlabel="engine step", ylabel="blocks", title="the pool during each step", xlim=top.get_xlim())
+bottom.xaxis.get_major_locator().set_params(integer=True)
+bottom.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+plt.show()
+steps[["step", "kind", "num_seqs", "num_tokens", "cached_tokens", "blocks_used", "blocks_free", "waiting",
+       "running"]].head(8)
+
+# %% [markdown]
+# > **In vLLM.** kvlab's scheduler works like nano-vllm's (`nanovllm/engine/scheduler.py`) and vLLM **V0**'s
+# > without chunked prefill (`vllm/core/scheduler.py`): prefill first, and one kind of step at a time. vLLM
+# > **V1** (`vllm/v1/core/sched/scheduler.py`) has no prefill and decode phases: each step hands every request
+# > some number of tokens within the budget, running requests first, and with **chunked prefill** (on by
+# > default) a long prompt is split over several steps, so prefills and decodes share a step and decoding
+# > never pauses.
+
+# %% [markdown]
+# ## 2. Admission: OK, LATER, NEVER, and the watermark
+#
+# Before admitting a prompt the scheduler asks `can_allocate`: **OK** (it fits the free blocks now), **LATER**
+# (it fits the pool, once others finish) or **NEVER** (bigger than the pool: it is aborted). With a
+# **watermark** the manager also keeps a share of the pool free: a prompt is OK only if at least
+# `watermark x num_blocks` blocks remain free after it, and NEVER if it needs more than the pool minus that
+# reserve. Here a 20-block pool has 14 blocks in use and 6 free:
+
+# %%
+def admission(watermark, needs=(4, 5, 6, 19, 21)):
+    manager = BlockManager(20, BLOCK_SIZE, watermark=watermark)
+    manager.allocate(Sequence(range(14 * BLOCK_SIZE), BLOCK_SIZE))  # a running sequence holds 14 blocks
+    return {f"needs {n} blocks": manager.can_allocate(Sequence(range(1000, 1000 + n * BLOCK_SIZE), BLOCK_SIZE)).name
+            for n in needs}
+
+
+answers = pd.DataFrame({"watermark 0": admission(0.0), f"watermark {WATERMARK}": admission(WATERMARK)})
+answers
+
+# %%
+reserve = int(WATERMARK * 20)
+viz.check(answers.loc["needs 6 blocks"].tolist() == ["OK", "LATER"] and
+          answers.loc["needs 19 blocks"].tolist() == ["LATER", "NEVER"],
+          f"with watermark {WATERMARK} the reserve is {reserve} blocks, so the answers move elsewhere", defaults=(
+              WATERMARK == 0.1))
+print(f"Reading: the watermark reserves {reserve} of the 20 blocks, so with 6 free a prompt is OK only up to "
+      f"{6 - reserve} blocks and larger ones wait (LATER); a 19-block prompt, which only an empty pool could hold, "
+      f"becomes NEVER.")
+
+# %% [markdown]
+# Why keep blocks free? Every running sequence needs a new block every `block_size` tokens. A scheduler that
+# admits until the pool is full has to preempt at the very next block boundary. The sketch below is a
+# scheduler in about twenty lines on the `BlockManager` alone (no model, so it runs in milliseconds): 16 requests
+# arrive at once, the scheduler admits while `can_allocate` says OK, every step each running sequence appends
+# a token, and when one cannot get a block the newest is preempted by recompute.
+
+# %%
+def admit_and_decode(watermark, num_blocks=24, seed=SEED):
+    """Preemptions, mean batch and steps for 16 requests of 9-24 prompt and 16-40 output tokens."""
+    gen = np.random.default_rng(seed)
+    manager = BlockManager(num_blocks, BLOCK_SIZE, watermark=watermark, enable_prefix_caching=False)
+    waiting = [[Sequence(gen.integers(0, 500, size=int(gen.integers(9, 25))), BLOCK_SIZE), int(gen.integers(16, 41))]
+               for _ in range(16)]  # [sequence, tokens still to generate]
+    running, preemptions, batch, steps = [], 0, 0, 0
+
+    def preempt(item, tokens):  # recompute: free, and queue its tokens so far as a new prompt, at the front
+        nonlocal preemptions
+        manager.free(item[0], preempted=True)
+        waiting.insert(0, [Sequence(tokens, BLOCK_SIZE), item[1]])
+        preemptions += 1
+
+    while waiting or running:
+        while waiting and manager.can_allocate(waiting[0][0]) is AllocStatus.OK:  # admission, first come first
+            manager.allocate(waiting[0][0])
+            running.append(waiting.pop(0))
+        queue, running = running, []
+        while queue:  # decode: every running sequence stores one more token
+            item = queue.pop(0)
+            item[0].append_token(1)
+            while not manager.can_append_slots(item[0]) and queue:  # no block: preempt the newest
+                victim = queue.pop()
+                preempt(victim, victim[0].token_ids)
+            if manager.can_append_slots(item[0]):
+                manager.append_slots(item[0])
+                item[1] -= 1
+                running.append(item)
+            else:  # alone and still no block: itself
+                preempt(item, item[0].token_ids[:-1])
+        batch, steps = batch + len(running), steps + 1
+        for item in [r for r in running if r[1] == 0]:  # finished
+            manager.free(item[0])
+            running.remove(item)
+    return {"preemptions": preemptions, "mean batch": batch / steps, "steps": steps}
+
+
+sketch = pd.DataFrame({w: admit_and_decode(w) for w in sorted({0.0, 0.05, WATERMARK, 0.2})}).T
+sketch.rename_axis("watermark").round(1)
+
+# %%
+print(f"Reading: from no watermark to {WATERMARK}, preemptions go from {sketch.loc[0.0, 'preemptions']:.0f} to "
+      f"{sketch.loc[WATERMARK, 'preemptions']:.0f} at a mean batch of {sketch.loc[0.0, 'mean batch']:.1f} vs "
+      f"{sketch.loc[WATERMARK, 'mean batch']:.1f}; each preemption throws work away. Reserve too much and admission "
+      f"itself shrinks the batch: at 0.2 the mean batch is {sketch.loc[0.2, 'mean batch']:.1f} and the 16 requests "
+      f"take {sketch.loc[0.2, 'steps']:.0f} steps instead of {sketch.loc[0.0, 'steps']:.0f}.")
+
+# %% [markdown]
+# > **In vLLM.** The watermark is vLLM **V0**'s (`BlockSpaceManager(watermark=0.01)`, `can_allocate` in
+# > `vllm/core/block_manager.py`), and kvlab's `can_allocate` follows it. **V1** has none: its scheduler admits
+# > a request when `KVCacheManager.allocate_slots` finds the blocks, and relies on preemption by recompute
+# > when a running request later cannot grow. kvlab's engine uses no watermark either (`LLM` has no such
+# > option); this section used the `BlockManager` directly.
+#
+# **Try it.** Predict, then change `WATERMARK` in the knobs cell: at 0.3, how many of the sizes in the table
+# change answer, and does the sketch still finish its 16 requests faster than with no watermark?
+
+# %% [markdown]
+# ## 3. Preemption: recompute or swap, on the same workload
+#
+# Now a pool of 14 blocks: the six requests need about 28 at their longest, so somebody must give blocks
+# back. The scheduler preempts the **newest** running sequence (the one that has done the least work).
+#
+# * **Recompute** (vLLM V1, nano-vllm, kvlab's default): free its blocks and put it back at the head of the
+#   waiting queue; when it is admitted again its prompt *and* the tokens it had generated are prefilled
+#   again. Its full blocks stay cached while free, so that prefill often hits its own old blocks.
+# * **Swap** (vLLM V0): copy its blocks to a CPU pool (`swap_blocks`), and back when there is room. Nothing
+#   is computed twice, but every block crosses the CPU-GPU link twice.
+
+# %%
+runs = {"recompute": run(TIGHT_POOL, "recompute"), "swap": run(TIGHT_POOL, "swap")}
+fig, axes = plt.subplots(2, 1, figsize=(12, 6), layout="constrained", sharex=True)
+for ax, (name, r) in zip(axes, runs.items()):
+    viz.draw_schedule(r.schedule_frame(), ax=ax, title=f"preemption by {name}, {TIGHT_POOL}-block pool")
+plt.show()
+same = runs["recompute"].outputs == runs["swap"].outputs == roomy.outputs
+viz.check(same, "the two modes (or the roomy pool) generated different tokens: scheduling must not change greedy "
+          "output", defaults=True)
+costs = pd.DataFrame({name: r.summary() for name, r in runs.items()})
+costs.map(lambda v: f"{v:.3g}")
+
+# %% [markdown]
+# Both modes generate exactly the same tokens (checked above): preemption changes cost, never results. What
+# each costs, for this tiny model and scaled to a Llama-3-8B-sized one (KV of 32 layers x 8 heads x 128
+# dimensions in fp16, blocks of 16 tokens: 2 MiB each; prefill at ~50k tokens/s and PCIe at ~25 GB/s, orders
+# of magnitude for one H100-class GPU, not measurements):
+
+# %%
+tiny_block = runs["swap"].llm.kv_cache.bytes_per_block
+big_block = bytes_per_block(32, 8, 128, block_size=16, dtype=torch.float16)
+recompute_tokens = int(costs.loc["recomputed tokens", "recompute"])
+swapped_blocks = int(costs.loc["blocks swapped out + in", "swap"])
+tokens_per_block_ratio = 16 / BLOCK_SIZE  # the same tokens in 16-token blocks
+pd.DataFrame({
+    "recompute": {"work": f"{recompute_tokens} tokens prefilled again",
+                  "Llama-3-8B-sized, estimate (ms)": round(recompute_tokens / 50_000 * 1000, 2)},
+    "swap": {"work": f"{swapped_blocks} blocks copied ({swapped_blocks * tiny_block:,} bytes with this model)",
+             "Llama-3-8B-sized, estimate (ms)": round(swapped_blocks / tokens_per_block_ratio * big_block / 25e9 * 1000,
+                                                      2)},
+}).T
+
+# %%
+hits = int(costs.loc["recompute tokens hit in own blocks", "recompute"])
+print(f"Reading: recompute prefilled {recompute_tokens} tokens again, and found {hits} more in the victim's own "
+      f"blocks, still cached after it was freed; swap computed nothing twice but copied {swapped_blocks} blocks. "
+      "Which is cheaper depends on the model, the context length and the link.")
+
+# %% [markdown]
+# Recompute needs no CPU memory and no copy stream, and prefix caching turns most of a just-freed sequence's
+# recomputation into hits on its own blocks: that is why vLLM V1 kept only recompute.
+#
+# > **In vLLM.** **V0** (`vllm/core/scheduler.py`, `_preempt`) recomputed single sequences and swapped
+# > multi-sequence groups (parallel sampling, beam search), unless `--preemption-mode` said otherwise; its
+# > swaps ran through `swap_blocks` on a dedicated stream. **V1** (`vllm/v1/core/sched/scheduler.py`) always
+# > recomputes: the preempted request's blocks are freed (they stay in the prefix cache) and it goes back to
+# > the front of the waiting queue. nano-vllm (`nanovllm/engine/scheduler.py`, `preempt`) does the same.
+#
+# **Try it.** Predict, then set `TIGHT_POOL = 10` in the knobs cell (the longest request still fits): how many
+# preemptions, recomputed tokens and swapped blocks now?
+
+# %% [markdown]
+# ## 4. A token budget per step
+#
+# `max_num_batched_tokens` caps the tokens one step may compute, so a burst of prompts cannot make one
+# enormous prefill step while everybody else waits. kvlab does not chunk prompts, so every prompt must fit
+# the budget on its own; with a budget of about one prompt, each burst (A, B and C; then E and F) is admitted
+# one prompt per step. Same pool, budget `TOKEN_BUDGET` against `SMALL_BUDGET`:
+
+# %%
+budgets = {f"budget {TOKEN_BUDGET}": roomy, f"budget {SMALL_BUDGET}": run(ROOMY_POOL, budget=SMALL_BUDGET)}
+fig, axes = plt.subplots(2, 1, figsize=(12, 5.5), layout="constrained", sharex=True)
+for ax, (name, r) in zip(axes, budgets.items()):
+    viz.draw_schedule(r.schedule_frame(), ax=ax, title=f"{name} tokens per step")
+plt.show()
+pd.DataFrame({name: {"prefill steps": int((r.llm.step_dataframe()["kind"] == "prefill").sum()),
+                     "largest prefill step (tokens)": int(r.llm.step_dataframe()["num_tokens"].max()),
+                     **{f"{n}: time to first token (steps)": r.first_token[n] + 1 - r.arrived[n] for n in NAMES}}
+              for name, r in budgets.items()})
+
+# %% [markdown]
+# Reading: the small budget caps the largest step (on a GPU a step's time grows with its tokens), but the
+# same prefill work now takes more steps: queued prompts get their first token later, and every extra prefill
+# step pauses all running requests (pale green). With prefill-first scheduling and no chunking, a budget
+# mostly spreads prefill over time. vLLM V1 gets both bounds with chunked prefill: a long prompt takes its
+# share of the budget in several steps, and each of those steps decodes every running request too.
+
+# %% [markdown]
+# ## 5. Throughput and latency as the pool shrinks
+#
+# The same workload in pools from roomy to barely enough, in both preemption modes. Throughput is generated
+# tokens per step; latency is the steps from a request's arrival to its last token. (Where the recompute
+# run preempts nothing the swap run would be the same run, so it is not repeated.)
+
+# %%
+sweep = []
+for blocks in POOL_SWEEP:
+    for mode_name in ("recompute", "swap"):
+        r = run(blocks, "recompute")
+        if mode_name == "swap" and r.summary()["preemptions"]:
+            r = run(blocks, "swap")
+        sweep.append({"pool (blocks)": blocks, "mode": mode_name, **r.summary()})
+sweep = pd.DataFrame(sweep)
+fig, axes = plt.subplots(1, 3, figsize=(15, 3.6), layout="constrained")
+for mode_name, rows in sweep.groupby("mode"):
+    for ax, column in zip(axes, ["generated tokens per step", "mean latency (steps)"]):
+        ax.plot(rows["pool (blocks)"], rows[column], "o-", label=mode_name)
+for ax, column, title in zip(axes, ["generated tokens per step", "mean latency (steps)"], ["throughput", "latency"]):
+    ax.set(ylabel=column, title=f"{title} as the pool shrinks", ylim=(0, 1.15 * sweep[column].max()))
+x = np.arange(len(POOL_SWEEP))
+wasted = sweep.set_index(["mode", "pool (blocks)"])
+axes[2].bar(x - 0.2, wasted.loc["recompute", "recomputed tokens"], 0.4, label="recompute: tokens prefilled again")
+axes[2].bar(x + 0.2, wasted.loc["swap", "blocks swapped out + in"], 0.4, color="C1", label="swap: blocks copied")
+axes[2].set_xticks(x, POOL_SWEEP)
+axes[2].set(ylabel="tokens / blocks", title="the price of preemption")
+for ax in axes:
+    ax.set_xlabel(f"pool (blocks of {BLOCK_SIZE} tokens)")
+    ax.grid(alpha=0.3)
+for ax in axes[:2]:
+    ax.set_xticks(POOL_SWEEP)
+axes[0].legend(fontsize=8)
+axes[2].legend(fontsize=8)
+plt.show()
+sweep.round(2)
+
+# %% [markdown]
+# Reading: a smaller pool runs fewer sequences at once, so each step generates fewer tokens and requests
+# take more steps; below the point where the workload fits, preemptions add work (recomputed tokens, or
+# swapped blocks) on top. This is the curve a server operator tunes with `gpu_memory_utilization`, the block
+# size, the batch limits and the preemption mode, and the reason every block that paging and prefix caching
+# save (notebooks 01-08) turns into throughput.
+
+# %% [markdown]
+# ## Takeaways
+#
+# * Continuous batching admits and retires requests between steps; in kvlab (like nano-vllm and vLLM V0
+#   without chunked prefill) each step is a prefill or a decode, so a prefill pauses decoding.
+# * `can_allocate` answers OK / LATER / NEVER; a watermark keeps blocks free for running sequences to grow
+#   into, trading admission for fewer preemptions.
+# * Preemption by recompute costs tokens computed again (partly saved by prefix hits on the victim's own
+#   blocks); by swap, blocks copied twice over PCIe. Outputs are identical either way.
+# * A token budget bounds each step's work at the price of later first tokens for queued prompts; chunked
+#   prefill (vLLM V1) removes most of that trade.
+# * Throughput and latency degrade smoothly as the pool shrinks, until preemptions start throwing work away.
