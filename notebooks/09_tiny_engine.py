@@ -75,12 +75,16 @@ print(f"kernels run in {mode()} mode on {DEVICE}; model: {MODEL_DIR}")
 # %% [markdown]
 # ## 1. Two requests arrive
 #
-# A deliberately tiny pool: 12 blocks of 8 tokens. Both requests start with the same 20-token "system
+# A deliberately tiny pool: 12 blocks of 8 tokens (the knobs `NUM_BLOCKS` and `PREEMPTION_MODE` are for the
+# "Try it" in section 3; the numbers in the text are for the defaults). Both requests start with the same 20-token "system
 # prompt" (two full blocks and a partial one), then differ. `add_request` only queues them; `step()` runs one
 # engine step and returns the requests that finished in it.
 
 # %%
-llm = LLM(MODEL_DIR, block_size=8, num_blocks=12, max_num_seqs=8, max_num_batched_tokens=64)
+NUM_BLOCKS = 12                  # GPU-pool blocks of 8 tokens
+PREEMPTION_MODE = "recompute"    # or "swap": vLLM V0's preemption, into a CPU pool of 16 blocks
+llm = LLM(MODEL_DIR, block_size=8, num_blocks=NUM_BLOCKS, max_num_seqs=8, max_num_batched_tokens=64,
+          preemption_mode=PREEMPTION_MODE, num_cpu_blocks=16)
 SYSTEM = list(range(100, 120))
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 COLUMNS = ["step", "kind", "num_seqs", "num_tokens", "cached_tokens", "blocks_used", "blocks_free", "preempted",
@@ -96,12 +100,15 @@ def step(times=1):
 
 
 def step_until(condition, limit=50):
-    """Step until ``condition(last step record)`` holds (at most ``limit`` steps)."""
+    """Step until ``condition(last step record)`` holds and return that record; None if every request finished
+    (or ``limit`` steps ran) first."""
     for _ in range(limit):
+        if not llm.has_unfinished_requests():
+            return None
         step()
         if condition(llm.step_records[-1]):
             return llm.step_records[-1]
-    raise RuntimeError(f"no such step within {limit} steps")
+    return None
 
 
 def add(name, prompt, params=GREEDY):
@@ -158,9 +165,13 @@ llm.step_dataframe()[COLUMNS]
 # %%
 add("D", list(range(200, 226)))
 record = step_until(lambda r: r.preempted)
-print(f"step {record.step}: {record.preempted} sequence preempted; waiting again: "
-      f"{[names[s.seq_id] for s in llm.scheduler.waiting]}")
-draw("a sequence was preempted: its table is empty, its blocks went back to the pool")
+if record is None:
+    print(f"no preemption: {NUM_BLOCKS} blocks were enough for everybody")
+else:
+    print(f"step {record.step}: {record.preempted} sequence preempted ({PREEMPTION_MODE}); waiting: "
+          f"{[names[s.seq_id] for s in llm.scheduler.waiting]}, swapped out: "
+          f"{[names[s.seq_id] for s in llm.scheduler.swapped]}")
+draw("a sequence was preempted: its blocks went back to the pool")
 llm.step_dataframe()[COLUMNS].tail(4)
 
 # %% [markdown]
@@ -168,13 +179,27 @@ llm.step_dataframe()[COLUMNS].tail(4)
 # else needs them. So when D is admitted again, its recompute hits most of its own old K/V:
 
 # %%
-record = step_until(lambda r: r.kind == "prefill")
-print(f"re-admitted at step {record.step}: {record.num_tokens} tokens computed, {record.cached_tokens} read from "
-      "the prefix cache")
+record = step_until(lambda r: r.kind == "prefill" or r.blocks_swapped_in)
+if record is None:
+    print("nothing was preempted, so nothing comes back")
+elif record.blocks_swapped_in:
+    print(f"swapped back in at step {record.step}: {record.blocks_swapped_in} blocks copied back from the CPU "
+          "pool, nothing recomputed")
+else:
+    print(f"re-admitted at step {record.step}: {record.num_tokens} tokens computed, {record.cached_tokens} read "
+          "from the prefix cache")
 
 # %% [markdown]
 # With `LLM(..., preemption_mode="swap")` (vLLM v0) the victim's blocks are copied to a CPU pool with
 # `swap_blocks` instead and copied back when there is room; the timeline below shows both kinds of work.
+#
+# **Try it.** Predict first, then change a knob in section 1 and run the notebook again:
+# - `PREEMPTION_MODE = "swap"`: what does the preempted sequence's comeback cost now? Recompute pays in
+#   tokens computed again (minus what the prefix cache still holds); swap pays in blocks copied out and back
+#   (`blocks_swapped_out` / `blocks_swapped_in` in the step table) and needs no prefill. Notebook 10 compares
+#   the two on a whole workload.
+# - `NUM_BLOCKS = 16`: is anybody preempted? Count the blocks A-D need at their longest (prompt + 10 tokens,
+#   8 tokens per block, shared system-prompt blocks counted once) before you run it.
 #
 # ## 4. Parallel sampling: a fork with copy-on-write
 #
