@@ -126,15 +126,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_out(out: Path) -> str | None:
-    """Why ``out`` cannot take study.csv and study.png, or None: checked before the replays, not after."""
+    """Why ``out`` cannot take study.csv and study.png, or None: checked before the replays, not after, and
+    without creating anything (a study refused for bad input leaves no directory behind): the nearest
+    existing directory on the way to ``out``, where ``write_results`` would create it, must be writable."""
     if out.exists() and not out.is_dir():
         return f"{out} exists and is not a directory"
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"cannot write in {out}: Not a directory ({existing} is a file)"
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
+        with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as e:
-        return f"cannot write in {out}: {e.strerror or e}"
+        return f"cannot write in {existing}: {e.strerror or e}"
     taken = [name for name in ("study.csv", "study.png") if (out / name).is_dir()]
     return f"{out / taken[0]} is a directory" if taken else None
 
@@ -182,6 +188,7 @@ def write_results(table, out: Path) -> None:
     # Whole numbers in the CSV ("inf" for the infinite pool), not the float column pandas keeps.
     whole = {c: table[c].map(lambda v: "inf" if v == math.inf else int(v))
              for c in ("capacity_blocks", "capacity_tokens")}
+    out.mkdir(parents=True, exist_ok=True)
     table.assign(**whole).to_csv(out / "study.csv", index=False)
     figure = plot_hit_rates(table)
     try:

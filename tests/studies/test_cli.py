@@ -86,6 +86,12 @@ def test_an_unusable_out_fails_before_the_study_runs(out, message, tmp_path, mon
     assert exit_info.value.code == 2 and re.search(f"error: argument --out: .*{message}", capsys.readouterr().err)
 
 
+def test_a_refused_study_leaves_no_out_directory_behind(tmp_path, capsys):
+    out = tmp_path / "new" / "results"
+    assert main(["--trace", str(tmp_path / "missing.jsonl"), "--out", str(out), "--quiet"]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err and not (tmp_path / "new").exists()
+
+
 def can_write_in(path) -> bool:
     try:
         with tempfile.TemporaryFile(dir=path):
