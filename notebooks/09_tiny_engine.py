@@ -52,8 +52,6 @@ if importlib.util.find_spec("kvlab") is None:
     sys.path.insert(0, str(checkout))
 
 # %%
-# %matplotlib inline
-import os
 import tempfile
 
 import matplotlib.pyplot as plt
