@@ -345,6 +345,8 @@ class BlockManager:
     def get_common_computed_block_ids(self, seqs) -> list[int]:
         """The longest run of leading blocks that every sequence in ``seqs`` holds and whose K/V is computed:
         what a batched prefill of the group can skip."""
+        if isinstance(seqs, (Sequence, str, bytes)) or not isinstance(seqs, (list, tuple)):
+            raise InvalidArgumentError(f"seqs must be a list of Sequence (e.g. [seq]), got {type(seqs).__name__}")
         common = None
         for seq in seqs:
             alloc = self._on_gpu(seq)
