@@ -84,12 +84,14 @@ def _count(name: str):
     return count
 
 
-def _time_scale(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"expected a number, got {text!r}") from None
-    return check_number("time scale", value, 0, min_open=True)  # inf or NaN would stall the replay's clock
+def _positive(name: str):
+    def positive(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"expected a number, got {text!r}") from None
+        return check_number(name, value, 0, min_open=True)  # inf or NaN would stall a clock or a wait
+    return positive
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: %(default)s)")
     parser.add_argument("--limit", type=_option(_count("limit")), default=None,
                         help="replay only the first N requests")
-    parser.add_argument("--time-scale", type=_option(_time_scale), default=1.0,
+    parser.add_argument("--time-scale", type=_option(_positive("time scale")), default=1.0,
                         help="overlap mode: multiply arrival times (2 = half the request rate)")
     parser.add_argument("--jobs", type=_option(_count("jobs")), default=None,
                         help="replays run in N processes (default: all cores; 1: in this process; with "
@@ -119,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dask-scheduler", metavar="ADDRESS", default=None,
                         help="run the replays on this Dask cluster (e.g. tcp://10.0.0.5:8786) instead of locally; "
                              "its workers need kvlab installed")
+    parser.add_argument("--dask-timeout", metavar="SECONDS", type=_option(_positive("dask timeout")), default=10.0,
+                        help="give up on --dask-scheduler after this long without a connection, or as long again "
+                             "without its answer (default: %(default)g)")
     parser.add_argument("--out", type=Path, default=Path(DEFAULTS["out"]),
                         help="directory for study.csv and study.png (default: %(default)s)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -168,7 +173,8 @@ def main(argv=None) -> int:
         table = cache_hit_study(args.trace, block_sizes=args.block_size, capacities=args.capacity,
                                 policies=args.policy, mode=args.mode, limit=args.limit,
                                 engine=EngineModel(time_scale=args.time_scale), progress=not args.quiet,
-                                jobs=-1 if args.jobs is None else args.jobs, dask_scheduler=args.dask_scheduler)
+                                jobs=-1 if args.jobs is None else args.jobs, dask_scheduler=args.dask_scheduler,
+                                dask_timeout=args.dask_timeout)
     except KvlabError as e:
         print(f"kvlab study: error: {e}", file=sys.stderr)
         return 2

@@ -63,6 +63,8 @@ HUGE = "1" + "0" * 30
     (["--time-scale", "nan"], "--time-scale: time scale must be a finite number > 0, got nan"),
     (["--time-scale", "-1"], "--time-scale: time scale must be a finite number > 0"),
     (["--jobs", "0"], "--jobs: jobs must be an int >= 1, got 0"),
+    (["--dask-timeout", "0"], "--dask-timeout: dask timeout must be a finite number > 0, got 0.0"),
+    (["--dask-timeout", "inf"], "--dask-timeout: dask timeout must be a finite number > 0, got inf"),
 ])
 def test_bad_options_exit_with_status_2_and_one_argparse_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
