@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=_list(_block_size), default=DEFAULTS["block_size"],
                         help="tokens per block, comma-separated (default: %(default)s)")
     parser.add_argument("--capacity", type=_list(_capacity), default=DEFAULTS["capacity"],
-                        help="pool sizes in blocks, comma-separated; 'inf' never evicts (default: %(default)s)")
+                        help=f"pool sizes in blocks, comma-separated, each at most {MAX_CAPACITY:,} (the block "
+                             "manager's limit); 'inf' never evicts (default: %(default)s)")
     parser.add_argument("--policy", type=_list(_policy), default=DEFAULTS["policy"],
                         help=f"eviction policies among {', '.join(POLICIES)} (default: %(default)s)")
     parser.add_argument("--mode", choices=MODES, default=DEFAULTS["mode"],

@@ -22,7 +22,7 @@ from kvlab.errors import InvalidArgumentError
 from kvlab.sequence import check_block_size
 from kvlab.studies.overlap import EngineModel
 from kvlab.studies.reuse import block_keys, reuse_profile
-from kvlab.studies.simulator import check_capacity, check_mode, policy_factory, prepare
+from kvlab.studies.simulator import check_capacity, check_mode, infinite_pool_blocks, policy_factory, prepare
 from kvlab.studies.sweep import backend, check_jobs, check_timeout, run_replays
 from kvlab.studies.synthetic import WORKLOADS
 from kvlab.traces import BUNDLED, check_frame, load_trace
@@ -84,6 +84,8 @@ def cache_hit_study(traces=("mooncake_conversation",), *, block_sizes=(16,), cap
                 keys = block_keys(frame, block_size)  # once per trace and block size, for every replay
                 ceilings.append(reuse_profile(frame, block_size, keys=keys)["ceiling_hit_rate_tokens"])
                 prepared.append(prepare(frame, block_size, mode, label, keys=keys))
+                if math.inf in capacities:  # refused now, not when its replay starts
+                    infinite_pool_blocks(prepared[-1], engine)
         run = dict(engine=engine, workers=workers, progress=progress)
         # The infinite pool is replayed with the first policy only: the other policies share its row...
         per_trace = [(c, policy) for c in capacities for policy in (policies if c != math.inf else policies[:1])]
