@@ -14,12 +14,15 @@ evicts anyway, by reusing cached blocks before never-cached ones, is replayed on
 """
 
 import math
+import sys
 from pathlib import Path
 
 import pandas as pd
+from tqdm.auto import tqdm
 
 from kvlab.errors import InvalidArgumentError
 from kvlab.sequence import check_block_size
+from kvlab.studies.estimate import estimate, slow_notice
 from kvlab.studies.overlap import EngineModel
 from kvlab.studies.reuse import block_keys, reuse_profile
 from kvlab.studies.simulator import check_capacity, check_mode, infinite_pool_blocks, policy_factory, prepare
@@ -78,14 +81,19 @@ def cache_hit_study(traces=("mooncake_conversation",), *, block_sizes=(16,), cap
         raise InvalidArgumentError("need at least one trace, block size, capacity and policy")
     frames = [resolve_trace(trace, limit) for trace in traces]  # every trace is read before any replay
     with backend(jobs, dask_scheduler, dask_timeout) as workers:  # a cluster is reached before any preparing
+        notice = slow_notice(*estimate(frames, block_sizes, capacities, len(policies), mode, workers), workers)
+        if progress and notice:
+            print(notice, file=sys.stderr, flush=True)
         prepared, ceilings = [], []
-        for label, frame in frames:
-            for block_size in block_sizes:
-                keys = block_keys(frame, block_size)  # once per trace and block size, for every replay
-                ceilings.append(reuse_profile(frame, block_size, keys=keys)["ceiling_hit_rate_tokens"])
-                prepared.append(prepare(frame, block_size, mode, label, keys=keys))
-                if math.inf in capacities:  # refused now, not when its replay starts
-                    infinite_pool_blocks(prepared[-1], engine)
+        with tqdm(total=len(frames) * len(block_sizes), desc="preparing", disable=not progress) as bar:
+            for label, frame in frames:
+                for block_size in block_sizes:
+                    keys = block_keys(frame, block_size)  # once per trace and block size, for every replay
+                    ceilings.append(reuse_profile(frame, block_size, keys=keys)["ceiling_hit_rate_tokens"])
+                    prepared.append(prepare(frame, block_size, mode, label, keys=keys))
+                    if math.inf in capacities:  # refused now, not when its replay starts
+                        infinite_pool_blocks(prepared[-1], engine)
+                    bar.update()
         run = dict(engine=engine, workers=workers, progress=progress)
         # The infinite pool is replayed with the first policy only: the other policies share its row...
         per_trace = [(c, policy) for c in capacities for policy in (policies if c != math.inf else policies[:1])]

@@ -49,17 +49,23 @@ def run_replays(tasks: list[tuple[PreparedTrace, object, object]], *, engine: En
     return rows
 
 
+#: A sequential replay of this many blocks takes a second or more: building the sequences again (~0.1 s for
+#: 12k requests) costs little beside it, and one replay per chunk moves the progress bar once per replay.
+LONG_REPLAY_BLOCKS = 1_000_000
+
+
 def plan(tasks: list[tuple[PreparedTrace, object, object]], workers: int) -> list[list[int]]:
     """Task indices per chunk. A prepared trace's tasks are dealt round-robin into chunks (so that each
     chunk gets a mix of capacities and policies), about two chunks per worker in all; overlap replays share
-    nothing, so each is a chunk of its own."""
+    nothing, and long replays little (``LONG_REPLAY_BLOCKS``), so each of those is a chunk of its own."""
     by_trace: dict[int, list[int]] = {}
     for i, (prepared, _, _) in enumerate(tasks):
         by_trace.setdefault(id(prepared), []).append(i)
     chunks = []
     for indices in by_trace.values():
-        sequential = tasks[indices[0]][0].mode == "sequential"
-        count = min(len(indices), -(-2 * workers // len(by_trace))) if sequential else len(indices)
+        prepared = tasks[indices[0]][0]
+        shared = prepared.mode == "sequential" and prepared.full_blocks < LONG_REPLAY_BLOCKS
+        count = min(len(indices), -(-2 * workers // len(by_trace))) if shared else len(indices)
         chunks += [indices[start::count] for start in range(count)]
     return chunks
 
