@@ -20,7 +20,8 @@ from kvlab.sequence import check_block_size
 from kvlab.studies.overlap import EngineModel
 from kvlab.studies.plots import plot_hit_rates
 from kvlab.studies.simulator import MAX_CAPACITY, MODES, check_capacity, policy_factory
-from kvlab.studies.study import cache_hit_study, summary
+from kvlab.studies.study import cache_hit_study
+from kvlab.studies.summary import summary
 from kvlab.studies.synthetic import WORKLOADS
 from kvlab.traces import BUNDLED
 from kvlab.validation import check_int, check_number

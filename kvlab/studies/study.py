@@ -123,19 +123,3 @@ def _in_sweep_order(capacities, names, replayed: list[dict], own) -> list[dict]:
         shared = next(first)
         rows += [shared] + [next(own) if own else {**shared, "policy": name} for name in names[1:]]
     return rows
-
-
-def summary(table: pd.DataFrame) -> str:
-    """A few sentences a person reads first: the ceiling, and how close each policy gets at each capacity."""
-    lines = []
-    for (trace, block_size), group in table.groupby(["trace", "block_size"], sort=False):
-        ceiling = group["ceiling_hit_rate_tokens"].iloc[0]
-        lines.append(f"{trace}, block size {block_size}: an infinite cache would serve {ceiling:.1%} of prompt "
-                     "tokens from cache.")
-        finite = group[group["capacity_blocks"] != math.inf]
-        for capacity, at_capacity in finite.groupby("capacity_blocks", sort=False):
-            best = at_capacity.loc[at_capacity["hit_rate_tokens"].idxmax()]
-            share = best["hit_rate_tokens"] / ceiling if ceiling else float("nan")
-            lines.append(f"  {int(capacity):>9,} blocks: best policy {best['policy']} hits "
-                         f"{best['hit_rate_tokens']:.1%} ({share:.0%} of the ceiling)")
-    return "\n".join(lines)
