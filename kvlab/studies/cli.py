@@ -95,6 +95,12 @@ def _positive(name: str):
     return positive
 
 
+def _directory(text: str) -> Path:
+    if not text:  # Path("") is the current directory: an empty --out "$DIR" is a mistake, not a choice
+        raise argparse.ArgumentTypeError("expected a directory, got an empty string")
+    return Path(text)  # not stripped, unlike the other options: a path may end in a space
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvlab study", description="Replay traces through kvlab's block manager and report prefix-cache "
@@ -126,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dask-timeout", metavar="SECONDS", type=_option(_positive("dask timeout")), default=10.0,
                         help="give up on --dask-scheduler after this long without a connection, or as long again "
                              "without its answer (default: %(default)g)")
-    parser.add_argument("--out", type=Path, default=Path(DEFAULTS["out"]),
+    parser.add_argument("--out", type=_directory, default=DEFAULTS["out"],
                         help="directory for study.csv and study.png (default: %(default)s)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
@@ -134,8 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_out(out: Path) -> str | None:
     """Why ``out`` cannot take study.csv and study.png, or None: checked before the replays, not after, and
-    without creating anything (a study refused for bad input leaves no directory behind): the nearest
-    existing directory on the way to ``out``, where ``write_results`` would create it, must be writable."""
+    without leaving anything behind (a study refused for bad input leaves no directory): ``out`` must take
+    new files, or, when it does not exist yet, the nearest existing directory on the way to it must take a
+    new directory. Some file systems refuse with odd reasons (/proc says "No such file or directory"), so
+    the message says what was tried."""
     if out.exists() and not out.is_dir():
         return f"{out} exists and is not a directory"
     existing = out
@@ -144,10 +152,16 @@ def check_out(out: Path) -> str | None:
     if not existing.is_dir():
         return f"cannot write in {out}: Not a directory ({existing} is a file)"
     try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
+        if existing == out:
+            with tempfile.TemporaryFile(dir=out):
+                pass
+        else:
+            with tempfile.TemporaryDirectory(dir=existing):
+                pass
     except OSError as e:
-        return f"cannot write in {existing}: {e.strerror or e}"
+        if existing == out:
+            return f"cannot create files in {out} ({e.strerror or e})"
+        return f"cannot create the directory {out}: {existing} does not take new directories ({e.strerror or e})"
     taken = [name for name in ("study.csv", "study.png") if (out / name).is_dir()]
     return f"{out / taken[0]} is a directory" if taken else None
 

@@ -48,6 +48,9 @@ def resolve_trace(trace, limit: int | None = None) -> tuple[str, pd.DataFrame]:
     elif isinstance(trace, str) and trace in WORKLOADS:
         label, frame = trace, WORKLOADS[trace]()
     elif isinstance(trace, (str, Path)):
+        if trace not in BUNDLED and not Path(trace).is_file():  # said here, where the synthetic names are known
+            raise InvalidArgumentError(f"trace {str(trace)!r} is neither a trace name "
+                                       f"({', '.join([*BUNDLED, *WORKLOADS])}) nor an existing file")
         label = trace if trace in BUNDLED else Path(trace).stem
         return label, load_trace(trace, limit=limit)
     else:

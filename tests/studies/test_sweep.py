@@ -81,7 +81,7 @@ def test_each_trace_is_read_before_any_replay(monkeypatch):
     def no_replays(*args, **kwargs):
         raise AssertionError("replayed before reading every trace")
     monkeypatch.setattr("kvlab.studies.study.run_replays", no_replays)
-    with pytest.raises(InvalidArgumentError, match="neither a bundled trace"):
+    with pytest.raises(InvalidArgumentError, match="neither a trace name"):
         cache_hit_study(["azure_code", "no_such_trace"], progress=False)
 
 
