@@ -7,7 +7,7 @@ prefix (``num_cached_tokens``); a decode computes the one token that has no K/V 
 
 import torch
 
-from kvlab.block_manager import BlockManager
+from kvlab.blocks.manager import BlockManager
 from kvlab.engine.attention import AttentionBatch
 from kvlab.engine.kv_cache import PagedKVCache
 from kvlab.engine.model import CausalLM

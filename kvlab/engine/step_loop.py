@@ -8,12 +8,12 @@ that were allocated but never written must not be hit later. The engine is then 
 
 import time
 
+from kvlab.blocks.sequence import Sequence
 from kvlab.engine.request import Finish, Request
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampler import Sampler
 from kvlab.engine.scheduler import ScheduledStep, Scheduler
 from kvlab.engine.step_record import StepRecord
-from kvlab.sequence import Sequence
 
 
 class StepLoop:

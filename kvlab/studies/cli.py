@@ -14,16 +14,16 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
+from kvlab.blocks.eviction import POLICIES
+from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import KvlabError
-from kvlab.eviction import POLICIES
-from kvlab.sequence import check_block_size
 from kvlab.studies.overlap import EngineModel
 from kvlab.studies.plots import plot_hit_rates
 from kvlab.studies.simulator import MAX_CAPACITY, MODES, check_capacity, policy_factory
 from kvlab.studies.study import cache_hit_study
 from kvlab.studies.summary import summary
 from kvlab.studies.synthetic import WORKLOADS
-from kvlab.traces import BUNDLED
+from kvlab.studies.traces import BUNDLED
 from kvlab.validation import check_int, check_number
 
 DEFAULTS = dict(trace="mooncake_conversation", block_size="512",

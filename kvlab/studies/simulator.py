@@ -13,7 +13,7 @@ policy (``replay_prepared``). Modes:
 
 ``capacity`` is the pool size in blocks (at most ``MAX_CAPACITY``), or ``math.inf``: a pool just large
 enough never to evict (distinct full blocks of the trace plus what can be in flight; the ``evictions``
-column proves it: 0). ``policy`` is a name in ``kvlab.eviction.POLICIES`` (lru, fifo, lfu) or an
+column proves it: 0). ``policy`` is a name in ``kvlab.blocks.eviction.POLICIES`` (lru, fifo, lfu) or an
 ``EvictionPolicy`` subclass.
 
 Metrics (one row of a study): hit_rate_tokens = prompt tokens served from the cache / all prompt tokens
@@ -33,14 +33,14 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
-from kvlab.block_manager import MAX_BLOCKS, BlockManager
+from kvlab.blocks.eviction import POLICIES, EvictionPolicy
+from kvlab.blocks.manager import MAX_BLOCKS, BlockManager
+from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError
-from kvlab.eviction import POLICIES, EvictionPolicy
-from kvlab.sequence import check_block_size
 from kvlab.studies.overlap import EngineModel, replay_overlap
 from kvlab.studies.reuse import block_keys
 from kvlab.studies.sequential import COMPACT_BLOCK_SIZE, CompactTrace, replay_sequential
-from kvlab.traces import check_frame
+from kvlab.studies.traces import check_frame
 from kvlab.validation import check_int
 
 MODES = ("sequential", "overlap")

@@ -20,15 +20,15 @@ from pathlib import Path
 import pandas as pd
 from tqdm.auto import tqdm
 
+from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError
-from kvlab.sequence import check_block_size
 from kvlab.studies.estimate import estimate, slow_notice
 from kvlab.studies.overlap import EngineModel
 from kvlab.studies.reuse import block_keys, reuse_profile
 from kvlab.studies.simulator import check_capacity, check_mode, infinite_pool_blocks, policy_factory, prepare
 from kvlab.studies.sweep import backend, check_jobs, check_timeout, run_replays
 from kvlab.studies.synthetic import WORKLOADS
-from kvlab.traces import BUNDLED, check_frame, load_trace
+from kvlab.studies.traces import BUNDLED, check_frame, load_trace
 from kvlab.validation import check_optional_int
 
 #: Column order of a study's table and CSV (overlap runs add their engine metrics after these).

@@ -12,7 +12,7 @@ import pytest
 from kvlab.__main__ import main as kvlab_main
 from kvlab.studies.cli import build_parser, main
 from kvlab.studies.synthetic import WORKLOADS
-from kvlab.traces import BUNDLED
+from kvlab.studies.traces import BUNDLED
 
 REQUIRED = ["trace", "block_size", "capacity_blocks", "policy", "hit_rate_tokens", "hit_rate_blocks", "evictions",
             "prefill_tokens_saved", "peak_blocks_used"]

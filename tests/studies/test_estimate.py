@@ -8,7 +8,7 @@ import pytest
 from kvlab.studies import cache_hit_study
 from kvlab.studies.estimate import BYTES_PER_POOL_BLOCK, estimate, slow_notice
 from kvlab.studies.simulator import MAX_CAPACITY
-from kvlab.traces import load_trace
+from kvlab.studies.traces import load_trace
 
 MAIN_CAPACITIES = [1000, 2000, 4000, 8000, 16000, 32000, 64000, math.inf]
 

@@ -9,14 +9,14 @@ import pytest
 from tqdm.auto import tqdm
 
 from kvlab import BlockManager
-from kvlab.block_manager import MAX_BLOCKS
+from kvlab.blocks.eviction import EvictionPolicy
+from kvlab.blocks.manager import MAX_BLOCKS
 from kvlab.errors import InvalidArgumentError
-from kvlab.eviction import EvictionPolicy
 from kvlab.studies import EngineModel, cache_hit_study, replay, reuse_profile
 from kvlab.studies.overlap import replay_overlap
 from kvlab.studies.simulator import check_capacity
 from kvlab.studies.synthetic import WORKLOADS
-from kvlab.traces import load_trace
+from kvlab.studies.traces import load_trace
 
 
 def trace_of(prompts, outputs=None, times_ms=None) -> pd.DataFrame:

@@ -5,8 +5,8 @@ import math
 import pandas as pd
 import pytest
 
+from kvlab.blocks.eviction import LRUPolicy
 from kvlab.errors import InvalidArgumentError
-from kvlab.eviction import LRUPolicy
 from kvlab.studies import cache_hit_study
 from kvlab.studies.cli import main
 from kvlab.studies.simulator import PreparedTrace
