@@ -48,9 +48,14 @@ def _option(parse):
 
 def _list(parse):
     def parse_list(text: str) -> list:
-        values = [parse(item.strip()) for item in text.split(",") if item.strip()]
-        if not values:
-            raise ValueError("expected a comma-separated list")
+        items = [item.strip() for item in text.split(",")]
+        if not all(items):
+            raise ValueError(f"expected a comma-separated list without empty items, got {text!r}")
+        values = [parse(item) for item in items]
+        # A repeated value would replay the same configuration twice and print duplicate rows.
+        repeated = [item for item, value in zip(items, values) if values.count(value) > 1]
+        if repeated:
+            raise ValueError(f"{repeated[0]!r} is given more than once in {text!r}; give each value once")
         return values
     return _option(parse_list)
 
