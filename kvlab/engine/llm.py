@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from kvlab.block_manager import BlockManager
 from kvlab.engine.config import load_model_config
-from kvlab.engine.errors import NoTokenizerError, PromptTooLongError
+from kvlab.engine.errors import ModelFileError, NoTokenizerError, PromptTooLongError
 from kvlab.engine.kv_cache import PagedKVCache, blocks_for_memory, check_kernel_support
 from kvlab.engine.request import Request, RequestOutput
 from kvlab.engine.runner import ModelRunner
@@ -47,6 +47,7 @@ class LLM:
                        gpu_memory_utilization=gpu_memory_utilization, seed=seed, record_events=record_events)
         self.device = resolve_device(device)
         self.model_config = config = load_model_config(model)
+        self.tokenizer = self._load_tokenizer(config.path)  # before the weights and the cache: fails fast
         self.dtype = resolve_dtype(dtype, config, self.device)
         if max_model_len is not None and max_model_len > config.max_position_embeddings:
             raise InvalidArgumentError(f"max_model_len={max_model_len} is longer than the model's context "
@@ -55,7 +56,7 @@ class LLM:
         self.max_num_batched_tokens = max_num_batched_tokens
         check_kernel_support(config, block_size, self.dtype, self.device)
         self.model = load_model(config, self.dtype, self.device)
-        self.model.init_rope(self.max_model_len, self.dtype, self.device)
+        self.model.init_rope(self.dtype, self.device)
         if num_blocks is None:
             num_blocks = blocks_for_memory(
                 config, block_size, self.dtype, self.device, gpu_memory_utilization=gpu_memory_utilization,
@@ -66,7 +67,6 @@ class LLM:
         self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                           enable_prefix_caching=enable_prefix_caching, record_events=record_events)
         self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.dtype, self.device, num_cpu_blocks)
-        self.tokenizer = self._load_tokenizer(config.path)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, preemption_mode=preemption_mode)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device)
@@ -76,11 +76,16 @@ class LLM:
 
     @staticmethod
     def _load_tokenizer(path):
-        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        present = [name for name in TOKENIZER_FILES if (path / name).is_file()]
+        if not present:
             return None
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path)
+        try:
+            return AutoTokenizer.from_pretrained(path)
+        except Exception as e:  # noqa: BLE001 - tokenizer backends raise many types; each means unusable files
+            raise ModelFileError(f"{path}: cannot load the tokenizer from {', '.join(present)}: "
+                                 f"{type(e).__name__}: {e}") from None
 
     # ---- the step-level API ------------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:

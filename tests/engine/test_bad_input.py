@@ -58,12 +58,10 @@ def test_weights_that_do_not_match_the_config(model_copy):
         LLM(model_copy, num_blocks=8, block_size=8)
 
 
-def test_no_weights_or_no_config(model_copy, tmp_path):
+def test_no_weights(model_copy):
     (model_copy / "model.safetensors").unlink()
     with pytest.raises(WeightsError, match="no \\*.safetensors"):
         LLM(model_copy, num_blocks=8, block_size=8)
-    with pytest.raises(WeightsError, match="no config.json"):
-        LLM(tmp_path, num_blocks=8, block_size=8)
 
 
 def test_head_dim_the_kernels_do_not_support(tmp_path):
