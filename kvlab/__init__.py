@@ -1,20 +1,10 @@
 """kvlab: learn and research paged KV caches (block manager, Triton kernels, cache-hit studies)."""
 
 from kvlab._version import __version__
-from kvlab.block_manager import BlockManager
-from kvlab.errors import (
-    EvictionPolicyError,
-    InvalidArgumentError,
-    InvariantViolation,
-    KvlabError,
-    NeedsGPUError,
-    OutOfBlocksError,
-    SequenceStateError,
-    TraceFormatError,
-)
-from kvlab.eviction import POLICIES, EvictionPolicy
-from kvlab.records import AllocStatus, Event, PrefixCacheStats
-from kvlab.sequence import Sequence, SequenceStatus
+from kvlab.blocks import (POLICIES, AllocStatus, BlockManager, Event, EvictionPolicy, PrefixCacheStats, Sequence,
+                          SequenceStatus)
+from kvlab.errors import (EvictionPolicyError, InvalidArgumentError, InvariantViolation, KvlabError, NeedsGPUError,
+                          OutOfBlocksError, SequenceStateError, TraceFormatError)
 
 __all__ = [
     "AllocStatus", "BlockManager", "Event", "EvictionPolicy", "POLICIES", "PrefixCacheStats", "Sequence",

@@ -55,7 +55,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from kvlab import BlockManager, Sequence, viz
-from kvlab.traces import MOONCAKE_BLOCK_TOKENS, load_trace, mooncake_token_ids
+from kvlab.studies.traces import MOONCAKE_BLOCK_TOKENS, load_trace, mooncake_token_ids
 
 # Knobs: change them and run the notebook again. Checks that hold only for the defaults explain what changed.
 BS = 4                      # block size of sections 1-5: try 8 (A's prompt is exactly one block) or 2

@@ -62,7 +62,7 @@ from tqdm.auto import tqdm
 from kvlab import AllocStatus, BlockManager, Sequence, viz
 from kvlab.device import DEVICE, mode
 from kvlab.kernels import copy_blocks, swap_blocks  # Triton: compiled on a GPU, interpreted on CPU
-from kvlab.reference import copy_blocks_ref, gather_kv_ref, reshape_and_cache_ref
+from kvlab.kernels.reference import copy_blocks_ref, gather_kv_ref, reshape_and_cache_ref
 
 # Knobs: change them and run the notebook again. Checks that hold only for the defaults explain what changed.
 BS = 8             # block size of sections 1-3

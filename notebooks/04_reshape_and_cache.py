@@ -56,8 +56,8 @@ from matplotlib.colors import ListedColormap
 
 from kvlab import BlockManager, Sequence
 from kvlab.device import DEVICE, ON_GPU, mode
+from kvlab.kernels.reference import reshape_and_cache_ref
 from kvlab.kernels.reshape_and_cache import reshape_and_cache
-from kvlab.reference import reshape_and_cache_ref
 
 # Knobs: change them and run the notebook again (on a GPU, the realistic sizes below replace the first four).
 BLOCK_SIZE = 8                    # slots per block: try 4 or 16 (token labels are drawn up to 8)

@@ -64,13 +64,9 @@ import torch
 
 import kvlab
 from kvlab.device import DEVICE, ON_GPU, mode
-from kvlab.kernels.paged_attention_decode import (
-    DECODE_TILE_N,
-    choose_num_partitions,
-    compute_units,
-    paged_attention_decode,
-)
-from kvlab.reference import attention_ref, gather_kv_ref, paged_attention_decode_ref
+from kvlab.kernels.paged_attention_decode import (DECODE_TILE_N, choose_num_partitions, compute_units,
+                                                  paged_attention_decode)
+from kvlab.kernels.reference import attention_ref, gather_kv_ref, paged_attention_decode_ref
 
 # Knobs: change them and run the notebook again (on a GPU, the realistic sizes below replace them). Kernels run
 # in the Triton interpreter on CPU: keep contexts in the hundreds there.

@@ -59,8 +59,8 @@ from matplotlib.colors import ListedColormap
 from kvlab import BlockManager, Sequence
 from kvlab.device import DEVICE, ON_GPU, mode
 from kvlab.kernels.paged_prefill import paged_prefill
+from kvlab.kernels.reference import attention_ref
 from kvlab.kernels.reshape_and_cache import reshape_and_cache
-from kvlab.reference import attention_ref
 
 # Knobs: change them and run the notebook again (on a GPU, the realistic sizes below replace them).
 BLOCK_SIZE, NUM_BLOCKS = 8, 24            # the pool must hold A, B and C: about 11 blocks of 8 here

@@ -69,7 +69,7 @@ from tqdm.auto import tqdm
 
 from kvlab.studies.memory_waste import PAPER_TOKEN_STATES, SHARES, memory_waste
 from kvlab.studies.plots import plot_memory_waste
-from kvlab.traces import load_trace
+from kvlab.studies.traces import load_trace
 
 # Knobs: change them and run the notebook again (the whole study takes well under a minute).
 BUDGET = 48_000   # KV slots: ~23 GiB of fp16 KV for a 7B model (512 KiB/token), what a 40 GB GPU keeps

@@ -62,12 +62,12 @@ import numpy as np
 import pandas as pd
 
 from kvlab import viz
-from kvlab.eviction import EvictionPolicy
+from kvlab.blocks.eviction import EvictionPolicy
 from kvlab.studies import EngineModel, cache_hit_study, replay, reuse_profile
 from kvlab.studies.plots import plot_hit_rates
 from kvlab.studies.reuse import reuse_counts
 from kvlab.studies.synthetic import WORKLOADS
-from kvlab.traces import load_trace
+from kvlab.studies.traces import load_trace
 
 # Knobs: change them and run the notebook again.
 LIMIT = 3000          # Mooncake requests to replay (of 12,031; None: all of them, about three times as long)
@@ -417,7 +417,7 @@ rates = with_random[with_random["capacity_blocks"] != math.inf].pivot(index="cap
 # %% [markdown]
 # Reading: random eviction trails LRU at every capacity, most where the cache can almost hold the
 # conversations between turns; any class works wherever a policy name does in the Python API (add it to
-# `kvlab.eviction.POLICIES` to use it by name).
+# `kvlab.blocks.eviction.POLICIES` to use it by name).
 #
 # > **In vLLM and SGLang.** vLLM V1 has one eviction order and no policy option: its free queue (chain tails
 # > first, then least recently freed: `vllm/v1/core/kv_cache_utils.py`). SGLang's radix cache evicts least

@@ -14,7 +14,7 @@ import torch
 from kvlab import BlockManager, Sequence
 from kvlab.device import DEVICE
 from kvlab.kernels import paged_attention_decode, paged_prefill, reshape_and_cache
-from kvlab.reference import attention_ref
+from kvlab.kernels.reference import attention_ref
 
 HEADS, KV_HEADS, HEAD_DIM = 2, 1, 32
 

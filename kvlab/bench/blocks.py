@@ -18,7 +18,7 @@ import types
 from pathlib import Path
 
 from kvlab import AllocStatus, BlockManager, Sequence
-from kvlab.traces import PromptTokens, load_trace
+from kvlab.studies.traces import PromptTokens, load_trace
 
 
 def replay_kvlab(token_lists, num_blocks: int, block_size: int) -> dict:

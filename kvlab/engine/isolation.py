@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvlab.blocks.sequence import Sequence
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampler import Sampler
 from kvlab.engine.scheduler import ScheduledStep
-from kvlab.sequence import Sequence
 
 
 @dataclass

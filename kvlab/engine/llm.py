@@ -9,7 +9,7 @@ import itertools
 
 from tqdm.auto import tqdm
 
-from kvlab.block_manager import BlockManager
+from kvlab.blocks.manager import BlockManager
 from kvlab.engine.config import load_model_config
 from kvlab.engine.errors import ModelFileError, NoTokenizerError, PromptTooLongError
 from kvlab.engine.kv_cache import PagedKVCache, blocks_for_memory, check_kernel_support

@@ -4,9 +4,9 @@ outputs it returns (vLLM's names: ``RequestOutput.outputs[k].token_ids`` ...).""
 import time
 from dataclasses import dataclass, field
 
+from kvlab.blocks.sequence import Sequence
 from kvlab.engine.sampler import sample_generator
 from kvlab.engine.sampling_params import SamplingParams
-from kvlab.sequence import Sequence
 
 
 @dataclass

@@ -7,11 +7,11 @@ prefix (``num_cached_tokens``); a decode computes the one token that has no K/V 
 
 import torch
 
-from kvlab.block_manager import BlockManager
+from kvlab.blocks.manager import BlockManager
+from kvlab.blocks.sequence import Sequence
 from kvlab.engine.attention import AttentionBatch
 from kvlab.engine.kv_cache import BlockMoves, PagedKVCache
 from kvlab.engine.model import CausalLM
-from kvlab.sequence import Sequence
 
 
 class ModelRunner:

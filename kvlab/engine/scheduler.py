@@ -22,10 +22,10 @@ the end, then the prefix cache is reset and admissions resume.
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvlab.block_manager import AllocStatus, BlockManager
+from kvlab.blocks.manager import AllocStatus, BlockManager
+from kvlab.blocks.sequence import Sequence, SequenceStatus
 from kvlab.engine.kv_cache import BlockMoves
 from kvlab.engine.request import Request
-from kvlab.sequence import Sequence, SequenceStatus
 
 
 @dataclass

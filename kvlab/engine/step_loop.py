@@ -14,13 +14,13 @@ are returned by the next step.
 
 import time
 
+from kvlab.blocks.sequence import Sequence
 from kvlab.engine.isolation import run_forward, sample_rows
 from kvlab.engine.request import Finish, Request
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampler import Sampler
 from kvlab.engine.scheduler import ScheduledStep, Scheduler
 from kvlab.engine.step_record import StepRecord
-from kvlab.sequence import Sequence
 
 
 class StepLoop:

@@ -1,4 +1,4 @@
-"""Triton kernels for the paged KV cache, each with a plain-torch twin in ``kvlab.reference``.
+"""Triton kernels for the paged KV cache, each with a plain-torch twin in ``kvlab.kernels.reference``.
 
 Cache contract: one tensor per layer ``kv_cache[num_blocks, 2, block_size, num_kv_heads, head_dim]``
 (K = ``kv_cache[:, 0]``, V = ``kv_cache[:, 1]``); slot = block_id * block_size + offset.

@@ -1,5 +1,5 @@
 """Paged attention for decode: each sequence's one new query token reads its whole context through the
-block table (oracle: ``kvlab.reference.paged_attention_decode_ref``).
+block table (oracle: ``kvlab.kernels.reference.paged_attention_decode_ref``).
 
 Design
 ------
@@ -25,13 +25,8 @@ import triton.language as tl
 
 from kvlab.device import ON_GPU  # first: selects the interpreter before any @triton.jit runs
 from kvlab.errors import InvalidArgumentError
-from kvlab.kernels._checks import (
-    check_attention_options,
-    check_block_tables,
-    check_kv_cache,
-    check_query,
-    check_seq_lens,
-)
+from kvlab.kernels._checks import (check_attention_options, check_block_tables, check_kv_cache, check_query,
+                                   check_seq_lens)
 from kvlab.kernels.attention_tiles import NEG_BIG, attention_scores, load_kv_tile, online_softmax_step
 from kvlab.kernels.split_k_reduce import split_k_reduce
 from kvlab.validation import is_int

@@ -1,5 +1,5 @@
 """Prefill on a prefix-cache hit: only the new tokens are queries, but they attend to everything the cache
-holds for their sequence, cached prefix included (oracle: ``kvlab.reference.paged_prefill_ref``).
+holds for their sequence, cached prefix included (oracle: ``kvlab.kernels.reference.paged_prefill_ref``).
 
 Sequence s owns query rows ``cu_query_lens[s]:cu_query_lens[s+1]``: its q_len newest tokens, at positions
 ``seq_len - q_len ... seq_len - 1`` (causal mask aligned bottom-right). Their K/V are already in the cache.
@@ -25,15 +25,8 @@ import triton
 import triton.language as tl
 
 import kvlab.device  # noqa: F401  (first: selects the interpreter before any @triton.jit runs)
-from kvlab.kernels._checks import (
-    check_attention_options,
-    check_block_tables,
-    check_cu_query_lens,
-    check_kv_cache,
-    check_query,
-    check_seq_lens,
-    check_tensor,
-)
+from kvlab.kernels._checks import (check_attention_options, check_block_tables, check_cu_query_lens, check_kv_cache,
+                                   check_query, check_seq_lens, check_tensor)
 from kvlab.kernels.attention_tiles import NEG_BIG, attention_scores, load_kv_tile, online_softmax_step
 
 

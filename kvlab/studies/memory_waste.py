@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 
 from kvlab.errors import InvalidArgumentError
-from kvlab.traces import check_frame, load_trace
+from kvlab.studies.traces import check_frame, load_trace
 from kvlab.validation import check_int, check_optional_int, is_int
 
 #: Figure 2 of Kwon et al. (SOSP 2023): average share of KV-cache memory holding token states. Cited,

@@ -44,10 +44,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvlab.block_manager import AllocStatus
+from kvlab.blocks.manager import AllocStatus
+from kvlab.blocks.sequence import Sequence
 from kvlab.errors import InvalidArgumentError
-from kvlab.sequence import Sequence
-from kvlab.traces import PRIVATE_RANGE, PRIVATE_TOKEN_BASE, PromptTokens
+from kvlab.studies.traces import PRIVATE_RANGE, PRIVATE_TOKEN_BASE, PromptTokens
 from kvlab.validation import check_int, check_number
 
 _GROW, _FINISH = 0, 1  # within a step: slots are reserved before it runs, requests finish after

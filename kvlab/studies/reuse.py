@@ -13,9 +13,9 @@ when a prefix cache could share it). From the keys, in arrival order, follow:
 import numpy as np
 import pandas as pd
 
+from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError
-from kvlab.sequence import check_block_size
-from kvlab.traces import MOONCAKE_BLOCK_TOKENS, PromptTokens
+from kvlab.studies.traces import MOONCAKE_BLOCK_TOKENS, PromptTokens
 
 
 def _id_prefix_numbers(hash_ids: list) -> np.ndarray:

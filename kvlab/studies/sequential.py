@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from kvlab.block_manager import BlockManager
-from kvlab.sequence import Sequence
+from kvlab.blocks.manager import BlockManager
+from kvlab.blocks.sequence import Sequence
 
 COMPACT_BLOCK_SIZE = 2  # a full block is two tokens, so that a one-token partial block stays partial
 

@@ -1,6 +1,6 @@
 """Seeded synthetic workloads with known sharing patterns, in the trace DataFrame shape.
 
-Each generator returns the normalised trace columns (``kvlab.traces``: timestamp in ms, input_length,
+Each generator returns the normalised trace columns (``kvlab.studies.traces``: timestamp in ms, input_length,
 output_length, hash_ids = None) plus ``token_ids``: each prompt's explicit int64 token ids. Every piece of
 text (a system prompt, a few-shot example, a user message) is a run of fresh token ids, so two prompts
 share a prefix exactly when the generator made them share it. Arrivals are Poisson at ``rate_per_s``.
@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from kvlab.errors import InvalidArgumentError
-from kvlab.traces import COLUMNS, MAX_REQUEST_TOKENS
+from kvlab.studies.traces import COLUMNS, MAX_REQUEST_TOKENS
 from kvlab.validation import check_int, check_number, is_int
 
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlab.block_manager import NULL_BLOCK, BlockManager
+from kvlab.blocks.manager import NULL_BLOCK, BlockManager
+from kvlab.blocks.sequence import Sequence
 from kvlab.errors import InvalidArgumentError
-from kvlab.sequence import Sequence
 
 # Block states, in legend order. SHARED is a used block with ref count > 1 (several table entries point at
 # it): the blocks that prefix hits and forks save, highlighted because they are what the notebooks teach.

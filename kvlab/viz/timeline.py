@@ -12,8 +12,8 @@ from collections import Counter
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvlab.block_manager import BlockManager
-from kvlab.records import Event
+from kvlab.blocks.manager import BlockManager
+from kvlab.blocks.records import Event
 from kvlab.errors import InvalidArgumentError
 
 #: Every kind the manager records, in the order a request meets them (top row first).

@@ -7,8 +7,8 @@ block's hash, or "hit"/"miss") make the same picture explain prefix caching.
 
 import matplotlib.pyplot as plt
 
+from kvlab.blocks.sequence import Sequence
 from kvlab.errors import InvalidArgumentError
-from kvlab.sequence import Sequence
 from kvlab.viz.pool import SEQ_COLORS
 
 GAP = 0.5            # space between logical blocks, in slot widths

@@ -1,11 +1,10 @@
 """Decode growth, copy-on-write forks, swapping, sliding window and status bookkeeping."""
 
 import pytest
+from helpers import allocated, grow, snapshot
 
 from kvlab import BlockManager, OutOfBlocksError, Sequence, SequenceStatus
-from kvlab.block_manager import AllocStatus
-
-from helpers import allocated, grow, snapshot
+from kvlab.blocks.manager import AllocStatus
 
 
 def test_decode_growth_adds_a_block_only_when_the_last_one_is_full():

@@ -1,10 +1,9 @@
 import random
 
 import pytest
+from helpers import allocated, grow
 
 from kvlab import AllocStatus, BlockManager, Sequence
-
-from helpers import allocated, grow
 
 
 def test_seed_example_b_reuses_a_and_c_reuses_nothing():
@@ -169,7 +168,7 @@ def test_reset_prefix_cache_refuses_while_blocks_are_in_use():
 
 
 def test_custom_eviction_policy_instance_and_events():
-    from kvlab.eviction import LRUPolicy
+    from kvlab.blocks.eviction import LRUPolicy
 
     manager = BlockManager(4, block_size=2, eviction=LRUPolicy(), record_events=True)
     a = allocated(manager, [1, 2, 3])

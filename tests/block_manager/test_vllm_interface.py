@@ -141,3 +141,31 @@ def test_swap_answers_are_three_way():
     m.free(big)
     m.allocate(Sequence(range(30, 46), 4))                   # fills the GPU
     assert m.can_swap_in(small) is AllocStatus.LATER
+
+
+def test_answers_are_false_unless_ok_so_vllm_style_ifs_stay_safe():
+    """vLLM's can_swap_out is a bool: ``if m.can_swap_out(s): m.swap_out(s)`` must not go ahead on NEVER."""
+    assert [bool(s) for s in AllocStatus] == [True, False, False]
+    m = BlockManager(4, block_size=4, num_cpu_blocks=2)
+    small, big = allocated(m, range(4)), allocated(m, range(10, 19))
+    swapped = [seq for seq in (big, small) if m.can_swap_out(seq) and m.swap_out(seq) is not None]
+    assert swapped == [small] and not m.is_swapped(big)
+    assert not m.can_allocate(Sequence(range(100), 4))        # NEVER
+    m.free(big)
+    m.allocate(Sequence(range(30, 46), 4))                    # fills the GPU: swap-in is LATER
+    assert m.can_swap_in(small) is AllocStatus.LATER and not m.can_swap_in(small)
+
+
+@pytest.mark.parametrize("seqs", [None, "abc", 3, {1: 2}])
+def test_common_computed_block_ids_wants_a_list(seqs):
+    m = BlockManager(8, block_size=4)
+    with pytest.raises(InvalidArgumentError, match="list of Sequence"):
+        m.get_common_computed_block_ids(seqs)
+
+
+def test_common_computed_block_ids_refuses_a_bare_sequence():
+    m = BlockManager(8, block_size=4)
+    seq = allocated(m, range(8))
+    with pytest.raises(InvalidArgumentError, match=r"list of Sequence \(e.g. \[seq\]\)"):
+        m.get_common_computed_block_ids(seq)
+    assert m.get_common_computed_block_ids([]) == [] and m.get_common_computed_block_ids((seq,)) == []

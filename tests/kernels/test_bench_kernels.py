@@ -8,7 +8,7 @@ import torch
 
 from kvlab.bench import kernels as bench
 from kvlab.device import ON_GPU
-from kvlab.reference import paged_attention_decode_ref, paged_prefill_ref
+from kvlab.kernels.reference import paged_attention_decode_ref, paged_prefill_ref
 
 DECODE = bench.Case("decode", "fp16", batch=4, context=1000, num_heads=32, num_kv_heads=8)
 

@@ -7,8 +7,8 @@ import torch
 from kvlab.device import DEVICE
 from kvlab.errors import InvalidArgumentError
 from kvlab.kernels.cache import allocate_cpu_cache, allocate_kv_cache, bytes_per_block, num_blocks_for_budget
+from kvlab.kernels.reference import reshape_and_cache_ref
 from kvlab.kernels.reshape_and_cache import reshape_and_cache
-from kvlab.reference import reshape_and_cache_ref
 
 
 def test_bytes_per_block_counts_k_and_v_in_every_layer():

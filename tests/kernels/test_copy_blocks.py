@@ -10,7 +10,7 @@ from kvlab.device import DEVICE, ON_GPU
 from kvlab.errors import InvalidArgumentError
 from kvlab.kernels.cache import allocate_cpu_cache, allocate_kv_cache
 from kvlab.kernels.copy_blocks import copy_blocks, swap_blocks
-from kvlab.reference import copy_blocks_ref, swap_blocks_ref
+from kvlab.kernels.reference import copy_blocks_ref, swap_blocks_ref
 
 module = importlib.import_module("kvlab.kernels.copy_blocks")  # the module; kvlab.kernels.copy_blocks is the function
 

@@ -1,4 +1,4 @@
-"""paged_attention_decode against kvlab.reference on NaN-poisoned caches: GQA ratios 1/3/4/8, every supported
+"""paged_attention_decode against kvlab.kernels.reference on NaN-poisoned caches: GQA ratios 1/3/4/8, every supported
 block size (1 to 128), head dims from 16 to 256 incl. padded ones (17, 48, 80, 200, 255), split-K off/on/auto,
 sliding window, soft cap, strided inputs; bad input raises."""
 
@@ -10,14 +10,10 @@ from attention_cases import CONFIGS, F16, F32, GEOMETRIES, assert_close, build_c
 
 from kvlab.device import DEVICE, ON_GPU
 from kvlab.errors import InvalidArgumentError
-from kvlab.kernels.paged_attention_decode import (
-    MAX_PARTITIONS,
-    MIN_PARTITION_TOKENS,
-    choose_num_partitions,
-    paged_attention_decode,
-)
+from kvlab.kernels.paged_attention_decode import (MAX_PARTITIONS, MIN_PARTITION_TOKENS, choose_num_partitions,
+                                                  paged_attention_decode)
+from kvlab.kernels.reference import paged_attention_decode_ref
 from kvlab.kernels.split_k_reduce import split_k_reduce
-from kvlab.reference import paged_attention_decode_ref
 
 module = importlib.import_module("kvlab.kernels.paged_attention_decode")  # the module; kvlab.kernels.paged_attention_decode is the function
 

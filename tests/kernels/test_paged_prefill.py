@@ -1,4 +1,4 @@
-"""paged_prefill against kvlab.reference on NaN-poisoned caches: cached prefixes of any length, sequences of
+"""paged_prefill against kvlab.kernels.reference on NaN-poisoned caches: cached prefixes of any length, sequences of
 different lengths in one launch, GQA ratios 1/3/4/8, every supported block size (1 to 128), head dims from 16
 to 256 incl. padded ones (17, 48, 80, 200, 255), sliding window, soft cap, strided inputs; agreement with full
 prefill and with decode; bad input raises."""
@@ -11,7 +11,7 @@ from kvlab.device import DEVICE, ON_GPU
 from kvlab.errors import InvalidArgumentError
 from kvlab.kernels.paged_attention_decode import paged_attention_decode
 from kvlab.kernels.paged_prefill import paged_prefill, query_tile_map
-from kvlab.reference import paged_prefill_ref
+from kvlab.kernels.reference import paged_prefill_ref
 
 # (seq_len, q_len): a prefix hit, a 1-token sequence, a full prefill (no prefix), a sequence with no new
 # tokens, a decode-like single new token, a long prefix with several query tiles.

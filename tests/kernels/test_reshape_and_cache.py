@@ -9,8 +9,8 @@ import torch
 from kvlab.device import DEVICE, ON_GPU
 from kvlab.errors import InvalidArgumentError
 from kvlab.kernels._checks import SUPPORTED_BLOCK_SIZES
+from kvlab.kernels.reference import reshape_and_cache_ref
 from kvlab.kernels.reshape_and_cache import reshape_and_cache
-from kvlab.reference import reshape_and_cache_ref
 
 module = importlib.import_module("kvlab.kernels.reshape_and_cache")  # the module; kvlab.kernels.reshape_and_cache is the function
 

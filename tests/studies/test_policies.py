@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from kvlab import AllocStatus, BlockManager, Sequence
+from kvlab.blocks.eviction import POLICIES, FIFOPolicy, LFUPolicy, LRUPolicy
 from kvlab.errors import OutOfBlocksError
-from kvlab.eviction import POLICIES, FIFOPolicy, LFUPolicy, LRUPolicy
 
 
 def scenario(policy):

@@ -8,11 +8,11 @@ import pandas as pd
 import pytest
 
 from kvlab import BlockManager, Sequence
-from kvlab.eviction import POLICIES, EvictionPolicy
+from kvlab.blocks.eviction import POLICIES, EvictionPolicy
 from kvlab.studies import cache_hit_study, replay, reuse_profile
 from kvlab.studies.reuse import block_keys
 from kvlab.studies.synthetic import WORKLOADS
-from kvlab.traces import PromptTokens, load_trace
+from kvlab.studies.traces import PromptTokens, load_trace
 
 
 def replay_real_tokens(trace, block_size, capacity, policy) -> dict:

@@ -6,7 +6,7 @@ import pytest
 from kvlab.errors import InvalidArgumentError
 from kvlab.studies import synthetic
 from kvlab.studies.synthetic import WORKLOADS
-from kvlab.traces import COLUMNS
+from kvlab.studies.traces import COLUMNS
 
 
 @pytest.mark.parametrize("name", WORKLOADS)

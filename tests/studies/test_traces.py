@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 
 from kvlab.errors import InvalidArgumentError, TraceFormatError
-from kvlab.traces import (BUNDLED, COLUMNS, MOONCAKE_BLOCK_TOKENS, PromptTokens, check_frame, load_trace,
-                          mooncake_token_ids, private_token_ids)
+from kvlab.studies.traces import (BUNDLED, COLUMNS, MOONCAKE_BLOCK_TOKENS, PromptTokens, check_frame, load_trace,
+                                  mooncake_token_ids, private_token_ids)
 
 RECORDS = {"mooncake_conversation": 12_031, "mooncake_synthetic": 3_993, "azure_code": 8_819, "azure_conv": 19_366}
 

@@ -21,10 +21,10 @@ from collections import Counter
 from operator import itemgetter
 from typing import Optional
 
+from kvlab.blocks.eviction import EvictionPolicy
+from kvlab.blocks.policy_transaction import policy_transaction
+from kvlab.blocks.records import Event
 from kvlab.errors import InvariantViolation
-from kvlab.eviction import EvictionPolicy
-from kvlab.policy_transaction import policy_transaction
-from kvlab.records import Event
 
 NO_CONTENT = -1  # block holds nothing sealed
 ROOT = 0         # the "parent content" of a sequence's first block

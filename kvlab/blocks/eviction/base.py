@@ -7,9 +7,9 @@ order; the pool tells it about every change. Every call must cost O(1) (or O(log
 never scan the pool, never ``list.remove``.
 
 To add a policy, subclass ``EvictionPolicy`` (not ``LRUPolicy``, whose fast batch methods bypass ``pop``
-and ``add``), implement the five abstract methods and register the class in ``kvlab.eviction.POLICIES``
+and ``add``), implement the five abstract methods and register the class in ``kvlab.blocks.eviction.POLICIES``
 (then ``BlockManager(..., eviction="name")`` finds it). A policy that raises never corrupts the manager:
-the operation is undone (see ``kvlab.policy_transaction``).
+the operation is undone (see ``kvlab.blocks.policy_transaction``).
 """
 
 from abc import ABC, abstractmethod

@@ -9,8 +9,8 @@ cache map; ``SwapSpace.check``: CPU ref counts, free list, twin links).
 
 from collections import Counter
 
+from kvlab.blocks.sequence import allocation_record
 from kvlab.errors import InvariantViolation
-from kvlab.sequence import allocation_record
 
 
 def _fail(message: str):

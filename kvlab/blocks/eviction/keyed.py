@@ -9,8 +9,8 @@ from collections import OrderedDict
 from itertools import chain
 from typing import Iterator
 
+from kvlab.blocks.eviction.base import EvictionPolicy
 from kvlab.errors import OutOfBlocksError
-from kvlab.eviction.base import EvictionPolicy
 
 
 class _KeyedPolicy(EvictionPolicy):

@@ -22,19 +22,19 @@ import functools
 import threading
 from typing import Optional
 
-from kvlab.allocations import (Allocation, allocation_of, check_block_size_matches, check_sequence,
-                               check_unallocated)
-from kvlab.block_pool import ROOT, BlockPool
-from kvlab.cross_attention import CrossTables
+from kvlab.blocks.allocations import (Allocation, allocation_of, check_block_size_matches, check_sequence,
+                                      check_unallocated)
+from kvlab.blocks.block_pool import ROOT, BlockPool
+from kvlab.blocks.cross_attention import CrossTables
+from kvlab.blocks.eviction import make_policy
+from kvlab.blocks.hashing import HashFn, PromptHashes, block_hashes
+from kvlab.blocks.invariants import check_manager
+from kvlab.blocks.planning import plan_allocation, plan_step
+from kvlab.blocks.records import AllocStatus, Event, PrefixCacheStats
+from kvlab.blocks.sequence import (Sequence, SequenceStatus, check_block_size, copy_tokens, set_allocation_record,
+                                   token_buffer)
+from kvlab.blocks.swap import SwapSpace
 from kvlab.errors import InvalidArgumentError, OutOfBlocksError, SequenceStateError
-from kvlab.eviction import make_policy
-from kvlab.hashing import HashFn, PromptHashes, block_hashes
-from kvlab.invariants import check_manager
-from kvlab.planning import plan_allocation, plan_step
-from kvlab.records import AllocStatus, Event, PrefixCacheStats
-from kvlab.sequence import (Sequence, SequenceStatus, check_block_size, copy_tokens, set_allocation_record,
-                            token_buffer)
-from kvlab.swap import SwapSpace
 from kvlab.validation import check_int, check_number
 
 __all__ = ["BlockManager", "AllocStatus", "PrefixCacheStats", "NULL_BLOCK", "MAX_BLOCKS"]
@@ -345,6 +345,8 @@ class BlockManager:
     def get_common_computed_block_ids(self, seqs) -> list[int]:
         """The longest run of leading blocks that every sequence in ``seqs`` holds and whose K/V is computed:
         what a batched prefill of the group can skip."""
+        if isinstance(seqs, (Sequence, str, bytes)) or not isinstance(seqs, (list, tuple)):
+            raise InvalidArgumentError(f"seqs must be a list of Sequence (e.g. [seq]), got {type(seqs).__name__}")
         common = None
         for seq in seqs:
             alloc = self._on_gpu(seq)

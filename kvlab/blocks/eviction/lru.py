@@ -6,8 +6,8 @@ from itertools import chain, compress
 from operator import not_
 from typing import Iterator
 
+from kvlab.blocks.eviction.base import EvictionPolicy
 from kvlab.errors import OutOfBlocksError
-from kvlab.eviction.base import EvictionPolicy
 
 
 class FifoSet:

@@ -8,9 +8,9 @@ and come back with the first one swapped in, and live until ``free_cross``, so a
 recompute keeps its encoder output (re-allocating the root reattaches it).
 """
 
-from kvlab.allocations import CrossTable, check_sequence
+from kvlab.blocks.allocations import CrossTable, check_sequence
+from kvlab.blocks.sequence import allocation_record
 from kvlab.errors import InvalidArgumentError, SequenceStateError
-from kvlab.sequence import allocation_record
 
 
 class CrossTables:

@@ -13,8 +13,8 @@ mappings for ``swap_blocks``. The manager calls ``forget_gpu`` for GPU blocks it
 
 from collections import Counter
 
+from kvlab.blocks.records import AllocStatus
 from kvlab.errors import InvariantViolation, OutOfBlocksError
-from kvlab.records import AllocStatus
 
 
 class SwapSpace:

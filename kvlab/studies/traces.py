@@ -55,7 +55,7 @@ MAX_REQUEST_TOKENS = PRIVATE_RANGE
 def data_dir() -> Path:
     """Where bundled traces live: ``$KVLAB_DATA`` if set, else ``data/`` at the repository root."""
     env = os.environ.get("KVLAB_DATA")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "data"
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "data"  # kvlab/studies/traces.py -> repo root
 
 
 def trace_path(trace: str | os.PathLike) -> Path:
@@ -210,7 +210,7 @@ def check_frame(frame, *, timestamps: bool = True) -> pd.DataFrame:
     needed = (["timestamp"] if timestamps else []) + ["input_length", "output_length"]
     if not isinstance(frame, pd.DataFrame) or not set(needed) <= set(frame.columns) or frame.empty:
         raise InvalidArgumentError(f"a trace must be a non-empty DataFrame with columns {', '.join(needed)} "
-                                   "(the columns of kvlab.traces.load_trace)")
+                                   "(the columns of kvlab.studies.traces.load_trace)")
     for column, minimum in (("input_length", 1), ("output_length", 0)):
         values = frame[column]
         if not pd.api.types.is_integer_dtype(values.dtype):

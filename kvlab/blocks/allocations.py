@@ -6,8 +6,8 @@ whose record it created. The block table lives here, in the record; ``Sequence.b
 read-only copy of it.
 """
 
+from kvlab.blocks.sequence import Sequence, allocation_record, token_buffer
 from kvlab.errors import InvalidArgumentError, SequenceStateError
-from kvlab.sequence import Sequence, allocation_record, token_buffer
 
 
 class Allocation:

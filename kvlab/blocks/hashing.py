@@ -15,8 +15,8 @@ from typing import Callable, Optional
 
 import xxhash
 
+from kvlab.blocks.sequence import token_buffer
 from kvlab.errors import InvalidArgumentError
-from kvlab.sequence import token_buffer
 
 #: ``hash_fn(parent_hash_or_None, token_ids_tuple) -> int``, to replace the default in experiments/tests.
 HashFn = Callable[[Optional[int], tuple], int]

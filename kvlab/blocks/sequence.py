@@ -94,7 +94,7 @@ class Sequence:
         self.num_prompt_tokens = self.num_tokens
         self.num_cached_tokens = 0      # prompt tokens whose K/V came from the prefix cache
         self.last_token: int | None = self._tokens[-1] if self._tokens else None
-        self._allocation = None  # the owning manager's record (kvlab.allocations.Allocation) while allocated
+        self._allocation = None  # the owning manager's record (kvlab.blocks.allocations.Allocation) while allocated
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -164,10 +164,10 @@ class Sequence:
         _skip_ids_through(self.seq_id)
 
 
-# ---- what the block manager reads and writes (kvlab.allocations, kvlab.block_manager) ---------------------
+# ---- what the block manager reads and writes (kvlab.blocks.allocations, kvlab.blocks.manager) ---------------------
 # A Sequence owns these two private fields; the manager goes through these functions, never the fields.
 def allocation_record(seq: Sequence):
-    """The record (``kvlab.allocations.Allocation``) of the manager holding ``seq``, or None."""
+    """The record (``kvlab.blocks.allocations.Allocation``) of the manager holding ``seq``, or None."""
     return seq._allocation
 
 

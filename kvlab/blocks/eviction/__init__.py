@@ -1,9 +1,9 @@
 """Eviction policies: which free block the pool reuses next (interface in ``base.py``)."""
 
+from kvlab.blocks.eviction.base import EvictionPolicy
+from kvlab.blocks.eviction.keyed import FIFOPolicy, LFUPolicy
+from kvlab.blocks.eviction.lru import LRUPolicy
 from kvlab.errors import InvalidArgumentError
-from kvlab.eviction.base import EvictionPolicy
-from kvlab.eviction.keyed import FIFOPolicy, LFUPolicy
-from kvlab.eviction.lru import LRUPolicy
 
 #: Policies by name, for ``BlockManager(eviction=name)`` and the studies' ``--policy`` option.
 POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "fifo": FIFOPolicy, "lfu": LFUPolicy}

@@ -15,8 +15,8 @@ checked.
 
 from contextlib import contextmanager
 
+from kvlab.blocks.eviction import BUILTIN_POLICIES
 from kvlab.errors import EvictionPolicyError, KvlabError
-from kvlab.eviction import BUILTIN_POLICIES
 from kvlab.validation import is_int
 
 

@@ -6,10 +6,16 @@ from typing import NamedTuple, Optional
 
 
 class AllocStatus(enum.Enum):
-    """Answer of ``can_allocate``, ``can_swap_in`` and ``can_swap_out``."""
+    """Answer of ``can_allocate``, ``can_swap_in`` and ``can_swap_out``.
+
+    True in a boolean context only when OK: vLLM's ``can_swap_out`` is a bool, so code written for it
+    (``if manager.can_swap_out(seq): manager.swap_out(seq)``) must not go ahead on LATER or NEVER."""
     OK = "ok"        # fits now
     LATER = "later"  # fits once other sequences free blocks
     NEVER = "never"  # can never fit in this pool
+
+    def __bool__(self) -> bool:
+        return self is AllocStatus.OK
 
 
 class Event(NamedTuple):

@@ -1,0 +1,25 @@
+"""The block manager: which KV block holds which token, for every sequence.
+
+One module per part, in the manner of vLLM V1's ``vllm/v1/core/``:
+
+    manager.py             BlockManager: the public API (allocate, append_slots, fork, swap, free ...)
+    sequence.py            Sequence: a request's tokens and its read-only block table
+    block_pool.py          the device pool: free lists, reference counts, the prefix cache (hash -> block)
+    hashing.py             chained xxh64 block hashes, computed once per prompt
+    planning.py            how many blocks a step needs, and which a sliding window can release
+    allocations.py         who owns which blocks (one record per sequence, one manager per sequence)
+    swap.py                the CPU pool that preempted sequences are swapped into
+    cross_attention.py     encoder-decoder cross-attention tables
+    eviction/              which cached block to reuse first (LRU, FIFO, LFU, or your own policy)
+    policy_transaction.py  undo for a user policy that raises half-way through an operation
+    invariants.py          check_invariants(): the manager's state checked against itself
+    records.py             AllocStatus, Event, PrefixCacheStats
+"""
+
+from kvlab.blocks.eviction import POLICIES, EvictionPolicy
+from kvlab.blocks.manager import BlockManager
+from kvlab.blocks.records import AllocStatus, Event, PrefixCacheStats
+from kvlab.blocks.sequence import Sequence, SequenceStatus
+
+__all__ = ["AllocStatus", "BlockManager", "Event", "EvictionPolicy", "POLICIES", "PrefixCacheStats", "Sequence",
+           "SequenceStatus"]
