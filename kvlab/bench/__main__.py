@@ -1,29 +1,21 @@
-"""``python -m kvlab.bench blocks|kernels|engine|gpu [options]`` (``--help`` after the name for its options).
-
-  blocks   block-manager throughput on the Mooncake conversation trace
-  kernels  the Triton kernels beside their peers, GB/s (needs a GPU)
-  engine   kvlab.engine against Hugging Face generate
-  gpu      the GPU run book: tests, kernels, engine and plots in one time-boxed run (--dry-run on CPU)"""
+"""``python -m kvlab.bench blocks|kernels|engine|gpu [options]`` (``--help`` after the name for its options)."""
 
 import sys
 
-COMMANDS = ("blocks", "kernels", "engine", "gpu")
+from kvlab.commands import dispatch
+
+COMMANDS = {
+    "blocks": ("block-manager speed on the Mooncake trace (optionally beside nano-vllm's)", "kvlab.bench.blocks:main"),
+    "kernels": ("GPU kernel bandwidth beside torch SDPA (GPU only)", "kvlab.bench.kernels:main"),
+    "engine": ("offline engine throughput beside Hugging Face generate", "kvlab.bench.engine:main"),
+    "gpu": ("the GPU run book: tests, kernels, engine and plots, time-boxed, into one folder (--dry-run on CPU)",
+            "kvlab.bench.gpu.driver:main"),
+}
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] not in COMMANDS:
-        print(__doc__.strip(), file=sys.stderr)
-        return 2
-    if argv[0] == "blocks":
-        from kvlab.bench.blocks import main as run
-    elif argv[0] == "engine":
-        from kvlab.bench.engine import main as run
-    elif argv[0] == "gpu":
-        from kvlab.bench.gpu.driver import main as run
-    else:
-        from kvlab.bench.kernels import main as run
-    return run(argv[1:])
+def main(argv=None, prog: str = "python -m kvlab.bench") -> int:
+    return dispatch(sys.argv[1:] if argv is None else list(argv), prog=prog, commands=COMMANDS,
+                    description="kvlab's benchmarks: scripts that print numbers (no test times anything).")
 
 
 if __name__ == "__main__":
