@@ -1,28 +1,38 @@
-"""The ``kvlab`` command (also ``python -m kvlab``).
+"""The ``kvlab`` command (also ``python -m kvlab``): ``kvlab --help`` lists its commands."""
 
-    kvlab study [options]      cache-hit study on a trace (the main job; see ``kvlab study --help``)
-    kvlab info                 which kernel mode is active (GPU or Triton interpreter), with versions
-    kvlab bench blocks|kernels block-manager or GPU-kernel benchmark
-"""
-
+import argparse
 import sys
+
+from kvlab.commands import dispatch
+
+COMMANDS = {
+    "study": ("replay traces through the block manager and report prefix-cache hit rates (the main job)",
+              "kvlab.studies.cli:main"),
+    "info": ("which kernel mode is active (GPU or Triton interpreter), with versions", "kvlab.__main__:info"),
+    "bench": ("benchmarks: blocks (block manager), kernels (GPU), engine (vs Hugging Face generate)",
+              "kvlab.__main__:bench"),
+}
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    command, rest = (argv[0], argv[1:]) if argv else ("", [])
-    if command == "study":
-        from kvlab.studies.cli import main as study
-        return study(rest)
-    if command == "info":
-        import kvlab
-        print(kvlab.report())
-        return 0
-    if command == "bench":
-        from kvlab.bench.__main__ import main as bench
-        return bench(rest)
-    print(__doc__.strip(), file=sys.stderr)
-    return 0 if command in ("-h", "--help") else 2
+    return dispatch(sys.argv[1:] if argv is None else list(argv), prog="kvlab", commands=COMMANDS,
+                    description="kvlab: paged KV caches for teaching and research (a vLLM-style block manager, "
+                                "Triton kernels, trace studies, a small engine).")
+
+
+def info(argv: list[str]) -> int:
+    argparse.ArgumentParser(prog="kvlab info", description="Print which kernel mode is active (GPU or Triton "
+                                                           "interpreter), with versions.").parse_args(argv)
+    import kvlab
+
+    print(kvlab.report())
+    return 0
+
+
+def bench(argv: list[str]) -> int:
+    from kvlab.bench.__main__ import main as bench_main
+
+    return bench_main(argv, prog="kvlab bench")
 
 
 if __name__ == "__main__":

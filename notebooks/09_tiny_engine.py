@@ -80,13 +80,13 @@ print(f"kernels run in {mode()} mode on {DEVICE}; model: {MODEL_DIR}")
 
 # %%
 NUM_BLOCKS = 12                  # GPU-pool blocks of 8 tokens
-PREEMPTION_MODE = "recompute"    # or "swap": vLLM V0's preemption, into a CPU pool of 16 blocks
+PREEMPTION_MODE = "recompute"    # or "swap": copy the victim's blocks to a CPU pool of 16 blocks
 llm = LLM(MODEL_DIR, block_size=8, num_blocks=NUM_BLOCKS, max_num_seqs=8, max_num_batched_tokens=64,
           preemption_mode=PREEMPTION_MODE, num_cpu_blocks=16)
 SYSTEM = list(range(100, 120))
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-COLUMNS = ["step", "kind", "num_seqs", "num_tokens", "cached_tokens", "blocks_used", "blocks_free", "preempted",
-           "cow_copies", "waiting", "running"]
+COLUMNS = ["step", "kind", "num_seqs", "num_tokens", "cached_tokens", "blocks_used", "blocks_free", "blocks_cached",
+           "preempted", "cow_copies", "waiting", "running"]
 done = {}       # request id -> its RequestOutput, once finished
 names = {}      # sequence id -> a readable name, for the pictures
 
@@ -158,7 +158,8 @@ llm.step_dataframe()[COLUMNS]
 #
 # Request D brings 26 unrelated tokens (4 blocks). Everybody keeps decoding; each sequence needs a fresh block
 # every 8 tokens. When one needs a block and none is free, the scheduler **preempts** the newest running
-# sequence. The default mode is *recompute* (vLLM v1): free its blocks and queue it again at the front.
+# sequence. The default mode is *recompute* (vLLM V1's only mode, and V0's for single-sequence requests): free
+# its blocks and queue it again at the front.
 
 # %%
 add("D", list(range(200, 226)))
@@ -188,8 +189,10 @@ else:
           "from the prefix cache")
 
 # %% [markdown]
-# With `LLM(..., preemption_mode="swap")` (vLLM v0) the victim's blocks are copied to a CPU pool with
-# `swap_blocks` instead and copied back when there is room; the timeline below shows both kinds of work.
+# With `LLM(..., preemption_mode="swap")` the victim's blocks are copied to a CPU pool with `swap_blocks`
+# instead and copied back when there is room (vLLM V0 swapped groups of several sequences, such as parallel
+# samples, and recomputed single ones; kvlab applies the mode you choose to every sequence). The timeline
+# below shows both kinds of work.
 #
 # **Try it.** Predict first, then change a knob in section 1 and run the notebook again:
 # - `PREEMPTION_MODE = "swap"`: what does the preempted sequence's comeback cost now? Recompute pays in
@@ -223,14 +226,16 @@ draw("after one decode step: two samples got private copies of the partial block
 # %% [markdown]
 # ## 5. The whole run as a timeline
 #
-# `llm.step_dataframe()` has one row per step; `kvlab.viz.draw_engine_timeline` draws it against wall-clock
-# time, so every bar is as wide as its step took: the prefills with prefix hits, the preemption and the
-# recompute, the copy-on-write step.
+# `llm.step_dataframe()` has one row per step; `kvlab.viz.draw_engine_timeline` draws it step by step: the
+# prefills with prefix hits, the preemption and the recompute, the copy-on-write step. (With `x="time"` every
+# bar is as wide as its step took, and the gaps are whatever ran between steps, here the notebook's own drawing;
+# on a CPU those widths are torch-on-CPU time (or, with `attention_backend="triton"`, Triton-interpreter
+# time), which says nothing about a GPU, so this notebook draws steps.)
 
 # %%
 while llm.has_unfinished_requests():
     step()
-viz.draw_engine_timeline(llm, title="notebook run: A, B, C share a system prompt; D is preempted; F forks")
+viz.draw_engine_timeline(llm, x="step", title="notebook run: A, B, C share a system prompt; D is preempted; F forks")
 plt.show()
 llm.step_dataframe()[COLUMNS].iloc[before:]
 
@@ -263,8 +268,9 @@ for name in "ABCD":
 # output lengths) and a shared-system-prompt workload through the engine, with prefix caching on and off, and
 # through Hugging Face `generate` in static batches (no paging: every batch reserves its longest prompt plus
 # its longest output for every row). It writes one CSV per device under `data/bench/engine/`; the cells below
-# plot whatever is there. Read CPU rows with care: there the kernels run in the Triton interpreter, so the
-# engine is slow and the numbers only show what each run did, not what paging is worth on a GPU.
+# plot whatever is there. Read CPU rows with care: the committed one ran the kernels in the Triton
+# interpreter, so the engine is slow and the numbers only show what each run did, not what paging is worth on
+# a GPU (without CUDA the engine now attends through a torch path by default; `--suite serving` times it).
 
 # %%
 def bench_csvs():

@@ -24,8 +24,8 @@
 # 4. a **token budget** per step (`max_num_batched_tokens`), and what it does to time to first token;
 # 5. throughput and latency as the pool shrinks.
 #
-# Everything runs on a tiny random model (one layer: nothing is downloaded, the text is noise), so on a CPU
-# the Triton interpreter gets through a few hundred steps in about a minute. Costs are therefore counted in
+# Everything runs on a tiny random model (one layer: nothing is downloaded, the text is noise). On a CPU every
+# step runs in the Triton interpreter, whose times say nothing about a GPU. Costs are therefore counted in
 # **engine steps** and **tokens**, which do not depend on the machine: on a GPU a decode step costs about the
 # same for one or for eight sequences (it is bound by memory bandwidth), so tokens per step is throughput.
 
@@ -316,7 +316,8 @@ print(f"Reading: from no watermark to {WATERMARK}, preemptions go from {sketch.l
 # > option); this section used the `BlockManager` directly.
 #
 # **Try it.** Predict, then change `WATERMARK` in the knobs cell: at 0.3, how many of the sizes in the table
-# change answer, and does the sketch still finish its 16 requests faster than with no watermark?
+# change answer? In the sketch, do fewer preemptions buy fewer steps, or does the smaller batch cost as many
+# steps as the preemptions saved (compare the `steps` column with no watermark)?
 
 # %% [markdown]
 # ## 3. Preemption: recompute or swap, on the same workload
@@ -327,8 +328,8 @@ print(f"Reading: from no watermark to {WATERMARK}, preemptions go from {sketch.l
 # * **Recompute** (vLLM V1, nano-vllm, kvlab's default): free its blocks and put it back at the head of the
 #   waiting queue; when it is admitted again its prompt *and* the tokens it had generated are prefilled
 #   again. Its full blocks stay cached while free, so that prefill often hits its own old blocks.
-# * **Swap** (vLLM V0): copy its blocks to a CPU pool (`swap_blocks`), and back when there is room. Nothing
-#   is computed twice, but every block crosses the CPU-GPU link twice.
+# * **Swap** (vLLM V0's mode for groups of several sequences): copy its blocks to a CPU pool (`swap_blocks`),
+#   and back when there is room. Nothing is computed twice, but every block crosses the CPU-GPU link twice.
 
 # %%
 runs = {"recompute": run(TIGHT_POOL, "recompute"), "swap": run(TIGHT_POOL, "swap")}
@@ -370,7 +371,7 @@ print(f"Reading: recompute prefilled {recompute_tokens} tokens again, and found 
 
 # %% [markdown]
 # Recompute needs no CPU memory and no copy stream, and prefix caching turns most of a just-freed sequence's
-# recomputation into hits on its own blocks: that is why vLLM V1 kept only recompute.
+# recomputation into hits on its own blocks. vLLM V1 keeps only recompute.
 #
 # > **In vLLM.** **V0** (`vllm/core/scheduler.py`, `_preempt`) recomputed single sequences and swapped
 # > multi-sequence groups (parallel sampling, beam search), unless `--preemption-mode` said otherwise; its

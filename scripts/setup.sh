@@ -63,7 +63,10 @@ else
 fi
 
 say "Installing kvlab (editable) with its test and notebook tools"
-pip_install -e ".[dev]"
+# compat mode puts the checkout itself on sys.path (a .pth line) instead of an import hook that runs
+# after Python's own search: then a script run from the folder holding a checkout named `kvlab` still
+# imports the package, not that folder as an empty namespace package ("unknown location").
+pip_install -e ".[dev]" --config-settings editable_mode=compat
 
 echo "$want" >"$stamp"
 say "Setup done: $venv is ready"

@@ -1,3 +1,5 @@
+import pytest
+
 import kvlab
 from kvlab.__main__ import main
 from kvlab.bench.__main__ import main as bench_main
@@ -10,9 +12,40 @@ def test_info_reports_the_kernel_mode_and_versions(capsys):
     assert ("mode: gpu" in out) or ("mode: interpreter" in out)
 
 
-def test_unknown_commands_print_usage_and_fail(capsys):
-    assert main(["frobnicate"]) == 2 and "kvlab study" in capsys.readouterr().err
-    assert bench_main(["nothing"]) == 2 and "blocks" in capsys.readouterr().err
+def exit_status(command, argv) -> int:
+    with pytest.raises(SystemExit) as exit_info:
+        command(argv)
+    return exit_info.value.code
+
+
+@pytest.mark.parametrize("command, argv, choices", [
+    (main, ["frobnicate"], ["study", "info", "bench"]),
+    (bench_main, ["nothing"], ["blocks", "kernels", "engine"]),
+    (main, ["bench", "nothing"], ["blocks", "kernels", "engine"]),
+])
+def test_an_unknown_command_is_named_with_the_choices(command, argv, choices, capsys):
+    assert exit_status(command, argv) == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert f"invalid choice: '{argv[-1]}'" in error and all(name in error for name in choices), error
+
+
+@pytest.mark.parametrize("command, argv", [(main, []), (bench_main, []), (main, ["bench"])])
+def test_a_missing_command_is_an_error(command, argv, capsys):
+    assert exit_status(command, argv) == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("error: the following arguments are required: COMMAND")
+
+
+@pytest.mark.parametrize("command, argv, listed", [
+    (main, ["--help"], ["study", "info", "bench", "engine", "kvlab COMMAND --help"]),
+    (bench_main, ["-h"], ["blocks", "kernels", "engine", "python -m kvlab.bench COMMAND --help"]),
+    (main, ["bench", "--help"], ["blocks", "kernels", "engine", "kvlab bench COMMAND --help"]),
+    (main, ["info", "--help"], ["usage: kvlab info"]),
+    (main, ["study", "--help"], ["usage: kvlab study"]),
+])
+def test_help_lists_every_command_and_exits_0(command, argv, listed, capsys):
+    assert exit_status(command, argv) == 0
+    out = capsys.readouterr().out
+    assert all(word in out for word in listed) and "``" not in out, out
 
 
 def test_block_benchmark_runs_on_a_few_requests(capsys):

@@ -1,20 +1,21 @@
-"""``python -m kvlab.bench blocks|kernels|engine [options]`` (``--help`` after the name for its options)."""
+"""``python -m kvlab.bench blocks|kernels|engine|gpu [options]`` (``--help`` after the name for its options)."""
 
 import sys
 
+from kvlab.commands import dispatch
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] not in ("blocks", "kernels", "engine"):
-        print(__doc__.strip(), file=sys.stderr)
-        return 2
-    if argv[0] == "blocks":
-        from kvlab.bench.blocks import main as run
-    elif argv[0] == "engine":
-        from kvlab.bench.engine import main as run
-    else:
-        from kvlab.bench.kernels import main as run
-    return run(argv[1:])
+COMMANDS = {
+    "blocks": ("block-manager speed on the Mooncake trace (optionally beside nano-vllm's)", "kvlab.bench.blocks:main"),
+    "kernels": ("GPU kernel bandwidth beside torch SDPA (GPU only)", "kvlab.bench.kernels:main"),
+    "engine": ("the engine beside Hugging Face generate: serving (CPU) or throughput (GPU)", "kvlab.bench.engine:main"),
+    "gpu": ("the GPU run book: tests, kernels, engine and plots, time-boxed, into one folder (--dry-run on CPU)",
+            "kvlab.bench.gpu.driver:main"),
+}
+
+
+def main(argv=None, prog: str = "python -m kvlab.bench") -> int:
+    return dispatch(sys.argv[1:] if argv is None else list(argv), prog=prog, commands=COMMANDS,
+                    description="kvlab's benchmarks: scripts that print numbers (no test times anything).")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ Workloads (random token ids from ``--seed``, every request runs to its own outpu
   shared-prefix  every prompt starts with the same long system prompt, then a short random suffix.
 The engine runs each with prefix caching on and off; HF generate runs each once, in batches of
 ``--hf-batch-size`` requests padded to the batch's longest prompt and output. Reported per run: generated
-tokens/s, total (prompt + generated) tokens/s, peak KV memory (engine: blocks in use at the fullest step;
-HF: the largest batch's padded cache) and the prefix hit rate.
+tokens/s, total (prompt + generated) tokens/s, the engine's time to first token and inter-token latency,
+peak KV memory (engine: blocks in use at the fullest step; HF: the largest batch's padded cache) and the
+prefix hit rate.
 
 On a GPU: ``--model DIR`` (a local Llama/Qwen3 directory, e.g. Qwen3-0.6B downloaded with huggingface_hub)
 or, without it, a random model of Qwen3-0.6B's shape in bf16; 256 requests, prompts 100-1024 tokens,
@@ -95,14 +96,24 @@ def run_engine(model_dir, prompts, outputs, *, prefix_caching: bool, block_size:
     first_step = len(llm.step_records)
     sync()
     start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=True)
+    results = llm.generate(prompts, params, use_tqdm=True)
     sync()
     wall = time.perf_counter() - start
     steps = llm.step_dataframe().iloc[first_step:]
-    return dict(wall_s=wall, peak_kv_mib=steps["blocks_used"].max() * llm.kv_cache.bytes_per_block / 2**20,
+    return dict(wall_s=wall, **latency_stats([r.metrics for r in results]),
+                peak_kv_mib=steps["blocks_used"].max() * llm.kv_cache.bytes_per_block / 2**20,
                 kv_pool_mib=llm.block_manager.num_blocks * llm.kv_cache.bytes_per_block / 2**20,
                 prefix_hit_rate=llm.block_manager.stats.hit_rate, preemptions=int(steps["preempted"].sum()),
                 steps=len(steps), dtype=str(llm.dtype).replace("torch.", ""), attention_backend=llm.attention_backend)
+
+
+def latency_stats(metrics) -> dict:
+    """Median and p99 time to first token, median inter-token latency (a request's decode time over its
+    tokens after the first), in ms. Every request arrives at the start, so TTFT includes queueing."""
+    ttft = pd.Series([m.time_to_first_token for m in metrics], dtype=float) * 1e3
+    itl = pd.Series([m.decode_time / (m.num_generated_tokens - 1) for m in metrics if m.num_generated_tokens > 1],
+                    dtype=float) * 1e3
+    return dict(ttft_ms_median=ttft.median(), ttft_ms_p99=ttft.quantile(0.99), itl_ms_median=itl.median())
 
 
 @torch.inference_mode()

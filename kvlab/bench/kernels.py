@@ -7,10 +7,13 @@ memory-bound, so its fraction says how close the kernel gets to the hardware; pr
 its fraction is low by nature.
 
 CSV columns (``data/bench/<gpu-name-slug>.csv``): kernel, impl, dtype, batch, context, num_heads,
-num_kv_heads, head_dim, block_size, median_us, gbps, frac_of_copy_bw, gpu. ``batch`` is the number of
-sequences for attention, of tokens written for reshape_and_cache and of (src, dst) pairs for copy_blocks
-(always ``COPY_LAYERS`` layers); ``context`` is each sequence's length (0 for the cache kernels). Prefill
-cases append ``PREFILL_QUERY_LEN`` new tokens to a cached prefix, so context = prefix + new tokens.
+num_kv_heads, head_dim, block_size, query_len, median_us, gbps, frac_of_copy_bw, gpu. ``batch`` is the number of
+sequences for attention, of tokens written for reshape_and_cache, of (src, dst) pairs for copy_blocks
+(always ``COPY_LAYERS`` layers) and of blocks moved for swap_out / swap_in (one layer, device <-> host);
+``context`` is each sequence's length (0 for the cache kernels). Prefill cases append ``query_len`` new
+tokens (``PREFILL_QUERY_LEN`` in the grid) to a cached prefix, so context = prefix + new tokens. Swaps cross the host link, so their
+fraction is of the measured pinned host <-> device copy in the same direction, not of the device copy.
+Implementations: kernel_impls.py.
 """
 
 import argparse
@@ -18,6 +21,7 @@ import csv
 import re
 import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,7 +31,7 @@ from kvlab.device import ON_GPU
 from kvlab.errors import NeedsGPUError
 
 CSV_COLUMNS = ("kernel", "impl", "dtype", "batch", "context", "num_heads", "num_kv_heads", "head_dim",
-               "block_size", "median_us", "gbps", "frac_of_copy_bw", "gpu")
+               "block_size", "query_len", "median_us", "gbps", "frac_of_copy_bw", "gpu")
 PREFILL_QUERY_LEN = 512
 COPY_LAYERS = 32
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -35,7 +39,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class Case:
-    kernel: str  # "decode", "prefill", "reshape_and_cache" or "copy_blocks"
+    kernel: str  # "decode", "prefill", "reshape_and_cache", "copy_blocks", "swap_out" or "swap_in"
     dtype: str   # key of DTYPES
     batch: int
     context: int
@@ -43,20 +47,29 @@ class Case:
     num_kv_heads: int
     head_dim: int = 128
     block_size: int = 16
+    query_len: int = 0  # new tokens per sequence: 0 = 1 for decode, PREFILL_QUERY_LEN for prefill
+
+    def __post_init__(self):
+        if self.query_len == 0 and self.kernel in ("decode", "prefill"):
+            # resolved here, so that a case equals its CSV row (the dry run shrinks prefill's query)
+            object.__setattr__(self, "query_len", 1 if self.kernel == "decode" else PREFILL_QUERY_LEN)
 
 
 def build_grid(quick=False):
-    """The cases to run: the full grid, or a handful that finishes in about a minute with ``quick``."""
+    """The cases to run: the full grid, or a handful that finishes in about a minute with ``quick``. Prefill
+    runs over several cached-prefix lengths (0 = a prompt with no prefix hit)."""
     heads = [(32, 8)] if quick else [(32, 8), (32, 32)]
     dtypes = ["fp16"] if quick else ["fp16", "bf16"]
     batches = [1, 16] if quick else [1, 4, 16, 64, 256]
     contexts = [512, 4096] if quick else [512, 2048, 8192, 32768]
-    prefixes = [1024] if quick else [4096]
+    prefixes = [1024] if quick else [0, 1024, 4096, 16384]
     cases = [Case("decode", dt, b, c, h, kvh) for dt in dtypes for h, kvh in heads for b in batches for c in contexts]
     cases += [Case("prefill", dt, b, p + PREFILL_QUERY_LEN, h, kvh)
-              for dt in dtypes for h, kvh in heads for b in ([1, 8] if quick else [1, 4, 16]) for p in prefixes]
+              for dt in dtypes for h, kvh in heads for b in ([1, 8] if quick else [1, 16]) for p in prefixes]
     cases += [Case("reshape_and_cache", dt, n, 0, 32, 8) for dt in dtypes for n in ([256] if quick else [1, 256, 8192])]
     cases += [Case("copy_blocks", dt, n, 0, 32, 8) for dt in dtypes for n in ([16] if quick else [1, 16, 256])]
+    cases += [Case(swap, dt, n, 0, 32, 8) for swap in ("swap_out", "swap_in") for dt in dtypes
+              for n in ([64] if quick else [16, 1024])]
     return cases
 
 
@@ -70,7 +83,7 @@ def decode_bytes(case, itemsize):
 def prefill_bytes(case, itemsize):
     """K and V read once per sequence (prefix + new tokens), plus the new tokens' queries and outputs."""
     kv = 2 * case.batch * case.context * case.num_kv_heads * case.head_dim
-    q_and_out = 2 * case.batch * PREFILL_QUERY_LEN * case.num_heads * case.head_dim
+    q_and_out = 2 * case.batch * case.query_len * case.num_heads * case.head_dim
     return (kv + q_and_out) * itemsize
 
 
@@ -85,8 +98,13 @@ def copy_blocks_bytes(case, itemsize):
     return 2 * case.batch * COPY_LAYERS * block
 
 
+def swap_bytes(case, itemsize):
+    """Every block (K and V) crosses the host link once."""
+    return case.batch * 2 * case.block_size * case.num_kv_heads * case.head_dim * itemsize
+
+
 BYTES_MOVED = {"decode": decode_bytes, "prefill": prefill_bytes, "reshape_and_cache": reshape_and_cache_bytes,
-               "copy_blocks": copy_blocks_bytes}
+               "copy_blocks": copy_blocks_bytes, "swap_out": swap_bytes, "swap_in": swap_bytes}
 
 
 def gpu_slug(name):
@@ -95,20 +113,41 @@ def gpu_slug(name):
 
 
 def make_row(case, impl, median_us, copy_gbps, gpu):
-    """One CSV row; bandwidth from the case's required bytes, fraction of the measured copy bandwidth."""
+    """One CSV row; bandwidth from the case's required bytes, fraction of ``copy_gbps``, the ceiling measured
+    for that kind of copy (``Ceilings.for_case``)."""
     gbps = BYTES_MOVED[case.kernel](case, DTYPES[case.dtype].itemsize) / (median_us * 1e-6) / 1e9
     return {**asdict(case), "impl": impl, "median_us": round(median_us, 2), "gbps": round(gbps, 1),
             "frac_of_copy_bw": round(gbps / copy_gbps, 3), "gpu": gpu}
 
 
 def write_csv(rows, path):
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
+    with RowWriter(path) as write:
+        for row in rows:
+            write(row)
+    return Path(path)
+
+
+class RowWriter:
+    """The CSV header at once, then each row flushed as it comes, so a run stopped half way (a time box, a
+    crash) keeps every row it finished."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+
+    def __enter__(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = self.path.open("w", newline="")
+        self.writer = csv.DictWriter(self.file, fieldnames=CSV_COLUMNS)
+        self.writer.writeheader()
+        self.file.flush()
+        return self
+
+    def __call__(self, row):
+        self.writer.writerow(row)
+        self.file.flush()
+
+    def __exit__(self, *exc):
+        self.file.close()
 
 
 def require_gpu():
@@ -117,7 +156,7 @@ def require_gpu():
                             "TRITON_INTERPRET=1) kernel timings mean nothing. Run it on a machine with an NVIDIA GPU.")
 
 
-# ---- GPU-only part: timing --------------------------------------------------------------------------------
+# ---- timing ----------------------------------------------------------------------------------------------
 
 
 class Timer:
@@ -144,151 +183,111 @@ class Timer:
         return 1000.0 * statistics.median(start.elapsed_time(end) for start, end in events)
 
 
-def measure_copy_gbps(timer, nbytes=1 << 30):
+class WallTimer:
+    """The dry run's stand-in for ``Timer`` on CPU (kernels in the interpreter): the same calls, a wall clock.
+    Its numbers only prove the path ran; they say nothing about any GPU."""
+
+    def __init__(self, warmup=1, reps=2):
+        self.warmup, self.reps = warmup, reps
+
+    def median_us(self, fn):
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.reps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return 1e6 * statistics.median(times)
+
+
+def measure_copy_gbps(timer, nbytes=1 << 30, device="cuda"):
     """Device copy bandwidth, counting read + write like the kernels' byte counts do."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     return 2 * nbytes / (timer.median_us(lambda: dst.copy_(src)) * 1e-6) / 1e9
 
 
-# ---- inputs and implementations (run on CUDA; the pure-torch parts are tested on CPU) ---------------------
+def measure_link_gbps(timer, direction, nbytes=256 << 20, device="cuda"):
+    """Host link bandwidth, device -> pinned host ("out") or back ("in"), counting the bytes once like
+    ``swap_bytes``."""
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.device(device).type == "cuda")
+    src, dst = (on_device, host) if direction == "out" else (host, on_device)
+    return nbytes / (timer.median_us(lambda: dst.copy_(src)) * 1e-6) / 1e9
 
 
-def paged_inputs(case, device="cuda"):
-    """A cache holding ``batch`` sequences of ``context`` tokens in shuffled blocks, its block tables and
-    seq_lens, the queries (1 per sequence for decode, PREFILL_QUERY_LEN for prefill) and cu_query_lens."""
-    dtype, q_len = DTYPES[case.dtype], (1 if case.kernel == "decode" else PREFILL_QUERY_LEN)
-    blocks_per_seq = -(-case.context // case.block_size)
-    num_blocks = case.batch * blocks_per_seq
-    kv_cache = torch.randn(num_blocks, 2, case.block_size, case.num_kv_heads, case.head_dim, dtype=dtype, device=device)
-    block_tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(case.batch, blocks_per_seq)
-    seq_lens = torch.full((case.batch,), case.context, dtype=torch.int32, device=device)
-    query = torch.randn(case.batch * q_len, case.num_heads, case.head_dim, dtype=dtype, device=device)
-    cu_query_lens = torch.arange(0, case.batch + 1, dtype=torch.int32, device=device) * q_len
-    return kv_cache, block_tables, seq_lens, query, cu_query_lens
+@dataclass
+class Ceilings:
+    copy_gbps: float   # device -> device, read + write
+    out_gbps: float    # device -> pinned host
+    in_gbps: float     # pinned host -> device
 
+    @classmethod
+    def measure(cls, timer, device="cuda", nbytes=1 << 30):
+        return cls(measure_copy_gbps(timer, nbytes, device), measure_link_gbps(timer, "out", nbytes // 4, device),
+                   measure_link_gbps(timer, "in", nbytes // 4, device))
 
-def contiguous_kv(kv_cache, block_tables, seq_len):
-    """The no-paging baseline's K, V ``[batch, num_kv_heads, seq_len, head_dim]`` (gathered once, not timed)."""
-    k, v = (kv_cache[block_tables.long(), i].flatten(1, 2)[:, :seq_len].transpose(1, 2).contiguous() for i in (0, 1))
-    return k, v
-
-
-def sdpa_contiguous(case, query, kv_cache, block_tables):
-    """The no-paging baseline: torch SDPA over K/V gathered once into contiguous tensors (not timed).
-    Returns a callable giving ``[batch, num_heads, q_len, head_dim]``."""
-    q_len = query.shape[0] // case.batch
-    k, v = contiguous_kv(kv_cache, block_tables, case.context)
-    q = query.view(case.batch, q_len, case.num_heads, case.head_dim).transpose(1, 2)
-    mask = None
-    if q_len > 1:
-        from torch.nn.attention.bias import causal_lower_right  # new tokens sit at the end of the context
-        mask = causal_lower_right(q_len, case.context)
-    return lambda: torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, enable_gqa=case.num_heads != case.num_kv_heads)
-
-
-def attention_impls(case):
-    """{impl name: zero-argument callable} for one decode or prefill case; peers that fail to import or set
-    up are reported and skipped."""
-    q_len = 1 if case.kernel == "decode" else PREFILL_QUERY_LEN
-    kv_cache, block_tables, seq_lens, query, cu_query_lens = paged_inputs(case)
-    impls = {}
-    if case.kernel == "decode":
-        from kvlab.kernels.paged_attention_decode import paged_attention_decode
-        impls["kvlab"] = lambda: paged_attention_decode(query, kv_cache, block_tables, seq_lens)
-    else:
-        from kvlab.kernels.paged_prefill import paged_prefill
-        impls["kvlab"] = lambda: paged_prefill(query, kv_cache, block_tables, seq_lens, cu_query_lens)
-
-    impls["torch_sdpa_contiguous"] = sdpa_contiguous(case, query, kv_cache, block_tables)
-    try:
-        impls["flashinfer"] = flashinfer_impl(case, query, kv_cache, block_tables, cu_query_lens, q_len)
-    except Exception as error:  # optional peer: absent or an incompatible version
-        print(f"  flashinfer skipped: {type(error).__name__}: {error}", file=sys.stderr)
-    return impls
-
-
-def flashinfer_impl(case, query, kv_cache, block_tables, cu_query_lens, q_len):
-    """flashinfer's paged wrappers read our cache layout as is ("NHD": [pages, 2, page_size, heads, dim])."""
-    import flashinfer
-
-    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-    blocks_per_seq = block_tables.shape[1]
-    indptr = torch.arange(0, case.batch + 1, dtype=torch.int32, device="cuda") * blocks_per_seq
-    indices = block_tables.flatten().contiguous()
-    last_page_len = torch.full((case.batch,), (case.context - 1) % case.block_size + 1, dtype=torch.int32,
-                               device="cuda")
-    shape = (case.num_heads, case.num_kv_heads, case.head_dim, case.block_size)
-    if q_len == 1:
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-        wrapper.plan(indptr, indices, last_page_len, *shape, data_type=query.dtype)
-    else:
-        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        wrapper.plan(cu_query_lens, indptr, indices, last_page_len, *shape, causal=True, q_data_type=query.dtype)
-    return lambda: wrapper.run(query, kv_cache)
-
-
-def cache_op_impls(case):
-    """{impl name: callable} for reshape_and_cache or copy_blocks: the Triton kernel and a plain torch peer."""
-    dtype = DTYPES[case.dtype]
-    from kvlab.kernels.cache import allocate_kv_cache
-    if case.kernel == "reshape_and_cache":
-        from kvlab.kernels.reshape_and_cache import reshape_and_cache
-        num_blocks = 2 * (-(-case.batch // case.block_size))
-        (kv_cache,) = allocate_kv_cache(1, case.num_kv_heads, case.head_dim, block_size=case.block_size, dtype=dtype,
-                                        device="cuda", num_blocks=num_blocks)
-        key, value = (torch.randn(case.batch, case.num_kv_heads, case.head_dim, dtype=dtype, device="cuda")
-                      for _ in range(2))
-        slots = torch.randperm(num_blocks * case.block_size, device="cuda")[:case.batch]
-        blocks, offsets = slots // case.block_size, slots % case.block_size
-
-        def torch_scatter():
-            kv_cache[blocks, 0, offsets] = key
-            kv_cache[blocks, 1, offsets] = value
-        return {"kvlab": lambda: reshape_and_cache(key, value, kv_cache, slots), "torch_index_put": torch_scatter}
-
-    from kvlab.kernels.copy_blocks import copy_blocks
-    kv_caches = allocate_kv_cache(COPY_LAYERS, case.num_kv_heads, case.head_dim, block_size=case.block_size,
-                                  dtype=dtype, device="cuda", num_blocks=2 * case.batch)
-    pairs = torch.randperm(2 * case.batch, device="cuda").view(-1, 2)  # disjoint srcs and dsts
-
-    def torch_per_layer():
-        for kv_cache in kv_caches:
-            kv_cache[pairs[:, 1]] = kv_cache[pairs[:, 0]]
-    return {"kvlab": lambda: copy_blocks(kv_caches, pairs), "torch_per_layer": torch_per_layer}
+    def for_case(self, case):
+        return {"swap_out": self.out_gbps, "swap_in": self.in_gbps}.get(case.kernel, self.copy_gbps)
 
 
 def fits(case, free_bytes):
-    """Skip cases whose cache (plus the baseline's contiguous copy) would not fit comfortably."""
+    """Skip cases whose cache (plus the baselines' copies: SDPA's contiguous one, FlexAttention's) would not
+    fit comfortably."""
     if case.kernel not in ("decode", "prefill"):
         return True
     cache = 2 * case.batch * case.context * case.num_kv_heads * case.head_dim * DTYPES[case.dtype].itemsize
-    return 2 * cache < 0.7 * free_bytes
+    return 3 * cache < 0.7 * free_bytes
 
 
-def run(cases, out_dir):
+#: The ``gpu`` column of a dry run (CPU, interpreter): never mistaken for a GPU's row.
+DRY_RUN_LABEL = "dry run on CPU (Triton interpreter)"
+
+
+def run(cases, out_dir, *, dry_run=False, deadline=None, failures=None):
+    """Time every case and write ``<out_dir>/<gpu-name-slug>.csv``, row by row; returns its path.
+
+    ``deadline`` (``time.monotonic()`` seconds): cases not started by then are left out, and said so.
+    ``failures``: a list that gets one line per implementation that raised (the others go on).
+    ``dry_run``: the same path on CPU with the kernels in the interpreter and ``WallTimer``, for CI."""
     from tqdm.auto import tqdm
 
-    gpu = torch.cuda.get_device_name()
-    timer = Timer()
-    copy_gbps = measure_copy_gbps(timer)
-    print(f"{gpu}: device copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
-    rows = []
-    for case in tqdm(cases, desc="kernel cases"):
-        if not fits(case, torch.cuda.mem_get_info()[0]):
-            print(f"skip (does not fit in GPU memory): {case}")
-            continue
-        impls = attention_impls(case) if case.kernel in ("decode", "prefill") else cache_op_impls(case)
-        for impl, fn in impls.items():
-            row = make_row(case, impl, timer.median_us(fn), copy_gbps, gpu)
-            rows.append(row)
-            print(f"{case.kernel:>18} {impl:>22} {case.dtype} b={case.batch:<4} ctx={case.context:<6} "
-                  f"h={case.num_heads}/{case.num_kv_heads}: {row['median_us']:>9.1f} us {row['gbps']:>7.1f} GB/s "
-                  f"({row['frac_of_copy_bw']:.0%} of copy)")
-        del impls
-        torch.cuda.empty_cache()
-    return write_csv(rows, Path(out_dir) / f"{gpu_slug(gpu)}.csv")
+    from kvlab.bench.kernel_impls import attention_impls, cache_op_impls
+
+    device, gpu = ("cpu", DRY_RUN_LABEL) if dry_run else ("cuda", torch.cuda.get_device_name())
+    timer = WallTimer() if dry_run else Timer()
+    ceilings = Ceilings.measure(timer, device, nbytes=(1 << 20) if dry_run else (1 << 30))
+    print(f"{gpu}: device copy {ceilings.copy_gbps:.0f} GB/s (read + write), to host {ceilings.out_gbps:.1f} GB/s, "
+          f"from host {ceilings.in_gbps:.1f} GB/s")
+    path = Path(out_dir) / f"{gpu_slug(gpu)}.csv"
+    with RowWriter(path) as write:
+        for done, case in enumerate(tqdm(cases, desc="kernel cases")):
+            if deadline is not None and time.monotonic() > deadline:
+                print(f"out of time: {len(cases) - done} of {len(cases)} cases not run")
+                break
+            if not dry_run and not fits(case, torch.cuda.mem_get_info()[0]):
+                print(f"skip (does not fit in GPU memory): {case}")
+                continue
+            impls = attention_impls(case, device) if case.kernel in ("decode", "prefill") else cache_op_impls(case, device)
+            for impl, fn in impls.items():
+                try:
+                    median_us = timer.median_us(fn)
+                except Exception as error:  # one implementation failing (a peer's compiler, say) spares the rest
+                    line = f"{case.kernel} {impl} {case}: {type(error).__name__}: {str(error)[:300]}"
+                    print(f"FAILED {line}", file=sys.stderr)
+                    if failures is not None:
+                        failures.append(line)
+                    continue
+                row = make_row(case, impl, median_us, ceilings.for_case(case), gpu)
+                write(row)
+                print(f"{case.kernel:>18} {impl:>22} {case.dtype} b={case.batch:<4} ctx={case.context:<6} "
+                      f"h={case.num_heads}/{case.num_kv_heads}: {row['median_us']:>9.1f} us {row['gbps']:>7.1f} GB/s "
+                      f"({row['frac_of_copy_bw']:.0%} of copy)")
+            del impls
+            if not dry_run:
+                torch.cuda.empty_cache()
+    return path
 
 
 def main(argv=None) -> int:

@@ -20,17 +20,13 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from kvlab.bench.engine import sync
 from kvlab.device import ON_GPU
 
 PROMPT_LENS = (5, 61, 118, 174, 230)
 NEW_TOKENS = 20
 DECODE_PROMPT_LENS = (226, 227, 228, 229, 230)
 HF = "HF generate, one prompt at a time"
-
-
-def _sync():
-    if ON_GPU:
-        torch.cuda.synchronize()
 
 
 def _prompts(vocab: int, lens, seed: int) -> list[list[int]]:
@@ -57,10 +53,10 @@ def engine_end_to_end(model_dir, backend: str, prompts, repeats: int) -> list[fl
     times = []
     for _ in range(repeats):
         llm.block_manager.reset_prefix_cache()
-        _sync()
+        sync()
         start = time.perf_counter()
         llm.generate(prompts, _greedy(NEW_TOKENS), use_tqdm=False)
-        _sync()
+        sync()
         times.append(time.perf_counter() - start)
     return times
 
@@ -97,11 +93,11 @@ def hf_end_to_end(model_dir, prompts, dtype, repeats: int) -> list[float]:
     run(prompts[0][:8], 2)  # warm-up
     times = []
     for _ in range(repeats):
-        _sync()
+        sync()
         start = time.perf_counter()
         for prompt in prompts:
             run(prompt, NEW_TOKENS)
-        _sync()
+        sync()
         times.append(time.perf_counter() - start)
     return times
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from kvlab.engine.config import ModelConfig
-from kvlab.engine.layers import RMSNorm, RotaryEmbedding
+from kvlab.engine.layers import RMSNorm, Rotation
 from kvlab.kernels import paged_attention_decode, paged_prefill, reshape_and_cache
 from kvlab.kernels.torch_paged import (PagedPlan, paged_attention_torch, plan_paged_attention,
                                        reshape_and_cache_torch)
@@ -65,7 +65,7 @@ class PagedSelfAttention(nn.Module):
         self.qk_norm = config.qk_norm
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, kv_cache: torch.Tensor,
+    def forward(self, x: torch.Tensor, rotation: Rotation, kv_cache: torch.Tensor,
                 batch: AttentionBatch) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]``; kv_cache ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``."""
         tokens = x.shape[0]
@@ -74,7 +74,7 @@ class PagedSelfAttention(nn.Module):
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(positions, q, k)
+        q, k = rotation.apply(q, k)
         # The ordering rule: this step's K/V are in the cache before any query reads it (a sequence that hit
         # a prefix another sequence is computing in this very step reads it here).
         if batch.plan is not None:  # the torch backend

@@ -5,18 +5,28 @@ model is one the engine implements and reduces it to the handful of numbers the 
 """
 
 import json
+import math
+import numbers
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvlab.engine.errors import UnsupportedModelError, WeightsError
+from kvlab.engine.errors import ModelFileError, UnsupportedModelError
+from kvlab.errors import InvalidArgumentError
+from kvlab.validation import is_int
 
 #: model_type in config.json -> whether attention normalises q and k per head (Qwen3's q_norm / k_norm).
 ARCHITECTURES = {"llama": False, "qwen3": True}
-#: Rotary variants whose frequencies do not depend on the current length (so one table serves every step).
+#: Rotary variants whose frequencies do not depend on the current length (so they are computed once).
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: config.json fields the model code uses -> their smallest allowed value (the context needs a prompt token and a
+#: generated one).
+INT_FIELDS = {"vocab_size": 1, "hidden_size": 1, "intermediate_size": 1, "num_hidden_layers": 1,
+              "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 2, "max_position_embeddings": 2}
+OPTIONAL_FIELDS = ("num_key_value_heads", "head_dim")  # absent: as many as the query heads; hidden / heads
 
 
 @dataclass(frozen=True)
@@ -42,17 +52,47 @@ class ModelConfig:
     dtype: torch.dtype | None  # the dtype the weights were saved in, if the config says
 
 
-def _read_json(path: Path) -> dict:
+def _read_json_object(file: Path) -> dict:
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise WeightsError(f"cannot read {path}: {e}") from None
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError) as e:  # ValueError: invalid JSON or invalid UTF-8
+        raise ModelFileError(f"cannot read {file}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ModelFileError(f"{file} must hold a JSON object ({{\"field\": value, ...}}), got a {type(raw).__name__}")
+    return raw
 
 
-def _as_id_set(value) -> set:
+def _eos_ids(value, file: Path) -> set:
+    """``eos_token_id`` as a set: null, one token id or a list of them."""
     if value is None:
         return set()
-    return {int(value)} if isinstance(value, int) else {int(v) for v in value}
+    ids = [value] if is_int(value) else value
+    if not isinstance(ids, (list, tuple)) or not all(is_int(v) and v >= 0 for v in ids):
+        raise ModelFileError(f"{file}: eos_token_id must be a token id (an int >= 0), a list of them or null, "
+                             f"got {value!r}")
+    return {int(v) for v in ids}
+
+
+def _check_numbers(get, file: Path, resolved: bool) -> None:
+    """The sizes the model code uses, read with ``get(name)``: from the raw JSON (``resolved`` False: only the
+    fields present are checked, before transformers sees them, so the message names the field whatever
+    transformers' version says) or from the parsed config (``resolved``: every field, defaults included)."""
+    for name, minimum in INT_FIELDS.items():
+        value = get(name)
+        if value is None and (not resolved or name in OPTIONAL_FIELDS):
+            continue
+        if not is_int(value) or value < minimum:
+            raise ModelFileError(f"{file}: {name} must be an int >= {minimum}, got {value!r}")
+    if get("head_dim") is not None and get("head_dim") % 2:
+        raise ModelFileError(f"{file}: head_dim must be even (rotary embeddings rotate pairs of features), got "
+                             f"{get('head_dim')}")
+    eps = get("rms_norm_eps")
+    if (eps is not None or resolved) and not _positive_number(eps):
+        raise ModelFileError(f"{file}: rms_norm_eps must be a finite number > 0, got {eps!r}")
+
+
+def _positive_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def rope_parameters(hf_config) -> dict:
@@ -68,41 +108,72 @@ def rope_parameters(hf_config) -> dict:
 
 
 def load_model_config(path) -> ModelConfig:
-    """Read and check ``path/config.json``. Raises UnsupportedModelError for anything the engine cannot run."""
+    """Read and check ``path/config.json`` (and ``generation_config.json``'s end-of-sequence ids). Raises
+    ModelFileError for a missing directory or a file that is unreadable or holds a value that is not allowed,
+    UnsupportedModelError for a model the engine cannot run."""
     from transformers import AutoConfig  # imported here: transformers is slow to import
 
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgumentError(f"model must be the path of a Hugging Face model directory (a str or "
+                                   f"os.PathLike), got {type(path).__name__}")
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise WeightsError(f"{path} is not a Hugging Face model directory: it has no config.json")
-    raw = _read_json(path / "config.json")
+    file = path / "config.json"
+    if not path.is_dir():
+        raise ModelFileError(f"model directory {path} does not exist" if not path.exists() else
+                             f"{path} is not a directory: pass the Hugging Face model's directory")
+    if not file.is_file():
+        raise ModelFileError(f"{path} is not a Hugging Face model directory: it has no config.json")
+    raw = _read_json_object(file)
     model_type = raw.get("model_type")
-    if model_type not in ARCHITECTURES:
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
         raise UnsupportedModelError(
-            f"{path}: model_type {model_type!r} (architectures {raw.get('architectures')}) is not supported; "
+            f"{file}: model_type {model_type!r} (architectures {raw.get('architectures')}) is not supported; "
             f"kvlab.engine runs {', '.join(sorted(ARCHITECTURES))}")
-    hf = AutoConfig.from_pretrained(path)
+    _check_numbers(raw.get, file, resolved=False)
+    for name, kind, allowed in (("layer_types", (list,), "a list of layer kinds"),
+                                ("dtype", (str,), "a dtype name such as \"bfloat16\""),
+                                ("torch_dtype", (str,), "a dtype name such as \"bfloat16\"")):
+        if raw.get(name) is not None and not isinstance(raw[name], kind):  # transformers' own errors omit the name
+            raise ModelFileError(f"{file}: {name} must be {allowed} or absent, got {raw[name]!r}")
+    try:
+        hf = AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - transformers' checks raise many types; each means a bad config.json
+        raise ModelFileError(f"{file}: transformers rejects this {model_type} config: {e}") from None
+    _check_numbers(lambda name: getattr(hf, name, None), file, resolved=True)
     if getattr(hf, "hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"{path}: hidden_act {hf.hidden_act!r}; the MLP implemented here is SwiGLU "
+        raise UnsupportedModelError(f"{file}: hidden_act {hf.hidden_act!r}; the MLP implemented here is SwiGLU "
                                     "(silu)")
     if getattr(hf, "use_sliding_window", False) or "sliding_attention" in (getattr(hf, "layer_types", None) or ()):
-        raise UnsupportedModelError(f"{path}: sliding-window layers are not supported by kvlab.engine")
-    rope_type = rope_parameters(hf)["rope_type"]
-    if rope_type not in ROPE_TYPES:
-        raise UnsupportedModelError(f"{path}: rope type {rope_type!r} is not supported; supported: "
+        raise UnsupportedModelError(f"{file}: sliding-window layers are not supported by kvlab.engine")
+    try:
+        rope = rope_parameters(hf)
+    except (TypeError, ValueError) as e:  # rope_parameters / rope_scaling is not a mapping
+        raise ModelFileError(f"{file}: rope_parameters (or rope_scaling) must be a JSON object: {e}") from None
+    if not isinstance(rope["rope_type"], str) or rope["rope_type"] not in ROPE_TYPES:
+        raise UnsupportedModelError(f"{file}: rope type {rope['rope_type']!r} is not supported; supported: "
                                     f"{', '.join(ROPE_TYPES)}")
-    num_heads, num_kv_heads = hf.num_attention_heads, getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    if not _positive_number(rope["rope_theta"]):
+        raise ModelFileError(f"{file}: rope_theta must be a finite number > 0, got {rope['rope_theta']!r}")
+    num_heads = hf.num_attention_heads
+    num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
     if num_heads % num_kv_heads:
-        raise UnsupportedModelError(f"{path}: {num_heads} attention heads is not a multiple of {num_kv_heads} kv heads")
-    eos = _as_id_set(getattr(hf, "eos_token_id", None))
-    if (path / "generation_config.json").is_file():
-        eos |= _as_id_set(_read_json(path / "generation_config.json").get("eos_token_id"))
+        raise UnsupportedModelError(f"{file}: {num_heads} attention heads is not a multiple of {num_kv_heads} kv heads")
+    head_dim = getattr(hf, "head_dim", None)
+    if head_dim is None:
+        if hf.hidden_size % num_heads:
+            raise ModelFileError(f"{file}: hidden_size {hf.hidden_size} is not a multiple of num_attention_heads "
+                                 f"{num_heads}, and no head_dim is given")
+        head_dim = hf.hidden_size // num_heads
+    eos = _eos_ids(getattr(hf, "eos_token_id", None), file)
+    generation = path / "generation_config.json"
+    if generation.is_file():
+        eos |= _eos_ids(_read_json_object(generation).get("eos_token_id"), generation)
     dtype_name = raw.get("dtype") or raw.get("torch_dtype")
     return ModelConfig(
         path=path, model_type=model_type, hf_config=hf, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
         intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
-        rms_norm_eps=hf.rms_norm_eps, attention_bias=bool(getattr(hf, "attention_bias", False)),
-        mlp_bias=bool(getattr(hf, "mlp_bias", False)), qk_norm=ARCHITECTURES[model_type],
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        max_position_embeddings=hf.max_position_embeddings, rope_type=rope_type, eos_token_ids=frozenset(eos),
-        dtype=DTYPES.get(dtype_name))
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rms_norm_eps=hf.rms_norm_eps,
+        attention_bias=bool(getattr(hf, "attention_bias", False)), mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        qk_norm=ARCHITECTURES[model_type], tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        max_position_embeddings=hf.max_position_embeddings, rope_type=rope["rope_type"],
+        eos_token_ids=frozenset(eos), dtype=DTYPES.get(dtype_name))

@@ -12,8 +12,15 @@ class UnsupportedModelError(KvlabError, ValueError):
     (unknown ``model_type``, a head dim or dtype the kernels do not support, sliding-window layers...)."""
 
 
+class ModelFileError(KvlabError, ValueError):
+    """The model directory is missing, or one of its files other than the weights (``config.json``,
+    ``generation_config.json``, the tokenizer's files) cannot be read or holds a value the engine cannot use;
+    the message names the file, the field and what is allowed."""
+
+
 class WeightsError(KvlabError, ValueError):
-    """The ``*.safetensors`` files do not match the model's config: missing, unexpected or misshapen tensors."""
+    """The ``*.safetensors`` files (or their shard index) cannot be read or do not match the model's config:
+    missing, unexpected or misshapen tensors."""
 
 
 class PromptTooLongError(KvlabError, ValueError):

@@ -52,21 +52,32 @@ def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding:
-    """cos/sin tables for every position up to ``max_positions``, computed once in fp32 as HF does and
-    stored in the model dtype; ``apply`` rotates q ``[T, H, D]`` and k ``[T, KH, D]`` at ``positions [T]``."""
+    """Rotary position embedding: ``at(positions [T])`` gives the cos/sin of one step's positions, computed in
+    fp32 as HF does (position times inverse frequency) and cast to the model dtype. Computed per step, not
+    tabled: a table for every position would cost memory in proportion to the context (gigabytes for a
+    million-token config, and a config's ``max_position_embeddings`` may be anything)."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device):
-        inv_freq, scaling = rope_frequencies(config)
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, D/2]
-        angles = torch.cat((angles, angles), dim=-1)                                     # [P, D]
-        self.cos = (angles.cos() * scaling).to(device=device, dtype=dtype)
-        self.sin = (angles.sin() * scaling).to(device=device, dtype=dtype)
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device):
+        inv_freq, self.scaling = rope_frequencies(config)
+        self.inv_freq, self.dtype = inv_freq.to(device), dtype
+
+    def at(self, positions: torch.Tensor) -> "Rotation":
+        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        angles = torch.cat((angles, angles), dim=-1)[:, None, :]       # [T, 1, D]
+        return Rotation((angles.cos() * self.scaling).to(self.dtype), (angles.sin() * self.scaling).to(self.dtype))
+
+
+class Rotation:
+    """One step's cos/sin ``[T, 1, D]``; ``apply`` rotates q ``[T, H, D]`` and k ``[T, KH, D]``."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self.cos, self.sin = cos, sin
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
-    def apply(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, D]
+    def apply(self, q: torch.Tensor, k: torch.Tensor):
+        cos, sin = self.cos, self.sin
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin

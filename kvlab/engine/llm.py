@@ -1,7 +1,8 @@
 """``LLM``: load a local Hugging Face model and serve it with continuous batching on kvlab's paged KV cache.
 
 Offline: ``llm.generate(prompts, SamplingParams(...))``. Step by step (to watch the pool between steps):
-``llm.add_request(...)``, then ``llm.step()`` while ``llm.has_unfinished_requests()``.
+``llm.add_request(...)``, then ``llm.step()`` while ``llm.has_unfinished_requests()``. Every request's output
+is returned exactly once: by the ``generate`` call that added it, else by ``step``.
 """
 
 import itertools
@@ -10,7 +11,7 @@ from tqdm.auto import tqdm
 
 from kvlab.blocks.manager import BlockManager
 from kvlab.engine.config import load_model_config
-from kvlab.engine.errors import NoTokenizerError, PromptTooLongError
+from kvlab.engine.errors import ModelFileError, NoTokenizerError, PromptTooLongError
 from kvlab.engine.kv_cache import PagedKVCache, blocks_for_memory, check_kernel_support
 from kvlab.engine.request import Request, RequestOutput
 from kvlab.engine.runner import ModelRunner
@@ -50,6 +51,7 @@ class LLM:
         self.device = resolve_device(device)
         self.attention_backend = resolve_attention_backend(attention_backend, self.device)
         self.model_config = config = load_model_config(model)
+        self.tokenizer = self._load_tokenizer(config.path)  # before the weights and the cache: fails fast
         self.dtype = resolve_dtype(dtype, config, self.device)
         if max_model_len is not None and max_model_len > config.max_position_embeddings:
             raise InvalidArgumentError(f"max_model_len={max_model_len} is longer than the model's context "
@@ -58,7 +60,7 @@ class LLM:
         self.max_num_batched_tokens = max_num_batched_tokens
         check_kernel_support(config, block_size, self.dtype, self.device, self.attention_backend)
         self.model = load_model(config, self.dtype, self.device)
-        self.model.init_rope(self.max_model_len, self.dtype, self.device)
+        self.model.init_rope(self.dtype, self.device)
         if num_blocks is None:
             num_blocks = blocks_for_memory(
                 config, block_size, self.dtype, self.device, gpu_memory_utilization=gpu_memory_utilization,
@@ -69,21 +71,26 @@ class LLM:
         self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                           enable_prefix_caching=enable_prefix_caching, record_events=record_events)
         self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.dtype, self.device, num_cpu_blocks)
-        self.tokenizer = self._load_tokenizer(config.path)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, preemption_mode=preemption_mode)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, self.attention_backend)
         self._loop = StepLoop(self.scheduler, self.runner, Sampler(seed, self.device), config.eos_token_ids,
                               self.max_model_len)
         self._request_ids = itertools.count()
+        self._unreturned: list[RequestOutput] = []  # outputs generate() saw for requests it did not add
 
     @staticmethod
     def _load_tokenizer(path):
-        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        present = [name for name in TOKENIZER_FILES if (path / name).is_file()]
+        if not present:
             return None
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path)
+        try:
+            return AutoTokenizer.from_pretrained(path)
+        except Exception as e:  # noqa: BLE001 - tokenizer backends raise many types; each means unusable files
+            raise ModelFileError(f"{path}: cannot load the tokenizer from {', '.join(present)}: "
+                                 f"{type(e).__name__}: {e}") from None
 
     # ---- the step-level API ------------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -91,15 +98,21 @@ class LLM:
         id. Raises before queueing anything if the prompt or the parameters cannot be served."""
         params = self._check_params(params)
         token_ids = self._encode(prompt)
-        if request_id is not None and (not isinstance(request_id, str) or request_id in self._loop.requests):
-            raise InvalidArgumentError(f"request_id must be a new string (not one of the unfinished requests), "
-                                       f"got {request_id!r}")
+        if request_id is not None and (not isinstance(request_id, str) or request_id in self._ids_in_use()):
+            raise InvalidArgumentError(f"request_id must be a new string (not the id of a request that is "
+                                       f"unfinished or whose output step() has not returned yet), got {request_id!r}")
         return self._queue(prompt, token_ids, params, request_id)
+
+    def _ids_in_use(self) -> set[str]:
+        """Ids that one output of a coming step() could carry: two requests must never share one."""
+        return ({*self._loop.requests} | {r.request_id for r in self._loop.finished_between}
+                | {o.request_id for o in self._unreturned})
 
     def _queue(self, prompt, token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         if request_id is None:
+            in_use = self._ids_in_use()
             request_id = str(next(self._request_ids))
-            while request_id in self._loop.requests:  # a caller may have taken that name
+            while request_id in in_use:  # a caller may have taken that name
                 request_id = str(next(self._request_ids))
         request = Request.create(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
                                  self.block_manager.block_size, self.device)
@@ -107,21 +120,37 @@ class LLM:
         return request_id
 
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one step; returns the requests that finished in it."""
-        return [r.output(self.tokenizer) for r in self._loop.step()]
+        """Schedule and run one step. Returns the outputs not returned yet: first those of requests that
+        finished since the last call (aborted with ``abort_request`` or by a failed step, or finished during
+        ``generate``, which returns only its own), then those that finished in this step. Returns them even
+        when nothing is queued (then no step runs)."""
+        finished = self._outputs(self._loop.step())
+        outputs, self._unreturned = self._unreturned + finished, []
+        return outputs
+
+    def _outputs(self, requests) -> list[RequestOutput]:
+        return [r.output(self.tokenizer) for r in requests]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._loop.requests)
+        """Whether some request's output has not been returned yet: it is in flight, or finished and waiting
+        for the next ``step`` (so ``while llm.has_unfinished_requests(): llm.step()`` collects every output)."""
+        return bool(self._loop.requests or self._loop.finished_between or self._unreturned)
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request between steps (its unfinished samples end with finish_reason "abort")."""
+        """Stop a request between steps: its unfinished samples end with finish_reason "abort", and the next
+        ``step`` returns its output. An id that is unknown or already finished is ignored (a request may
+        finish just before the caller aborts it)."""
+        if not isinstance(request_id, str):
+            raise InvalidArgumentError(f"request_id must be a string, got {type(request_id).__name__}")
         self._loop.abort(request_id, "aborted by the caller")
 
     # ---- offline generation ------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Run ``prompts`` (a list of strings or of token-id lists, or one string) to completion, in a batch
         with any requests already queued. ``sampling_params``: one for all, or a list with one per prompt.
-        Every prompt is checked before the first is queued."""
+        Every prompt is checked before the first is queued. Returns the outputs of these prompts, in order;
+        outputs of other requests that finish meanwhile are kept and returned by the next ``step()`` (as are
+        these prompts' outputs if generate raises)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or any(is_int(p) for p in prompts):
@@ -135,12 +164,19 @@ class LLM:
         token_ids = [self._encode(prompt) for prompt in prompts]  # all checked before any is queued
         ids = [self._queue(*args) for args in zip(prompts, token_ids, params)]
         pending, done = set(ids), {}
-        with tqdm(total=len(ids), desc="requests", disable=not use_tqdm) as bar:
-            while pending:
-                finished = [o for o in self.step() if o.request_id in pending]
-                pending.difference_update(o.request_id for o in finished)
-                done.update((o.request_id, o) for o in finished)
-                bar.update(len(finished))
+        try:
+            with tqdm(total=len(ids), desc="requests", disable=not use_tqdm) as bar:
+                while pending:
+                    for output in self._outputs(self._loop.step()):
+                        if output.request_id in pending:
+                            pending.discard(output.request_id)
+                            done[output.request_id] = output
+                            bar.update(1)
+                        else:
+                            self._unreturned.append(output)
+        except BaseException:
+            self._unreturned += done.values()  # finished, not returned: the next step() returns them
+            raise
         return [done[i] for i in ids]
 
     # ---- what happened ------------------------------------------------------------------------------------
@@ -167,13 +203,24 @@ class LLM:
         if params.n > self.scheduler.max_num_seqs:
             raise InvalidArgumentError(f"n={params.n} samples can never run together: max_num_seqs is "
                                        f"{self.scheduler.max_num_seqs}")
+        vocab = self.model_config.vocab_size
+        if params.top_k > vocab:
+            raise InvalidArgumentError(f"top_k={params.top_k} is more than the model's {vocab} tokens: use 1 to "
+                                       f"{vocab}, or 0 or -1 for no cut")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidArgumentError(f"stop_token_ids must be token ids in [0, {vocab}), got "
+                                       f"{[t for t in params.stop_token_ids if t >= vocab][:8]} among them")
         return params
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise NoTokenizerError(f"{self.model_config.path} has no tokenizer: pass prompts as token-id lists")
-            token_ids = self.tokenizer.encode(prompt)
+            try:
+                token_ids = self.tokenizer.encode(prompt)
+            except Exception as e:  # noqa: BLE001 - e.g. a lone surrogate, which the Rust tokenizers refuse
+                raise InvalidArgumentError(f"the tokenizer cannot encode this prompt ({prompt[:40]!r}): "
+                                           f"{type(e).__name__}: {e}") from None
         elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             token_ids = [int(t) for t in prompt]
         else:

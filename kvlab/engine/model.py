@@ -17,8 +17,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(self, h, positions, rope, kv_cache, batch):
-        h = h + self.self_attn(self.input_layernorm(h), positions, rope, kv_cache, batch)
+    def forward(self, h, rotation, kv_cache, batch):
+        h = h + self.self_attn(self.input_layernorm(h), rotation, kv_cache, batch)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -41,8 +41,8 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None  # built by ``init_rope`` once the device and dtype are known
 
-    def init_rope(self, max_positions: int, dtype: torch.dtype, device) -> None:
-        self.rope = RotaryEmbedding(self.config, max_positions, dtype, device)
+    def init_rope(self, dtype: torch.dtype, device) -> None:
+        self.rope = RotaryEmbedding(self.config, dtype, device)
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
@@ -53,8 +53,9 @@ class CausalLM(nn.Module):
         """input_ids, positions int64 ``[T]`` -> hidden states ``[T, hidden]`` (final norm applied);
         ``kv_caches``: one paged cache per layer."""
         h = self.model.embed_tokens(input_ids)
+        rotation = self.rope.at(positions)  # once per step, shared by every layer
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(h, positions, self.rope, kv_cache, batch)
+            h = layer(h, rotation, kv_cache, batch)
         return self.model.norm(h)
 
     @torch.inference_mode()

@@ -104,11 +104,18 @@ class Request:
         return None
 
     def output(self, tokenizer) -> RequestOutput:
+        """A sample whose tokens the tokenizer cannot decode keeps them, with no text and finish_reason
+        "abort" (the reason says why); the other samples' texts are unaffected."""
         outputs = []
         for k, finish in enumerate(self.finishes):
             seq = self.seqs[k] if k < len(self.seqs) else None  # aborted before the fork: no sequence
             ids = seq.token_ids[seq.num_prompt_tokens:] if seq is not None else []
-            text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else None
+            text = None
+            if tokenizer is not None:
+                try:
+                    text = tokenizer.decode(ids, skip_special_tokens=True)
+                except Exception as error:  # noqa: BLE001 - kept as this sample's abort reason
+                    finish = Finish("abort", abort_reason=f"detokenizing failed for this sample: {error!r}")
             outputs.append(CompletionOutput(k, ids, text, finish and finish.reason, finish and finish.stop_reason,
                                             finish and finish.abort_reason))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished, self.metrics)

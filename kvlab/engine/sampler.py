@@ -3,12 +3,23 @@
 Sampling uses the exponential race: with E_i ~ Exp(1) independent, argmax_i p_i / E_i is token i with
 probability p_i. One vectorised draw serves the whole batch, and a seeded sequence draws its own noise row
 from its own generator, so its samples do not depend on what else is in the batch.
+
+Nothing here can overflow or produce NaN from valid parameters: the temperature divides the logits minus
+their row maximum (all <= 0, the most likely token exactly 0), so a tiny temperature gives the most likely
+token (ties share) all the probability instead of inf - inf; and the most likely token survives every cut.
 """
 
 import numpy as np
 import torch
 
 from kvlab.engine.sampling_params import SamplingParams
+
+#: Temperatures below this (fp32's smallest normal number, 1.2e-38) act as it (a smaller one can round to 0 in
+#: fp32). At this temperature, logits more than 1.2e-36 apart are a factor e^100 apart in probability: the
+#: choice is the argmax, exact ties shared.
+MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
+#: Temperatures above fp32's largest number act as it (in fp32 they would be inf, and -inf / inf is NaN).
+MAX_TEMPERATURE = torch.finfo(torch.float32).max
 
 
 def sample_generator(seed: int, sample_index: int, device) -> torch.Generator:
@@ -20,15 +31,31 @@ def sample_generator(seed: int, sample_index: int, device) -> torch.Generator:
 
 def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Set to -inf every logit outside a row's ``top_k [B]`` largest and outside the smallest set of most
-    likely tokens whose probability reaches ``top_p [B]`` (computed after the top-k cut). ``[B, V]`` in and out."""
+    likely tokens whose probability reaches ``top_p [B]`` (computed after the top-k cut). The most likely
+    token is always kept, so a ``top_p`` that rounds to 0 in fp32 keeps it alone. ``[B, V]`` in and out."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[-1], device=logits.device)
-    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs   # probability of the more likely tokens; 0 for the first
     threshold = torch.where(top_p < 1.0, top_p, torch.inf)  # p = 1 keeps all, whatever the rounding of cumsum
-    sorted_logits = sorted_logits.masked_fill(mass_before >= threshold[:, None], float("-inf"))
+    cut = (mass_before >= threshold[:, None]) & (ranks > 0)
+    sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """fp32 ``[B, V]``: row b's sampling distribution under ``params[b]`` (a greedy row's is computed at
+    temperature 1 and not used)."""
+    device, vocab = logits.device, logits.shape[-1]
+    temperature = torch.tensor([p.temperature or 1.0 for p in params], dtype=torch.float32, device=device)
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    logits = shifted / temperature.clamp(MIN_TEMPERATURE, MAX_TEMPERATURE)[:, None]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    if bool((top_k < vocab).any() or (top_p < 1.0).any()):
+        logits = top_k_top_p(logits, top_k, top_p)
+    return logits.softmax(dim=-1)
 
 
 class Sampler:
@@ -37,19 +64,19 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)  # for sequences without a seed
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
-        """logits fp32 ``[B, V]``; row b uses ``params[b]`` and ``generators[b]`` (None: the engine's)."""
+        """logits fp32 ``[B, V]``; row b uses ``params[b]`` and ``generators[b]`` (None: the engine's). Raises
+        FloatingPointError if a row's logits hold NaN or +inf or are all -inf (a broken model or an overflow):
+        no token can be chosen from it."""
+        usable = ~(logits.isnan() | (logits == float("inf"))).any(dim=-1) & (logits > float("-inf")).any(dim=-1)
+        if not bool(usable.all()):
+            rows = (~usable).nonzero().flatten().tolist()
+            raise FloatingPointError(f"the model's logits hold NaN or +inf, or are all -inf (rows {rows} of the "
+                                     "batch): no token can be chosen")
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         argmax = logits.argmax(dim=-1)
         if bool(greedy.all()):
             return argmax.tolist()
-        vocab = logits.shape[-1]
-        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
-        logits = logits / temperature[:, None]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
-        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-        if bool((top_k < vocab).any() or (top_p < 1.0).any()):
-            logits = top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)
+        probs = probabilities(logits, params)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, generator in enumerate(generators):
             if generator is not None:

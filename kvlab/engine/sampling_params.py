@@ -5,6 +5,8 @@ from dataclasses import dataclass
 from kvlab.errors import InvalidArgumentError
 from kvlab.validation import check_int, check_number, check_optional_int, is_int
 
+MAX_SEED = 2**64 - 1  # a seed is 64 bits (torch.Generator.manual_seed)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -12,10 +14,13 @@ class SamplingParams:
 
     ``temperature=0`` is greedy (argmax); otherwise logits are divided by the temperature, cut to the
     ``top_k`` most likely tokens (0 or -1: no cut) and to the smallest set whose probability reaches
-    ``top_p`` (1.0: no cut), then sampled. A request stops after ``max_tokens`` generated tokens, at the
-    model's end-of-sequence token unless ``ignore_eos``, or at any of ``stop_token_ids`` (the stopping
-    token is kept in the output). ``seed`` makes a request's samples reproducible whatever else is in the
-    batch; without one, the engine's own generator is used.
+    ``top_p`` (1.0: no cut), then sampled. Any finite temperature > 0 is safe: a tiny one (even 1e-300)
+    picks the most likely token, a huge one samples near-uniformly; the most likely token survives any
+    ``top_p``, so a tiny ``top_p`` keeps it alone. A request stops after ``max_tokens`` generated tokens, at
+    the model's end-of-sequence token unless ``ignore_eos``, or at any of ``stop_token_ids`` (the stopping
+    token is kept in the output). ``seed`` (0 to 2**64 - 1) makes a request's samples reproducible whatever
+    else is in the batch; without one, the engine's own generator is used. ``top_k`` and
+    ``stop_token_ids`` are checked against the model's vocabulary when the request is added to an ``LLM``.
     """
     n: int = 1
     temperature: float = 1.0
@@ -43,7 +48,7 @@ class SamplingParams:
         if not all(is_int(t) and t >= 0 for t in stop):
             raise InvalidArgumentError(f"stop_token_ids must hold non-negative ints, got {list(stop)!r}")
         set_(self, "stop_token_ids", tuple(int(t) for t in stop))
-        set_(self, "seed", check_optional_int("seed", self.seed, minimum=0))
+        set_(self, "seed", check_optional_int("seed", self.seed, minimum=0, maximum=MAX_SEED))
 
     @property
     def greedy(self) -> bool:

@@ -12,6 +12,11 @@ the CPU pool). Each step is one of two kinds, as in nano-vllm and vLLM v0 withou
 
 Scheduling never frees a sequence that is already in the step (the block manager's ordering rule): victims
 are taken from the sequences not yet given a slot.
+
+After a sequence's forward pass failed, blocks it was to write may be in the prefix cache with no K/V in
+them. The block manager can forget cached prefixes only when no device block is in use, so until then no
+waiting sequence is admitted (nothing can hit those blocks): the running and swapped sequences decode to
+the end, then the prefix cache is reset and admissions resume.
 """
 
 from collections import deque
@@ -45,6 +50,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.owner: dict[int, Request] = {}      # seq_id -> its request
+        self.prefix_reset_pending = False        # admissions wait for the prefix cache reset (see above)
 
     def add(self, request: Request) -> None:
         self.owner[request.seqs[0].seq_id] = request
@@ -65,8 +71,21 @@ class Scheduler:
             self.manager.free(seq)
         self.owner.pop(seq.seq_id, None)
 
+    def requeue(self, seq: Sequence) -> None:
+        """A prefill sequence that could not run goes back to the front of the waiting queue, its blocks
+        freed (after the step's forward pass, so the ordering rule holds); it is prefilled again later."""
+        self.running.remove(seq)
+        self.manager.free(seq, preempted=True)
+        self.waiting.appendleft(seq)
+
+    def forget_unwritten_prefixes(self) -> None:
+        """Admit nothing until the prefix cache is reset, as soon as no device block is in use."""
+        self.prefix_reset_pending = self.manager.enable_prefix_caching
+
     def schedule(self) -> ScheduledStep:
-        if not self.swapped:
+        if self.prefix_reset_pending and not self.running and not self.swapped:
+            self.prefix_reset_pending = not self.manager.reset_prefix_cache()
+        if not self.swapped and not self.prefix_reset_pending:
             step = self._schedule_prefill()
             if step.seqs or step.aborted:
                 return step

@@ -4,6 +4,7 @@ import torch
 
 import kvlab.device
 from kvlab.engine.config import DTYPES, ModelConfig
+from kvlab.engine.sampling_params import MAX_SEED
 from kvlab.errors import InvalidArgumentError
 from kvlab.validation import check_int, check_number
 
@@ -78,4 +79,4 @@ def check_settings(*, block_size, num_blocks, enable_prefix_caching, max_num_seq
     if num_cpu_blocks is not None:
         check_int("num_cpu_blocks", num_cpu_blocks, minimum=1 if preemption_mode == "swap" else 0)
     check_number("gpu_memory_utilization", gpu_memory_utilization, 0.0, 1.0, min_open=True)
-    check_int("seed", seed, minimum=0)
+    check_int("seed", seed, minimum=0, maximum=MAX_SEED)

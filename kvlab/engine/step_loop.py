@@ -1,14 +1,21 @@
 """One engine step: schedule, move blocks, run the model, sample, fork, stop, record.
 
 Requests join (``add``) and leave (finish, ``abort``) only between steps, so a sequence is never freed
-between being scheduled and its forward pass (the block manager's ordering rule). If a step fails part way
-(an exception, or an interrupt), every unfinished request is aborted and the prefix cache is reset: blocks
-that were allocated but never written must not be hit later. The engine is then ready for new requests.
+between being scheduled and its forward pass (the block manager's ordering rule).
+
+A failure is kept to the request it belongs to: a sequence whose forward pass, sampling, fork or stop check
+raises finishes with finish_reason "abort" and the error as its reason, and every other request carries on
+as if it had not been there (``kvlab.engine.isolation``). Only a failure no request can be blamed for (in
+scheduling, in the step's block moves, or an interrupt) fails the whole step: then every unfinished request
+is aborted and the prefix cache is reset (blocks that were allocated but never written must not be hit
+later), and the error is raised. Either way the engine is ready for new requests, and the aborted requests
+are returned by the next step.
 """
 
 import time
 
 from kvlab.blocks.sequence import Sequence
+from kvlab.engine.isolation import run_forward, sample_rows
 from kvlab.engine.request import Finish, Request
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampler import Sampler
@@ -22,6 +29,7 @@ class StepLoop:
         self.manager = scheduler.manager
         self.eos_token_ids, self.max_model_len = eos_token_ids, max_model_len
         self.requests: dict[str, Request] = {}  # unfinished, by id
+        self.finished_between: list[Request] = []  # finished between steps (aborted): the next step returns them
         self.records: list[StepRecord] = []
         self.created = time.perf_counter()
         self._finished_samples = 0  # in the current step
@@ -31,66 +39,93 @@ class StepLoop:
         self.scheduler.add(request)
 
     def abort(self, request_id: str, why: str) -> None:
-        """Finish an unfinished request's remaining samples with "abort" (an unknown id is ignored)."""
+        """Finish an unfinished request's remaining samples with "abort"; the next ``step`` returns it. An
+        unknown or finished id is ignored."""
         request = self.requests.get(request_id)
-        if request is None:
-            return
-        for seq, finish in list(zip(request.seqs, request.finishes)):
-            if finish is None:
-                self._finish(seq, Finish("abort", abort_reason=why))
-        self._collect([request])
+        if request is not None:
+            self._abort(request, why)
+            self.finished_between += self._collect([request])
 
     def step(self) -> list[Request]:
-        """Returns the requests that finished in this step."""
+        """Returns the requests finished since the last step (aborted), then those that finished in this one."""
         start = time.perf_counter()
         self._finished_samples = 0
-        touched: list[Request] = []
+        earlier, self.finished_between = self.finished_between, []
         try:
             step = self.scheduler.schedule()
             if not step.seqs and not step.aborted:
-                return []  # nothing queued: no step, no record
+                return earlier  # nothing queued: no step, no record
             pool = self._pool_state()
-            for seq, why in step.aborted:
-                touched.append(self._finish(seq, Finish("abort", abort_reason=why)))
+            touched = [self._finish(seq, Finish("abort", abort_reason=why)) for seq, why in step.aborted]
             if step.seqs:
-                touched += self._append_samples(step, self.runner.run(step))
+                self.runner.apply_moves(step.moves)
+                touched += self._run(step)
         except BaseException as error:
+            self.finished_between = earlier  # still to be returned, before the requests aborted now
             for request_id in list(self.requests):
                 self.abort(request_id, f"the engine failed during a step: {error!r}")
             self.manager.reset_prefix_cache()
             raise
         self._record(step, pool, start)
-        return self._collect(touched)
+        return earlier + self._collect(touched)
 
-    # ---- after the forward pass --------------------------------------------------------------------------
-    def _append_samples(self, step: ScheduledStep, logits) -> list[Request]:
+    # ---- after the block moves -----------------------------------------------------------------------------
+    def _run(self, step: ScheduledStep) -> list[Request]:
+        result = run_forward(self.runner, step)
+        touched = [self._fail(seq, "the forward pass", error) for seq, error in result.failed]
+        for seq in reversed(result.blocked):  # reversed: they go back to the queue's front in step order
+            self.scheduler.requeue(seq)
+        if result.failed or result.blocked:
+            self.scheduler.forget_unwritten_prefixes()
+        if result.seqs:
+            touched += self._append_samples(step.kind, result.seqs, result.logits)
+        return touched
+
+    def _append_samples(self, kind: str, seqs: list[Sequence], logits) -> list[Request]:
         """Sample every sequence's next token (a prompt with n > 1 samples n tokens from its one row and forks
         n - 1 children that share its blocks), append it, and finish the samples that stop."""
-        rows, samples, now = [], [], time.perf_counter()
-        for row, seq in enumerate(step.seqs):
+        rows, samples, touched, now = [], [], [], time.perf_counter()
+        for row, seq in enumerate(seqs):
             request = self.scheduler.owner[seq.seq_id]
-            if step.kind == "prefill" and request.metrics.first_scheduled_time is None:
+            if kind == "prefill" and request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
                 request.metrics.num_cached_prompt_tokens = seq.num_cached_tokens
             if request.needs_fork:  # the prompt's first prefill: every sample draws from this row
-                self._fork(request)
+                try:
+                    self._fork(request)
+                except Exception as error:  # noqa: BLE001 - this request's failure, kept as its abort reason
+                    self._abort(request, f"forking its samples failed: {error!r}")
+                    touched.append(request)
+                    continue
                 rows += [row] * request.params.n
                 samples += [(request, k) for k in range(request.params.n)]
             else:
                 rows.append(row)
                 samples.append((request, request.seqs.index(seq)))
-        tokens = self.sampler(logits[rows], [r.params for r, _ in samples], [r.generators[k] for r, k in samples])
-        touched = []
+        if not samples:
+            return touched
+        tokens = sample_rows(self.sampler, logits[rows], [r.params for r, _ in samples],
+                             [r.generators[k] for r, k in samples])
         for (request, k), token in zip(samples, tokens):
             seq = request.seqs[k]
-            seq.append_token(token)
-            request.metrics.num_generated_tokens += 1
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = time.perf_counter()
-            finish = request.stop_check(seq, self.eos_token_ids, self.max_model_len)
+            if isinstance(token, Exception):
+                touched.append(self._fail(seq, "sampling", token))
+                continue
+            try:
+                finish = self._append(request, seq, token)
+            except Exception as error:  # noqa: BLE001 - this sample's failure, kept as its abort reason
+                touched.append(self._fail(seq, "the stop check", error))
+                continue
             if finish is not None:
                 touched.append(self._finish(seq, finish))
         return touched
+
+    def _append(self, request: Request, seq: Sequence, token: int) -> Finish | None:
+        seq.append_token(token)
+        request.metrics.num_generated_tokens += 1
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = time.perf_counter()
+        return request.stop_check(seq, self.eos_token_ids, self.max_model_len)
 
     def _fork(self, request: Request) -> None:
         after = request.seqs[0]
@@ -100,6 +135,15 @@ class StepLoop:
             self.scheduler.add_fork(after, child)
             request.seqs.append(child)
             after = child
+
+    # ---- finishing -------------------------------------------------------------------------------------------
+    def _fail(self, seq: Sequence, what: str, error: BaseException) -> Request:
+        return self._finish(seq, Finish("abort", abort_reason=f"{what} failed for this sequence: {error!r}"))
+
+    def _abort(self, request: Request, why: str) -> None:
+        for seq, finish in list(zip(request.seqs, request.finishes)):
+            if finish is None:
+                self._finish(seq, Finish("abort", abort_reason=why))
 
     def _finish(self, seq: Sequence, finish: Finish) -> Request:
         request = self.scheduler.owner[seq.seq_id]

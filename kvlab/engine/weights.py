@@ -21,19 +21,37 @@ INDEX_FILE = "model.safetensors.index.json"
 def weight_files(path: Path) -> list[Path]:
     index = path / INDEX_FILE
     if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError) as e:
-            raise WeightsError(f"cannot read the shard list {index}: {e!r}") from None
-        files = [path / name for name in names]
+        files = [path / name for name in _shard_names(index)]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise WeightsError(f"{index.name} lists shards that are not in {path}: {missing}")
+            raise WeightsError(f"{index.name} lists shards that are not files in {path}: {missing}")
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise WeightsError(f"{path} has no *.safetensors weights (kvlab.engine reads safetensors only)")
+    not_files = [f.name for f in files if not f.is_file()]
+    if not_files:
+        raise WeightsError(f"{path}: {not_files} are not files (a directory?); kvlab.engine reads *.safetensors "
+                           "files")
     return files
+
+
+def _shard_names(index: Path) -> list[str]:
+    """The shard files a sharded checkpoint's index lists: plain file names in the model directory."""
+    try:
+        raw = json.loads(index.read_text())
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"cannot read the shard list {index}: {e}") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else raw
+    if not isinstance(weight_map, dict):
+        raise WeightsError(f"{index} must hold a JSON object whose weight_map maps each tensor name to its shard's "
+                           f"file name, got {type(weight_map).__name__} {str(weight_map)[:80]}")
+    for name in weight_map.values():
+        # A path would read a file outside the model directory.
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise WeightsError(f"{index}: weight_map values must be shard file names in the model directory, "
+                               f"got {name!r}")
+    return sorted(set(weight_map.values()))
 
 
 def _skipped(name: str, config: ModelConfig) -> bool:
@@ -66,7 +84,7 @@ def check_checkpoint(files: list[Path], config: ModelConfig, expected: dict) -> 
                     if shape != tuple(expected[name]):
                         misshapen.append(f"{name}: {shape} in the file, {tuple(expected[name])} from config.json")
                     where[name] = file
-        except SafetensorError as e:
+        except (SafetensorError, OSError) as e:
             raise WeightsError(f"cannot read {file}: {e}") from None
     missing = set(expected) - set(where)
     if missing:
@@ -91,9 +109,12 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) ->
     where = check_checkpoint(weight_files(config.path), config, expected)
     state = {}
     for file in sorted(set(where.values())):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in (n for n, w in where.items() if w == file):
-                state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in (n for n, w in where.items() if w == file):
+                    state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+        except (SafetensorError, OSError) as e:  # e.g. truncated after its header was checked
+            raise WeightsError(f"cannot read {file}: {e}") from None
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)

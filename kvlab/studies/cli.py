@@ -20,7 +20,8 @@ from kvlab.errors import KvlabError
 from kvlab.studies.overlap import EngineModel
 from kvlab.studies.plots import plot_hit_rates
 from kvlab.studies.simulator import MAX_CAPACITY, MODES, check_capacity, policy_factory
-from kvlab.studies.study import cache_hit_study, summary
+from kvlab.studies.study import cache_hit_study
+from kvlab.studies.summary import summary
 from kvlab.studies.synthetic import WORKLOADS
 from kvlab.studies.traces import BUNDLED
 from kvlab.validation import check_int, check_number
@@ -47,9 +48,14 @@ def _option(parse):
 
 def _list(parse):
     def parse_list(text: str) -> list:
-        values = [parse(item.strip()) for item in text.split(",") if item.strip()]
-        if not values:
-            raise ValueError("expected a comma-separated list")
+        items = [item.strip() for item in text.split(",")]
+        if not all(items):
+            raise ValueError(f"expected a comma-separated list without empty items, got {text!r}")
+        values = [parse(item) for item in items]
+        # A repeated value would replay the same configuration twice and print duplicate rows.
+        repeated = [item for item, value in zip(items, values) if values.count(value) > 1]
+        if repeated:
+            raise ValueError(f"{repeated[0]!r} is given more than once in {text!r}; give each value once")
         return values
     return _option(parse_list)
 
@@ -84,12 +90,20 @@ def _count(name: str):
     return count
 
 
-def _time_scale(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"expected a number, got {text!r}") from None
-    return check_number("time scale", value, 0, min_open=True)  # inf or NaN would stall the replay's clock
+def _positive(name: str):
+    def positive(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"expected a number, got {text!r}") from None
+        return check_number(name, value, 0, min_open=True)  # inf or NaN would stall a clock or a wait
+    return positive
+
+
+def _directory(text: str) -> Path:
+    if not text:  # Path("") is the current directory: an empty --out "$DIR" is a mistake, not a choice
+        raise argparse.ArgumentTypeError("expected a directory, got an empty string")
+    return Path(text)  # not stripped, unlike the other options: a path may end in a space
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=_list(_block_size), default=DEFAULTS["block_size"],
                         help="tokens per block, comma-separated (default: %(default)s)")
     parser.add_argument("--capacity", type=_list(_capacity), default=DEFAULTS["capacity"],
-                        help="pool sizes in blocks, comma-separated; 'inf' never evicts (default: %(default)s)")
+                        help=f"pool sizes in blocks, comma-separated, each at most {MAX_CAPACITY:,} (the block "
+                             "manager's limit); 'inf' never evicts (default: %(default)s)")
     parser.add_argument("--policy", type=_list(_policy), default=DEFAULTS["policy"],
                         help=f"eviction policies among {', '.join(POLICIES)} (default: %(default)s)")
     parser.add_argument("--mode", choices=MODES, default=DEFAULTS["mode"],
@@ -111,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: %(default)s)")
     parser.add_argument("--limit", type=_option(_count("limit")), default=None,
                         help="replay only the first N requests")
-    parser.add_argument("--time-scale", type=_option(_time_scale), default=1.0,
+    parser.add_argument("--time-scale", type=_option(_positive("time scale")), default=1.0,
                         help="overlap mode: multiply arrival times (2 = half the request rate)")
     parser.add_argument("--jobs", type=_option(_count("jobs")), default=None,
                         help="replays run in N processes (default: all cores; 1: in this process; with "
@@ -119,7 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dask-scheduler", metavar="ADDRESS", default=None,
                         help="run the replays on this Dask cluster (e.g. tcp://10.0.0.5:8786) instead of locally; "
                              "its workers need kvlab installed")
-    parser.add_argument("--out", type=Path, default=Path(DEFAULTS["out"]),
+    parser.add_argument("--dask-timeout", metavar="SECONDS", type=_option(_positive("dask timeout")), default=10.0,
+                        help="give up on --dask-scheduler after this long without a connection, or as long again "
+                             "without its answer (default: %(default)g)")
+    parser.add_argument("--out", type=_directory, default=DEFAULTS["out"],
                         help="directory for study.csv and study.png (default: %(default)s)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
@@ -127,8 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_out(out: Path) -> str | None:
     """Why ``out`` cannot take study.csv and study.png, or None: checked before the replays, not after, and
-    without creating anything (a study refused for bad input leaves no directory behind): the nearest
-    existing directory on the way to ``out``, where ``write_results`` would create it, must be writable."""
+    without leaving anything behind (a study refused for bad input leaves no directory): ``out`` must take
+    new files, or, when it does not exist yet, the nearest existing directory on the way to it must take a
+    new directory. Some file systems refuse with odd reasons (/proc says "No such file or directory"), so
+    the message says what was tried."""
     if out.exists() and not out.is_dir():
         return f"{out} exists and is not a directory"
     existing = out
@@ -137,10 +157,16 @@ def check_out(out: Path) -> str | None:
     if not existing.is_dir():
         return f"cannot write in {out}: Not a directory ({existing} is a file)"
     try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
+        if existing == out:
+            with tempfile.TemporaryFile(dir=out):
+                pass
+        else:
+            with tempfile.TemporaryDirectory(dir=existing):
+                pass
     except OSError as e:
-        return f"cannot write in {existing}: {e.strerror or e}"
+        if existing == out:
+            return f"cannot create files in {out} ({e.strerror or e})"
+        return f"cannot create the directory {out}: {existing} does not take new directories ({e.strerror or e})"
     taken = [name for name in ("study.csv", "study.png") if (out / name).is_dir()]
     return f"{out / taken[0]} is a directory" if taken else None
 
@@ -168,7 +194,8 @@ def main(argv=None) -> int:
         table = cache_hit_study(args.trace, block_sizes=args.block_size, capacities=args.capacity,
                                 policies=args.policy, mode=args.mode, limit=args.limit,
                                 engine=EngineModel(time_scale=args.time_scale), progress=not args.quiet,
-                                jobs=-1 if args.jobs is None else args.jobs, dask_scheduler=args.dask_scheduler)
+                                jobs=-1 if args.jobs is None else args.jobs, dask_scheduler=args.dask_scheduler,
+                                dask_timeout=args.dask_timeout)
     except KvlabError as e:
         print(f"kvlab study: error: {e}", file=sys.stderr)
         return 2

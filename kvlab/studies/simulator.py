@@ -34,7 +34,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from kvlab.blocks.eviction import POLICIES, EvictionPolicy
-from kvlab.blocks.manager import BlockManager
+from kvlab.blocks.manager import MAX_BLOCKS, BlockManager
 from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError
 from kvlab.studies.overlap import EngineModel, replay_overlap
@@ -44,8 +44,9 @@ from kvlab.studies.traces import check_frame
 from kvlab.validation import check_int
 
 MODES = ("sequential", "overlap")
-#: Block ids fit int32, as in vLLM's block tables; capacity x block size then fits int64 (capacity_tokens).
-MAX_CAPACITY = 2**31 - 1
+#: The most blocks a BlockManager holds (its MAX_BLOCKS): a larger pool would be refused only when its replay
+#: starts, after the trace was prepared.
+MAX_CAPACITY = MAX_BLOCKS
 
 
 def policy_factory(policy) -> tuple[str, type[EvictionPolicy]]:
@@ -68,7 +69,7 @@ def check_capacity(capacity) -> float | int:
     try:
         return check_int("capacity", capacity, 1, MAX_CAPACITY)
     except InvalidArgumentError:
-        raise InvalidArgumentError(f"capacity must be a number of blocks in [1, {MAX_CAPACITY}] or math.inf, "
+        raise InvalidArgumentError(f"capacity must be a number of blocks in [1, {MAX_CAPACITY:,}] or math.inf, "
                                    f"got {capacity!r}") from None
 
 
@@ -114,17 +115,24 @@ def prepare(trace: pd.DataFrame, block_size: int, mode: str = "sequential", labe
 
 def infinite_pool_blocks(prepared: PreparedTrace, engine: EngineModel) -> int:
     """A pool that never evicts: every distinct full prompt block can stay cached, plus room for what is in
-    flight. Policies reuse never-cached blocks before evicting, so this bound suffices."""
+    flight. Policies reuse never-cached blocks before evicting, so this bound suffices. Raises
+    InvalidArgumentError when that is more than a BlockManager holds."""
     bs = prepared.block_size
     if prepared.mode == "sequential":
-        return prepared.distinct_blocks + int(-(-prepared.compact.lengths.max() // bs))
-    # Overlap: each request also seals private decode blocks, and up to max_num_seqs requests are in
-    # flight with partial or duplicate (computed twice at once, registered once) blocks.
-    prompt = prepared.frame["input_length"].to_numpy()
-    final = prompt + np.maximum(prepared.frame["output_length"].to_numpy() - 1, 0)
-    decode_blocks = int((final // bs - prompt // bs).sum())
-    largest = np.sort(-(-final // bs))[-engine.max_num_seqs:]
-    return prepared.distinct_blocks + decode_blocks + int(largest.sum())
+        blocks = prepared.distinct_blocks + int(-(-prepared.compact.lengths.max() // bs))
+    else:
+        # Overlap: each request also seals private decode blocks, and up to max_num_seqs requests are in
+        # flight with partial or duplicate (computed twice at once, registered once) blocks.
+        prompt = prepared.frame["input_length"].to_numpy()
+        final = prompt + np.maximum(prepared.frame["output_length"].to_numpy() - 1, 0)
+        decode_blocks = int((final // bs - prompt // bs).sum())
+        largest = np.sort(-(-final // bs))[-engine.max_num_seqs:]
+        blocks = prepared.distinct_blocks + decode_blocks + int(largest.sum())
+    if blocks > MAX_CAPACITY:
+        raise InvalidArgumentError(f"{prepared.label} at block size {bs}: a pool that never evicts would need "
+                                   f"{blocks:,} blocks, and a block manager holds at most {MAX_CAPACITY:,}; use a "
+                                   "larger block size, fewer requests or only finite capacities")
+    return blocks
 
 
 def replay(trace: pd.DataFrame, *, block_size: int = 16, capacity=math.inf, policy="lru",

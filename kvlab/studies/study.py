@@ -14,16 +14,19 @@ evicts anyway, by reusing cached blocks before never-cached ones, is replayed on
 """
 
 import math
+import sys
 from pathlib import Path
 
 import pandas as pd
+from tqdm.auto import tqdm
 
 from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError
+from kvlab.studies.estimate import estimate, slow_notice
 from kvlab.studies.overlap import EngineModel
 from kvlab.studies.reuse import block_keys, reuse_profile
-from kvlab.studies.simulator import check_capacity, check_mode, policy_factory, prepare
-from kvlab.studies.sweep import check_jobs, run_replays
+from kvlab.studies.simulator import check_capacity, check_mode, infinite_pool_blocks, policy_factory, prepare
+from kvlab.studies.sweep import backend, check_jobs, check_timeout, run_replays
 from kvlab.studies.synthetic import WORKLOADS
 from kvlab.studies.traces import BUNDLED, check_frame, load_trace
 from kvlab.validation import check_optional_int
@@ -45,6 +48,9 @@ def resolve_trace(trace, limit: int | None = None) -> tuple[str, pd.DataFrame]:
     elif isinstance(trace, str) and trace in WORKLOADS:
         label, frame = trace, WORKLOADS[trace]()
     elif isinstance(trace, (str, Path)):
+        if trace not in BUNDLED and not Path(trace).is_file():  # said here, where the synthetic names are known
+            raise InvalidArgumentError(f"trace {str(trace)!r} is neither a trace name "
+                                       f"({', '.join([*BUNDLED, *WORKLOADS])}) nor an existing file")
         label = trace if trace in BUNDLED else Path(trace).stem
         return label, load_trace(trace, limit=limit)
     else:
@@ -56,11 +62,12 @@ def resolve_trace(trace, limit: int | None = None) -> tuple[str, pd.DataFrame]:
 def cache_hit_study(traces=("mooncake_conversation",), *, block_sizes=(16,), capacities=(1000, 10000, math.inf),
                     policies=("lru", "fifo", "lfu"), mode: str = "sequential", limit: int | None = None,
                     engine: EngineModel | None = None, progress: bool = True, jobs: int | None = None,
-                    dask_scheduler: str | None = None) -> pd.DataFrame:
+                    dask_scheduler: str | None = None, dask_timeout: float = 10.0) -> pd.DataFrame:
     """Replay every combination; returns one row per trace x block size x capacity x policy. ``jobs``:
     parallel workers (None: joblib's current setting, 1 unless set by ``joblib.parallel_config``; -1: all
     cores); ``dask_scheduler``: the address of a Dask scheduler to run on instead (``jobs`` then defaults
-    to all of its workers' threads)."""
+    to all of its workers' threads), reached within ``dask_timeout`` seconds and answering within as many
+    again."""
     one_trace = isinstance(traces, (str, Path)) or (isinstance(traces, tuple) and len(traces) == 2
                                                      and isinstance(traces[1], pd.DataFrame))
     traces = [traces] if one_trace else list(traces)
@@ -68,25 +75,38 @@ def cache_hit_study(traces=("mooncake_conversation",), *, block_sizes=(16,), cap
     policies, block_sizes = list(policies), [check_block_size(b) for b in block_sizes]
     names = [policy_factory(policy)[0] for policy in policies]  # fail before hours of replay, not after
     mode, engine, jobs = check_mode(mode), engine or EngineModel(), check_jobs(jobs)
+    dask_timeout = check_timeout(dask_timeout)
+    if dask_scheduler is not None:  # a bad address fails before the traces are read, not after
+        from kvlab.studies.dask_client import check_address  # imports distributed: a second
+
+        dask_scheduler = check_address(dask_scheduler)
     if not (traces and block_sizes and capacities and policies):
         raise InvalidArgumentError("need at least one trace, block size, capacity and policy")
     frames = [resolve_trace(trace, limit) for trace in traces]  # every trace is read before any replay
-    prepared, ceilings = [], []
-    for label, frame in frames:
-        for block_size in block_sizes:
-            keys = block_keys(frame, block_size)  # once per trace and block size, for every replay
-            ceilings.append(reuse_profile(frame, block_size, keys=keys)["ceiling_hit_rate_tokens"])
-            prepared.append(prepare(frame, block_size, mode, label, keys=keys))
-    run = dict(engine=engine, jobs=jobs, dask_scheduler=dask_scheduler, progress=progress)
-    # The infinite pool is replayed with the first policy only: the other policies share its row...
-    per_trace = [(c, policy) for c in capacities for policy in (policies if c != math.inf else policies[:1])]
-    replayed = run_replays([(p, c, policy) for p in prepared for c, policy in per_trace], **run)
-    groups = [replayed[g * len(per_trace):(g + 1) * len(per_trace)] for g in range(len(prepared))]
-    # ... unless it evicted after all (see the module docstring): then each policy gets its own replay.
-    evicted = [g for g, rows in enumerate(groups)
-               if any(row["capacity_blocks"] == math.inf and row["evictions"] for row in rows)]
-    own = iter(run_replays([(prepared[g], c, policy) for g in evicted for c in capacities if c == math.inf
-                            for policy in policies[1:]], **run))
+    with backend(jobs, dask_scheduler, dask_timeout) as workers:  # a cluster is reached before any preparing
+        notice = slow_notice(*estimate(frames, block_sizes, capacities, len(policies), mode, workers), workers)
+        if progress and notice:
+            print(notice, file=sys.stderr, flush=True)
+        prepared, ceilings = [], []
+        with tqdm(total=len(frames) * len(block_sizes), desc="preparing", disable=not progress) as bar:
+            for label, frame in frames:
+                for block_size in block_sizes:
+                    keys = block_keys(frame, block_size)  # once per trace and block size, for every replay
+                    ceilings.append(reuse_profile(frame, block_size, keys=keys)["ceiling_hit_rate_tokens"])
+                    prepared.append(prepare(frame, block_size, mode, label, keys=keys))
+                    if math.inf in capacities:  # refused now, not when its replay starts
+                        infinite_pool_blocks(prepared[-1], engine)
+                    bar.update()
+        run = dict(engine=engine, workers=workers, progress=progress)
+        # The infinite pool is replayed with the first policy only: the other policies share its row...
+        per_trace = [(c, policy) for c in capacities for policy in (policies if c != math.inf else policies[:1])]
+        replayed = run_replays([(p, c, policy) for p in prepared for c, policy in per_trace], **run)
+        groups = [replayed[g * len(per_trace):(g + 1) * len(per_trace)] for g in range(len(prepared))]
+        # ... unless it evicted after all (see the module docstring): then each policy gets its own replay.
+        evicted = [g for g, rows in enumerate(groups)
+                   if any(row["capacity_blocks"] == math.inf and row["evictions"] for row in rows)]
+        own = iter(run_replays([(prepared[g], c, policy) for g in evicted for c in capacities if c == math.inf
+                                for policy in policies[1:]], **run))
     rows = []
     for g, ceiling in enumerate(ceilings):
         rows += [{**row, "ceiling_hit_rate_tokens": ceiling}
@@ -106,19 +126,3 @@ def _in_sweep_order(capacities, names, replayed: list[dict], own) -> list[dict]:
         shared = next(first)
         rows += [shared] + [next(own) if own else {**shared, "policy": name} for name in names[1:]]
     return rows
-
-
-def summary(table: pd.DataFrame) -> str:
-    """A few sentences a person reads first: the ceiling, and how close each policy gets at each capacity."""
-    lines = []
-    for (trace, block_size), group in table.groupby(["trace", "block_size"], sort=False):
-        ceiling = group["ceiling_hit_rate_tokens"].iloc[0]
-        lines.append(f"{trace}, block size {block_size}: an infinite cache would serve {ceiling:.1%} of prompt "
-                     "tokens from cache.")
-        finite = group[group["capacity_blocks"] != math.inf]
-        for capacity, at_capacity in finite.groupby("capacity_blocks", sort=False):
-            best = at_capacity.loc[at_capacity["hit_rate_tokens"].idxmax()]
-            share = best["hit_rate_tokens"] / ceiling if ceiling else float("nan")
-            lines.append(f"  {int(capacity):>9,} blocks: best policy {best['policy']} hits "
-                         f"{best['hit_rate_tokens']:.1%} ({share:.0%} of the ceiling)")
-    return "\n".join(lines)

@@ -14,10 +14,9 @@ from contextlib import contextmanager
 from joblib import Parallel, delayed, effective_n_jobs, parallel_config
 from tqdm.auto import tqdm
 
-from kvlab.errors import InvalidArgumentError
 from kvlab.studies.overlap import EngineModel
 from kvlab.studies.simulator import PreparedTrace, replay_prepared
-from kvlab.validation import check_int, is_int
+from kvlab.validation import check_int, check_number, is_int
 
 
 def check_jobs(jobs):
@@ -26,36 +25,47 @@ def check_jobs(jobs):
     return jobs if jobs is None or (is_int(jobs) and jobs == -1) else check_int("jobs", jobs, 1)
 
 
-def run_replays(tasks: list[tuple[PreparedTrace, object, object]], *, engine: EngineModel, jobs=None,
-                dask_scheduler: str | None = None, progress: bool = True) -> list[dict]:
-    """The row of each ``(prepared trace, capacity, policy)`` task, in the tasks' order."""
+def check_timeout(seconds) -> float:
+    """A Dask scheduler's timeout: a finite number of seconds > 0."""
+    return check_number("dask_timeout (seconds)", seconds, 0, min_open=True)
+
+
+def run_replays(tasks: list[tuple[PreparedTrace, object, object]], *, engine: EngineModel, workers: int,
+                progress: bool = True) -> list[dict]:
+    """The row of each ``(prepared trace, capacity, policy)`` task, in the tasks' order, run inside
+    ``backend(...)``, which gave ``workers``."""
     rows = [None] * len(tasks)
     if not tasks:
         return rows
-    with _backend(jobs, dask_scheduler) as workers:
-        chunks = plan(tasks, workers)
-        inner = progress and workers == 1  # one worker is this process, where a per-request bar can show
-        calls = (delayed(_replay_chunk)(indices, tasks[indices[0]][0], [tasks[i][1:] for i in indices], engine, inner)
-                 for indices in chunks)
-        with tqdm(total=len(tasks), desc="replays", disable=not progress) as bar:
-            for indices, replayed in Parallel(n_jobs=min(workers, len(chunks)), return_as="generator_unordered")(calls):
-                for i, row in zip(indices, replayed):
-                    rows[i] = row
-                bar.update(len(indices))
+    chunks = plan(tasks, workers)
+    inner = progress and workers == 1  # one worker is this process, where a per-request bar can show
+    calls = (delayed(_replay_chunk)(indices, tasks[indices[0]][0], [tasks[i][1:] for i in indices], engine, inner)
+             for indices in chunks)
+    with tqdm(total=len(tasks), desc="replays", disable=not progress) as bar:
+        for indices, replayed in Parallel(n_jobs=min(workers, len(chunks)), return_as="generator_unordered")(calls):
+            for i, row in zip(indices, replayed):
+                rows[i] = row
+            bar.update(len(indices))
     return rows
+
+
+#: A sequential replay of this many blocks takes a second or more: building the sequences again (~0.1 s for
+#: 12k requests) costs little beside it, and one replay per chunk moves the progress bar once per replay.
+LONG_REPLAY_BLOCKS = 1_000_000
 
 
 def plan(tasks: list[tuple[PreparedTrace, object, object]], workers: int) -> list[list[int]]:
     """Task indices per chunk. A prepared trace's tasks are dealt round-robin into chunks (so that each
     chunk gets a mix of capacities and policies), about two chunks per worker in all; overlap replays share
-    nothing, so each is a chunk of its own."""
+    nothing, and long replays little (``LONG_REPLAY_BLOCKS``), so each of those is a chunk of its own."""
     by_trace: dict[int, list[int]] = {}
     for i, (prepared, _, _) in enumerate(tasks):
         by_trace.setdefault(id(prepared), []).append(i)
     chunks = []
     for indices in by_trace.values():
-        sequential = tasks[indices[0]][0].mode == "sequential"
-        count = min(len(indices), -(-2 * workers // len(by_trace))) if sequential else len(indices)
+        prepared = tasks[indices[0]][0]
+        shared = prepared.mode == "sequential" and prepared.full_blocks < LONG_REPLAY_BLOCKS
+        count = min(len(indices), -(-2 * workers // len(by_trace))) if shared else len(indices)
         chunks += [indices[start::count] for start in range(count)]
     return chunks
 
@@ -65,21 +75,17 @@ def _replay_chunk(indices: list[int], prepared: PreparedTrace, configs: list, en
 
 
 @contextmanager
-def _backend(jobs, dask_scheduler):
-    """Yields how many tasks can run at once under joblib's backend for these settings."""
+def backend(jobs=None, dask_scheduler: str | None = None, dask_timeout: float = 10.0):
+    """Yields how many tasks can run at once under joblib's backend for these settings; with
+    ``dask_scheduler``, connected to it (``dask_timeout`` seconds to reach it, as many again for its answer:
+    ``kvlab.studies.dask_client``) until the block ends."""
     jobs = check_jobs(jobs)
     if dask_scheduler is None:  # joblib's current backend: loky processes unless the caller chose another
         yield effective_n_jobs(jobs)
         return
-    if not isinstance(dask_scheduler, str):
-        raise InvalidArgumentError(f"dask_scheduler must be an address such as 'tcp://10.0.0.5:8786', "
-                                   f"got {dask_scheduler!r}")
-    from distributed import Client  # imported only for cluster runs: it takes a second
+    from kvlab.studies.dask_client import connect  # imports distributed, only for cluster runs: it takes a second
 
-    try:
-        client = Client(dask_scheduler, timeout="10s")
-    except (OSError, ValueError) as e:
-        raise InvalidArgumentError(f"cannot use the Dask scheduler at {dask_scheduler!r}: {e}") from None
+    client = connect(dask_scheduler, dask_timeout)
     jobs = -1 if jobs is None else jobs
     with client, parallel_config(backend="dask", n_jobs=jobs):
         yield effective_n_jobs(jobs)

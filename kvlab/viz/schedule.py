@@ -15,7 +15,7 @@ from kvlab.errors import InvalidArgumentError
 #: States in legend order, with their colours.
 SCHEDULE_STATES = {"waiting": "#e4e4e4", "prefill": "#4e79a7", "recompute": "#9c6fb6", "decode": "#59a14f",
                    "paused": "#c7e3bf", "swapped": "#f28e2b"}
-SCHEDULE_MEANING = {"waiting": "queued (not admitted yet, or preempted by recompute)",
+SCHEDULE_MEANING = {"waiting": "queued (not admitted yet)",
                     "prefill": "prefill: prompt computed (minus prefix hits)",
                     "recompute": "prefill again after a preemption by recompute",
                     "decode": "decode: one new token",
@@ -56,7 +56,10 @@ def draw_schedule(frame, ax=None, *, title=None):
     ax.set_xlabel("engine step", fontsize=9)
     ax.grid(axis="x", alpha=0.25)
     shown = [s for s in SCHEDULE_STATES if s in set(frame["state"])]
-    handles = [Patch(facecolor=SCHEDULE_STATES[s], label=SCHEDULE_MEANING[s]) for s in shown]
+    meaning = dict(SCHEDULE_MEANING)
+    if "recompute" in shown:  # only then can a waiting cell be a preempted request (a swapped one is "swapped")
+        meaning["waiting"] = "queued (not admitted yet, or preempted by recompute)"
+    handles = [Patch(facecolor=SCHEDULE_STATES[s], label=meaning[s]) for s in shown]
     if "preempted" in frame and frame["preempted"].any():
         handles += ax.get_legend_handles_labels()[0]
     ax.legend(handles=handles, fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))

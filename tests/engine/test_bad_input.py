@@ -58,12 +58,10 @@ def test_weights_that_do_not_match_the_config(model_copy):
         LLM(model_copy, num_blocks=8, block_size=8)
 
 
-def test_no_weights_or_no_config(model_copy, tmp_path):
+def test_no_weights(model_copy):
     (model_copy / "model.safetensors").unlink()
     with pytest.raises(WeightsError, match="no \\*.safetensors"):
         LLM(model_copy, num_blocks=8, block_size=8)
-    with pytest.raises(WeightsError, match="no config.json"):
-        LLM(tmp_path, num_blocks=8, block_size=8)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -100,6 +98,8 @@ def test_attention_backend_default_and_choice(llama):
     (dict(device="cpu" if kvlab.device.ON_GPU else "cuda"), "device"),
     (dict(attention_backend="flash"), "attention_backend must be None .* 'torch', 'triton', got 'flash'"),
     (dict(attention_backend=["torch"]), "attention_backend"),
+    (dict(seed=2**64), r"seed must be an int in \[0, 18446744073709551615\]"),
+    (dict(seed=2**70), "seed"),
 ])
 def test_bad_engine_settings(llama, settings, match):
     with pytest.raises(KvlabError, match=match) as error:
@@ -135,21 +135,28 @@ def test_bad_prompts_queue_nothing_and_the_engine_stays_usable(llama):
         llm.add_request(good, request_id="a")
     llm.abort_request("a")
     assert llm.generate([good], SamplingParams(max_tokens=1), use_tqdm=False)[0].outputs[0].finish_reason == "length"
+    aborted, = llm.step()
+    assert aborted.request_id == "a" and aborted.outputs[0].finish_reason == "abort"
     assert_pool_clean(llm)
 
 
-def test_a_step_that_fails_aborts_everything_and_forgets_unwritten_blocks(llama, monkeypatch):
-    llm = make_llm(llama[0])
+@pytest.mark.parametrize("where, error", [("apply_moves", RuntimeError("device lost")),
+                                          ("forward", KeyboardInterrupt("device lost"))])
+def test_a_step_that_fails_aborts_everything_and_forgets_unwritten_blocks(llama, monkeypatch, where, error):
+    """A failure no request can be blamed for: in the step's block moves, or an interrupt."""
+    llm = make_llm(llama[0], max_num_seqs=4, max_num_batched_tokens=20)
     prompt = list(range(1, 20))
-    llm.add_request(prompt, SamplingParams(max_tokens=2))
+    ids = [llm.add_request(prompt, SamplingParams(max_tokens=2)), llm.add_request([1, 2, 3])]  # the 2nd waits
 
-    def broken(step):
-        raise RuntimeError("device lost")
+    def broken(*args):
+        raise error
 
-    monkeypatch.setattr(llm.runner, "run", broken)
-    with pytest.raises(RuntimeError, match="device lost"):
+    monkeypatch.setattr(llm.runner, where, broken)
+    with pytest.raises(type(error), match="device lost"):
         llm.step()  # scheduled: the prompt's blocks were allocated (and made hittable) but never written
-    assert not llm.has_unfinished_requests()
+    outs = llm.step()  # the aborted requests' outputs come with the next step
+    assert [o.request_id for o in outs] == ids and {o.outputs[0].finish_reason for o in outs} == {"abort"}
+    assert all("device lost" in o.outputs[0].abort_reason for o in outs)
     assert_pool_clean(llm)
     monkeypatch.undo()
     out = llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)[0]

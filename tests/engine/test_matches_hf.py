@@ -37,9 +37,11 @@ def test_prefill_logits_match_hf(tiny_model, backend):
         ids = [llm.add_request(p, SamplingParams(max_tokens=1)) for p in batch]
         step = llm.scheduler.schedule()
         assert step.kind == "prefill" and len(step.seqs) == len(batch)
-        logits = llm.runner.run(step)
+        llm.runner.apply_moves(step.moves)
+        logits = llm.runner.forward(step.kind, step.seqs)
         for i in ids:  # the step ran, so its sequences may be freed now
             llm.abort_request(i)
+        assert [o.request_id for o in llm.step()] == ids  # the aborted requests' outputs
         with torch.no_grad():
             expected = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in batch])
         torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)

@@ -1,13 +1,14 @@
 """Sampling: parameter checks, the sampler's distributions on a tiny vocabulary (a statistical check with
 fixed seeds, so deterministic), and seeded requests reproducible through the engine whatever the batch."""
 
+import numpy as np
 import pytest
 import torch
 
 from engine_helpers import assert_pool_clean, make_llm
 from kvlab.engine import SamplingParams
 from kvlab.engine.request import Request
-from kvlab.engine.sampler import Sampler, sample_generator
+from kvlab.engine.sampler import Sampler, probabilities, sample_generator
 from kvlab.errors import InvalidArgumentError
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
@@ -52,13 +53,66 @@ def test_a_seeded_row_draws_the_same_token_whatever_the_batch():
     assert alone == batched
 
 
+@pytest.mark.parametrize("temperature", [1e-37, 1e-40, 1e-300, 5e-324])
+def test_a_tiny_temperature_picks_the_most_likely_token(temperature):
+    """Dividing fp32 logits by it would overflow to inf, and inf - inf is NaN."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0], [-3.0, 5.0, 4.9999, 0.0], [0.0, -1e30, 1e30, float("-inf")]])
+    params = [SamplingParams(temperature=temperature)] * 3
+    probs = probabilities(logits, params)
+    assert not probs.isnan().any() and probs.equal(torch.eye(4)[[0, 1, 2]])
+    assert Sampler(0, "cpu")(logits, params, [None] * 3) == [0, 1, 2]
+
+
+def test_a_huge_temperature_samples_evenly_and_keeps_masked_tokens_out():
+    logits = torch.tensor([[0.0, float("-inf"), 1.0, 30.0]])
+    probs = probabilities(logits, [SamplingParams(temperature=1e300)])  # inf in fp32: -inf / inf would be NaN
+    torch.testing.assert_close(probs, torch.tensor([[1 / 3, 0.0, 1 / 3, 1 / 3]]))
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-45, 1e-8])
+def test_a_tiny_top_p_keeps_the_most_likely_token(top_p):
+    probs = probabilities(LOGITS[None], [SamplingParams(top_p=top_p)])  # 1e-300 rounds to 0 in fp32
+    assert probs.equal(torch.eye(len(LOGITS))[[0]])
+    assert frequencies(SamplingParams(top_p=top_p, top_k=3))[0] == 1.0
+
+
 @pytest.mark.parametrize("bad", [dict(n=0), dict(temperature=-0.5), dict(temperature=float("nan")),
-                                 dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(max_tokens=0),
-                                 dict(stop_token_ids="eos"), dict(stop_token_ids=[-1]), dict(seed=-1),
+                                 dict(temperature=float("inf")), dict(top_p=0.0), dict(top_p=1.5),
+                                 dict(top_p=float("nan")), dict(top_k=-2), dict(top_k=True), dict(top_k=2.0),
+                                 dict(max_tokens=0), dict(max_tokens=True), dict(stop_token_ids="eos"),
+                                 dict(stop_token_ids=[-1]), dict(stop_token_ids=[True]), dict(stop_token_ids=5),
+                                 dict(seed=-1), dict(seed=2**64), dict(seed=2**70), dict(seed=1.0),
                                  dict(ignore_eos=1), dict(n=True)])
 def test_bad_sampling_params_are_rejected(bad):
     with pytest.raises(InvalidArgumentError, match=next(iter(bad))):
         SamplingParams(**bad)
+
+
+def test_numpy_numbers_are_accepted_as_python_numbers():
+    params = SamplingParams(n=np.int64(2), temperature=np.float32(0.5), top_k=np.int32(5), top_p=np.float64(0.5),
+                            max_tokens=np.uint8(3), stop_token_ids=np.array([1, 2]), seed=np.uint64(2**64 - 1))
+    assert params == SamplingParams(n=2, temperature=0.5, top_k=5, top_p=0.5, max_tokens=3, stop_token_ids=(1, 2),
+                                    seed=2**64 - 1)
+    assert all(type(v) in (int, float, bool, tuple) for v in params.__dict__.values())
+    assert Request.create("r", None, [1], params, 8, "cpu").generators[1] is not None
+
+
+def test_parameters_beyond_the_vocabulary_are_refused_when_added_and_cost_no_one_anything(llama):
+    """Before, top_k=2**64 was queued and the next step raised (int64 overflow), aborting every request."""
+    llm = make_llm(llama[0])
+    running = llm.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3))
+    llm.step()
+    for bad, match in [(dict(top_k=2**64), r"top_k=18446744073709551616 is more than the model's 128 tokens"),
+                       (dict(top_k=129), r"top_k=129 .*use 1 to 128, or 0 or -1"),
+                       (dict(stop_token_ids=[5, 128, 2**70]), r"stop_token_ids must be token ids in \[0, 128\)")]:
+        with pytest.raises(InvalidArgumentError, match=match):
+            llm.add_request([4, 5], SamplingParams(**bad))
+    llm.add_request([4, 5], SamplingParams(top_k=128, stop_token_ids=[127], max_tokens=2))  # the whole vocabulary
+    outs = {}
+    while llm.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in llm.step())
+    assert outs[running].outputs[0].finish_reason == "length" and len(outs) == 2
+    assert_pool_clean(llm)
 
 
 def test_stop_conditions():

@@ -6,7 +6,7 @@ import csv
 import pytest
 import torch
 
-from kvlab.bench import kernels as bench
+from kvlab.bench import kernel_impls, kernels as bench
 from kvlab.device import ON_GPU
 from kvlab.kernels.reference import paged_attention_decode_ref, paged_prefill_ref
 
@@ -42,7 +42,8 @@ def test_grid_covers_the_brief_and_quick_is_small():
     assert {(c.num_heads, c.num_kv_heads) for c in decode} == {(32, 8), (32, 32)}
     assert {c.dtype for c in full} == {"fp16", "bf16"}
     assert {c.head_dim for c in full} == {128} and {c.block_size for c in full} == {16}
-    assert {c.kernel for c in full} == {"decode", "prefill", "reshape_and_cache", "copy_blocks"}
+    assert {c.kernel for c in full} == {"decode", "prefill", "reshape_and_cache", "copy_blocks", "swap_out", "swap_in"}
+    assert {c.context - c.query_len for c in full if c.kernel == "prefill"} == {0, 1024, 4096, 16384}
     assert len(set(full)) == len(full)
     quick = bench.build_grid(quick=True)
     assert {c.kernel for c in quick} == {c.kernel for c in full} and len(quick) <= 10
@@ -85,12 +86,36 @@ def test_sdpa_baseline_does_the_same_attention_as_the_reference(kernel, context)
     # The baseline's timing only compares with the kernel's if it computes the same thing; fp16 inputs,
     # compared in fp32 against the reference on the same paged K/V.
     case = bench.Case(kernel, "fp16", batch=2, context=context, num_heads=4, num_kv_heads=2, head_dim=32)
-    kv_cache, block_tables, seq_lens, query, cu_query_lens = bench.paged_inputs(case, device="cpu")
+    kv_cache, block_tables, seq_lens, query, cu_query_lens = kernel_impls.paged_inputs(case, device="cpu")
     kv_cache, query = kv_cache.float(), query.float()
-    out = bench.sdpa_contiguous(case, query, kv_cache, block_tables)()     # [batch, heads, q_len, dim]
+    out = kernel_impls.sdpa_contiguous(case, query, kv_cache, block_tables)()     # [batch, heads, q_len, dim]
     out = out.transpose(1, 2).reshape(query.shape)
     if kernel == "decode":
         expected = paged_attention_decode_ref(query, kv_cache, block_tables, seq_lens)
     else:
         expected = paged_prefill_ref(query, kv_cache, block_tables, seq_lens, cu_query_lens)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel, context, query_len", [("decode", 37, 1), ("prefill", 29, 8), ("prefill", 8, 8)])
+def test_flex_paged_block_mask_does_the_same_attention_as_the_reference(kernel, context, query_len):
+    # FlexAttention reads kvlab's shuffled pages through the block mask: eager on CPU, the same mask a GPU
+    # compiles. Block size 4 puts several pages, full and partial, in every row.
+    case = bench.Case(kernel, "fp16", batch=2, context=context, num_heads=4, num_kv_heads=2, head_dim=32,
+                      block_size=4, query_len=query_len)
+    kv_cache, block_tables, seq_lens, query, cu_query_lens = kernel_impls.paged_inputs(case, device="cpu")
+    kv_cache, query = kv_cache.float(), query.float()
+    out = kernel_impls.flex_paged(case, query, kv_cache, block_tables, seq_lens)()
+    out = out.transpose(1, 2).reshape(query.shape)
+    if kernel == "decode":
+        expected = paged_attention_decode_ref(query, kv_cache, block_tables, seq_lens)
+    else:
+        expected = paged_prefill_ref(query, kv_cache, block_tables, seq_lens, cu_query_lens)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_swap_bytes_and_ceilings():
+    swap = bench.Case("swap_out", "bf16", batch=10, context=0, num_heads=32, num_kv_heads=8)
+    assert bench.swap_bytes(swap, 2) == 10 * 2 * 16 * 8 * 128 * 2  # each block once over the link
+    ceilings = bench.Ceilings(copy_gbps=3000.0, out_gbps=50.0, in_gbps=40.0)
+    assert ceilings.for_case(swap) == 50.0 and ceilings.for_case(DECODE) == 3000.0

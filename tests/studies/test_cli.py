@@ -11,6 +11,8 @@ import pytest
 
 from kvlab.__main__ import main as kvlab_main
 from kvlab.studies.cli import build_parser, main
+from kvlab.studies.synthetic import WORKLOADS
+from kvlab.studies.traces import BUNDLED
 
 REQUIRED = ["trace", "block_size", "capacity_blocks", "policy", "hit_rate_tokens", "hit_rate_blocks", "evictions",
             "prefill_tokens_saved", "peak_blocks_used"]
@@ -52,17 +54,25 @@ HUGE = "1" + "0" * 30
     (["--capacity", "0"], "--capacity: expected a number of blocks in"),
     (["--capacity", "ten"], "--capacity: expected a number of blocks in"),
     (["--capacity", "1e30"], "--capacity: expected a number of blocks in"),
-    (["--capacity", HUGE], "--capacity: expected a number of blocks in \\[1, 2,147,483,647\\]"),
+    (["--capacity", HUGE], "--capacity: expected a number of blocks in \\[1, 16,777,216\\]"),
+    (["--capacity", "16777217"], "--capacity: expected a number of blocks in \\[1, 16,777,216\\]"),
     (["--policy", "lru,random"], "--policy: unknown eviction policy 'random'"),
     (["--block-size", "-16"], "--block-size: block_size must be an int in"),
     (["--block-size", "1e30"], "--block-size: expected a whole number, got '1e30'"),
     (["--block-size", HUGE], "--block-size: block_size must be an int in"),
     (["--mode", "parallel"], "--mode: invalid choice"),
+    (["--block-size", "16,16"], "--block-size: '16' is given more than once in '16,16'"),
+    (["--capacity", "1000,inf,1000"], "--capacity: '1000' is given more than once"),
+    (["--capacity", "10,,20"], "--capacity: expected a comma-separated list without empty items, got '10,,20'"),
+    (["--policy", "lru,"], "--policy: expected a comma-separated list without empty items"),
+    (["--trace", ""], "--trace: expected a comma-separated list without empty items"),
     (["--limit", "0"], "--limit: limit must be an int >= 1, got 0"),
     (["--time-scale", "inf"], "--time-scale: time scale must be a finite number > 0, got inf"),
     (["--time-scale", "nan"], "--time-scale: time scale must be a finite number > 0, got nan"),
     (["--time-scale", "-1"], "--time-scale: time scale must be a finite number > 0"),
     (["--jobs", "0"], "--jobs: jobs must be an int >= 1, got 0"),
+    (["--dask-timeout", "0"], "--dask-timeout: dask timeout must be a finite number > 0, got 0.0"),
+    (["--dask-timeout", "inf"], "--dask-timeout: dask timeout must be a finite number > 0, got inf"),
 ])
 def test_bad_options_exit_with_status_2_and_one_argparse_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -105,7 +115,33 @@ def test_an_out_directory_without_write_permission_fails_before_the_study_runs(m
     monkeypatch.setattr("kvlab.studies.cli.cache_hit_study", refuse_to_run)
     with pytest.raises(SystemExit) as exit_info:
         main(["--out", "/sys"])
-    assert exit_info.value.code == 2 and "error: argument --out: cannot write in /sys" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "error: argument --out: cannot create files in /sys (" in capsys.readouterr().err
+
+
+def can_make_a_directory_in(path) -> bool:
+    try:
+        with tempfile.TemporaryDirectory(dir=path):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc") or can_make_a_directory_in("/proc"),
+                    reason="needs /proc, which refuses new directories")
+def test_an_out_that_cannot_be_created_says_so_not_that_its_parent_is_missing(monkeypatch, capsys):
+    monkeypatch.setattr("kvlab.studies.cli.cache_hit_study", refuse_to_run)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--out", "/proc/kvlab_results"])
+    # /proc answers "No such file or directory": the message must not read as if /proc were missing.
+    assert exit_info.value.code == 2 and ("error: argument --out: cannot create the directory /proc/kvlab_results: "
+                                          "/proc does not take new directories (") in capsys.readouterr().err
+
+
+def test_an_empty_out_is_refused_not_taken_as_the_current_directory(monkeypatch, capsys):
+    monkeypatch.setattr("kvlab.studies.cli.cache_hit_study", refuse_to_run)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--out", ""])
+    assert exit_info.value.code == 2 and "argument --out: expected a directory, got an empty string" in capsys.readouterr().err
 
 
 def test_an_infinite_timestamp_in_a_trace_is_reported_not_replayed_forever(tmp_path, capsys):
@@ -125,9 +161,11 @@ def test_an_unreachable_dask_scheduler_is_one_line(tmp_path, capsys):
                         capsys.readouterr().err)
 
 
-def test_an_unknown_trace_is_reported_without_a_traceback(tmp_path, capsys):
+def test_an_unknown_trace_is_reported_with_every_trace_name(tmp_path, capsys):
     assert main(["--trace", "no_such_trace", "--out", str(tmp_path), "--quiet"]) == 2
-    assert "neither a bundled trace" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("kvlab study: error: trace 'no_such_trace' is neither a trace name (") and "Traceback" not in err
+    assert all(name in err for name in [*BUNDLED, *WORKLOADS]), err
 
 
 def test_the_defaults_are_the_main_job():

@@ -10,9 +10,11 @@ from tqdm.auto import tqdm
 
 from kvlab import BlockManager
 from kvlab.blocks.eviction import EvictionPolicy
+from kvlab.blocks.manager import MAX_BLOCKS
 from kvlab.errors import InvalidArgumentError
 from kvlab.studies import EngineModel, cache_hit_study, replay, reuse_profile
 from kvlab.studies.overlap import replay_overlap
+from kvlab.studies.simulator import check_capacity
 from kvlab.studies.synthetic import WORKLOADS
 from kvlab.studies.traces import load_trace
 
@@ -165,7 +167,7 @@ def test_a_user_policy_class_plugs_in():
 
 
 @pytest.mark.parametrize("kwargs", [dict(mode="parallel"), dict(capacity=0), dict(capacity=2.5),
-                                    dict(capacity=True), dict(capacity=2**31), dict(capacity=math.nan),
+                                    dict(capacity=True), dict(capacity=2**24 + 1), dict(capacity=math.nan),
                                     dict(block_size=0), dict(block_size=10**30), dict(policy="random"),
                                     dict(policy=object)])
 def test_bad_arguments_are_refused(kwargs):
@@ -175,6 +177,22 @@ def test_bad_arguments_are_refused(kwargs):
         replay(trace_of(HAND_BUILT).head(0))
     with pytest.raises(InvalidArgumentError):
         EngineModel(max_num_seqs=0)
+
+
+def test_capacities_stop_where_the_block_manager_does():
+    assert check_capacity(MAX_BLOCKS) == MAX_BLOCKS
+    with pytest.raises(InvalidArgumentError, match=r"capacity must be a number of blocks in \[1, 16,777,216\]"):
+        check_capacity(MAX_BLOCKS + 1)
+
+
+def test_an_infinite_pool_larger_than_a_block_manager_is_refused_before_any_replay(monkeypatch):
+    def no_replays(*args, **kwargs):
+        raise AssertionError("replayed before checking the infinite pool")
+    monkeypatch.setattr("kvlab.studies.study.run_replays", no_replays)
+    monkeypatch.setattr("kvlab.studies.simulator.MAX_CAPACITY", 100)  # synthetic_chat at block size 16: ~3,000
+    with pytest.raises(InvalidArgumentError, match=r"synthetic_chat at block size 16: a pool that never evicts "
+                                                   r"would need [\d,]+ blocks, and a block manager holds at most 100"):
+        cache_hit_study("synthetic_chat", block_sizes=[16], capacities=[50, math.inf], progress=False)
 
 
 def test_a_study_has_one_row_per_combination_and_shares_the_infinite_row():

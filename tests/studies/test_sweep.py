@@ -9,6 +9,8 @@ from kvlab.blocks.eviction import LRUPolicy
 from kvlab.errors import InvalidArgumentError
 from kvlab.studies import cache_hit_study
 from kvlab.studies.cli import main
+from kvlab.studies.simulator import PreparedTrace
+from kvlab.studies.sweep import LONG_REPLAY_BLOCKS, plan
 
 SWEEP = dict(block_sizes=[512, 64], capacities=[40, 400, math.inf], policies=["lru", "fifo", "lfu"], limit=120,
              progress=False)
@@ -79,5 +81,12 @@ def test_each_trace_is_read_before_any_replay(monkeypatch):
     def no_replays(*args, **kwargs):
         raise AssertionError("replayed before reading every trace")
     monkeypatch.setattr("kvlab.studies.study.run_replays", no_replays)
-    with pytest.raises(InvalidArgumentError, match="neither a bundled trace"):
+    with pytest.raises(InvalidArgumentError, match="neither a trace name"):
         cache_hit_study(["azure_code", "no_such_trace"], progress=False)
+
+
+@pytest.mark.parametrize("full_blocks, chunks", [(LONG_REPLAY_BLOCKS - 1, 4), (LONG_REPLAY_BLOCKS, 12)])
+def test_long_replays_are_chunks_of_their_own_so_the_bar_moves_per_replay(full_blocks, chunks):
+    prepared = PreparedTrace("t", "sequential", 16, distinct_blocks=1, prompt_tokens=1, full_blocks=full_blocks)
+    tasks = [(prepared, capacity, policy) for capacity in (10, 100, 1000, math.inf) for policy in ("lru", "fifo", "lfu")]
+    assert len(plan(tasks, workers=2)) == chunks

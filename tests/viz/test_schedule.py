@@ -45,3 +45,13 @@ def test_bad_frames():
         draw_schedule(pd.DataFrame({"step": [0], "request": ["A"]}))
     with pytest.raises(InvalidArgumentError, match="unknown states"):
         draw_schedule(pd.DataFrame({"step": [0], "request": ["A"], "state": ["sleeping"]}))
+
+
+def test_waiting_mentions_recompute_only_where_a_request_was_recomputed():
+    """A swap run's legend must not say its waiting requests were preempted by recompute."""
+    def legend(states):
+        frame = pd.DataFrame([(i, "A", s) for i, s in enumerate(states)], columns=["step", "request", "state"])
+        return [t.get_text() for t in draw_schedule(frame).get_legend().get_texts()]
+    swap_run = legend(["waiting", "prefill", "swapped", "decode"])
+    assert "queued (not admitted yet)" in swap_run and not any("recompute" in t for t in swap_run)
+    assert "queued (not admitted yet, or preempted by recompute)" in legend(["prefill", "waiting", "recompute"])

@@ -1,0 +1,25 @@
+"""Commands with subcommands (``kvlab``, ``python -m kvlab.bench``): the first word picks a function that
+parses the rest with its own parser, ``--help`` included.
+
+Anything else, no word, ``--help`` or an unknown word, goes to an argparse parser that lists the commands:
+help exits 0, a missing or unknown command prints one error line naming it and the choices and exits 2.
+Commands are named as ``"module:function"`` strings and imported only when chosen: ``kvlab study`` should
+not wait for torch, nor ``kvlab --help`` for anything.
+"""
+
+import argparse
+import importlib
+
+
+def dispatch(argv: list[str], *, prog: str, description: str, commands: dict[str, tuple[str, str]]) -> int:
+    """``commands``: name -> (one-line help, ``"module:function"``); the function takes the arguments after
+    the name and returns the exit status."""
+    if not argv or argv[0] not in commands:
+        parser = argparse.ArgumentParser(prog=prog, description=description,
+                                         epilog=f"Run `{prog} COMMAND --help` for a command's options.")
+        choices = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+        for command, (summary, _) in commands.items():
+            choices.add_parser(command, help=summary, add_help=False)
+        parser.parse_args(argv)  # exits: the help (0), or an error naming the missing or unknown command (2)
+    module, function = commands[argv[0]][1].split(":")
+    return getattr(importlib.import_module(module), function)(argv[1:])

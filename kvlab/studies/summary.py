@@ -1,0 +1,50 @@
+"""The few sentences ``kvlab study`` prints under its table: the ceiling, then per capacity how close the
+policies get and how many requests the pool could not serve.
+
+Policies that tie are said to tie, not one of them named best (with a pool too small to keep anything
+between requests every policy hits the same blocks). A hit rate counts a skipped request's prompt as all
+misses (``kvlab.studies.simulator``), so the requests skipped (a prompt larger than the pool) and those
+dropped mid-decode (overlap mode: a sequence that outgrew the whole pool) are said beside it: they are part
+of why it is low.
+"""
+
+import math
+
+import pandas as pd
+
+
+def summary(table: pd.DataFrame) -> str:
+    lines = []
+    for (trace, block_size), group in table.groupby(["trace", "block_size"], sort=False):
+        ceiling = group["ceiling_hit_rate_tokens"].iloc[0]
+        lines.append(f"{trace}, block size {block_size}: an infinite cache would serve {ceiling:.1%} of prompt "
+                     "tokens from cache.")
+        finite = group[group["capacity_blocks"] != math.inf]
+        for capacity, at_capacity in finite.groupby("capacity_blocks", sort=False):
+            lines.append(f"  {int(capacity):>9,} blocks: {_policies(at_capacity, ceiling)}{_unserved(at_capacity)}")
+    return "\n".join(lines)
+
+
+def _policies(rows: pd.DataFrame, ceiling: float) -> str:
+    best = rows["hit_rate_tokens"].max()
+    rate = f"{best:.1%}" + (f" ({best / ceiling:.0%} of the ceiling)" if ceiling else "")
+    winners = rows.loc[rows["hit_rate_tokens"] == best, "policy"].tolist()
+    if len(rows) == 1:
+        return f"{winners[0]} hits {rate}"
+    if len(winners) == len(rows):
+        return f"all policies tie at {rate}"
+    if len(winners) == 1:
+        return f"best policy {winners[0]} hits {rate}"
+    return f"best policies {' and '.join(winners)} tie at {rate}"
+
+
+def _unserved(rows: pd.DataFrame) -> str:
+    """``; N of M requests skipped ...``: the same for every policy (it depends on the pool only); drops
+    mid-decode can differ by policy, so the most is said."""
+    total = int((rows["requests"] + rows["requests_skipped"] + rows["requests_dropped_mid_decode"]).iloc[0])
+    skipped, dropped = int(rows["requests_skipped"].max()), int(rows["requests_dropped_mid_decode"].max())
+    said = f"; {skipped:,} of {total:,} requests skipped (prompt larger than the pool)" if skipped else ""
+    if dropped:
+        varies = rows["requests_dropped_mid_decode"].nunique() > 1
+        said += f"; {'up to ' if varies else ''}{dropped:,} of {total:,} dropped mid-decode (outgrew the pool)"
+    return said

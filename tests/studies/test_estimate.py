@@ -1,0 +1,48 @@
+"""A slow or memory-hungry study says so, with what makes it quicker, before it prepares anything."""
+
+import math
+import re
+
+import pytest
+
+from kvlab.studies import cache_hit_study
+from kvlab.studies.estimate import BYTES_PER_POOL_BLOCK, estimate, slow_notice
+from kvlab.studies.simulator import MAX_CAPACITY
+from kvlab.studies.traces import load_trace
+
+MAIN_CAPACITIES = [1000, 2000, 4000, 8000, 16000, 32000, 64000, math.inf]
+
+
+@pytest.fixture(scope="module")
+def mooncake():
+    return [("mooncake_conversation", load_trace("mooncake_conversation"))]
+
+
+def test_the_main_job_is_not_slow_and_block_size_3_is(mooncake):
+    seconds, pool = estimate(mooncake, [512], MAIN_CAPACITIES, 3, "sequential", workers=2)
+    assert seconds < 60 and slow_notice(seconds, pool, 2) is None
+    seconds, pool = estimate(mooncake, [3], MAIN_CAPACITIES, 3, "sequential", workers=2)
+    assert seconds > 5 * 60 and pool == MAX_CAPACITY * BYTES_PER_POOL_BLOCK  # the largest pool a manager holds
+    notice = slow_notice(seconds, pool, 2)
+    assert re.search(r"roughly \d+ minutes on 2 workers, .* up to 5\.5 GiB of memory", notice), notice
+    assert "--block-size" in notice and "--limit" in notice
+
+
+class Stop(Exception):
+    pass
+
+
+def test_a_slow_study_says_so_before_preparing(monkeypatch, capsys):
+    def stop(*args, **kwargs):
+        raise Stop
+    monkeypatch.setattr("kvlab.studies.study.block_keys", stop)
+    with pytest.raises(Stop):
+        cache_hit_study("mooncake_conversation", block_sizes=[16], capacities=[1000, 10000, math.inf], jobs=2)
+    err = capsys.readouterr().err
+    assert "kvlab study: this study will take roughly" in err and "GiB of memory" in err
+
+
+def test_a_quick_study_says_nothing_of_the_kind(capsys):
+    cache_hit_study("synthetic_parallel", limit=8, capacities=[math.inf], policies=["lru"], jobs=1)
+    err = capsys.readouterr().err
+    assert "preparing" in err and "replays" in err and "will take roughly" not in err
