@@ -229,8 +229,8 @@ draw("after one decode step: two samples got private copies of the partial block
 # `llm.step_dataframe()` has one row per step; `kvlab.viz.draw_engine_timeline` draws it step by step: the
 # prefills with prefix hits, the preemption and the recompute, the copy-on-write step. (With `x="time"` every
 # bar is as wide as its step took, and the gaps are whatever ran between steps, here the notebook's own drawing;
-# on a CPU those widths are Triton-interpreter time, which says nothing about a GPU, so this notebook draws
-# steps.)
+# on a CPU those widths are torch-on-CPU time (or, with `attention_backend="triton"`, Triton-interpreter
+# time), which says nothing about a GPU, so this notebook draws steps.)
 
 # %%
 while llm.has_unfinished_requests():
@@ -268,8 +268,9 @@ for name in "ABCD":
 # output lengths) and a shared-system-prompt workload through the engine, with prefix caching on and off, and
 # through Hugging Face `generate` in static batches (no paging: every batch reserves its longest prompt plus
 # its longest output for every row). It writes one CSV per device under `data/bench/engine/`; the cells below
-# plot whatever is there. Read CPU rows with care: there the kernels run in the Triton interpreter, so the
-# engine is slow and the numbers only show what each run did, not what paging is worth on a GPU.
+# plot whatever is there. Read CPU rows with care: the committed one ran the kernels in the Triton
+# interpreter, so the engine is slow and the numbers only show what each run did, not what paging is worth on
+# a GPU (without CUDA the engine now attends through a torch path by default; `--suite serving` times it).
 
 # %%
 def bench_csvs():

@@ -7,7 +7,7 @@ from kvlab.commands import dispatch
 COMMANDS = {
     "blocks": ("block-manager speed on the Mooncake trace (optionally beside nano-vllm's)", "kvlab.bench.blocks:main"),
     "kernels": ("GPU kernel bandwidth beside torch SDPA (GPU only)", "kvlab.bench.kernels:main"),
-    "engine": ("offline engine throughput beside Hugging Face generate", "kvlab.bench.engine:main"),
+    "engine": ("the engine beside Hugging Face generate: serving (CPU) or throughput (GPU)", "kvlab.bench.engine:main"),
     "gpu": ("the GPU run book: tests, kernels, engine and plots, time-boxed, into one folder (--dry-run on CPU)",
             "kvlab.bench.gpu.driver:main"),
 }

@@ -1,5 +1,12 @@
-"""Engine throughput: kvlab.engine against Hugging Face ``generate`` (static batches, no paging) on the same
-requests. ``python -m kvlab.bench engine [--model DIR] [--quick]``.
+"""kvlab.engine against Hugging Face ``generate``. ``python -m kvlab.bench engine [--suite S] [--model DIR]``.
+
+--suite serving (the default without a GPU): a handful of prompts, kvlab's attention backends (--backends)
+side by side with HF one prompt at a time, and the time of one decode step; see ``kvlab.bench.serving``.
+Without --model: a random model of SmolLM2-135M's shape (Qwen3-0.6B's on a GPU). Writes
+``data/bench/serving/<device>.csv``.
+
+--suite throughput (the default on a GPU): offline throughput against HF ``generate`` in static batches (no
+paging) on the same requests, with the device's default attention backend.
 
 Workloads (random token ids from ``--seed``, every request runs to its own output length, EOS ignored):
   random         nano-vllm's benchmark: many requests, prompt and output lengths uniform at random;
@@ -12,9 +19,9 @@ prefix hit rate.
 
 On a GPU: ``--model DIR`` (a local Llama/Qwen3 directory, e.g. Qwen3-0.6B downloaded with huggingface_hub)
 or, without it, a random model of Qwen3-0.6B's shape in bf16; 256 requests, prompts 100-1024 tokens,
-outputs 100-1024. Without a GPU the kernels run in the Triton interpreter, so the default is a tiny random
-model (2 layers, hidden 64) and 16 short requests: the numbers show the engine working, not its speed.
-Writes ``<out-dir>/<device>.csv`` (default ``data/bench/engine/``; notebook 09 plots it).
+outputs 100-1024. Without a GPU: a tiny random model (2 layers, hidden 64) and 16 short requests, served
+with the torch backend (the Triton interpreter would take minutes). Writes ``<out-dir>/<device>.csv``
+(default ``data/bench/engine/``; notebook 09 plots it).
 """
 
 import argparse
@@ -93,10 +100,11 @@ def run_engine(model_dir, prompts, outputs, *, prefix_caching: bool, block_size:
     sync()
     wall = time.perf_counter() - start
     steps = llm.step_dataframe().iloc[first_step:]
-    return dict(wall_s=wall, **latency_stats([r.metrics for r in results]), peak_kv_mib=steps["blocks_used"].max() * llm.kv_cache.bytes_per_block / 2**20,
+    return dict(wall_s=wall, **latency_stats([r.metrics for r in results]),
+                peak_kv_mib=steps["blocks_used"].max() * llm.kv_cache.bytes_per_block / 2**20,
                 kv_pool_mib=llm.block_manager.num_blocks * llm.kv_cache.bytes_per_block / 2**20,
                 prefix_hit_rate=llm.block_manager.stats.hit_rate, preemptions=int(steps["preempted"].sum()),
-                steps=len(steps), dtype=str(llm.dtype).replace("torch.", ""))
+                steps=len(steps), dtype=str(llm.dtype).replace("torch.", ""), attention_backend=llm.attention_backend)
 
 
 def latency_stats(metrics) -> dict:
@@ -145,63 +153,91 @@ def main(argv=None) -> int:
     intro, details = __doc__.split("\n\n", 1)
     parser = argparse.ArgumentParser(prog="python -m kvlab.bench engine", description=intro, epilog=details,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="local HF model directory (GPU); default: a random model (see above)")
-    parser.add_argument("--requests", type=int, help="number of requests per workload")
-    parser.add_argument("--quick", action="store_true", help="a quarter of the requests")
+    parser.add_argument("--suite", choices=("serving", "throughput"), help="default: throughput on a GPU, "
+                        "serving without one")
+    parser.add_argument("--model", help="local HF model directory; default: a random model (see above)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--hf-batch-size", type=int, default=None, help="default: 64 on a GPU, 16 on CPU")
-    parser.add_argument("--out-dir", default="data/bench/engine", help="where to write <device>.csv")
+    parser.add_argument("--out-dir", help="where to write <device>.csv (default: data/bench/<suite>/, "
+                        "data/bench/engine/ for throughput)")
+    serving = parser.add_argument_group("serving suite")
+    serving.add_argument("--backends", default="torch,triton", help="comma-separated attention backends")
+    serving.add_argument("--repeats", type=int, default=3, help="runs per measurement (medians reported)")
+    serving.add_argument("--decode-steps", type=int, default=5, help="decode steps timed per backend")
+    serving.add_argument("--interpreter-end-to-end", action="store_true",
+                         help="also run the end-to-end measurement in the Triton interpreter (many minutes)")
+    serving.add_argument("--profile", action="store_true", help="print where a torch-backend step spends its time")
+    throughput = parser.add_argument_group("throughput suite")
+    throughput.add_argument("--requests", type=int, help="number of requests per workload")
+    throughput.add_argument("--quick", action="store_true", help="a quarter of the requests")
+    throughput.add_argument("--block-size", type=int, default=16)
+    throughput.add_argument("--max-num-seqs", type=int, default=256)
+    throughput.add_argument("--hf-batch-size", type=int, default=None, help="default: 64 on a GPU, 16 on CPU")
     args = parser.parse_args(argv)
-    from kvlab.engine.config import load_model_config
+    suite = args.suite or ("throughput" if ON_GPU else "serving")
     from kvlab.engine.random_model import save_random_model
 
-    spec = dict(GPU_WORKLOAD if ON_GPU else CPU_WORKLOAD)
-    spec["requests"] = args.requests or (spec["requests"] // 4 if args.quick else spec["requests"])
-    hf_batch = args.hf_batch_size or (64 if ON_GPU else 16)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model:
             model_dir, model_name = Path(args.model), Path(args.model).name
         else:
-            shape = "qwen3-0.6b" if ON_GPU else "tiny"
+            shape = "qwen3-0.6b" if ON_GPU else ("smollm2-135m" if suite == "serving" else "tiny")
             model_dir = save_random_model(Path(tmp) / shape, shape, dtype=torch.bfloat16 if ON_GPU else torch.float32)
             model_name = f"random {shape}"
-        config = load_model_config(model_dir)
-        params = sum(p.numel() for p in _param_shapes(model_dir))
-        rows = []
-        for workload, (prompts, outputs) in make_workloads(config.vocab_size, args.seed, spec).items():
-            base = dict(device=device_name(), model=model_name, params_m=round(params / 1e6, 1), workload=workload,
-                        requests=len(prompts), prompt_tokens=sum(map(len, prompts)), generated_tokens=sum(outputs))
-            for caching in (True, False):
-                print(f"{workload}: kvlab engine, prefix caching {'on' if caching else 'off'}")
-                result = run_engine(model_dir, prompts, outputs, prefix_caching=caching, block_size=args.block_size,
-                                    max_num_seqs=args.max_num_seqs)
-                release_device_memory()
-                rows.append({**base, "system": "kvlab.engine", "prefix_caching": caching,
-                             "max_batch": args.max_num_seqs, **result})
-            print(f"{workload}: HF generate, batches of {hf_batch}")
-            dtype = getattr(torch, rows[-1]["dtype"])
-            rows.append({**base, "system": "hf-generate", "prefix_caching": False, "max_batch": hf_batch,
-                         "dtype": rows[-1]["dtype"], **run_hf(model_dir, prompts, outputs, batch_size=hf_batch,
-                                                              dtype=dtype)})
+        base = dict(device=device_name(), params_m=round(sum(p.numel() for p in _param_shapes(model_dir)) / 1e6, 1))
+        if suite == "serving":
+            from kvlab.bench.serving import run_serving, write_and_show
+
+            frame = run_serving(model_dir, model_name, backends=args.backends.split(","), repeats=args.repeats,
+                                decode_steps=args.decode_steps, seed=args.seed,
+                                interpreter_end_to_end=args.interpreter_end_to_end, profile=args.profile, base=base)
+            write_and_show(frame, args.out_dir or "data/bench/serving", device_name())
+            return 0
+        frame = run_throughput(model_dir, dict(base, model=model_name), args)
+    out = Path(args.out_dir or "data/bench/engine") / f"{device_name()}.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    frame.round(4).to_csv(out, index=False)
+    shown = ["workload", "system", "prefix_caching", "generated_tok_s", "total_tok_s", "vs_hf", "peak_kv_mib",
+             "prefix_hit_rate", "preemptions", "wall_s"]
+    print(f"\n{model_name} ({base['params_m']}M parameters) on {device_name()}, engine: {frame['kernels'].iloc[0]}")
+    print(frame[shown].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    print(f"wrote {out}")
+    return 0
+
+
+def run_throughput(model_dir, base: dict, args) -> pd.DataFrame:
+    """Both workloads: the engine with prefix caching on and off, then HF in static batches."""
+    from kvlab.engine.config import load_model_config
+
+    spec = dict(GPU_WORKLOAD if ON_GPU else CPU_WORKLOAD)
+    spec["requests"] = args.requests or (spec["requests"] // 4 if args.quick else spec["requests"])
+    hf_batch = args.hf_batch_size or (64 if ON_GPU else 16)
+    config = load_model_config(model_dir)
+    rows = []
+    for workload, (prompts, outputs) in make_workloads(config.vocab_size, args.seed, spec).items():
+        run_base = dict(base, workload=workload, requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
+                        generated_tokens=sum(outputs))
+        for caching in (True, False):
+            print(f"{workload}: kvlab engine, prefix caching {'on' if caching else 'off'}")
+            result = run_engine(model_dir, prompts, outputs, prefix_caching=caching, block_size=args.block_size,
+                                max_num_seqs=args.max_num_seqs)
             release_device_memory()
+            rows.append({**run_base, "system": "kvlab.engine", "prefix_caching": caching,
+                         "max_batch": args.max_num_seqs, **result})
+        print(f"{workload}: HF generate, batches of {hf_batch}")
+        dtype = getattr(torch, rows[-1]["dtype"])
+        rows.append({**run_base, "system": "hf-generate", "prefix_caching": False, "max_batch": hf_batch,
+                     "dtype": rows[-1]["dtype"], **run_hf(model_dir, prompts, outputs, batch_size=hf_batch,
+                                                          dtype=dtype)})
+        release_device_memory()
     frame = pd.DataFrame(rows)
     frame["generated_tok_s"] = frame["generated_tokens"] / frame["wall_s"]
     frame["total_tok_s"] = (frame["generated_tokens"] + frame["prompt_tokens"]) / frame["wall_s"]
     hf = frame[frame["system"] == "hf-generate"].set_index("workload")["generated_tok_s"]
     frame["vs_hf"] = frame["generated_tok_s"] / frame["workload"].map(hf)
-    engine_kernels = "kvlab, compiled" if ON_GPU else "kvlab, Triton interpreter"
-    frame["kernels"] = [engine_kernels if s == "kvlab.engine" else "torch" for s in frame["system"]]
-    out = Path(args.out_dir) / f"{device_name()}.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    frame.round(4).to_csv(out, index=False)
-    shown = ["workload", "system", "prefix_caching", "generated_tok_s", "total_tok_s", "vs_hf", "peak_kv_mib",
-             "prefix_hit_rate", "preemptions", "wall_s"]
-    print(f"\n{model_name} ({params / 1e6:.1f}M parameters) on {device_name()}, engine kernels: {engine_kernels}")
-    print(frame[shown].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
-    print(f"wrote {out}")
-    return 0
+    backend = frame["attention_backend"].dropna().iloc[0]
+    engine = f"kvlab, {backend}" + ("" if backend == "torch" else (" (compiled)" if ON_GPU else " (interpreter)"))
+    frame["kernels"] = [engine if s == "kvlab.engine" else "torch" for s in frame["system"]]
+    return frame.drop(columns="attention_backend")
 
 
 def _param_shapes(model_dir):

@@ -1,9 +1,14 @@
 """Self-attention whose every K/V byte lives in kvlab's paged cache.
 
 Per layer and step: project, (Qwen3: normalise q and k per head), rotate, write the new tokens' K/V into
-their slots with ``reshape_and_cache``, and only then attend: ``paged_prefill`` for prompt tokens (they see
-the cached prefix through the block table, so a prefix hit is compute skipped), ``paged_attention_decode``
-for one new token per sequence. There is no other attention path.
+their slots, and only then attend over each sequence's context through its block table (prompt tokens see
+the cached prefix, so a prefix hit is compute skipped). Two backends do the writing and attending, on the
+same cache, block tables and slot mappings:
+
+* "triton": kvlab's kernels, ``reshape_and_cache`` then ``paged_prefill`` (prompt tokens) or
+  ``paged_attention_decode`` (one new token per sequence); compiled on CUDA, interpreted on CPU.
+* "torch": ``kvlab.kernels.torch_paged``, batched torch ops; its plan (what to gather and mask) is made once
+  per step by ``AttentionBatch.for_backend`` and shared by every layer.
 """
 
 from dataclasses import dataclass
@@ -14,6 +19,8 @@ from torch import nn
 from kvlab.engine.config import ModelConfig
 from kvlab.engine.layers import RMSNorm, Rotation
 from kvlab.kernels import paged_attention_decode, paged_prefill, reshape_and_cache
+from kvlab.kernels.torch_paged import (PagedPlan, paged_attention_torch, plan_paged_attention,
+                                       reshape_and_cache_torch)
 
 
 @dataclass
@@ -23,13 +30,24 @@ class AttentionBatch:
     ``slot_mapping`` int64 ``[T]``: cache slot of each new token. ``block_tables`` int32 ``[S, max_blocks]``,
     ``seq_lens`` int32 ``[S]``: every sequence's whole context, new tokens included. ``cu_query_lens`` int32
     ``[S + 1]`` (prefill only): sequence s owns query rows ``cu_query_lens[s]:cu_query_lens[s + 1]``.
-    Decode has exactly one new token per sequence (T == S).
+    Decode has exactly one new token per sequence (T == S). ``plan``: the torch backend's gather and mask
+    for this step (None with "triton").
     """
     is_prefill: bool
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     cu_query_lens: torch.Tensor | None = None
+    plan: PagedPlan | None = None
+
+    @classmethod
+    def for_backend(cls, backend: str, kv_cache: torch.Tensor, *, is_prefill: bool, slot_mapping, block_tables,
+                    seq_lens, cu_query_lens) -> "AttentionBatch":
+        """The step's batch for ``backend``; ``cu_query_lens [S + 1]`` is given for decode too (0, 1, ... S).
+        ``kv_cache``: any layer's cache (they share a layout), for the torch plan."""
+        plan = (plan_paged_attention(kv_cache, block_tables, seq_lens, cu_query_lens, slot_mapping.shape[0])
+                if backend == "torch" else None)
+        return cls(is_prefill, slot_mapping, block_tables, seq_lens, cu_query_lens if is_prefill else None, plan)
 
 
 class PagedSelfAttention(nn.Module):
@@ -59,9 +77,13 @@ class PagedSelfAttention(nn.Module):
         q, k = rotation.apply(q, k)
         # The ordering rule: this step's K/V are in the cache before any query reads it (a sequence that hit
         # a prefix another sequence is computing in this very step reads it here).
-        reshape_and_cache(k, v, kv_cache, batch.slot_mapping)
-        if batch.is_prefill:
+        if batch.plan is not None:  # the torch backend
+            reshape_and_cache_torch(k, v, kv_cache, batch.slot_mapping)
+            out = paged_attention_torch(q, kv_cache, batch.plan, scale=self.scale)
+        elif batch.is_prefill:
+            reshape_and_cache(k, v, kv_cache, batch.slot_mapping)
             out = paged_prefill(q, kv_cache, batch.block_tables, batch.seq_lens, batch.cu_query_lens, scale=self.scale)
         else:
+            reshape_and_cache(k, v, kv_cache, batch.slot_mapping)
             out = paged_attention_decode(q, kv_cache, batch.block_tables, batch.seq_lens, scale=self.scale)
         return self.o_proj(out.view(tokens, self.num_heads * self.head_dim))

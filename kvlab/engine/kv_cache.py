@@ -9,7 +9,7 @@ from kvlab.engine.config import ModelConfig
 from kvlab.engine.errors import UnsupportedModelError
 from kvlab.errors import InvalidArgumentError
 from kvlab.kernels import (allocate_cpu_cache, allocate_kv_cache, bytes_per_block, copy_blocks,
-                           paged_attention_decode, swap_blocks)
+                           paged_attention_decode, paged_attention_decode_torch, swap_blocks)
 
 #: KV budget on a machine without a GPU when ``num_blocks`` is not given (the interpreter is for small models).
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -63,18 +63,20 @@ class PagedKVCache:
                     swap_blocks(src, dst, pairs)
 
 
-def check_kernel_support(config: ModelConfig, block_size: int, dtype, device) -> None:
-    """Run the decode kernel once on a one-block cache of the model's shape: its launcher rejects a block
-    size, head dim, head grouping or dtype it does not support, with a message saying what it does."""
+def check_kernel_support(config: ModelConfig, block_size: int, dtype, device, attention_backend: str) -> None:
+    """Run the backend's decode attention once on a one-block cache of the model's shape: it rejects a block
+    size, head dim, head grouping or dtype it does not support, with a message saying what it does. Both
+    backends take the same shapes; only bf16 on CPU differs (the Triton interpreter computes it wrongly)."""
     cache = torch.zeros(1, 2, block_size, config.num_kv_heads, config.head_dim, dtype=dtype, device=device)
     query = torch.zeros(1, config.num_heads, config.head_dim, dtype=dtype, device=device)
     one = torch.ones(1, dtype=torch.int32, device=device)
+    decode = paged_attention_decode if attention_backend == "triton" else paged_attention_decode_torch
     try:
-        paged_attention_decode(query, cache, torch.zeros(1, 1, dtype=torch.int32, device=device), one)
+        decode(query, cache, torch.zeros(1, 1, dtype=torch.int32, device=device), one)
     except InvalidArgumentError as e:
         raise UnsupportedModelError(
-            f"kvlab's kernels cannot serve {config.path.name} with block_size={block_size}, dtype "
-            f"{str(dtype).replace('torch.', '')} ({config.num_heads} heads, {config.num_kv_heads} kv heads, "
+            f"kvlab's {attention_backend} attention cannot serve {config.path.name} with block_size={block_size}, "
+            f"dtype {str(dtype).replace('torch.', '')} ({config.num_heads} heads, {config.num_kv_heads} kv heads, "
             f"head_dim {config.head_dim}): {e}") from None
 
 

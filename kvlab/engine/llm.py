@@ -18,7 +18,7 @@ from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampler import Sampler
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler import Scheduler
-from kvlab.engine.settings import check_settings, resolve_device, resolve_dtype
+from kvlab.engine.settings import check_settings, resolve_attention_backend, resolve_device, resolve_dtype
 from kvlab.engine.step_loop import StepLoop
 from kvlab.engine.step_record import records_to_dataframe
 from kvlab.engine.weights import load_model
@@ -34,19 +34,22 @@ class LLM:
     memory budget allows (see ``kv_cache.blocks_for_memory``). ``preemption_mode``: "recompute" (free the
     newest sequence and prefill it again later) or "swap" (move its blocks to ``num_cpu_blocks`` CPU blocks,
     default as many as the device pool). ``dtype``/``device`` None: fp32 on CPU, the checkpoint's dtype on a
-    GPU. ``max_model_len`` defaults to the config's ``max_position_embeddings``.
+    GPU. ``max_model_len`` defaults to the config's ``max_position_embeddings``. ``attention_backend``: "triton"
+    (kvlab's kernels; interpreted on CPU) or "torch" (batched torch ops on the same paged cache); None picks
+    "triton" on CUDA and "torch" elsewhere, and ``llm.attention_backend`` says which runs.
     """
 
     def __init__(self, model, *, block_size: int = 16, num_blocks: int | None = None,
                  enable_prefix_caching: bool = True, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  preemption_mode: str = "recompute", dtype=None, device=None, max_model_len: int | None = None,
                  num_cpu_blocks: int | None = None, gpu_memory_utilization: float = 0.9, seed: int = 0,
-                 record_events: bool = False):
+                 record_events: bool = False, attention_backend: str | None = None):
         check_settings(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        preemption_mode=preemption_mode, max_model_len=max_model_len, num_cpu_blocks=num_cpu_blocks,
                        gpu_memory_utilization=gpu_memory_utilization, seed=seed, record_events=record_events)
         self.device = resolve_device(device)
+        self.attention_backend = resolve_attention_backend(attention_backend, self.device)
         self.model_config = config = load_model_config(model)
         self.tokenizer = self._load_tokenizer(config.path)  # before the weights and the cache: fails fast
         self.dtype = resolve_dtype(dtype, config, self.device)
@@ -55,7 +58,7 @@ class LLM:
                                        f"({config.max_position_embeddings} positions)")
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.max_num_batched_tokens = max_num_batched_tokens
-        check_kernel_support(config, block_size, self.dtype, self.device)
+        check_kernel_support(config, block_size, self.dtype, self.device, self.attention_backend)
         self.model = load_model(config, self.dtype, self.device)
         self.model.init_rope(self.dtype, self.device)
         if num_blocks is None:
@@ -70,7 +73,7 @@ class LLM:
         self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.dtype, self.device, num_cpu_blocks)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, preemption_mode=preemption_mode)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, self.attention_backend)
         self._loop = StepLoop(self.scheduler, self.runner, Sampler(seed, self.device), config.eos_token_ids,
                               self.max_model_len)
         self._request_ids = itertools.count()

@@ -15,8 +15,10 @@ from kvlab.engine.model import CausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, manager: BlockManager, device):
+    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, manager: BlockManager, device,
+                 attention_backend: str):
         self.model, self.kv_cache, self.manager, self.device = model, kv_cache, manager, device
+        self.attention_backend = attention_backend
 
     def apply_moves(self, moves: BlockMoves) -> None:
         """The step's swaps and copy-on-write copies, once, before any forward pass of the step."""
@@ -51,10 +53,9 @@ class ModelRunner:
             return torch.tensor(values, dtype=dtype, device=self.device)
 
         cu_query_lens = tensor([0] + query_lens, torch.int32).cumsum(0, dtype=torch.int32)
-        batch = AttentionBatch(
-            is_prefill=kind == "prefill", slot_mapping=tensor(slots, torch.int64),
-            block_tables=tensor(block_tables, torch.int32), seq_lens=tensor([s.num_tokens for s in seqs],
-                                                                            torch.int32),
-            cu_query_lens=cu_query_lens if kind == "prefill" else None)
+        batch = AttentionBatch.for_backend(
+            self.attention_backend, self.kv_cache.gpu[0], is_prefill=kind == "prefill",
+            slot_mapping=tensor(slots, torch.int64), block_tables=tensor(block_tables, torch.int32),
+            seq_lens=tensor([s.num_tokens for s in seqs], torch.int32), cu_query_lens=cu_query_lens)
         hidden = self.model(tensor(input_ids, torch.int64), tensor(positions, torch.int64), batch, self.kv_cache.gpu)
         return self.model.compute_logits(hidden[cu_query_lens[1:].long() - 1])  # each sequence's last row

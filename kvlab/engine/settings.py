@@ -9,6 +9,9 @@ from kvlab.errors import InvalidArgumentError
 from kvlab.validation import check_int, check_number
 
 PREEMPTION_MODES = ("recompute", "swap")
+#: How attention reads and writes the paged cache: kvlab's Triton kernels (compiled on CUDA, interpreted on
+#: CPU) or the batched torch path of ``kvlab.kernels.torch_paged`` (same cache, tables and slots).
+ATTENTION_BACKENDS = ("torch", "triton")
 
 
 def resolve_device(device) -> torch.device:
@@ -27,9 +30,22 @@ def resolve_device(device) -> torch.device:
     return device
 
 
+def resolve_attention_backend(backend, device: torch.device) -> str:
+    """None: "triton" on CUDA; elsewhere "torch", since the Triton interpreter runs one program per tile in
+    Python (a decode step of a 135M model over 5 sequences of 230 tokens: ~20 s interpreted). "triton" on
+    CPU is allowed: it is how the kernels are stepped through and tested without a GPU."""
+    if backend is None:
+        return "triton" if device.type == "cuda" else "torch"
+    if not isinstance(backend, str) or backend not in ATTENTION_BACKENDS:
+        raise InvalidArgumentError(f"attention_backend must be None (the default for the device) or one of "
+                                   f"{', '.join(map(repr, ATTENTION_BACKENDS))}, got {backend!r}")
+    return backend
+
+
 def resolve_dtype(dtype, config: ModelConfig, device: torch.device) -> torch.dtype:
-    """None: float32 on CPU (the interpreter computes bf16 wrongly and fp16 slowly); on a GPU the checkpoint's
-    dtype, with bf16 replaced by fp16 where the GPU lacks native bf16."""
+    """None: float32 on CPU (the Triton interpreter computes bf16 wrongly and fp16 slowly; the torch attention
+    backend takes either when asked); on a GPU the checkpoint's dtype, with bf16 replaced by fp16 where the
+    GPU lacks native bf16."""
     if dtype is None:
         if device.type != "cuda":
             return torch.float32

@@ -64,16 +64,26 @@ def test_no_weights(model_copy):
         LLM(model_copy, num_blocks=8, block_size=8)
 
 
-def test_head_dim_the_kernels_do_not_support(tmp_path):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_head_dim_the_kernels_do_not_support(tmp_path, backend):
     save_tiny_model("llama", tmp_path, head_dim=8)
-    with pytest.raises(UnsupportedModelError, match="head_dim 8"):
-        LLM(tmp_path, num_blocks=8, block_size=8)
+    with pytest.raises(UnsupportedModelError, match=f"{backend} attention cannot serve .* head_dim 8"):
+        LLM(tmp_path, num_blocks=8, block_size=8, attention_backend=backend)
 
 
 @pytest.mark.skipif(kvlab.device.ON_GPU, reason="bf16 runs on GPUs that support it")
 def test_dtype_the_kernels_do_not_support_here(llama):
-    with pytest.raises(UnsupportedModelError, match="bfloat16"):
-        LLM(llama[0], num_blocks=8, block_size=8, dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedModelError, match="triton attention cannot serve .* bfloat16"):
+        LLM(llama[0], num_blocks=8, block_size=8, dtype=torch.bfloat16, attention_backend="triton")
+    # The Triton interpreter computes bf16 wrongly; torch does not, so the torch backend takes it.
+    assert LLM(llama[0], num_blocks=8, block_size=8, dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_attention_backend_default_and_choice(llama):
+    default = "triton" if kvlab.device.ON_GPU else "torch"
+    assert LLM(llama[0], num_blocks=8, block_size=8).attention_backend == default
+    for backend in ("torch", "triton"):
+        assert LLM(llama[0], num_blocks=8, block_size=8, attention_backend=backend).attention_backend == backend
 
 
 @pytest.mark.parametrize("settings, match", [
@@ -86,6 +96,8 @@ def test_dtype_the_kernels_do_not_support_here(llama):
     (dict(preemption_mode="swap", num_cpu_blocks=0), "num_cpu_blocks"),
     (dict(max_model_len=10_000), "max_model_len"),
     (dict(device="cpu" if kvlab.device.ON_GPU else "cuda"), "device"),
+    (dict(attention_backend="flash"), "attention_backend must be None .* 'torch', 'triton', got 'flash'"),
+    (dict(attention_backend=["torch"]), "attention_backend"),
     (dict(seed=2**64), r"seed must be an int in \[0, 18446744073709551615\]"),
     (dict(seed=2**70), "seed"),
 ])

@@ -1,6 +1,7 @@
 """The engine against Hugging Face transformers on tiny random Llama and Qwen3 models (fp32, CPU): prefill
 logits, greedy generation with prefix hits mid-batch, under preemption (recompute and swap) and without
-prefix caching. After every run the pool is clean (check_invariants, every block free or cached)."""
+prefix caching, with both attention backends (the Triton one, interpreted on CPU, on fewer cases: it is
+slow there). After every run the pool is clean (check_invariants, every block free or cached)."""
 
 import random
 
@@ -27,9 +28,10 @@ def shared_prefix_prompts(seed=1):
     return prompts, base + random_tokens(rng, 9)
 
 
-def test_prefill_logits_match_hf(tiny_model):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_prefill_logits_match_hf(tiny_model, backend):
     path, hf = tiny_model
-    llm = make_llm(path)
+    llm = make_llm(path, attention_backend=backend)
     prompts, late = shared_prefix_prompts()
     for batch in (prompts, [late]):  # the second batch hits blocks the first one left cached
         ids = [llm.add_request(p, SamplingParams(max_tokens=1)) for p in batch]
@@ -47,9 +49,10 @@ def test_prefill_logits_match_hf(tiny_model):
     assert_pool_clean(llm)
 
 
-def test_greedy_matches_hf_with_prefix_hits_mid_batch(tiny_model):
-    path, hf = tiny_model
-    llm = make_llm(path)
+@pytest.mark.parametrize("arch, backend", [("llama", "torch"), ("qwen3", "torch"), ("llama", "triton")])
+def test_greedy_matches_hf_with_prefix_hits_mid_batch(request, arch, backend):
+    path, hf = request.getfixturevalue(arch)
+    llm = make_llm(path, attention_backend=backend)
     prompts, late = shared_prefix_prompts()
     max_tokens = [6, 4, 7, 5, 3]
     ids = [llm.add_request(p, SamplingParams(max_tokens=m, **GREEDY)) for p, m in zip(prompts, max_tokens)]
@@ -82,7 +85,9 @@ def preemption_prompts():
     dict(preemption_mode="recompute"),
     dict(preemption_mode="swap"),
     dict(preemption_mode="recompute", enable_prefix_caching=False),
-], ids=["recompute", "swap", "no_prefix_caching"])
+    dict(preemption_mode="recompute", attention_backend="triton"),
+    dict(preemption_mode="swap", attention_backend="triton"),
+], ids=["recompute", "swap", "no_prefix_caching", "recompute-triton", "swap-triton"])
 def test_greedy_matches_hf_under_preemption(qwen3, settings):
     """Four 15-token prompts take 2 blocks each of a 9-block pool; growing to 23 tokens needs 3 each."""
     path, hf = qwen3

@@ -6,7 +6,7 @@ the columns of ``python -m kvlab.bench engine`` (notebook 09 reads both) plus TT
 What it does not run, and says so in the summary: vLLM V1-style scheduling (kvlab.engine has one scheduler,
 V0-style: a step is all prefill or all decode) and CUDA-graph decode (not in kvlab.engine). On a GPU: Qwen3-0.6B's
 shape with random bf16 weights (or ``--model``), 256 requests, lengths in [100, 1024]; the dry run: the
-tiny random model, a few short requests, kernels in the interpreter (the path, not a figure)."""
+tiny random model, a few short requests, the engine's CPU default (torch attention; the path, not a figure)."""
 
 import tempfile
 import time
@@ -104,7 +104,7 @@ def run(stage):
                 continue
             with stage.check(system) as detail:
                 row = {**base, "system": system, "max_batch": HF_BATCH if system == "hf-generate" else 256,
-                       "kernels": ("kvlab, Triton interpreter" if stage.dry_run else "kvlab, compiled")
+                       "kernels": ("kvlab, torch attention" if stage.dry_run else "kvlab, compiled")
                        if system == "kvlab.engine" else "torch", **measure()}
                 rows.append(row)
                 write_frame(rows, path)  # after each system: a stage killed later keeps the rows it has

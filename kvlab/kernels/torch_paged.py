@@ -1,0 +1,184 @@
+"""Paged attention in plain torch, batched: the engine's fast path where there is no CUDA.
+
+Same cache contract, arguments, checks and results as the Triton launchers (``reshape_and_cache``,
+``paged_attention_decode``, ``paged_prefill``), but each call is a handful of batched torch ops instead of
+one interpreted program per tile. It differs from ``kvlab.kernels.reference``, the tests' oracle, which
+loops over sequences to be easy to read; this module is checked against it.
+
+How a step runs (shapes: S sequences, T query tokens, Q = longest query, L = longest visible context):
+  write    one indexed store puts the new tokens' K/V ``[T, H_kv, D]`` in their slots (slot -1 is skipped).
+  plan     once per step (the same for every layer, so the engine builds it once): where K and V of every
+           visible context position ``[S, L]`` are, looked up through the block tables, the mask
+           ``[S, 1, Q, L]`` (key padding, bottom-right causal, sliding window) and where each query row goes
+           when the batch is padded to Q rows per sequence.
+  attend   per layer: one ``index_select`` gathers K and V ``[S, H_kv, L, D]`` (temporaries: no contiguous
+           copy of any sequence outlives the call), then ``scaled_dot_product_attention`` in fp32 with GQA.
+
+Unused memory is never read, as in the kernels: a padded key position (past a sequence's end) reads the
+sequence's last token, which is always written and inside any window, and is then masked. Gathering the
+padding's table entries instead would read stale blocks, and masking the scores alone would not save the
+output: NaN in V gives 0 * NaN = NaN in P @ V.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvlab.errors import InvalidArgumentError
+from kvlab.kernels._checks import (check_attention_options, check_block_tables, check_cu_query_lens, check_kv_cache,
+                                   check_query, check_seq_lens, check_slot_mapping, check_tensor)
+
+
+def check_cache(kv_cache, name="kv_cache"):
+    """``check_kv_cache`` as the kernels apply it, except bf16 on CPU: torch computes it correctly, only the
+    Triton interpreter does not. The block sizes and head dims stay the kernels', so a model served here is
+    served by the GPU kernels too. Returns ``(num_blocks, block_size, num_kv_heads, head_dim)``."""
+    return check_kv_cache(kv_cache, name, arithmetic=False)
+
+
+def row_view(kv_cache):
+    """Every ``[num_kv_heads, head_dim]`` row of the cache (one per block, K/V half and offset) in one view
+    ``[R, num_kv_heads, head_dim]``, whatever the cache's strides, for ``index_select``. Row (b, kv, o) is
+    ``row_index(kv_cache, b, kv, o)``. Rows may overlap in memory (a head-major block layout): read only."""
+    step = _row_step(kv_cache)
+    last = sum((n - 1) * s for n, s in zip(kv_cache.shape[:3], kv_cache.stride()[:3])) // step
+    return kv_cache.as_strided((last + 1, *kv_cache.shape[3:]), (step, *kv_cache.stride()[3:]),
+                               kv_cache.storage_offset())
+
+
+def _row_step(kv_cache):
+    """The largest element count that divides the block, K/V and slot strides: rows of the view are this far apart."""
+    return math.gcd(*kv_cache.stride()[:3])
+
+
+def row_index(kv_cache, blocks, kv, offsets):
+    """Row of ``row_view(kv_cache)`` holding half ``kv`` (0 = K, 1 = V) of slot (blocks, offsets)."""
+    s_block, s_kv, s_slot = kv_cache.stride()[:3]
+    return (blocks * s_block + kv * s_kv + offsets * s_slot) // _row_step(kv_cache)
+
+
+def reshape_and_cache_torch(key, value, kv_cache, slot_mapping):
+    """``reshape_and_cache`` in torch: write ``key``/``value [T, H_kv, D]`` into the slots of ``slot_mapping``
+    (int64 ``[T]``, -1 = skip). In place; returns ``kv_cache``. Raises InvalidArgumentError as the kernel does."""
+    num_blocks, block_size, num_kv_heads, head_dim = check_cache(kv_cache)
+    for name, t in (("key", key), ("value", value)):
+        check_tensor(t, name, ndim=3, dtypes=(kv_cache.dtype,), device=kv_cache.device)
+        if tuple(t.shape) != (key.shape[0], num_kv_heads, head_dim):
+            raise InvalidArgumentError(f"{name} has shape {tuple(t.shape)}; key and value must both be "
+                                       f"[{key.shape[0]}, {num_kv_heads}, {head_dim}] (tokens, kv heads, head_dim)")
+    check_slot_mapping(slot_mapping, key.shape[0], num_blocks * block_size, device=kv_cache.device)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    # Indexing the 5-D cache itself (not row_view, which may overlap) writes into any layout.
+    kv_cache[slots // block_size, :, slots % block_size] = torch.stack([key[keep], value[keep]], 1)
+    return kv_cache
+
+
+@dataclass(frozen=True)
+class PagedPlan:
+    """Where one step's contexts are, padded to a batch; shared by every layer of the step."""
+    kv_rows: torch.Tensor            # int64 [2 * S * L]: row_view rows of K, then V, of context position j
+                                     # of sequence s (at s * L + j)
+    cache_strides: tuple             # the strides kv_rows were computed for (every layer's cache has them)
+    mask: torch.Tensor               # bool [S, 1, Q, L]: query row t of sequence s sees key j
+    query_rows: torch.Tensor | None  # int64 [S * Q]: the query row each padded row copies; None: already [S, Q]
+    out_rows: torch.Tensor | None    # int64 [T]: the padded row holding each query token; None: the same order
+    num_seqs: int
+    query_len: int                   # Q
+    context_len: int                 # L
+    num_tokens: int                  # T
+
+
+def plan_paged_attention(kv_cache, block_tables, seq_lens, cu_query_lens, num_tokens: int,
+                         sliding_window=None) -> PagedPlan:
+    """Check the step's tables as the kernels' launchers do, then work out what ``paged_attention_torch``
+    gathers and masks for ``num_tokens`` query rows. Sequence s owns rows ``cu_query_lens[s]:cu_query_lens[s + 1]``,
+    its newest tokens (bottom-right aligned); ``kv_cache`` (any layer's) gives the block size and count."""
+    num_blocks, block_size, _, _ = check_cache(kv_cache)
+    _, sliding_window, _ = check_attention_options(sliding_window=sliding_window)
+    check_tensor(seq_lens, "seq_lens", ndim=1)
+    num_seqs = seq_lens.shape[0]
+    check_seq_lens(seq_lens, num_seqs, device=kv_cache.device, min_len=1)
+    check_block_tables(block_tables, num_seqs, num_blocks, seq_lens, block_size)
+    check_cu_query_lens(cu_query_lens, num_seqs, num_tokens, seq_lens)
+
+    lens = seq_lens.long()
+    q_lens = (cu_query_lens[1:] - cu_query_lens[:-1]).long()
+    first_query = lens - q_lens                                       # [S] position of each first new token
+    kv_lo = (torch.zeros_like(lens) if sliding_window is None
+             else (first_query - sliding_window + 1).clamp(min=0))  # [S] the oldest key any query sees
+    query_len, context_len = (torch.stack([q_lens.max(), (lens - kv_lo).max()]).tolist() if num_seqs else (0, 0))
+    last = lens[:, None] - 1                                          # [S, 1]
+    pos = kv_lo[:, None] + torch.arange(context_len, device=lens.device)  # [S, L] absolute key positions
+    key_ok = pos < lens[:, None]
+    read = torch.where(key_ok, pos, last)                             # padding reads the last (written) token
+    blocks = block_tables.long().gather(1, read // block_size).flatten()
+    offsets = (read % block_size).flatten()
+    kv_rows = torch.cat([row_index(kv_cache, blocks, kv, offsets) for kv in (0, 1)])
+
+    t = torch.arange(query_len, device=lens.device)
+    query_ok = t < q_lens[:, None]                                    # [S, Q]
+    q_pos = torch.where(query_ok, first_query[:, None] + t, last)     # padded rows pose as the last token,
+    visible = key_ok[:, None, :] & (pos[:, None, :] <= q_pos[:, :, None])  # so no row sees nothing
+    if sliding_window is not None:
+        visible &= q_pos[:, :, None] - pos[:, None, :] < sliding_window
+    query_rows = out_rows = None
+    if num_tokens != num_seqs * query_len:                            # unequal lengths: pad and unpad
+        query_rows = torch.where(query_ok, cu_query_lens[:-1].long()[:, None] + t, 0).flatten()
+        out_rows = query_ok.flatten().nonzero().flatten()
+    return PagedPlan(kv_rows, kv_cache.stride(), visible[:, None], query_rows, out_rows, num_seqs, query_len,
+                     context_len, num_tokens)
+
+
+def paged_attention_torch(query, kv_cache, plan: PagedPlan, scale=None, soft_cap=None):
+    """Attention of ``query [T, H, D]`` over the contexts ``plan`` describes, read from ``kv_cache``.
+    Returns a new ``[T, H, D]`` tensor in query's dtype (computed in fp32)."""
+    _, _, num_kv_heads, head_dim = check_cache(kv_cache)
+    num_heads = check_query(query, kv_cache)
+    scale, _, soft_cap = check_attention_options(scale=scale, soft_cap=soft_cap)
+    if query.shape[0] != plan.num_tokens or kv_cache.stride() != plan.cache_strides:
+        raise InvalidArgumentError(
+            f"the plan was made for {plan.num_tokens} query rows and a cache with strides {plan.cache_strides}; "
+            f"got {query.shape[0]} rows and strides {kv_cache.stride()}")
+    if plan.num_tokens == 0:
+        return torch.empty_like(query, memory_format=torch.contiguous_format)
+    S, Q, L = plan.num_seqs, plan.query_len, plan.context_len
+    kv = row_view(kv_cache).index_select(0, plan.kv_rows).view(2, S, L, num_kv_heads, head_dim)
+    k, v = kv.transpose(2, 3).float()                                 # each [S, H_kv, L, D]
+    q = query if plan.query_rows is None else query.index_select(0, plan.query_rows)
+    q = q.reshape(S, Q, num_heads, head_dim).transpose(1, 2).float()  # [S, H, Q, D]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if soft_cap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scale, enable_gqa=True)
+    else:  # SDPA has no soft cap: the scores are materialised, [S, H, Q, L]
+        group = num_heads // num_kv_heads
+        scores = q @ k.repeat_interleave(group, 1).transpose(-1, -2) * scale
+        scores = (soft_cap * torch.tanh(scores / soft_cap)).masked_fill(~plan.mask, float("-inf"))
+        out = scores.softmax(-1) @ v.repeat_interleave(group, 1)
+    out = out.transpose(1, 2).reshape(S * Q, num_heads, head_dim)     # [S * Q, H, D]
+    if plan.out_rows is not None:
+        out = out.index_select(0, plan.out_rows)
+    return out.to(query.dtype)
+
+
+def paged_attention_decode_torch(query, kv_cache, block_tables, seq_lens, scale=None, sliding_window=None,
+                                 soft_cap=None):
+    """``paged_attention_decode`` in torch: one query per sequence, ``query [S, H, D]`` at position
+    seq_len - 1. Same arguments (no ``split_k``: nothing here runs in partitions) and result."""
+    check_tensor(query, "query", ndim=3)
+    num_seqs = query.shape[0]
+    check_seq_lens(seq_lens, num_seqs, device=query.device, min_len=1)
+    cu_query_lens = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
+    plan = plan_paged_attention(kv_cache, block_tables, seq_lens, cu_query_lens, num_seqs, sliding_window)
+    return paged_attention_torch(query, kv_cache, plan, scale, soft_cap)
+
+
+def paged_prefill_torch(query, kv_cache, block_tables, seq_lens, cu_query_lens, scale=None, sliding_window=None,
+                        soft_cap=None):
+    """``paged_prefill`` in torch: each sequence's new tokens over its whole paged context. Same arguments
+    and result."""
+    check_tensor(query, "query", ndim=3)
+    plan = plan_paged_attention(kv_cache, block_tables, seq_lens, cu_query_lens, query.shape[0], sliding_window)
+    return paged_attention_torch(query, kv_cache, plan, scale, soft_cap)
