@@ -6,7 +6,6 @@ is one joblib task: ``jobs`` local processes, or a Dask cluster (``kvlab.studies
 are the same either way, ``wall_s`` aside.
 """
 
-import sys
 
 import pandas as pd
 from joblib import Parallel, delayed
@@ -49,7 +48,7 @@ def fleet_study(trace="mooncake_conversation", *, block_sizes=(512,), capacities
     with backend(jobs, dask_scheduler, dask_timeout) as workers:
         inner = progress and workers == 1  # only this process can show a per-request bar
         calls = (delayed(_replay)(i, frame, label, config, settings, engine, inner) for i, config in enumerate(configs))
-        with tqdm(total=len(configs), desc="fleet replays", disable=not progress, file=sys.stderr) as bar:
+        with tqdm(total=len(configs), desc="fleet replays", disable=not progress) as bar:
             for i, row in Parallel(n_jobs=min(workers, len(configs)), return_as="generator_unordered")(calls):
                 rows[i] = row
                 bar.update()
