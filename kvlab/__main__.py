@@ -8,6 +8,8 @@ from kvlab.commands import dispatch
 COMMANDS = {
     "study": ("replay traces through the block manager and report prefix-cache hit rates (the main job)",
               "kvlab.studies.cli:main"),
+    "fleet": ("route a trace across replicas (KV-event routers) and report hit rates, load imbalance and TTFT",
+              "kvlab.studies.fleet_cli:main"),
     "info": ("which kernel mode is active (GPU or Triton interpreter), with versions", "kvlab.__main__:info"),
     "bench": ("benchmarks: blocks (block manager), kernels (GPU), engine (vs Hugging Face generate)",
               "kvlab.__main__:bench"),

@@ -14,6 +14,7 @@ One module per part, in the manner of vLLM V1's ``vllm/v1/core/``:
     policy_transaction.py  undo for a user policy that raises half-way through an operation
     invariants.py          check_invariants(): the manager's state checked against itself
     records.py             AllocStatus, Event, PrefixCacheStats
+    kv_events.py           vLLM's KV cache events (BlockStored, BlockRemoved, AllBlocksCleared) for routers
 """
 
 from kvlab.blocks.eviction import POLICIES, EvictionPolicy

@@ -50,6 +50,7 @@ class BlockPool:
         self.first_block = first_block    # blocks below it are reserved (the sliding window's null block)
         self.num_free = num_blocks - first_block  # the pool's own count: never trusts len(policy)
         self.events = events
+        self.kv_events = None  # the manager's KVEventPublisher, told which hashes eviction drops
         self.evictions = 0
         self._next_content = ROOT + 1
         policy.add_many(list(range(first_block, num_blocks)), [False] * self.num_free)
@@ -112,6 +113,8 @@ class BlockPool:
                 registered[block] = False
                 del cached[block_hash[block]]
                 evicted.append(block)
+        if evicted and self.kv_events is not None:  # before their hashes are overwritten
+            self.kv_events.removed([block_hash[block] for block in evicted])
         for block in taken[len(hashes):]:  # the rest hold no sealed content now (seal overwrites the others)
             block_hash[block] = None
             self.content[block] = NO_CONTENT

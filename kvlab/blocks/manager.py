@@ -29,6 +29,7 @@ from kvlab.blocks.cross_attention import CrossTables
 from kvlab.blocks.eviction import make_policy
 from kvlab.blocks.hashing import HashFn, PromptHashes, block_hashes
 from kvlab.blocks.invariants import check_manager
+from kvlab.blocks.kv_events import KVEventPublisher
 from kvlab.blocks.planning import plan_allocation, plan_step
 from kvlab.blocks.records import AllocStatus, Event, PrefixCacheStats
 from kvlab.blocks.sequence import (Sequence, SequenceStatus, check_block_size, copy_tokens, set_allocation_record,
@@ -63,7 +64,7 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16, *, num_cpu_blocks: int = 0,
                  watermark: float = 0.0, enable_prefix_caching: bool = True,
                  sliding_window: Optional[int] = None, hash_fn: Optional[HashFn] = None,
-                 eviction="lru", record_events: bool = False):
+                 eviction="lru", record_events: bool = False, kv_events: bool = False):
         self.block_size = check_block_size(block_size)
         self.num_blocks = check_int("num_blocks", num_blocks, 2 if sliding_window is not None else 1, MAX_BLOCKS)
         check_int("num_cpu_blocks", num_cpu_blocks, 0, MAX_BLOCKS)
@@ -79,6 +80,8 @@ class BlockManager:
         self.events: Optional[list[Event]] = [] if record_events else None
         first_block = NULL_BLOCK + 1 if sliding_window is not None else 0
         self._pool = BlockPool(self.num_blocks, eviction, first_block, self.events)
+        # What enters and leaves the prefix cache, for routers (vLLM's KV events: kvlab.blocks.kv_events).
+        self.kv_events = self._pool.kv_events = KVEventPublisher(self.block_size) if kv_events else None
         self._swap = SwapSpace(num_cpu_blocks)
         self._cross = CrossTables(self.block_size)
         self._usable = self.num_blocks - first_block
@@ -187,6 +190,9 @@ class BlockManager:
             self.events.extend(Event("hit", seq.seq_id, block) for block in hits)
             self.events.extend(Event("miss", seq.seq_id, block) for block in new_blocks)
         parent = pool.fill(new_blocks, hashes[len(hits):], contents[len(hits):], parent)
+        if self.kv_events is not None:
+            self.kv_events.stored(pool, new_blocks, hashes[len(hits):], contents[len(hits):],
+                                  hashes[len(hits) - 1] if hits else None)
         pool.fill(cross_blocks)
         if self.events is not None:
             self.events.append(Event("allocate", seq.seq_id))
@@ -248,6 +254,8 @@ class BlockManager:
         if sealing:
             sealed = table[alloc.num_sealed:n // bs]
             alloc.last_content = pool.seal(sealed, hashes, contents, alloc.last_content)
+            if self.kv_events is not None:
+                self.kv_events.stored(pool, sealed, hashes, contents, alloc.last_hash)
             alloc.num_sealed, alloc.last_hash = n // bs, hashes[-1]
         alloc.num_computed = max(alloc.num_computed, alloc.num_written)  # a new step: the last one ran
         alloc.num_written = n
@@ -388,6 +396,8 @@ class BlockManager:
             txn.revive(free)
             txn.add(free, [False] * len(free))
         pool.forget_prefixes()
+        if self.kv_events is not None:
+            self.kv_events.cleared()
         pool.evictions = 0
         self.stats = PrefixCacheStats()
         return True

@@ -143,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_out(out: Path) -> str | None:
-    """Why ``out`` cannot take study.csv and study.png, or None: checked before the replays, not after, and
+def check_out(out: Path, names=("study.csv", "study.png")) -> str | None:
+    """Why ``out`` cannot take the files ``names`` (study.csv and study.png), or None: checked before the replays, not after, and
     without leaving anything behind (a study refused for bad input leaves no directory): ``out`` must take
     new files, or, when it does not exist yet, the nearest existing directory on the way to it must take a
     new directory. Some file systems refuse with odd reasons (/proc says "No such file or directory"), so
@@ -167,7 +167,7 @@ def check_out(out: Path) -> str | None:
         if existing == out:
             return f"cannot create files in {out} ({e.strerror or e})"
         return f"cannot create the directory {out}: {existing} does not take new directories ({e.strerror or e})"
-    taken = [name for name in ("study.csv", "study.png") if (out / name).is_dir()]
+    taken = [name for name in names if (out / name).is_dir()]
     return f"{out / taken[0]} is a directory" if taken else None
 
 

@@ -34,7 +34,10 @@ Implementation: sequences decode in lockstep, so between events nothing needs th
 tokens are appended lazily when it needs a new block (every block_size steps), finishes, or is
 preempted; the steps in between are skipped in O(1). Events are kept in a heap keyed by step.
 Invariant: a running sequence never holds a token whose K/V is not stored yet; the slot of the token
-being stored in the current step is a lookahead slot.
+being stored in the current step is a lookahead slot. ``advance(limit)`` runs only the steps that start
+before ``limit`` ms, so a fleet (``kvlab.studies.fleet``) can route each arrival to an engine whose clock
+stands at that arrival, knowing nothing of later ones; a single engine knows all its arrivals and runs them
+in one call, with the same steps either way.
 """
 
 import heapq
@@ -82,27 +85,35 @@ class _Job:
         self.seq, self.version, self.admitted_before = None, 0, False
 
 
-class _Engine:
-    def __init__(self, trace, manager, model: EngineModel, bar):
+def arrivals(trace, model: EngineModel) -> list[_Job]:
+    """The trace's requests in arrival order (ties in file order), with arrival times in ms."""
+    with np.errstate(over="ignore"):  # an overflow is reported just below, as an error
+        times = trace["timestamp"].to_numpy(dtype=np.float64) * model.time_scale
+    if not np.isfinite(times).all():
+        raise InvalidArgumentError(f"arrival times overflow: the trace's timestamps x time_scale "
+                                   f"{model.time_scale} are not all finite")
+    inputs, outputs = trace["input_length"].to_numpy(), trace["output_length"].to_numpy()
+    return [_Job(int(i), float(times[i]), int(inputs[i]), int(outputs[i])) for i in np.argsort(times, kind="stable")]
+
+
+class Engine:
+    """One engine replaying the jobs in ``jobs`` (in arrival order; ``push`` adds later ones)."""
+
+    def __init__(self, prompts: PromptTokens, jobs: list[_Job], manager, model: EngineModel, bar):
         self.m, self.bs, self.model, self.bar = manager, manager.block_size, model, bar
-        self.prompts = PromptTokens(trace)
-        with np.errstate(over="ignore"):  # an overflow is reported just below, as an error
-            times = trace["timestamp"].to_numpy(dtype=np.float64) * model.time_scale
-        if not np.isfinite(times).all():
-            raise InvalidArgumentError(f"arrival times overflow: the trace's timestamps x time_scale "
-                                       f"{model.time_scale} are not all finite")
-        inputs, outputs = trace["input_length"].to_numpy(), trace["output_length"].to_numpy()
-        self.arrivals = [_Job(int(i), float(times[i]), int(inputs[i]), int(outputs[i]))
-                         for i in np.argsort(times, kind="stable")]
+        self.prompts, self.arrivals = prompts, jobs
         self.next_arrival = 0
         self.waiting: deque[_Job] = deque()
         self.running: OrderedDict[int, _Job] = OrderedDict()  # admission order: the last is the youngest
         self.events: list[tuple[int, int, int, int]] = []     # (step, phase, job index, job version)
-        self.step, self.now_ms = 0, 0.0
+        self.step, self.now_ms = -1, 0.0                        # the last step run, and when the next may start
         self.freed, self.blocked_head = True, None             # can the queue's head be admitted now?
-        self.c = dict(hit_tokens=0, hit_blocks=0, skipped=0, dropped=0,
-                      preemptions=0, recomputed_tokens=0, peak=0, batch_steps=0, steps=0)
+        self.c = dict(hit_tokens=0, hit_blocks=0, skipped=0, dropped=0, preemptions=0, recomputed_tokens=0,
+                      prefill_tokens=0, peak=0, batch_steps=0, steps=0)
+        self.waiting_tokens = sum(job.prompt_len for job in jobs)  # prompts not admitted yet: a router's signal
         self.queue_ms: list[float] = []
+        self.ttft_ms: list[float] = []  # arrival to the end of the step that prefilled it (first admission)
+        self.prefilled: list[_Job] = []  # first admissions of the current step
 
     # ---- token bookkeeping -----------------------------------------------------------------------------
     def _advance(self, job: _Job, length: int) -> None:
@@ -182,6 +193,8 @@ class _Engine:
             if status is AllocStatus.LATER:
                 break
             self.waiting.popleft()
+            if not job.admitted_before:
+                self.waiting_tokens -= job.prompt_len
             if status is AllocStatus.NEVER:
                 # A readmission refused for good (possible under a watermark) is a sequence that outgrew
                 # the pool mid-decode, not a prompt that never fitted.
@@ -199,6 +212,7 @@ class _Engine:
                 c["hit_tokens"] += cached
                 c["hit_blocks"] += cached // self.bs
                 self.queue_ms.append(self.now_ms - job.arrival_ms)
+                self.prefilled.append(job)
             job.admit_step, job.admit_len = self.step, length
             job.finish_step = self.step + job.final_len - length
             self.running[job.index] = job
@@ -225,44 +239,64 @@ class _Engine:
             self.waiting.append(self.arrivals[self.next_arrival])
             self.next_arrival += 1
 
-    def _skip_to(self, step: int) -> None:
-        """Jump to ``step``; the steps skipped are plain decode steps of the current batch."""
-        skipped = step - self.step - 1
-        self.now_ms += skipped * self.model.decode_step_ms
-        self.c["batch_steps"] += skipped * len(self.running)
-        self.c["steps"] += skipped
-        self.step = step
+    def _next_step(self):
+        """``(step, its start in ms, plain decode steps skipped before it)``: the next step that can change
+        anything given the arrivals known now, or None when there is none (done, or idle until a request
+        arrives)."""
+        if self.step < 0:
+            return 0, 0.0, 0
+        more_arrivals = self.next_arrival < len(self.arrivals)
+        if not self.running:
+            if not self.waiting and not more_arrivals:
+                return None
+            if not self.waiting:  # idle: nothing to do until the next request arrives
+                return self.step + 1, max(self.now_ms, self.arrivals[self.next_arrival].arrival_ms), 0
+            return self.step + 1, self.now_ms, 0
+        candidates = [self.events[0][0]]
+        if self.waiting and (self.freed or self.waiting[0] is not self.blocked_head):
+            candidates.append(self.step + 1)
+        if not self.waiting and more_arrivals:
+            gap = self.arrivals[self.next_arrival].arrival_ms - self.now_ms
+            candidates.append(self.step + 1 + max(0, math.ceil(gap / self.model.decode_step_ms)))
+        skipped = min(candidates) - self.step - 1
+        return self.step + 1 + skipped, self.now_ms + skipped * self.model.decode_step_ms, skipped
 
-    def run(self) -> dict:
-        model, c = self.model, self.c
+    def advance(self, limit: float = math.inf) -> float:
+        """Run every step that starts before ``limit`` ms; returns when the next one would start (inf: none
+        until a request is pushed). Arrivals at ``limit`` or later may be pushed afterwards: no step run so
+        far could have seen them (a step enqueues the arrivals up to its start)."""
+        c = self.c
         while True:
-            self._enqueue_arrivals()
-            prefill = 0 if self._grow() else self._admit()
-            c["peak"] = max(c["peak"], self.m.num_blocks - self.m.num_free_blocks)
-            c["batch_steps"] += len(self.running)
-            c["steps"] += 1
-            self.now_ms += model.decode_step_ms + model.prefill_ms_per_token * prefill
-            if not math.isfinite(self.now_ms):
-                raise InvalidArgumentError(f"the simulated clock overflowed ({model}); use smaller times")
-            self._finish()
-            more_arrivals = self.next_arrival < len(self.arrivals)
-            if not self.running:
-                if not self.waiting and not more_arrivals:
-                    break
-                if not self.waiting:  # idle: nothing to do until the next request arrives
-                    self.now_ms = max(self.now_ms, self.arrivals[self.next_arrival].arrival_ms)
-                self.step += 1
-                continue
-            candidates = [self.events[0][0]]
-            if self.waiting and (self.freed or self.waiting[0] is not self.blocked_head):
-                candidates.append(self.step + 1)
-            if not self.waiting and more_arrivals:
-                gap = self.arrivals[self.next_arrival].arrival_ms - self.now_ms
-                candidates.append(self.step + 1 + max(0, math.ceil(gap / model.decode_step_ms)))
-            self._skip_to(min(candidates))
-        return self._metrics()
+            upcoming = self._next_step()
+            if upcoming is None or upcoming[1] >= limit:
+                return math.inf if upcoming is None else upcoming[1]
+            self.step, self.now_ms, skipped = upcoming
+            c["batch_steps"] += skipped * len(self.running)  # the steps skipped decode the current batch
+            c["steps"] += skipped
+            self._run_step()
 
-    def _metrics(self) -> dict:
+    def push(self, job: _Job) -> None:
+        """A request routed here; it arrives no earlier than the last one pushed."""
+        self.arrivals.append(job)
+        self.waiting_tokens += job.prompt_len
+
+    def _run_step(self) -> None:
+        model, c = self.model, self.c
+        self._enqueue_arrivals()
+        prefill = 0 if self._grow() else self._admit()
+        c["peak"] = max(c["peak"], self.m.num_blocks - self.m.num_free_blocks)
+        c["batch_steps"] += len(self.running)
+        c["steps"] += 1
+        c["prefill_tokens"] += prefill
+        self.now_ms += model.decode_step_ms + model.prefill_ms_per_token * prefill
+        if not math.isfinite(self.now_ms):
+            raise InvalidArgumentError(f"the simulated clock overflowed ({model}); use smaller times")
+        if self.prefilled:
+            self.ttft_ms += [self.now_ms - job.arrival_ms for job in self.prefilled]
+            self.prefilled.clear()
+        self._finish()
+
+    def metrics(self) -> dict:
         c, queue_s = self.c, np.array(self.queue_ms) / 1000.0
         return {
             "requests": len(self.arrivals) - c["skipped"] - c["dropped"], "requests_skipped": c["skipped"],
@@ -278,4 +312,6 @@ class _Engine:
 
 def replay_overlap(trace, manager, model: EngineModel, bar) -> dict:
     """Run the continuous-batching replay of ``trace`` on ``manager``; ``bar`` is a tqdm bar (or disabled)."""
-    return _Engine(trace, manager, model, bar).run()
+    engine = Engine(PromptTokens(trace), arrivals(trace, model), manager, model, bar)
+    engine.advance()
+    return engine.metrics()

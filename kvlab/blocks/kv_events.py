@@ -1,0 +1,185 @@
+"""KV cache events: what enters and leaves a manager's prefix cache, in vLLM's event schema.
+
+A router that places requests on many replicas cannot read their pools; vLLM V1 workers publish what they
+cache instead (``vllm/distributed/kv_events.py``), and NVIDIA Dynamo, llm-d and the AIBrix gateway route on
+those events. ``BlockManager(..., kv_events=True)`` publishes the same three kinds:
+
+    BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys)
+        a run of consecutive full blocks became hittable (``parent_block_hash``: the block before the run,
+        None at a prompt's start; ``token_ids``: the run's tokens, block after block)
+    BlockRemoved(block_hashes, medium)   blocks stopped being hittable (evicted: reused for new content)
+    AllBlocksCleared()                   ``reset_prefix_cache`` forgot every prefix
+
+Field names and meanings are vLLM's. kvlab has no LoRA adapters, so ``lora_id`` and ``lora_name`` are None,
+and ``extra_keys`` (one entry per block, the non-token inputs of its hash) is None until hashes take any;
+vLLM's hybrid-allocator fields (``group_idx``, ``kv_cache_spec_*``) are left out: kvlab has one KV group.
+``medium`` is always ``"GPU"``: kvlab's CPU pool holds swapped sequences, not a prefix cache.
+
+Events are exact: applying them in order to a set of hashes (``CachedHashes``) gives, after every manager
+call, the set of hashes a prefix lookup can hit. A duplicate of a block already cached (kvlab keeps one
+block per hash) is not stored twice, so a ``BlockRemoved`` always removes a hash that was stored.
+
+Subscribers: ``kv_events.subscribe(callback)`` calls ``callback(event)`` as events happen;
+``kv_events.subscribe()`` returns a subscription to iterate (each event once, in order);
+``kv_events.write_jsonl(path)`` writes one JSON object per line, tagged ``"type"`` as msgspec encodes vLLM's
+tagged structs. Each returns a ``Subscription``; ``close()`` (or a ``with`` block) ends it.
+"""
+
+import json
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from kvlab.errors import InvalidArgumentError
+
+MEDIUM_GPU = "GPU"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: list
+    parent_block_hash: Optional[int]
+    block_size: int
+    lora_id: Optional[int] = None
+    medium: Optional[str] = MEDIUM_GPU
+    lora_name: Optional[str] = None
+    extra_keys: Optional[list] = None
+    # Each block's tokens as int64 bytes, as the manager holds them: decoding 512 ints per block for every
+    # event would cost a fleet replay seconds, and a router never reads them. ``token_ids`` decodes on demand.
+    token_bytes: tuple = field(default=(), repr=False)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return array("q", b"".join(self.token_bytes)).tolist()
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: list
+    medium: Optional[str] = MEDIUM_GPU
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def event_dict(event: KVCacheEvent) -> dict:
+    """The event as vLLM's tagged struct encodes it: ``{"type": "BlockStored", "block_hashes": [...], ...}``."""
+    if isinstance(event, BlockStored):
+        return {"type": "BlockStored", "block_hashes": list(event.block_hashes),
+                "parent_block_hash": event.parent_block_hash, "token_ids": event.token_ids,
+                "block_size": event.block_size, "lora_id": event.lora_id, "medium": event.medium,
+                "lora_name": event.lora_name, "extra_keys": event.extra_keys}
+    if isinstance(event, BlockRemoved):
+        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": event.medium}
+    return {"type": "AllBlocksCleared"}
+
+
+class CachedHashes:
+    """A subscriber that rebuilds a replica's cached block hashes from its events (a router's index)."""
+
+    def __init__(self):
+        self.hashes: set[int] = set()
+
+    def __call__(self, event: KVCacheEvent) -> None:
+        if type(event) is BlockStored:
+            self.hashes.update(event.block_hashes)
+        elif type(event) is BlockRemoved:
+            self.hashes.difference_update(event.block_hashes)
+        else:
+            self.hashes.clear()
+
+    def prefix_match(self, hashes: list[int], limit: int) -> int:
+        """How many of the first ``limit`` chained ``hashes`` are cached, stopping at the first miss: the
+        blocks a lookup would hit (a chained hash names its whole prefix)."""
+        cached = self.hashes
+        for i in range(min(limit, len(hashes))):
+            if hashes[i] not in cached:
+                return i
+        return min(limit, len(hashes))
+
+
+class Subscription:
+    """One subscriber of a ``KVEventPublisher``. Without a callback it buffers: iterating yields the events
+    published since the last iteration, then stops (nothing blocks: the manager runs in the caller's thread)."""
+
+    def __init__(self, publisher: "KVEventPublisher", callback: Optional[Callable], on_close=None):
+        self._publisher, self._on_close = publisher, on_close
+        self._buffer: deque = deque()
+        self.callback = self._buffer.append if callback is None else callback
+
+    def __iter__(self):
+        while self._buffer:
+            yield self._buffer.popleft()
+
+    def close(self) -> None:
+        if self.callback in self._publisher._callbacks:
+            self._publisher._callbacks.remove(self.callback)
+            if self._on_close is not None:
+                self._on_close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class KVEventPublisher:
+    """A manager's event stream (``manager.kv_events``). The manager calls ``stored``, ``removed`` and
+    ``cleared``; with no subscriber they return at once."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._callbacks: list[Callable] = []
+
+    def subscribe(self, callback: Optional[Callable[[KVCacheEvent], None]] = None) -> Subscription:
+        if callback is not None and not callable(callback):
+            raise InvalidArgumentError(f"callback must be callable as callback(event), got {callback!r}")
+        subscription = Subscription(self, callback)
+        self._callbacks.append(subscription.callback)
+        return subscription
+
+    def write_jsonl(self, path_or_file) -> Subscription:
+        """Write every event from now on as one JSON line to a path (opened here, closed by ``close()``) or
+        to an open text file (left open)."""
+        if hasattr(path_or_file, "write"):
+            file, on_close = path_or_file, None
+        else:
+            file = open(path_or_file, "w", encoding="utf-8")
+            on_close = file.close
+        subscription = Subscription(self, lambda event: file.write(json.dumps(event_dict(event)) + "\n"), on_close)
+        self._callbacks.append(subscription.callback)
+        return subscription
+
+    def _publish(self, event) -> None:
+        for callback in self._callbacks:
+            callback(event)
+
+    # ---- called by the block manager -------------------------------------------------------------------------
+    def stored(self, pool, blocks, hashes, contents, parent_hash: Optional[int]) -> None:
+        """``blocks`` were just sealed with ``hashes`` (chained after ``parent_hash``); those the prefix
+        cache registered (not duplicates of a cached block) are stored, one event per consecutive run."""
+        if not self._callbacks:
+            return
+        start = None
+        for i, block in enumerate([*blocks, None]):
+            if block is not None and pool.is_cached(block):
+                start = i if start is None else start
+            elif start is not None:
+                self._publish(BlockStored(hashes[start:i], hashes[start - 1] if start else parent_hash,
+                                          self.block_size, token_bytes=tuple(contents[start:i])))
+                start = None
+
+    def removed(self, hashes: list[int]) -> None:
+        if self._callbacks:
+            self._publish(BlockRemoved(hashes))
+
+    def cleared(self) -> None:
+        if self._callbacks:
+            self._publish(AllBlocksCleared())

@@ -1,0 +1,155 @@
+"""``kvlab fleet``: route a trace across replicas and report what each router does to hits, load and TTFT.
+
+``kvlab fleet --trace T --block-size B --capacity C --replicas N[,N...] --router P[,P...] --out DIR`` replays
+every combination (``kvlab.studies.fleet_study``), prints a table, and writes ``DIR/fleet.csv`` and
+``DIR/fleet.png``. Options are checked (and ``--out`` tried) before anything is replayed.
+"""
+
+import argparse
+import sys
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from kvlab.errors import KvlabError
+from kvlab.studies.cli import _block_size, _count, _directory, _list, _option, _positive, _whole, check_out
+from kvlab.studies.fleet import check_capacity, check_replicas
+from kvlab.studies.fleet_study import fleet_study
+from kvlab.studies.overlap import EngineModel
+from kvlab.studies.routers import ROUTERS, RouterSettings, check_router
+from kvlab.studies.synthetic import WORKLOADS
+from kvlab.studies.traces import BUNDLED
+from kvlab.validation import check_int, check_number
+
+SHOWN = ["block_size", "replicas", "capacity_blocks", "router", "hit_rate_tokens", "hit_rate_blocks",
+         "load_imbalance", "ttft_p50_s", "ttft_p99_s", "preemptions"]
+FILES = ("fleet.csv", "fleet.png")
+
+
+def _number(name: str, minimum: float, maximum: float | None = None):
+    def number(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"expected a number, got {text!r}") from None
+        return check_number(name, value, minimum, maximum)
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = RouterSettings()
+    parser = argparse.ArgumentParser(
+        prog="kvlab fleet", description="Replay a trace across N replicas (each a block manager in the overlap "
+                                        "replay's engine) behind a router that sees their KV events and queues.",
+        epilog=f"Routers: {', '.join(ROUTERS)}. Traces: {', '.join(BUNDLED)} (bundled), {', '.join(WORKLOADS)} "
+               "(synthetic), or a path to a .jsonl (Mooncake shape) or .csv (Azure shape) file.")
+    parser.add_argument("--trace", default="mooncake_conversation", help="trace name or path (default: %(default)s)")
+    parser.add_argument("--block-size", type=_list(_block_size), default="512",
+                        help="tokens per block, comma-separated (default: %(default)s)")
+    parser.add_argument("--capacity", type=_list(lambda t: check_capacity(_whole(t))), default="2000",
+                        help="blocks per replica, comma-separated (default: %(default)s)")
+    parser.add_argument("--replicas", type=_list(lambda t: check_replicas(_whole(t))), default="1,8",
+                        help="replica counts, comma-separated (default: %(default)s)")
+    parser.add_argument("--router", type=_list(check_router), default=",".join(ROUTERS),
+                        help="routers, comma-separated (default: %(default)s)")
+    parser.add_argument("--cache-threshold", type=_option(_number("cache threshold", 0, 1)),
+                        default=defaults.cache_threshold,
+                        help="cache_aware: follow the longest match above this share of the prompt's blocks "
+                             "(default: %(default)s)")
+    parser.add_argument("--balance-abs-threshold", type=_option(lambda text: check_int("balance abs threshold",
+                                                                                       _whole(text), 0)),
+                        default=defaults.balance_abs_threshold,
+                        help="cache_aware: balance load when max - min in-flight requests exceed this "
+                             "(default: %(default)s)")
+    parser.add_argument("--balance-rel-threshold", type=_option(_number("balance rel threshold", 1)),
+                        default=defaults.balance_rel_threshold,
+                        help="cache_aware: ... and max exceeds this times min (default: %(default)s)")
+    parser.add_argument("--prefill-weight", type=_option(_number("prefill weight", 0)), default=defaults.prefill_weight,
+                        help="kv_cost: weight of the request's uncached prompt tokens (default: %(default)s)")
+    parser.add_argument("--queue-weight", type=_option(_number("queue weight", 0)), default=defaults.queue_weight,
+                        help="kv_cost: weight of the prompt tokens queued at the replica (default: %(default)s)")
+    parser.add_argument("--limit", type=_option(_count("limit")), default=None,
+                        help="replay only the first N requests")
+    parser.add_argument("--time-scale", type=_option(_positive("time scale")), default=1.0,
+                        help="multiply arrival times (2 = half the request rate)")
+    parser.add_argument("--jobs", type=_option(_count("jobs")), default=None,
+                        help="replays run in N processes (default: all cores; 1: in this process)")
+    parser.add_argument("--dask-scheduler", metavar="ADDRESS", default=None,
+                        help="run the replays on this Dask cluster instead of locally")
+    parser.add_argument("--out", type=_directory, default="results",
+                        help="directory for fleet.csv and fleet.png (default: %(default)s)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    return parser
+
+
+def main(argv=None) -> int:
+    """Entry point of ``kvlab fleet``; ``argv`` are the arguments after ``fleet``."""
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    problem = check_out(args.out, FILES)
+    if problem:
+        parser.error(f"argument --out: {problem}")
+    try:
+        settings = RouterSettings(args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold,
+                                  args.prefill_weight, args.queue_weight)
+        table = fleet_study(args.trace, block_sizes=args.block_size, capacities=args.capacity,
+                            replicas=args.replicas, routers=args.router, settings=settings,
+                            engine=EngineModel(time_scale=args.time_scale), limit=args.limit,
+                            progress=not args.quiet, jobs=-1 if args.jobs is None else args.jobs,
+                            dask_scheduler=args.dask_scheduler)
+    except KvlabError as e:
+        print(f"kvlab fleet: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        write_results(table, args.out)
+    except OSError as e:
+        print(f"kvlab fleet: error: cannot write the results in {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    print(format_table(table))
+    print(f"\nwrote {args.out / FILES[0]} and {args.out / FILES[1]}")
+    return 0
+
+
+def format_table(table) -> str:
+    shown = table[SHOWN].copy()
+    for column in ("hit_rate_tokens", "hit_rate_blocks"):
+        shown[column] = shown[column].map("{:.2%}".format)
+    for column in ("load_imbalance", "ttft_p50_s", "ttft_p99_s"):
+        shown[column] = shown[column].map("{:.2f}".format)
+    return shown.to_string(index=False)
+
+
+def write_results(table, out) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out / FILES[0], index=False)
+    figure = plot_fleet(table)
+    try:
+        figure.savefig(out / FILES[1], dpi=120)
+    finally:
+        plt.close(figure)
+
+
+def plot_fleet(table):
+    """Token hit rate, load imbalance and p99 TTFT versus replicas, a line per router; one row of panels per
+    block size x capacity. Returns the figure."""
+    groups = list(table.groupby(["block_size", "capacity_blocks"], sort=False))
+    panels = [("hit_rate_tokens", "prompt tokens served from cache (%)", 100), ("load_imbalance",
+              "load imbalance (max / mean prefill tokens)", 1), ("ttft_p99_s", "p99 time to first token (s)", 1)]
+    fig, axes = plt.subplots(len(groups), 3, figsize=(15, 4 * len(groups)), squeeze=False)
+    for row, ((block_size, capacity), group) in zip(axes, groups):
+        counts = np.unique(group["replicas"].to_numpy())
+        for ax, (column, label, scale) in zip(row, panels):
+            for router, rows in group.groupby("router", sort=False):
+                rows = rows.sort_values("replicas")
+                ax.plot(rows["replicas"], scale * rows[column], marker="o", label=router)
+            if len(counts) > 1:
+                ax.set_xscale("log", base=2)
+            ax.set_xticks(counts, [str(c) for c in counts])
+            ax.minorticks_off()
+            ax.set_xlabel("replicas")
+            ax.set_ylabel(label)
+            ax.set_title(f"block size {block_size}, {capacity:,} blocks per replica", fontsize=10)
+            ax.grid(alpha=0.3)
+        row[0].legend(fontsize=8)
+    fig.tight_layout()
+    return fig

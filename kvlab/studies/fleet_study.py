@@ -1,0 +1,61 @@
+"""Fleet sweeps: every block size x capacity x replica count x router of one trace, one row per replay.
+
+``fleet_study("mooncake_conversation", replicas=[1, 8], routers=ROUTERS)`` replays each combination
+(``kvlab.studies.fleet``) and returns a DataFrame in ``FLEET_COLUMNS`` order. Replays share nothing, so each
+is one joblib task: ``jobs`` local processes, or a Dask cluster (``kvlab.studies.sweep.backend``); the rows
+are the same either way, ``wall_s`` aside.
+"""
+
+
+import pandas as pd
+from joblib import Parallel, delayed
+from tqdm.auto import tqdm
+
+from kvlab.blocks.sequence import check_block_size
+from kvlab.errors import InvalidArgumentError
+from kvlab.studies.fleet import check_capacity, check_replicas, replay_fleet
+from kvlab.studies.overlap import EngineModel
+from kvlab.studies.routers import RouterSettings, check_router
+from kvlab.studies.study import resolve_trace
+from kvlab.studies.sweep import backend, check_jobs, check_timeout
+
+FLEET_COLUMNS = ["trace", "block_size", "replicas", "capacity_blocks", "router", "hit_rate_blocks",
+                 "hit_rate_tokens", "load_imbalance", "ttft_p50_s", "ttft_p99_s", "policy", "prompt_tokens",
+                 "prefill_tokens_saved", "requests", "requests_skipped", "requests_dropped_mid_decode",
+                 "preemptions", "recomputed_tokens", "evictions", "makespan_s", "wall_s"]
+
+
+def fleet_study(trace="mooncake_conversation", *, block_sizes=(512,), capacities=(2000,), replicas=(1, 8),
+                routers=("round_robin", "least_loaded", "cache_aware", "kv_cost"),
+                settings: RouterSettings | None = None, engine: EngineModel | None = None,
+                limit: int | None = None, progress: bool = True, jobs: int | None = None,
+                dask_scheduler: str | None = None, dask_timeout: float = 10.0) -> pd.DataFrame:
+    """Replay every combination; ``jobs`` and ``dask_scheduler`` as in ``cache_hit_study``."""
+    block_sizes = [check_block_size(b) for b in block_sizes]
+    capacities = [check_capacity(c) for c in capacities]
+    replicas, routers = [check_replicas(n) for n in replicas], [check_router(r) for r in routers]
+    if not (block_sizes and capacities and replicas and routers):
+        raise InvalidArgumentError("need at least one block size, capacity, replica count and router")
+    settings, engine, jobs = settings or RouterSettings(), engine or EngineModel(), check_jobs(jobs)
+    dask_timeout = check_timeout(dask_timeout)
+    if dask_scheduler is not None:
+        from kvlab.studies.dask_client import check_address  # imports distributed: a second
+
+        dask_scheduler = check_address(dask_scheduler)
+    label, frame = resolve_trace(trace, limit)
+    configs = [(b, c, n, r) for b in block_sizes for c in capacities for n in replicas for r in routers]
+    rows = [None] * len(configs)
+    with backend(jobs, dask_scheduler, dask_timeout) as workers:
+        inner = progress and workers == 1  # only this process can show a per-request bar
+        calls = (delayed(_replay)(i, frame, label, config, settings, engine, inner) for i, config in enumerate(configs))
+        with tqdm(total=len(configs), desc="fleet replays", disable=not progress) as bar:
+            for i, row in Parallel(n_jobs=min(workers, len(configs)), return_as="generator_unordered")(calls):
+                rows[i] = row
+                bar.update()
+    return pd.DataFrame(rows)[FLEET_COLUMNS]
+
+
+def _replay(i, frame, label, config, settings, engine, progress):
+    block_size, capacity, replicas, router = config
+    return i, replay_fleet(frame, block_size=block_size, capacity=capacity, replicas=replicas, router=router,
+                           settings=settings, engine=engine, label=label, progress=progress)

@@ -1,0 +1,292 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 12 · Routing a fleet: where a request lands decides whether its prefix is a hit
+#
+# One server's prefix cache is what notebooks 02 and 08 studied. Real deployments run many replicas behind a
+# router, and a cached prefix helps only on the replica that holds it. A conversation's second turn repeats
+# its first turn's prompt; if the router sends it elsewhere, that prefix is computed again.
+#
+# Routers cannot read the replicas' memory. vLLM workers publish **KV cache events** instead (a block was
+# stored, a block was removed, everything was cleared), and routers such as NVIDIA Dynamo's and llm-d's
+# rebuild from them which replica caches which prefix. SGLang's router keeps a similar prefix tree per worker
+# and falls back to the least loaded worker when loads drift apart; Mooncake's Conductor schedules on an
+# estimate of each instance's prefill and queueing time.
+#
+# This notebook replays the Mooncake conversation trace through a fleet of kvlab `BlockManager`s (each in the
+# continuous-batching engine of notebook 08's overlap mode) behind four routers, and asks: why does round
+# robin lose the hits, what does pure cache affinity do to load and tail latency, and where do cost-based
+# routers land between them, as the fleet grows and each replica's memory shrinks?
+#
+# `kvlab fleet` on the command line runs the same replays and writes a CSV and a figure.
+
+# %%
+# Setup (generated from scripts/sync_notebooks.py: edit it there, then `make notebooks`). In a checkout, or in
+# CI, this uses the checkout's kvlab. On Colab it clones the repository (code and bundled traces) and installs
+# kvlab's missing dependencies; Colab's torch and Triton are kept as they are. `%matplotlib inline` keeps
+# figures in the notebook however it runs (Jupyter, Colab, nbconvert with MPLBACKEND=Agg).
+# %matplotlib inline
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# The repository to clone when kvlab is not installed: for a fork, change it here or set $KVLAB_REPO.
+KVLAB_REPO = os.environ.get("KVLAB_REPO", "https://github.com/kvlab/kvlab")
+if importlib.util.find_spec("kvlab") is None:
+    checkout = Path.cwd().parent
+    if not (checkout / "kvlab" / "__init__.py").is_file():  # not run from notebooks/ in a checkout
+        checkout = Path.cwd() / "kvlab-repo"
+        if not checkout.is_dir():
+            clone = subprocess.run(["git", "clone", "-q", "--depth", "1", KVLAB_REPO, str(checkout)],
+                                   capture_output=True, text=True)
+            if clone.returncode != 0:
+                raise RuntimeError(
+                    f"Could not clone kvlab from {KVLAB_REPO}: {clone.stderr.strip() or 'git failed'}\n"
+                    "If your copy of kvlab lives elsewhere, set KVLAB_REPO in this cell to its address (or the "
+                    "KVLAB_REPO environment variable), then run the cell again.") from None
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", str(checkout)])
+    sys.path.insert(0, str(checkout))
+
+# %%
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from kvlab import BlockManager, Sequence, viz
+from kvlab.blocks.kv_events import CachedHashes
+from kvlab.studies.fleet_cli import plot_fleet
+from kvlab.studies.fleet_study import fleet_study
+from kvlab.studies.reuse import reuse_profile
+from kvlab.studies.routers import ROUTERS, RouterSettings
+from kvlab.studies.traces import load_trace
+
+# Knobs: change them and run the notebook again.
+LIMIT = 3000                       # Mooncake requests to replay (of 12,031: the first ~16 minutes)
+BS = 512                           # Mooncake's natural block size: one trace id per 512 tokens
+CAPACITY = 500                     # blocks per replica (256k tokens of KV each)
+FLEET = [1, 2, 4, 8, 16, 32]       # replica counts to sweep
+REPLICAS = 8                       # the fleet of sections 3 and 5
+CAPACITIES = [125, 250, 500, 1000]  # blocks per replica, section 5
+DEFAULTS = (LIMIT, BS, CAPACITY, REPLICAS) == (3000, 512, 500, 8)
+trace = load_trace("mooncake_conversation", limit=LIMIT)
+print(f"Mooncake conversation: {len(trace):,} requests over {trace['timestamp'].iloc[-1] / 60_000:.0f} minutes, "
+      f"mean prompt {trace['input_length'].mean():,.0f} tokens, mean output {trace['output_length'].mean():,.0f}.")
+
+# %% [markdown]
+# ## 1. What a router sees: KV cache events
+#
+# `BlockManager(..., kv_events=True)` publishes the events vLLM's workers publish, with vLLM's field names:
+# `BlockStored` (the hashes of a run of full blocks that became hittable, the hash of the block before them,
+# their token ids, the block size, LoRA and extra keys, the medium), `BlockRemoved` (hashes evicted) and
+# `AllBlocksCleared`. Block hashes are chained: a block's hash covers every token before it, so one hash
+# names a whole prefix. Below, a pool of four 4-token blocks serves a first turn, its follow-up, and then an
+# unrelated prompt that needs every block.
+
+# %%
+manager = BlockManager(4, 4, kv_events=True)
+index = CachedHashes()                  # what a router keeps: the replica's cached hashes, from events only
+manager.kv_events.subscribe(index)
+log = manager.kv_events.subscribe()     # an iterator subscription, to print them
+for name, tokens in [("turn 1", [1, 2, 3, 4, 5, 6, 7, 8, 9]), ("turn 2", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]),
+                     ("other", [20] * 13)]:
+    seq = Sequence(tokens, 4)
+    manager.allocate(seq)
+    print(f"{name}: {seq.num_cached_tokens} cached tokens")
+    for event in log:
+        shown = {k: getattr(event, k) for k in ("block_hashes", "parent_block_hash", "token_ids") if hasattr(event, k)}
+        print(f"    {type(event).__name__} {shown}")
+    print(f"    router's index now holds {len(index.hashes)} hashes")
+    manager.free(seq)
+viz.check(len(index.hashes) == manager.num_cached_blocks, "the events and the manager disagree", defaults=True)
+
+# %% [markdown]
+# Turn 2 hit turn 1's two full blocks and stored only its third, with turn 1's last hash as parent. The
+# unrelated prompt needed all four blocks, so the three cached ones were removed. The router's index
+# followed every change without reading the pool (a property test in `tests/block_manager/test_kv_events.py`
+# checks that it always does, through evictions, swaps and resets). To route a request, a router hashes the
+# request's blocks the same way and counts how many leading hashes a replica's index holds: the blocks that
+# replica would hit.
+
+# %% [markdown]
+# ## 2. The trace: conversations come back
+#
+# How much could any cache save on this trace? A cache that never evicts, on one machine that sees every
+# request, hits every block whose prefix appeared before: the **ceiling** of notebook 08. Across a fleet, a
+# request can only hit what its *own* replica computed, so routing decides how much of the ceiling is left.
+
+# %%
+ceiling = reuse_profile(trace, BS)["ceiling_hit_rate_tokens"]
+print(f"Ceiling (one infinite cache): {ceiling:.1%} of prompt tokens.")
+
+# %% [markdown]
+# ## 3. Four routers, one fleet
+#
+# - `round_robin`: replica after replica, blind to cache and load.
+# - `least_loaded`: the replica with the fewest requests in flight.
+# - `cache_aware` (SGLang's router): the replica with the longest cached-prefix match if it covers more than
+#   `cache_threshold` of the prompt; with no such match, the replica caching the fewest blocks; but when the
+#   busiest replica has more than `balance_abs_threshold` requests more than the idlest (and
+#   `balance_rel_threshold` times as many), simply the idlest.
+# - `kv_cost` (Dynamo's KV router, Mooncake's Conductor): the least `prefill_weight` x uncached prompt tokens
+#   + `queue_weight` x prompt tokens already queued there: the prefill work the request would wait for and do.
+#
+# Every replica runs the overlap engine's time model: a step of 20 ms plus 0.02 ms per uncached prompt token
+# admitted in it. TTFT is the time from arrival to the end of the step that prefilled the request. Load
+# imbalance is the busiest replica's prefill tokens over the mean (1.0 is perfect).
+
+# %%
+fleet = fleet_study(("mooncake_conversation", trace), block_sizes=[BS], capacities=[CAPACITY],
+                    replicas=[REPLICAS], routers=ROUTERS, progress=False, jobs=1)
+by_router = fleet.set_index("router")
+shown = ["hit_rate_tokens", "load_imbalance", "ttft_p50_s", "ttft_p99_s", "preemptions"]
+by_router[shown].style.format({"hit_rate_tokens": "{:.1%}", "load_imbalance": "{:.2f}", "ttft_p50_s": "{:.2f}",
+                                "ttft_p99_s": "{:.2f}"})
+
+# %%
+fig, axes = plt.subplots(1, 3, figsize=(14, 3.4), layout="constrained")
+colors = ["#4e79a7", "#59a14f", "#e15759", "#f28e2b"]
+for ax, (column, label) in zip(axes, [("hit_rate_tokens", "prompt tokens from cache (%)"),
+                                      ("load_imbalance", "max / mean prefill tokens"),
+                                      ("ttft_p99_s", "p99 time to first token (s)")]):
+    values = by_router[column] * (100 if column == "hit_rate_tokens" else 1)
+    ax.bar(values.index, values, color=colors)
+    ax.set_ylabel(label)
+    ax.tick_params(axis="x", labelrotation=20)
+    ax.grid(alpha=0.3, axis="y")
+axes[0].axhline(100 * ceiling, color="k", ls="--", lw=1, label="one infinite cache")
+axes[0].legend(fontsize=8)
+fig.suptitle(f"{REPLICAS} replicas, {CAPACITY:,} blocks each: hits, balance and tail latency per router", fontsize=11)
+plt.show()
+
+# %%
+hits = by_router["hit_rate_tokens"]
+viz.check(hits["kv_cost"] > hits["round_robin"] and hits["cache_aware"] > hits["round_robin"],
+          "the cache-aware routers do not beat round robin's hit rate", defaults=DEFAULTS)
+viz.check(by_router.loc["cache_aware", "load_imbalance"] > by_router.loc["kv_cost", "load_imbalance"],
+          "pure affinity is not the least balanced router here", defaults=DEFAULTS)
+print(f"Round robin serves {hits['round_robin']:.1%} of prompt tokens from cache: a conversation's turns land on "
+      f"different replicas, so a turn finds its previous turn only by chance. Following the events, kv_cost serves "
+      f"{hits['kv_cost']:.1%} and cache_aware {hits['cache_aware']:.1%}. But cache_aware's busiest replica does "
+      f"{by_router.loc['cache_aware', 'load_imbalance']:.1f}x the mean prefill work, and its p99 TTFT is "
+      f"{by_router.loc['cache_aware', 'ttft_p99_s']:.1f} s against kv_cost's "
+      f"{by_router.loc['kv_cost', 'ttft_p99_s']:.1f} s.")
+
+# %% [markdown]
+# Why does `cache_aware` pile up? Its loads never differ by 32 requests here, so it never balances, and its
+# fallback for a new conversation is the replica caching the fewest blocks. When every pool is full, the
+# replica caching the fewest is the one with the most requests running (their unfinished decode blocks are
+# not cached): new conversations go to the busiest replica, and their later turns follow them there.
+# SGLang's router measures its own tree of routed text rather than the replicas' pools, so this feedback is
+# an effect of reading the pools' events, and a reminder that a fallback rule matters as much as the rule.
+# `kv_cost` prices the queue in the same unit as the hit (prefill tokens), so affinity wins only while it is
+# cheaper than waiting.
+
+# %% [markdown]
+# ## 4. As the fleet grows
+#
+# Same per-replica memory, more replicas: more total cache, but each conversation's history is on one
+# replica only, and a blind router finds it with probability 1/N.
+
+# %%
+growing = fleet_study(("mooncake_conversation", trace), block_sizes=[BS], capacities=[CAPACITY], replicas=FLEET,
+                      routers=ROUTERS, progress=False, jobs=1)
+plot_fleet(growing)
+plt.show()
+growing.pivot(index="replicas", columns="router", values="hit_rate_tokens")[list(ROUTERS)].style.format("{:.1%}")
+
+# %%
+pivot = growing.pivot(index="replicas", columns="router", values="hit_rate_tokens")
+single = pivot.loc[min(FLEET)]
+viz.check((single.max() - single.min()) < 1e-12, "with one replica the routers should not differ", defaults=True)
+viz.check(pivot["round_robin"].iloc[-1] < pivot["kv_cost"].iloc[-1],
+          "round robin keeps up with kv_cost on the largest fleet", defaults=DEFAULTS)
+print(f"With one replica every router is the same machine ({single.iloc[0]:.1%}; an overloaded one: "
+      f"p99 TTFT {growing[growing['replicas'] == min(FLEET)]['ttft_p99_s'].iloc[0]:.0f} s). At {max(FLEET)} "
+      f"replicas, round robin serves {pivot['round_robin'].iloc[-1]:.1%} from cache and kv_cost "
+      f"{pivot['kv_cost'].iloc[-1]:.1%}: the cache grew {max(FLEET)}-fold, and only a router that follows the "
+      f"events turns it into hits.")
+
+# %% [markdown]
+# ## 5. As each replica's memory shrinks
+#
+# Now a fixed fleet with less KV memory per replica (a bigger model, a longer context, a cheaper GPU). A
+# smaller pool holds fewer conversations between turns, so affinity matters less, and the queues that build
+# when pools are full matter more.
+
+# %%
+shrinking = fleet_study(("mooncake_conversation", trace), block_sizes=[BS], capacities=CAPACITIES,
+                        replicas=[REPLICAS], routers=ROUTERS, progress=False, jobs=1)
+fig, axes = plt.subplots(1, 2, figsize=(12, 3.6), layout="constrained")
+for router, rows in shrinking.groupby("router", sort=False):
+    axes[0].plot(rows["capacity_blocks"], 100 * rows["hit_rate_tokens"], "o-", label=router)
+    axes[1].plot(rows["capacity_blocks"], rows["ttft_p99_s"], "o-", label=router)
+for ax, label in zip(axes, ["prompt tokens from cache (%)", "p99 time to first token (s)"]):
+    ax.set(xscale="log", xlabel="blocks per replica", ylabel=label)
+    ax.set_xticks(CAPACITIES, [f"{c:,}" for c in CAPACITIES])
+    ax.minorticks_off()
+    ax.grid(alpha=0.3)
+axes[1].set_yscale("log")
+axes[0].legend(fontsize=8)
+fig.suptitle(f"{REPLICAS} replicas: less memory each", fontsize=11)
+plt.show()
+
+# %%
+smallest = shrinking[shrinking["capacity_blocks"] == min(CAPACITIES)].set_index("router")
+kv_hits = shrinking[shrinking["router"] == "kv_cost"]["hit_rate_tokens"]
+viz.check(kv_hits.is_monotonic_increasing, "kv_cost's hit rate does not grow with memory", defaults=DEFAULTS)
+viz.check(smallest.loc["kv_cost", "ttft_p99_s"] < smallest.loc["round_robin", "ttft_p99_s"]
+          < smallest.loc["cache_aware", "ttft_p99_s"], "the p99 TTFT order on the smallest pools changed",
+          defaults=DEFAULTS)
+print(f"Reading: every router's hit rate falls with memory, the affinity routers' most (they had most to lose). "
+      f"With {min(CAPACITIES):,} blocks per replica, requests wait for memory and get preempted "
+      f"({int(smallest['preemptions'].sum()):,} preemptions over the four replays), and the tail is set by those "
+      f"queues: p99 TTFT {smallest.loc['kv_cost', 'ttft_p99_s']:.0f} s for kv_cost, "
+      f"{smallest.loc['round_robin', 'ttft_p99_s']:.0f} s for round robin, "
+      f"{smallest.loc['cache_aware', 'ttft_p99_s']:.0f} s for cache_aware's hot replica.")
+
+# %% [markdown]
+# ## 6. Try it: thresholds and weights
+#
+# **Try it.** Predict first, then change the knobs below and run the cell. What happens to `cache_aware`'s
+# imbalance and p99 TTFT when `BALANCE_ABS_THRESHOLD` drops from 32 to 4? What does `kv_cost` become with
+# `QUEUE_WEIGHT = 0` (pure affinity), and with `PREFILL_WEIGHT = 0` (pure queue length)? Is there a weight
+# that beats the defaults on both hit rate and p99 TTFT?
+
+# %%
+BALANCE_ABS_THRESHOLD = 32     # cache_aware: balance when the busiest replica has this many more requests...
+BALANCE_REL_THRESHOLD = 1.0001  # ... and this many times as many as the idlest
+CACHE_THRESHOLD = 0.5          # cache_aware: follow a match covering more than this share of the prompt
+PREFILL_WEIGHT = 1.0           # kv_cost: weight of the request's uncached prompt tokens
+QUEUE_WEIGHT = 1.0             # kv_cost: weight of the prompt tokens queued at the replica
+
+mine = RouterSettings(cache_threshold=CACHE_THRESHOLD, balance_abs_threshold=BALANCE_ABS_THRESHOLD,
+                      balance_rel_threshold=BALANCE_REL_THRESHOLD, prefill_weight=PREFILL_WEIGHT,
+                      queue_weight=QUEUE_WEIGHT)
+tried = fleet_study(("mooncake_conversation", trace), block_sizes=[BS], capacities=[CAPACITY], replicas=[REPLICAS],
+                    routers=["cache_aware", "kv_cost"], settings=mine, progress=False, jobs=1)
+compare = pd.concat([fleet[fleet["router"].isin(["cache_aware", "kv_cost"])].assign(settings="defaults"),
+                     tried.assign(settings="yours")]).set_index(["router", "settings"])
+compare[shown].style.format({"hit_rate_tokens": "{:.1%}", "load_imbalance": "{:.2f}", "ttft_p50_s": "{:.2f}",
+                             "ttft_p99_s": "{:.2f}"})
+
+# %% [markdown]
+# ## Takeaways
+#
+# - A fleet's prefix cache is only as good as its router: round robin wastes most of the memory a fleet adds,
+#   because a conversation's turns land on different replicas.
+# - KV events are enough to route on: replaying them gives a router the exact set of prefixes each replica
+#   can hit, without reading a pool.
+# - Pure affinity concentrates load, and its fallback rules decide how badly; a cost that puts cache hits and
+#   queued work in the same unit (prefill tokens, or seconds) gets the hits without the hot spot.
+#
+# On the command line: `kvlab fleet --replicas 1,8,32 --router round_robin,kv_cost --capacity 2000` writes
+# `results/fleet.csv` and `results/fleet.png`.
