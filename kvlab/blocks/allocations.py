@@ -12,16 +12,27 @@ from kvlab.errors import InvalidArgumentError, SequenceStateError
 
 class Allocation:
     __slots__ = ("manager", "seq", "table", "on_cpu", "num_sealed", "last_hash", "last_content",
-                 "num_released", "num_written", "num_computed", "cross")
+                 "num_released", "num_written", "num_slots", "num_computed", "prompt_hashes", "cross")
 
     def __init__(self, manager, seq, table, num_sealed, last_hash, last_content, num_released, num_computed,
-                 cross=None):
+                 num_written, prompt_hashes=None, cross=None):
         self.manager, self.seq, self.table, self.on_cpu = manager, seq, table, False
         # Leading full blocks already sealed, and the chain's tail (hash, content id) that the next seal extends.
+        # With prefix caching, num_sealed == num_written // block_size: a block is sealed (hittable) exactly
+        # when the step that writes its last token is scheduled, never before.
         self.num_sealed, self.last_hash, self.last_content = num_sealed, last_hash, last_content
         self.num_released = num_released   # leading table entries released by the sliding window
-        self.num_written = seq.num_tokens  # positions < this have slots that the engine writes or wrote
+        # Positions < num_written are scheduled: their slots are written by now or by the step just scheduled
+        # (vLLM V1's num_computed_tokens). The tokens after them have no slot yet (the rest of a chunked
+        # prompt, or tokens appended since the last step).
+        self.num_written = num_written
+        # Positions < num_slots have a slot: the scheduled ones plus lookahead slots. The table holds exactly
+        # ceil(num_slots / block_size) entries (it never shrinks, so this is the largest reservation so far).
+        self.num_slots = num_written
         self.num_computed = num_computed   # positions < this are confirmed written (a step ran since)
+        # (hashes, contents) of the prompt's full blocks from admission, kept while a chunked prefill has not
+        # sealed them all, so later chunks seal them without hashing again; None otherwise.
+        self.prompt_hashes = prompt_hashes
         self.cross = cross                 # the group's CrossTable (encoder-decoder), shared by its forks
 
     def live_blocks(self) -> list[int]:
@@ -30,8 +41,9 @@ class Allocation:
 
     def copy_for(self, seq) -> "Allocation":
         twin = Allocation(self.manager, seq, list(self.table), self.num_sealed, self.last_hash,
-                          self.last_content, self.num_released, self.num_computed, self.cross)
-        twin.num_written = self.num_written
+                          self.last_content, self.num_released, self.num_computed, self.num_written,
+                          self.prompt_hashes, self.cross)
+        twin.num_slots = self.num_slots
         return twin
 
 

@@ -1,7 +1,9 @@
 """``BlockManager.check_invariants()``: an O(pool) audit of the manager's bookkeeping, for tests.
 
-The manager's own records are checked here: every allocation belongs to its sequence, holds a slot for every
-written position, points released entries at the null block and never lists a block twice; every cross
+The manager's own records are checked here: every allocation belongs to its sequence, holds exactly the blocks
+its scheduled positions and lookahead slots need, has sealed (with prefix caching) exactly the blocks whose
+tokens are all scheduled and no block holding an unscheduled one is hittable, points released entries at
+the null block and never lists a block twice; every cross
 table's members are live allocations of its group. The reference counts these records imply are then
 handed to each component, which checks itself against them (``BlockPool.check``: ref counts, free set, prefix
 cache map; ``SwapSpace.check``: CPU ref counts, free list, twin links).
@@ -17,17 +19,24 @@ def _fail(message: str):
     raise InvariantViolation(message)
 
 
-def check_manager(allocations, cross_tables, pool, swap, block_size) -> None:
+def check_manager(allocations, cross_tables, pool, swap, block_size, prefix_caching) -> None:
     gpu_refs, cpu_refs = Counter(), Counter()
     for alloc in allocations:
         seq = alloc.seq
         if allocation_record(seq) is not alloc:
             _fail(f"sequence {seq.seq_id} does not point at the allocation that holds it")
-        if len(alloc.table) * block_size < alloc.num_written or alloc.num_written > seq.num_tokens:
-            _fail(f"sequence {seq.seq_id}: {len(alloc.table)} blocks cannot hold its {alloc.num_written} written "
-                  f"positions (it has {seq.num_tokens} tokens)")
+        if not alloc.num_written <= min(alloc.num_slots, seq.num_tokens) or \
+                len(alloc.table) != -(-alloc.num_slots // block_size):
+            _fail(f"sequence {seq.seq_id}: {len(alloc.table)} blocks for {alloc.num_slots} slots, of which "
+                  f"{alloc.num_written} scheduled positions (it has {seq.num_tokens} tokens)")
         if not alloc.num_computed <= alloc.num_written:
             _fail(f"sequence {seq.seq_id}: {alloc.num_computed} computed positions but {alloc.num_written} written")
+        if prefix_caching and alloc.num_sealed != alloc.num_written // block_size:
+            _fail(f"sequence {seq.seq_id}: {alloc.num_sealed} sealed blocks, but {alloc.num_written // block_size} "
+                  "have every token scheduled")
+        unscheduled = alloc.table[max(alloc.num_released, alloc.num_written // block_size):]
+        if not alloc.on_cpu and any(pool.is_cached(block) for block in unscheduled):
+            _fail(f"sequence {seq.seq_id}: a block holding a token still to be scheduled is hittable")
         if any(b != 0 for b in alloc.table[:alloc.num_released]):
             _fail(f"sequence {seq.seq_id}: released entries must point at the null block")
         live = alloc.live_blocks()

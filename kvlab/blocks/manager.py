@@ -2,10 +2,16 @@
 
 Engine ordering rule (the prefix cache relies on it): within a forward pass, every layer writes the new
 tokens' K/V into their slots (``reshape_and_cache``) *before* that layer's attention reads the cache. That
-is why a full block becomes hittable the moment its tokens are known (prompt blocks when ``allocate``
-returns, a decode block when ``append_slots`` seals it): a request that hits it in the same step reads K/V
-that the same forward pass has already written. The flip side, as in vLLM V1: once ``allocate`` or
+is why a full block becomes hittable as soon as the step that writes its last token is scheduled (prompt
+blocks when ``allocate`` returns, a decode block when ``append_slots`` seals it): a request that hits it in
+the same step reads K/V that the same forward pass has already written. A block whose tokens are still to be
+computed (the rest of a chunked prompt) is never hittable. The flip side, as in vLLM V1: once ``allocate`` or
 ``append_slots`` returned, the step that writes those slots must run before the sequence is freed.
+
+Chunked prompts (vLLM V1's ``allocate_slots(request, num_new_tokens)``): ``allocate(seq, num_new_tokens=k)``
+looks up prefix hits once and gives slots to the hits plus the next k prompt tokens; each later step's
+``append_slots(seq, num_new_tokens=k)`` gives slots to the next k tokens without one (None: all of them,
+today's whole-prompt and decode behaviour). ``num_scheduled_tokens(seq)`` says how far the sequence got.
 
 Sliding window W: a step whose first new token sits at position p attends to keys from p - W + 1 on, so a
 block is released only once it lies wholly before that, at the start of the next step that moves p past it
@@ -27,13 +33,12 @@ from kvlab.blocks.allocations import (Allocation, allocation_of, check_block_siz
 from kvlab.blocks.block_pool import ROOT, BlockPool
 from kvlab.blocks.cross_attention import CrossTables
 from kvlab.blocks.eviction import make_policy
-from kvlab.blocks.hashing import HashFn, PromptHashes, block_hashes
+from kvlab.blocks.hashing import HashFn, PromptHashes
 from kvlab.blocks.invariants import check_manager
 from kvlab.blocks.kv_events import KVEventPublisher
-from kvlab.blocks.planning import plan_allocation, plan_step
+from kvlab.blocks.planning import hashes_to_seal, plan_allocation, plan_step
 from kvlab.blocks.records import AllocStatus, Event, PrefixCacheStats
-from kvlab.blocks.sequence import (Sequence, SequenceStatus, check_block_size, copy_tokens, set_allocation_record,
-                                   token_buffer)
+from kvlab.blocks.sequence import Sequence, SequenceStatus, check_block_size, copy_tokens, set_allocation_record
 from kvlab.blocks.swap import SwapSpace
 from kvlab.errors import InvalidArgumentError, OutOfBlocksError, SequenceStateError
 from kvlab.validation import check_int, check_number
@@ -144,40 +149,58 @@ class BlockManager:
         """Leading table entries the sliding window released (they point at the null block on the GPU)."""
         return allocation_of(self, seq).num_released
 
+    def num_scheduled_tokens(self, seq: Sequence) -> int:
+        """How many of ``seq``'s tokens have slots: their K/V is written by now or by the step just scheduled
+        (vLLM V1's ``request.num_computed_tokens``, which its scheduler advances when it schedules a step).
+        The tokens after them (the rest of a chunked prompt, or tokens appended since) still need a step."""
+        return allocation_of(self, seq).num_written
+
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Cache slot (block_id * block_size + offset) of positions start..end-1; -1 where the sliding window
-        released the block (only positions no query of this or a later step can see)."""
+        released the block (only positions no query of this or a later step can see). Only positions with a
+        slot (scheduled ones and lookahead slots) can be asked for."""
         alloc, bs = self._on_gpu(seq), self.block_size
         table = alloc.table
-        if not (check_int("start", start, 0) <= check_int("end", end, 0) <= len(table) * bs):
-            raise InvalidArgumentError(f"need 0 <= start <= end <= {len(table) * bs} (slots this sequence "
-                                       f"holds), got start={start!r}, end={end!r}")
+        if not (check_int("start", start, 0) <= check_int("end", end, 0) <= alloc.num_slots):
+            raise InvalidArgumentError(f"need 0 <= start <= end <= {alloc.num_slots} (positions with slots), got "
+                                       f"start={start!r}, end={end!r}")
         released = alloc.num_released
         return [-1 if p // bs < released else table[p // bs] * bs + p % bs for p in range(start, end)]
 
     # ---- admission and allocation --------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, num_lookahead_slots: int = 0, encoder_seq=None) -> AllocStatus:
-        """Whether ``allocate(seq, encoder_seq)`` (plus ``num_lookahead_slots`` later) fits. A prefix hit on a
-        block in use costs nothing; a hit on a free cached block takes that block out of the free pool."""
+    def can_allocate(self, seq: Sequence, num_lookahead_slots: int = 0, encoder_seq=None, *,
+                     num_new_tokens: Optional[int] = None) -> AllocStatus:
+        """Whether ``allocate(seq, encoder_seq, num_new_tokens=...)`` (plus ``num_lookahead_slots`` later) fits.
+        A prefix hit on a block in use costs nothing; a hit on a free cached block takes that block out of the
+        free pool. OK and LATER are about this step (keeping the watermark free); NEVER says the prompt can
+        never be finished here, however it is chunked (without a sliding window: its whole prompt never fits)."""
         check_unallocated(self, seq)
         lookahead = check_int("num_lookahead_slots", num_lookahead_slots, 0)
         cross = self._cross.blocks_for(seq, encoder_seq)
-        plan = self._plan_allocation(seq, lookahead)
-        return self._admission(plan.live_blocks + cross, plan.needed_free + cross)
+        plan = self._plan_allocation(seq, lookahead, num_new_tokens)
+        return self._admission(plan.peak_blocks + cross, plan.needed_free + cross)
 
-    def allocate(self, seq: Sequence, encoder_seq: Optional[Sequence] = None) -> None:
+    def allocate(self, seq: Sequence, encoder_seq: Optional[Sequence] = None, *,
+                 num_new_tokens: Optional[int] = None) -> None:
         """Give the prompt its blocks, sharing the longest cached prefix; with ``encoder_seq`` (an
         encoder-decoder request) also a cross-attention table for the encoder's tokens, shared by the
-        sequence's future forks. Atomic: raises before changing anything if the blocks are not there."""
+        sequence's future forks. With ``num_new_tokens=k`` only the hits and the next k prompt tokens get
+        slots (the first chunk; ``get_num_cached_tokens`` tells the hits beforehand), and ``append_slots``
+        schedules the rest later. Atomic: raises before changing anything if the blocks are not there, or
+        if the prompt could never be finished in this pool."""
         check_unallocated(self, seq)
         num_cross = self._cross.blocks_for(seq, encoder_seq)
-        hashes, contents, hits, first_live, _, needed_free = self._plan_allocation(seq, 0)
+        hashes, contents, hits, first_live, scheduled, _, needed_free, peak = self._plan_allocation(
+            seq, 0, num_new_tokens)
         pool, bs, n = self._pool, self.block_size, seq.num_tokens
         if needed_free + num_cross > pool.num_free:
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {needed_free + num_cross} free blocks, "
                                    f"{pool.num_free} are free (check can_allocate first)")
+        if peak + num_cross > self._usable:  # a first chunk that fits, of a prompt that never can
+            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {peak + num_cross} blocks at once to finish its "
+                                   f"prompt, the pool has {self._usable} (check can_allocate first)")
         # Hits outside the sliding window prove the chain but are not pinned: the table points at the null block.
-        live_hits, num_new = hits[first_live:], -(-n // bs) - len(hits)
+        live_hits, num_new = hits[first_live:], -(-scheduled // bs) - len(hits)
         revived = [block for block in live_hits if not pool.ref[block]]
         parent = pool.content_id(hits[-1]) if hits else ROOT
         with pool.transaction() as txn:
@@ -189,10 +212,11 @@ class BlockManager:
         if self.events is not None:
             self.events.extend(Event("hit", seq.seq_id, block) for block in hits)
             self.events.extend(Event("miss", seq.seq_id, block) for block in new_blocks)
-        parent = pool.fill(new_blocks, hashes[len(hits):], contents[len(hits):], parent)
+        num_sealed = min(len(hashes), scheduled // bs)  # the blocks this step writes to the end
+        parent = pool.fill(new_blocks, hashes[len(hits):num_sealed], contents[len(hits):num_sealed], parent)
         if self.kv_events is not None:
-            self.kv_events.stored(pool, new_blocks, hashes[len(hits):], contents[len(hits):],
-                                  hashes[len(hits) - 1] if hits else None)
+            self.kv_events.stored(pool, new_blocks[:num_sealed - len(hits)], hashes[len(hits):num_sealed],
+                                  contents[len(hits):num_sealed], hashes[len(hits) - 1] if hits else None)
         pool.fill(cross_blocks)
         if self.events is not None:
             self.events.append(Event("allocate", seq.seq_id))
@@ -203,31 +227,36 @@ class BlockManager:
             stats.queried_blocks += len(hashes)
             stats.hit_blocks += len(hits)
         table = [NULL_BLOCK] * first_live + live_hits + new_blocks
-        alloc = Allocation(self, seq, table, len(hashes), hashes[-1] if hashes else None, parent, first_live,
-                           len(hits) * bs)
+        alloc = Allocation(self, seq, table, num_sealed, hashes[num_sealed - 1] if num_sealed else None, parent,
+                           first_live, len(hits) * bs, scheduled,
+                           (hashes, contents) if num_sealed < len(hashes) else None)
         self._cross.attach(alloc, encoder_seq, cross_blocks)
         self._adopt(alloc, len(hits) * bs)
 
     # ---- decode growth and copy-on-write ---------------------------------------------------------------
-    def can_append_slots(self, seq: Sequence, num_lookahead_slots: int = 0) -> bool:
-        plan = self._plan_step(self._on_gpu(seq), num_lookahead_slots)
+    def can_append_slots(self, seq: Sequence, num_lookahead_slots: int = 0, *,
+                         num_new_tokens: Optional[int] = None) -> bool:
+        """Whether ``append_slots`` with the same arguments fits now (a running sequence: no watermark)."""
+        plan = self._plan_step(self._on_gpu(seq), num_lookahead_slots, num_new_tokens)
         return plan.blocks_needed <= self._pool.num_free + len(plan.freed)
 
-    def append_slots(self, seq: Sequence, num_lookahead_slots: int = 0) -> list[tuple[int, int]]:
-        """After ``seq.append_token`` (one or more): release the blocks that left the sliding window, make sure
-        every new token (plus ``num_lookahead_slots`` speculative ones) has a slot, and seal blocks that
-        became full (they become hittable at once, see the ordering rule above). A shared block about to be
-        written is copied first; returns those copy-on-write (src, dst) pairs for ``copy_blocks``."""
+    def append_slots(self, seq: Sequence, num_lookahead_slots: int = 0, *,
+                     num_new_tokens: Optional[int] = None) -> list[tuple[int, int]]:
+        """Schedule a step: release the blocks that left the sliding window, give slots to the next
+        ``num_new_tokens`` tokens that have none (None: all of them, i.e. every token appended by
+        ``seq.append_token`` since the last step, or the rest of a chunked prompt) plus
+        ``num_lookahead_slots`` speculative ones, and seal blocks whose last token is now scheduled (they
+        become hittable at once, see the ordering rule above). A shared block about to be written is copied
+        first; returns those copy-on-write (src, dst) pairs for ``copy_blocks``."""
         alloc = self._on_gpu(seq)
-        plan = self._plan_step(alloc, num_lookahead_slots)
-        pool, table, events, bs, n = self._pool, alloc.table, self.events, self.block_size, seq.num_tokens
+        plan = self._plan_step(alloc, num_lookahead_slots, num_new_tokens)
+        pool, table, events, bs, n = self._pool, alloc.table, self.events, self.block_size, plan.scheduled
         if plan.blocks_needed > pool.num_free + len(plan.freed):
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {plan.blocks_needed} free blocks, "
                                    f"{pool.num_free + len(plan.freed)} are free (check can_append_slots first)")
         sealing = self.enable_prefix_caching and n // bs > alloc.num_sealed
         if sealing:  # hashed before anything changes: a failing hash_fn must leave no trace
-            hashes, contents = block_hashes(token_buffer(seq), bs, alloc.num_sealed, n // bs, alloc.last_hash,
-                                            self.hash_fn)
+            hashes, contents = hashes_to_seal(alloc, n // bs, bs, self.hash_fn)
         with pool.transaction() as txn:
             txn.add(plan.freed, plan.freed_cached)
             taken = txn.pop(plan.blocks_needed)
@@ -257,8 +286,11 @@ class BlockManager:
             if self.kv_events is not None:
                 self.kv_events.stored(pool, sealed, hashes, contents, alloc.last_hash)
             alloc.num_sealed, alloc.last_hash = n // bs, hashes[-1]
+            if alloc.prompt_hashes is not None and alloc.num_sealed >= len(alloc.prompt_hashes[0]):
+                alloc.prompt_hashes = None  # every prompt block is sealed: nothing left to reuse them for
         alloc.num_computed = max(alloc.num_computed, alloc.num_written)  # a new step: the last one ran
         alloc.num_written = n
+        alloc.num_slots = max(alloc.num_slots, n + num_lookahead_slots)
         return pairs
 
     # ---- free and fork ---------------------------------------------------------------------------------
@@ -404,7 +436,7 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         """Raise InvariantViolation if the bookkeeping is inconsistent (O(pool size); for tests)."""
-        check_manager(self._allocs, self._cross, self._pool, self._swap, self.block_size)
+        check_manager(self._allocs, self._cross, self._pool, self._swap, self.block_size, self.enable_prefix_caching)
 
     # ---- internals -------------------------------------------------------------------------------------
     def _adopt(self, alloc: Allocation, num_cached_tokens: int) -> None:
@@ -428,9 +460,10 @@ class BlockManager:
             raise SequenceStateError(f"sequence {seq.seq_id} is not swapped out")
         return alloc
 
-    def _plan_allocation(self, seq, lookahead):
+    def _plan_allocation(self, seq, lookahead, num_new_tokens):
         hashes, contents = self._prompt_hashes(seq) if self.enable_prefix_caching else ([], [])
-        return plan_allocation(self._pool, seq, hashes, contents, self.block_size, self.sliding_window, lookahead)
+        return plan_allocation(self._pool, seq, hashes, contents, self.block_size, self.sliding_window, lookahead,
+                               num_new_tokens)
 
     def _admission(self, live_blocks, needed_free) -> AllocStatus:
         if live_blocks > self._usable - self._watermark_blocks:
@@ -439,6 +472,6 @@ class BlockManager:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def _plan_step(self, alloc, lookahead):
+    def _plan_step(self, alloc, lookahead, num_new_tokens):
         check_int("num_lookahead_slots", lookahead, 0)
-        return plan_step(self._pool, alloc, self.block_size, self.sliding_window, lookahead)
+        return plan_step(self._pool, alloc, self.block_size, self.sliding_window, lookahead, num_new_tokens)

@@ -4,9 +4,20 @@
 copies, how many it adds, which ones leave the sliding window), then check there is room, then act. Planning
 is pure, so a refused or failing operation leaves no trace, and ``can_allocate`` / ``can_append_slots`` give
 exactly the answer the operation itself would.
+
+Chunked prompts (vLLM V1's ``allocate_slots(request, num_new_tokens)``): a step schedules the next
+``num_new_tokens`` tokens that have no slot yet, not necessarily all of them. Only those tokens get slots, and
+only blocks whose last token they reach are sealed (become hittable): the step that writes a block's last
+token is scheduled, so under the write-before-read rule a request hitting it in the same step reads K/V
+written before its own attention; a block whose tokens are still to be computed is never hittable.
 """
 
 from typing import NamedTuple
+
+from kvlab.blocks.hashing import block_hashes
+from kvlab.blocks.sequence import token_buffer
+from kvlab.errors import InvalidArgumentError
+from kvlab.validation import check_int
 
 
 def first_live_block(first_query: int, sliding_window, block_size: int) -> int:
@@ -17,28 +28,71 @@ def first_live_block(first_query: int, sliding_window, block_size: int) -> int:
     return max(0, first_query - sliding_window + 1) // block_size
 
 
+def new_tokens(seq, num_new_tokens, num_scheduled: int) -> int:
+    """How many tokens a step schedules: ``num_new_tokens`` of those after position ``num_scheduled`` (they
+    have no slot yet), or all of them for None."""
+    remaining = seq.num_tokens - num_scheduled
+    if num_new_tokens is None:
+        return remaining
+    if remaining == 0:
+        raise InvalidArgumentError(f"num_new_tokens={num_new_tokens!r}, but every token of sequence {seq.seq_id} "
+                                   "has a slot already (append_token first, or pass None)")
+    try:
+        return check_int("num_new_tokens", num_new_tokens, 1, remaining)
+    except InvalidArgumentError as e:  # say where the bound comes from
+        raise InvalidArgumentError(f"{e} (sequence {seq.seq_id} has {remaining} tokens without a slot after its "
+                                   f"{num_scheduled} cached or scheduled ones; None schedules them all)") from None
+
+
+def least_peak_blocks(scheduled: int, num_tokens: int, block_size: int, sliding_window, lookahead: int) -> int:
+    """The fewest blocks a sequence must hold at once to give positions ``scheduled .. num_tokens - 1`` their
+    slots later, however they are chunked (0 if there are none): the step that computes position p holds at
+    least blocks ``first_live_block(p) .. ceil((p + 1 + lookahead) / block_size) - 1``, and steps of one
+    token hold exactly that. Without a window that is the whole sequence at its last token. With a window W
+    the count grows until p = W - 1 and is periodic (period block_size) from there on, so the last
+    block_size positions reach its maximum."""
+    if scheduled >= num_tokens:
+        return 0
+    if sliding_window is None:
+        return -(-(num_tokens + lookahead) // block_size)
+    return max(-(-(p + 1 + lookahead) // block_size) - first_live_block(p, sliding_window, block_size)
+               for p in range(max(scheduled, num_tokens - block_size), num_tokens))
+
+
 class AllocationPlan(NamedTuple):
     hashes: list       # the prompt's full blocks' hashes...
     contents: list     # ...and token bytes
     hits: list         # cached blocks matching its first full blocks
     first_live: int    # leading hits outside the sliding window (not pinned)
+    scheduled: int     # positions with slots after allocate: the hits plus the first chunk
     live_blocks: int   # blocks the sequence holds after allocate (plus lookahead)
     needed_free: int   # of which come out of the free pool
+    peak_blocks: int   # blocks it must hold at once at some step until its prompt is done (at the least,
+                       # however the rest is chunked; this step included)
 
 
-def plan_allocation(pool, seq, hashes, contents, block_size, sliding_window, lookahead) -> AllocationPlan:
+def plan_allocation(pool, seq, hashes, contents, block_size, sliding_window, lookahead,
+                    num_new_tokens) -> AllocationPlan:
+    """Prefix hits are looked up once, here at admission; the first step computes the first
+    ``num_new_tokens`` tokens after them (None: the whole rest of the prompt)."""
     n = seq.num_tokens
     # Never share the whole prompt: at least one token must be computed to produce logits.
     hits = pool.lookup(hashes, contents, (n - 1) // block_size)
+    cached = len(hits) * block_size
+    scheduled = cached + new_tokens(seq, num_new_tokens, cached)
     # The step's first query is the first uncached token.
-    first_live = first_live_block(len(hits) * block_size, sliding_window, block_size)
-    live_blocks = -(-(n + lookahead) // block_size) - first_live
+    first_live = first_live_block(cached, sliding_window, block_size)
+    live_blocks = -(-(scheduled + lookahead) // block_size) - first_live
     ref = pool.ref
     hits_in_use = sum(1 for block in hits[first_live:] if ref[block])
-    return AllocationPlan(hashes, contents, hits, first_live, live_blocks, live_blocks - hits_in_use)
+    # A chunk that fits is no use if the rest of the prompt never can: admission looks at the whole prompt.
+    peak = max(live_blocks, least_peak_blocks(scheduled, n, block_size, sliding_window, lookahead))
+    return AllocationPlan(hashes, contents, hits, first_live, scheduled, live_blocks, live_blocks - hits_in_use,
+                          peak)
 
 
 class StepPlan(NamedTuple):
+    scheduled: int     # num_written after the step: the positions it computes end here
     release_upto: int  # num_released after the step
     release: list      # blocks leaving the window, tail first (as free() releases)
     freed: list        # those of them that become free...
@@ -52,15 +106,26 @@ class StepPlan(NamedTuple):
         return len(self.copies) + self.num_new
 
 
-def plan_step(pool, alloc, block_size, sliding_window, lookahead) -> StepPlan:
-    """The step computes positions ``alloc.num_written .. num_tokens - 1`` (its first query is the first
-    position not written yet) and reserves ``lookahead`` more slots."""
+def plan_step(pool, alloc, block_size, sliding_window, lookahead, num_new_tokens) -> StepPlan:
+    """The step computes positions ``alloc.num_written .. scheduled - 1`` (its first query is the first
+    position not written yet; ``scheduled`` is num_tokens unless ``num_new_tokens`` says fewer) and reserves
+    ``lookahead`` more slots."""
     table, ref = alloc.table, pool.ref
     first_query = alloc.num_written
+    scheduled = first_query + new_tokens(alloc.seq, num_new_tokens, first_query)
     release_upto = max(alloc.num_released, first_live_block(first_query, sliding_window, block_size))
     release = table[alloc.num_released:release_upto][::-1]
-    end = alloc.seq.num_tokens + lookahead
+    end = scheduled + lookahead
     touched = range(first_query // block_size, min(len(table), -(-end // block_size)))
     copies = {i for i in touched if ref[table[i]] > 1}
-    return StepPlan(release_upto, release, *pool.freed_by(release), touched, copies,
+    return StepPlan(scheduled, release_upto, release, *pool.freed_by(release), touched, copies,
                     max(0, -(-end // block_size) - len(table)))
+
+
+def hashes_to_seal(alloc, stop: int, block_size: int, hash_fn) -> tuple[list, list]:
+    """Hashes and bytes of blocks ``alloc.num_sealed .. stop - 1``, which a step is about to seal: from the
+    prompt's hashes taken at admission while they cover them (a chunked prefill), else hashed now."""
+    start, prompt = alloc.num_sealed, alloc.prompt_hashes
+    if prompt is not None and stop <= len(prompt[0]):
+        return prompt[0][start:stop], prompt[1][start:stop]
+    return block_hashes(token_buffer(alloc.seq), block_size, start, stop, alloc.last_hash, hash_fn)

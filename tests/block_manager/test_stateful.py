@@ -9,6 +9,11 @@ mapped and hold its own value, prefix hits included. After every operation, also
 and ``append_slots``, every live sequence reads back each written position it still maps, and
 ``check_invariants`` holds. Weak and constant hash functions, sliding windows, multi-token steps, forks and
 swaps with tokens not yet given slots, every eviction policy and a user-written one are all exercised.
+
+Chunked prompts: a prompt may be admitted with only its first chunk scheduled (``num_new_tokens``), and a
+step may schedule only the next chunk of the tokens without slots, of any size from one token (so chunks
+end inside blocks). Every prompt joins the history at admission, so later requests try to hit blocks whose
+tokens are still to be computed (nano-vllm #208/#219): such a hit would read K/V nobody wrote.
 """
 
 import itertools
@@ -18,7 +23,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvlab import AllocStatus, BlockManager, EvictionPolicy, OutOfBlocksError, Sequence
+from kvlab import AllocStatus, BlockManager, EvictionPolicy, InvalidArgumentError, OutOfBlocksError, Sequence
 
 PREFIXES = [[], [1, 2, 3, 1, 2], [1, 2, 3, 1, 0, 0, 0], [3, 3, 3, 3, 3, 3, 3, 3, 2]]
 tokens = st.integers(0, 2)  # few distinct tokens: many accidental prefix hits
@@ -71,20 +76,24 @@ class ManagerMachine(RuleBasedStateMachine):
         self.gpu, self.cpu = {}, {}   # slot -> value: the engine's view of both caches
         self.running, self.swapped = [], []
         self.written = {}             # seq -> positions whose K/V the engine wrote
+        self.reserved = {}            # seq -> positions with slots (written ones plus lookahead slots)
         self.first_query = {}         # seq -> first new position of its latest step
         self.history = []             # token lists of every sequence after each of its steps
         self.clock = 0
 
     # ---- the engine's side ---------------------------------------------------------------------------
-    def _step(self, seq, first_query, lookahead=0):
-        """Write the step's tokens (and junk in lookahead slots), then check what its attention reads."""
-        n, bs = seq.num_tokens, self.manager.block_size
+    def _step(self, seq, first_query, lookahead=0, end=None):
+        """Write the step's tokens first_query..end-1 (all of them by default; and junk in lookahead slots), then
+        check what its attention reads."""
+        n, bs = seq.num_tokens if end is None else end, self.manager.block_size
+        assert self.manager.num_scheduled_tokens(seq) == n
         values = kv_values(seq.token_ids)
         slots = self.manager.slot_mapping(seq, first_query, n + lookahead)
         for p, slot in enumerate(slots, first_query):
             assert slot >= 0, f"position {p} of the step has no slot"
             self.gpu[slot] = values[p] if p < n else ("junk", next(_junk))
         self.written[seq], self.first_query[seq] = n, first_query
+        self.reserved[seq] = max(self.reserved.get(seq, 0), n + lookahead)
         assert len(seq.block_table) * bs >= n + lookahead
         self._check_reads(seq, self._visible_from(first_query), n)
 
@@ -108,7 +117,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def _forget(self, seq):
         (self.running if seq in self.running else self.swapped).remove(seq)
-        del self.written[seq], self.first_query[seq]
+        del self.written[seq], self.first_query[seq], self.reserved[seq]
 
     # ---- rules -----------------------------------------------------------------------------------------
     @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(tokens, max_size=9))
@@ -122,19 +131,32 @@ class ManagerMachine(RuleBasedStateMachine):
         earlier = data.draw(st.sampled_from(self.history))
         self._allocate(earlier[:data.draw(st.integers(1, len(earlier)))] + suffix)
 
-    def _allocate(self, token_ids):
+    @rule(data=st.data(), prefix=st.sampled_from(PREFIXES), suffix=st.lists(tokens, max_size=9))
+    def allocate_a_chunk(self, data, prefix, suffix):
+        """Admission of a prompt's first chunk: its prefix hits plus 1..all of its other tokens."""
+        token_ids = prefix + suffix or [0]
+        if self.history and data.draw(st.booleans()):   # or a continuation of an earlier sequence
+            earlier = data.draw(st.sampled_from(self.history))
+            token_ids = earlier[:data.draw(st.integers(1, len(earlier)))] + suffix[:3]
+        self._allocate(token_ids, data)
+
+    def _allocate(self, token_ids, data=None):
+        """Admit a prompt: all of it, or (drawing from ``data``) its hits and a first chunk of its other tokens."""
         seq = Sequence(token_ids, self.manager.block_size)
-        if self.manager.can_allocate(seq) is not AllocStatus.OK:
+        cached = self.manager.get_num_cached_tokens(seq)   # the hits allocate will find
+        num_new_tokens = None if data is None else data.draw(st.integers(1, seq.num_tokens - cached))
+        if self.manager.can_allocate(seq, num_new_tokens=num_new_tokens) is not AllocStatus.OK:
             try:
-                self.manager.allocate(seq)
+                self.manager.allocate(seq, num_new_tokens=num_new_tokens)
             except OutOfBlocksError:
                 return
             raise AssertionError("allocate succeeded although can_allocate said it would not fit")
-        self.manager.allocate(seq)
-        assert seq.num_cached_tokens < seq.num_tokens
+        self.manager.allocate(seq, num_new_tokens=num_new_tokens)
+        assert seq.num_cached_tokens == cached < seq.num_tokens
         self.history.append(seq.token_ids)
         self.running.append(seq)
-        self._step(seq, seq.num_cached_tokens)
+        end = None if num_new_tokens is None else seq.num_cached_tokens + num_new_tokens
+        self._step(seq, seq.num_cached_tokens, end=end)
 
     @precondition(lambda self: self.running or self.swapped)
     @rule(data=st.data(), new=st.lists(tokens, min_size=1, max_size=9))
@@ -163,6 +185,25 @@ class ManagerMachine(RuleBasedStateMachine):
         self._step(seq, self.written[seq], lookahead)
         self.history.append(seq.token_ids)
 
+    @precondition(lambda self: any(self.written[seq] < seq.num_tokens for seq in self.running))
+    @rule(data=st.data(), lookahead=st.integers(0, 3))
+    def step_a_chunk(self, data, lookahead):
+        """One engine step for the next 1..all tokens without a slot (the rest of a chunked prompt, or tokens
+        appended since the last step)."""
+        seq = data.draw(st.sampled_from([seq for seq in self.running if self.written[seq] < seq.num_tokens]))
+        first_query = self.written[seq]
+        k = data.draw(st.integers(1, seq.num_tokens - first_query))
+        if not self.manager.can_append_slots(seq, lookahead, num_new_tokens=k):
+            try:
+                self.manager.append_slots(seq, lookahead, num_new_tokens=k)
+            except OutOfBlocksError:
+                self._forget(seq)   # the engine would preempt it; we free it
+                self.manager.free(seq, preempted=True)
+                return
+            raise AssertionError("append_slots succeeded although can_append_slots said no")
+        self._copy(self.gpu, self.gpu, self.manager.append_slots(seq, lookahead, num_new_tokens=k))
+        self._step(seq, first_query, lookahead, end=first_query + k)
+
     @precondition(lambda self: self.running)
     @rule(data=st.data())
     def fork(self, data):
@@ -170,6 +211,7 @@ class ManagerMachine(RuleBasedStateMachine):
         child = Sequence([])
         self.manager.fork(parent, child)
         self.written[child], self.first_query[child] = self.written[parent], self.first_query[parent]
+        self.reserved[child] = self.reserved[parent]
         self.running.append(child)
 
     @precondition(lambda self: self.running or self.swapped)
@@ -212,6 +254,17 @@ class ManagerMachine(RuleBasedStateMachine):
     @invariant()
     def bookkeeping_is_consistent(self):
         self.manager.check_invariants()
+
+    @invariant()
+    def only_scheduled_positions_and_lookahead_have_slots(self):
+        for seq in self.running + self.swapped:
+            assert self.manager.num_scheduled_tokens(seq) == self.written[seq]
+        for seq in self.running:
+            try:
+                self.manager.slot_mapping(seq, 0, self.reserved[seq] + 1)
+            except InvalidArgumentError:
+                continue
+            raise AssertionError(f"seq {seq.seq_id}: a position without a slot got one")
 
     @invariant()
     def every_sequence_reads_back_its_own_kv(self):
