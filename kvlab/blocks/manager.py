@@ -31,8 +31,8 @@ from kvlab.blocks.hashing import HashFn, PromptHashes, block_hashes
 from kvlab.blocks.invariants import check_manager
 from kvlab.blocks.planning import plan_allocation, plan_step
 from kvlab.blocks.records import AllocStatus, Event, PrefixCacheStats
-from kvlab.blocks.sequence import (Sequence, SequenceStatus, check_block_size, copy_tokens, set_allocation_record,
-                                   token_buffer)
+from kvlab.blocks.sequence import (Sequence, SequenceStatus, check_block_size, copy_tokens, key_bytes,
+                                   set_allocation_record, token_buffer)
 from kvlab.blocks.swap import SwapSpace
 from kvlab.errors import InvalidArgumentError, OutOfBlocksError, SequenceStateError
 from kvlab.validation import check_int, check_number
@@ -221,7 +221,7 @@ class BlockManager:
         sealing = self.enable_prefix_caching and n // bs > alloc.num_sealed
         if sealing:  # hashed before anything changes: a failing hash_fn must leave no trace
             hashes, contents = block_hashes(token_buffer(seq), bs, alloc.num_sealed, n // bs, alloc.last_hash,
-                                            self.hash_fn)
+                                            self.hash_fn, key_bytes(seq))
         with pool.transaction() as txn:
             txn.add(plan.freed, plan.freed_cached)
             taken = txn.pop(plan.blocks_needed)
@@ -274,9 +274,9 @@ class BlockManager:
             self.events.append(Event("free", seq.seq_id))
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Give the new ``child`` the parent's tokens (and block size) and share all its blocks: nothing is
-        allocated; a later append into a shared partial block copies it. Whatever tokens the child had
-        are replaced (``Sequence([])`` is the usual child)."""
+        """Give the new ``child`` the parent's tokens (and block size, salt and keys) and share all its blocks:
+        nothing is allocated; a later append into a shared partial block copies it. Whatever tokens and keys
+        the child had are replaced (``Sequence([])`` is the usual child)."""
         alloc = self._on_gpu(parent)
         check_unallocated(self, child, need_tokens=False, same_block_size=False)
         child.block_size = parent.block_size
