@@ -3,9 +3,9 @@
 The manager's own records are checked here: every allocation belongs to its sequence, holds a slot for every
 written position, points released entries at the null block and never lists a block twice, and every sealed
 block in its table holds that sequence's own bytes (tokens, then its salt and keys) chained after the block
-before it; every cross table's members are live allocations of its group. The reference counts these records imply are then
-handed to each component, which checks itself against them (``BlockPool.check``: ref counts, free set, prefix
-cache map; ``SwapSpace.check``: CPU ref counts, free list, twin links).
+before it; every cross table's members are live allocations of its group. The reference counts these records
+imply are then handed to each component, which checks itself against them (``BlockPool.check``: ref counts,
+free set, prefix cache map, content ids; ``SwapSpace.check``: CPU ref counts, free list, twin links).
 """
 
 from collections import Counter
@@ -54,11 +54,12 @@ def check_manager(allocations, cross_tables, pool, swap, block_size) -> None:
 
 def _check_sealed(alloc, pool, block_size) -> None:
     """A hit hands a sequence K/V computed for the bytes its block holds: were they not the sequence's own
-    (another tenant's salt, another image's key), it would read someone else's K/V. Blocks swapped back in hold
-    no content (they are not re-registered); released entries hold none either."""
+    (another tenant's salt, another image's key), it would read someone else's K/V. A block that holds no
+    sealed content (swapped back in, so not re-registered) is skipped, and so is its successor's parent."""
     if not alloc.num_sealed:
         return
-    _, expected = block_hashes(token_buffer(alloc.seq), block_size, 0, alloc.num_sealed, None, None, key_bytes(alloc.seq))
+    _, expected = block_hashes(token_buffer(alloc.seq), block_size, 0, alloc.num_sealed, None, None,
+                               key_bytes(alloc.seq))
     parent = ROOT if not alloc.num_released else None  # None: not known here, not checked
     for i in range(alloc.num_released, alloc.num_sealed):
         block = alloc.table[i]
