@@ -6,6 +6,7 @@ One module per part, in the manner of vLLM V1's ``vllm/v1/core/``:
     sequence.py            Sequence: a request's tokens and its read-only block table
     block_pool.py          the device pool: free lists, reference counts, the prefix cache (hash -> block)
     hashing.py             chained xxh64 block hashes, computed once per prompt
+    block_keys.py          cache salts and extra keys (LoRA adapter, images): what else makes a block distinct
     planning.py            how many blocks a step needs, and which a sliding window can release
     allocations.py         who owns which blocks (one record per sequence, one manager per sequence)
     swap.py                the CPU pool that preempted sequences are swapped into

@@ -4,14 +4,15 @@ Per-block state lives in parallel lists indexed by block id (cheaper than an obj
 operation below is O(1) in the pool size). A block is in exactly one of two states:
     used: ref_count > 0, referenced by that many block-table entries;
     free: ref_count == 0, owned by the eviction policy, which decides the reuse order.
-A *sealed* block is full and immutable. It records a content id: a unique number for "these tokens after
-that exact prefix". A block is *cached* (hittable) when the hash map points at it; a free cached block is
-"warm": a hit takes it back, reusing it for new content evicts it.
+A *sealed* block is full and immutable. It records a content id: a unique number for "these tokens (and
+keys: a tenant's salt, an adapter, an image; see ``kvlab.blocks.block_keys``) after that exact prefix". A
+block is *cached* (hittable) when the hash map points at it; a free cached block is "warm": a hit takes it
+back, reusing it for new content evicts it.
 
-Why content ids: a lookup shares block c for logical block i only if c holds the same tokens AND c's parent
-(the block it was computed after) holds exactly the content the lookup matched for block i - 1. Comparing
-content ids (not block ids, which are reused) makes that check O(1) and immune to hash collisions at this
-block or any earlier one: a weak hash only costs hits, never correctness.
+Why content ids: a lookup shares block c for logical block i only if c holds the same bytes (its tokens,
+then its keys) AND c's parent (the block it was computed after) holds exactly the content the lookup matched
+for block i - 1. Comparing content ids (not block ids, which are reused) makes that check O(1) and immune to
+hash collisions at this block or any earlier one: a weak hash only costs hits, never correctness.
 
 Changing a block's state takes two calls: the policy side first, inside ``transaction()`` (user code that
 may fail and is undone), then the bookkeeping side (``fill``, ``claim``, ``drop``), which cannot fail.
@@ -34,12 +35,13 @@ class BlockPool:
     def __init__(self, num_blocks: int, policy: EvictionPolicy, first_block: int, events: Optional[list]):
         self.num_blocks = num_blocks
         self.ref = [0] * num_blocks
-        # A sealed block's hash, content id, its parent's content id and token bytes. Parallel lists, not a
-        # tuple per block: a tuple per block would be a GC-tracked allocation per block (~13% of a replay).
+        # A sealed block's hash, content id, its parent's content id and bytes (its tokens, then its keys'
+        # encoding). Parallel lists, not a tuple per block: a tuple per block would be a GC-tracked allocation
+        # per block (~13% of a replay).
         self.hash: list[Optional[int]] = [None] * num_blocks
         self.content = [NO_CONTENT] * num_blocks
         self.parent_content = [NO_CONTENT] * num_blocks
-        self.tokens: list[Optional[bytes]] = [None] * num_blocks
+        self.block_bytes: list[Optional[bytes]] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> the one registered block with that hash
         self.registered = [False] * num_blocks  # registered[b] == (cached.get(hash of b) == b), kept for speed
         self.policy = policy
@@ -73,10 +75,11 @@ class BlockPool:
         (at most ``limit``). Pure: changes nothing."""
         hits: list[int] = []
         parent = ROOT
-        cached, tokens, parent_content, content = self.cached, self.tokens, self.parent_content, self.content
+        cached, block_bytes, parent_content, content = (self.cached, self.block_bytes, self.parent_content,
+                                                        self.content)
         for i in range(min(limit, len(hashes))):
             block = cached.get(hashes[i])
-            if block is None or parent_content[block] != parent or tokens[block] != contents[i]:
+            if block is None or parent_content[block] != parent or block_bytes[block] != contents[i]:
                 break
             hits.append(block)
             parent = content[block]
@@ -146,20 +149,20 @@ class BlockPool:
         already holds its hash (then only the first stays hittable). Returns the last block's content id,
         the next block's ``parent``."""
         setdefault, registered, block_hash = self.cached.setdefault, self.registered, self.hash
-        content_id, parent_content, tokens = self.content, self.parent_content, self.tokens
+        content_id, parent_content, block_bytes = self.content, self.parent_content, self.block_bytes
         first_new = cid = self._next_content
         for block, h, content in zip(blocks, hashes, contents):
             block_hash[block] = h
             twin = setdefault(h, block)
             if twin == block:
                 registered[block] = True
-            elif parent_content[twin] == parent and tokens[twin] == content:
+            elif parent_content[twin] == parent and block_bytes[twin] == content:
                 # The same prefix is already cached in another block: this one is an unregistered duplicate
                 # with the same content id, so blocks sealed after it still chain to the cached prefix.
                 content_id[block] = parent = content_id[twin]
-                parent_content[block], tokens[block] = parent_content[twin], content
+                parent_content[block], block_bytes[block] = parent_content[twin], content
                 continue
-            content_id[block], parent_content[block], tokens[block] = cid, parent, content
+            content_id[block], parent_content[block], block_bytes[block] = cid, parent, content
             parent = cid
             cid += 1
         self._next_content = cid
@@ -172,7 +175,7 @@ class BlockPool:
         self.hash = [None] * self.num_blocks
         self.content = [NO_CONTENT] * self.num_blocks
         self.parent_content = [NO_CONTENT] * self.num_blocks
-        self.tokens = [None] * self.num_blocks
+        self.block_bytes = [None] * self.num_blocks
         self.cached.clear()
         self.registered = [False] * self.num_blocks
 
@@ -199,6 +202,13 @@ class BlockPool:
         if sum(self.registered) != len(self.cached) or any(
                 self.registered[b] != (self.cached.get(self.block_hash(b)) == b) for b in range(self.num_blocks)):
             _fail("a block's registered flag disagrees with the prefix cache map")
+        # A lookup trusts a content id to stand for one parent and one run of bytes (tokens and keys): were it
+        # to stand for two, a hit could hand out K/V of other tokens, or of another tenant.
+        sealed = {}
+        for b in range(self.num_blocks):
+            cid, what = self.content[b], (self.parent_content[b], self.block_bytes[b])
+            if cid > ROOT and sealed.setdefault(cid, what) != what:
+                _fail(f"GPU block {b} has content id {cid} but not the parent and bytes of its other blocks")
         misfiled = [b for b in free if self.policy.filed_as_cached(b) not in (None, self.registered[b])]
         if misfiled:
             _fail(f"free blocks {misfiled[:10]} are filed as cached/uncached against the prefix cache map")

@@ -5,6 +5,12 @@ equal prefixes, not merely equal blocks: the same tokens after a different prefi
 must not hit. The default is xxh64 over the block's tokens as little-endian int64 bytes, seeded with the
 parent's hash (the first block's seed is 0). Collisions are harmless for correctness: the pool compares
 the tokens and the parent block before it shares anything (see ``BlockPool.lookup``).
+
+A salted or keyed sequence's blocks (``kvlab.blocks.block_keys``) are their token bytes followed by the
+keys' encoding, and xxh64 hashes those same bytes: another tenant's lookup misses at the hash map (barring a
+64-bit collision, which the comparison then catches). A custom ``hash_fn`` sees only the tokens (it is for
+experiments with weak hashes): the keys still keep blocks apart, since the pool compares the bytes with the
+keys, but blocks of different salts may then compete for one hash and shadow each other's hits.
 """
 
 import functools
@@ -15,7 +21,7 @@ from typing import Callable, Optional
 
 import xxhash
 
-from kvlab.blocks.sequence import token_buffer
+from kvlab.blocks.sequence import key_bytes, token_buffer
 from kvlab.errors import InvalidArgumentError
 
 #: ``hash_fn(parent_hash_or_None, token_ids_tuple) -> int``, to replace the default in experiments/tests.
@@ -33,11 +39,15 @@ def _block_splitter(width: int) -> re.Pattern:
 
 
 def block_hashes(tokens: array, block_size: int, start: int, stop: int, parent: Optional[int],
-                 hash_fn: Optional[HashFn] = None) -> tuple[list[int], list[bytes]]:
-    """Hashes and token bytes of full blocks ``start..stop-1`` of ``tokens``, chained from ``parent``
-    (the hash of block ``start - 1``, or None for the first block)."""
+                 hash_fn: Optional[HashFn] = None, keys: Optional[dict] = None) -> tuple[list[int], list[bytes]]:
+    """Hashes and bytes of full blocks ``start..stop-1`` of ``tokens``, chained from ``parent`` (the hash of
+    block ``start - 1``, or None for the first block); ``keys`` (``key_bytes(seq)``) extends keyed blocks."""
     raw = memoryview(tokens)[start * block_size:stop * block_size].tobytes()  # one copy, then cheap slices
     contents = _block_splitter(8 * block_size).findall(raw)  # every block's bytes, cut in C
+    if keys:
+        for i, suffix in keys.items():
+            if start <= i < stop:
+                contents[i - start] += suffix
     if hash_fn is None:
         xxh64, hashes = xxhash.xxh64_intdigest, [0] * len(contents)
         parent = parent or 0
@@ -60,7 +70,8 @@ class PromptHashes:
     """``prompt_hashes(seq)``: hashes and bytes of a sequence's full blocks, remembering the last answer. A
     scheduler calls ``can_allocate`` then ``allocate`` on the same prompt, and hashing is a quarter of a
     replay's time. The key is the token array itself plus its length: tokens only change by appending, or
-    by ``fork`` replacing the array."""
+    by ``fork`` replacing the array (and the keys with it; a sequence's salt and keys never change otherwise),
+    so two sequences with the same tokens and different salts never share an entry."""
 
     def __init__(self, block_size: int, hash_fn: Optional[HashFn]):
         self.block_size, self.hash_fn = block_size, hash_fn
@@ -70,6 +81,6 @@ class PromptHashes:
         tokens, last = token_buffer(seq), self._last
         if last is None or last[0] is not tokens or last[1] != len(tokens):
             hashes, contents = block_hashes(tokens, self.block_size, 0, len(tokens) // self.block_size, None,
-                                            self.hash_fn)
+                                            self.hash_fn, key_bytes(seq))
             last = self._last = (tokens, len(tokens), hashes, contents)
         return last[2], last[3]

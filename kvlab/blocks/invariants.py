@@ -3,15 +3,18 @@
 The manager's own records are checked here: every allocation belongs to its sequence, holds exactly the blocks
 its scheduled positions and lookahead slots need, has sealed (with prefix caching) exactly the blocks whose
 tokens are all scheduled and no block holding an unscheduled one is hittable, points released entries at
-the null block and never lists a block twice; every cross
-table's members are live allocations of its group. The reference counts these records imply are then
-handed to each component, which checks itself against them (``BlockPool.check``: ref counts, free set, prefix
-cache map; ``SwapSpace.check``: CPU ref counts, free list, twin links).
+the null block and never lists a block twice, and every sealed block in its table holds that sequence's own
+bytes (tokens, then its salt and keys) chained after the block before it; every cross table's members are
+live allocations of its group. The reference counts these records imply are then handed to each component,
+which checks itself against them (``BlockPool.check``: ref counts, free set, prefix cache map, content ids;
+``SwapSpace.check``: CPU ref counts, free list, twin links).
 """
 
 from collections import Counter
 
-from kvlab.blocks.sequence import allocation_record
+from kvlab.blocks.block_pool import ROOT
+from kvlab.blocks.hashing import block_hashes
+from kvlab.blocks.sequence import allocation_record, key_bytes, token_buffer
 from kvlab.errors import InvariantViolation
 
 
@@ -43,6 +46,8 @@ def check_manager(allocations, cross_tables, pool, swap, block_size, prefix_cach
         if len(set(live)) != len(live):
             _fail(f"sequence {seq.seq_id}'s table lists a block twice: {live}")
         (cpu_refs if alloc.on_cpu else gpu_refs).update(live)
+        if not alloc.on_cpu:
+            _check_sealed(alloc, pool, block_size)
         if alloc.cross is not None and alloc not in alloc.cross.members:
             _fail(f"sequence {seq.seq_id} reads a cross table that does not list it")
     for table in cross_tables:
@@ -54,3 +59,23 @@ def check_manager(allocations, cross_tables, pool, swap, block_size, prefix_cach
         (cpu_refs if table.on_cpu else gpu_refs).update(table.blocks)
     pool.check(gpu_refs)
     swap.check(cpu_refs, pool.ref)
+
+
+def _check_sealed(alloc, pool, block_size) -> None:
+    """A hit hands a sequence K/V computed for the bytes its block holds: were they not the sequence's own
+    (another tenant's salt, another image's key), it would read someone else's K/V. A block that holds no
+    sealed content (swapped back in, so not re-registered) is skipped, and so is its successor's parent."""
+    if not alloc.num_sealed:
+        return
+    _, expected = block_hashes(token_buffer(alloc.seq), block_size, 0, alloc.num_sealed, None, None,
+                               key_bytes(alloc.seq))
+    parent = ROOT if not alloc.num_released else None  # None: not known here, not checked
+    for i in range(alloc.num_released, alloc.num_sealed):
+        block = alloc.table[i]
+        if pool.content_id(block) <= ROOT:
+            parent = None
+            continue
+        if pool.block_bytes[block] != expected[i] or parent not in (None, pool.parent_content[block]):
+            _fail(f"sequence {alloc.seq.seq_id}: sealed block {i} (GPU block {block}) holds other bytes or "
+                  "another prefix than the sequence's own")
+        parent = pool.content_id(block)

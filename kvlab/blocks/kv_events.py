@@ -10,8 +10,10 @@ those events. ``BlockManager(..., kv_events=True)`` publishes the same three kin
     BlockRemoved(block_hashes, medium)   blocks stopped being hittable (evicted: reused for new content)
     AllBlocksCleared()                   ``reset_prefix_cache`` forgot every prefix
 
-Field names and meanings are vLLM's. kvlab has no LoRA adapters, so ``lora_id`` and ``lora_name`` are None,
-and ``extra_keys`` (one entry per block, the non-token inputs of its hash) is None until hashes take any;
+Field names and meanings are vLLM's. kvlab names adapters by key, not by id, so ``lora_id`` and ``lora_name``
+are None; ``extra_keys`` (one entry per block, the non-token inputs of its hash) holds each block's encoded
+salt, adapter and keys (``kvlab.blocks.block_keys``) in hex, None for a block without, and is None when no
+block of the run has any;
 vLLM's hybrid-allocator fields (``group_idx``, ``kv_cache_spec_*``) are left out: kvlab has one KV group.
 ``medium`` is always ``"GPU"``: kvlab's CPU pool holds swapped sequences, not a prefix cache.
 
@@ -172,8 +174,12 @@ class KVEventPublisher:
             if block is not None and pool.is_cached(block):
                 start = i if start is None else start
             elif start is not None:
+                run, width = contents[start:i], 8 * self.block_size
+                # A keyed block's bytes are its tokens then its keys' encoding (kvlab.blocks.block_keys).
+                keys = [content[width:].hex() or None for content in run]
                 self._publish(BlockStored(hashes[start:i], hashes[start - 1] if start else parent_hash,
-                                          self.block_size, token_bytes=tuple(contents[start:i])))
+                                          self.block_size, extra_keys=keys if any(keys) else None,
+                                          token_bytes=tuple(content[:width] for content in run)))
                 start = None
 
     def removed(self, hashes: list[int]) -> None:

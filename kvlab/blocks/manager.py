@@ -314,9 +314,9 @@ class BlockManager:
             self.events.append(Event("free", seq.seq_id))
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Give the new ``child`` the parent's tokens (and block size) and share all its blocks: nothing is
-        allocated; a later append into a shared partial block copies it. Whatever tokens the child had
-        are replaced (``Sequence([])`` is the usual child)."""
+        """Give the new ``child`` the parent's tokens (and block size, salt and keys) and share all its blocks:
+        nothing is allocated; a later append into a shared partial block copies it. Whatever tokens and keys
+        the child had are replaced (``Sequence([])`` is the usual child)."""
         alloc = self._on_gpu(parent)
         check_unallocated(self, child, need_tokens=False, same_block_size=False)
         child.block_size = parent.block_size

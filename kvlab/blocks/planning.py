@@ -15,7 +15,7 @@ written before its own attention; a block whose tokens are still to be computed 
 from typing import NamedTuple
 
 from kvlab.blocks.hashing import block_hashes
-from kvlab.blocks.sequence import token_buffer
+from kvlab.blocks.sequence import key_bytes, token_buffer
 from kvlab.errors import InvalidArgumentError
 from kvlab.validation import check_int
 
@@ -128,4 +128,5 @@ def hashes_to_seal(alloc, stop: int, block_size: int, hash_fn) -> tuple[list, li
     start, prompt = alloc.num_sealed, alloc.prompt_hashes
     if prompt is not None and stop <= len(prompt[0]):
         return prompt[0][start:stop], prompt[1][start:stop]
-    return block_hashes(token_buffer(alloc.seq), block_size, start, stop, alloc.last_hash, hash_fn)
+    return block_hashes(token_buffer(alloc.seq), block_size, start, stop, alloc.last_hash, hash_fn,
+                        key_bytes(alloc.seq))

@@ -5,9 +5,11 @@ import itertools
 import operator
 import threading
 from array import array
+from types import MappingProxyType
 
 import numpy as np
 
+from kvlab.blocks.block_keys import cache_keys
 from kvlab.errors import InvalidArgumentError, SequenceStateError
 from kvlab.validation import check_int
 
@@ -77,16 +79,25 @@ def as_token_array(token_ids) -> array:
 
 
 class Sequence:
-    """``Sequence(token_ids, block_size=16)``: a prompt that grows one token at a time while decoding.
+    """``Sequence(token_ids, block_size=16, *, cache_salt=None, adapter_key=None, extra_keys=None)``: a prompt
+    that grows one token at a time while decoding.
 
     Logical block i holds token positions ``[i * block_size, (i + 1) * block_size)``; ``block_table[i]``
     is the physical block the manager gave it. Tokens are stored as an int64 array; ``token_ids``
     returns them as a new list. A sequence is allocated in at most one ``BlockManager`` at a time, and
     belongs to one thread at a time.
+
+    Its blocks are shared with another sequence's only where the tokens, the prefix before them and these
+    keys are all equal (see ``kvlab.blocks.block_keys``): ``cache_salt`` (a non-empty str or bytes: a tenant,
+    whose blocks no other salt shares), ``adapter_key`` (the LoRA adapter that computes all of its K/V) and
+    ``extra_keys`` ``{block index: key}`` (e.g. the image whose placeholder tokens sit in that block; decode
+    blocks count too). Keys are a str, bytes, int or a tuple of those. All three are fixed (``fork`` gives a
+    child its parent's).
     """
 
-    def __init__(self, token_ids, block_size: int = 16):
+    def __init__(self, token_ids, block_size: int = 16, *, cache_salt=None, adapter_key=None, extra_keys=None):
         self.block_size = check_block_size(block_size)
+        self._keys = cache_keys(cache_salt, adapter_key, extra_keys, (MAX_TOKENS - 1) // self.block_size)
         self._tokens: array | None = as_token_array(token_ids)
         self.seq_id: int = next(_next_seq_id)
         self.status = SequenceStatus.WAITING
@@ -109,6 +120,19 @@ class Sequence:
         sliding window released it); empty when not allocated. A read-only copy: the manager owns the
         table."""
         return tuple(self._allocation.table) if self._allocation is not None else ()
+
+    @property
+    def cache_salt(self):
+        return self._keys.cache_salt if self._keys is not None else None
+
+    @property
+    def adapter_key(self):
+        return self._keys.adapter_key if self._keys is not None else None
+
+    @property
+    def extra_keys(self):
+        """``{block index: key}``, read-only: the blocks' hashes depend on it."""
+        return MappingProxyType(self._keys.extra_keys if self._keys is not None else {})
 
     @property
     def token_ids(self) -> list[int]:
@@ -180,8 +204,13 @@ def token_buffer(seq: Sequence):
     return seq._tokens
 
 
+def key_bytes(seq: Sequence):
+    """``{block index: bytes that follow its token bytes}`` for a salted or keyed sequence, else None."""
+    return seq._keys.block_bytes if seq._keys is not None else None
+
+
 def copy_tokens(parent: Sequence, child: Sequence) -> None:
-    """Give ``child`` the parent's tokens and counters (``fork``)."""
-    child._tokens = array("Q", parent._token_array())
+    """Give ``child`` the parent's tokens, counters, salt and keys (``fork``)."""
+    child._tokens, child._keys = array("Q", parent._token_array()), parent._keys
     child.num_tokens, child.num_prompt_tokens = parent.num_tokens, parent.num_prompt_tokens
     child.last_token, child.num_cached_tokens = parent.last_token, parent.num_cached_tokens

@@ -16,7 +16,7 @@ from hypothesis.stateful import invariant
 from test_stateful import MACHINES, STEPS, ManagerMachine
 
 from kvlab import BlockManager, InvalidArgumentError, Sequence
-from kvlab.blocks.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, CachedHashes
+from kvlab.blocks.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, CachedHashes, event_dict
 
 
 def cached_hashes(manager: BlockManager) -> set:
@@ -24,11 +24,13 @@ def cached_hashes(manager: BlockManager) -> set:
     return {manager.block_hash(b) for b in range(manager.num_blocks) if manager.is_cached(b)}
 
 
-def chained(parent, token_ids, block_size) -> list:
-    """kvlab's default block hashes (xxh64 of int64 tokens, seeded with the parent's hash)."""
+def chained(parent, token_ids, block_size, extra_keys=None) -> list:
+    """kvlab's default block hashes (xxh64 of int64 tokens, then a keyed block's encoded keys as the events give
+    them in hex, seeded with the parent's hash)."""
     hashes = []
-    for start in range(0, len(token_ids), block_size):
+    for i, start in enumerate(range(0, len(token_ids), block_size)):
         raw = b"".join(t.to_bytes(8, "little", signed=True) for t in token_ids[start:start + block_size])
+        raw += bytes.fromhex(extra_keys[i] or "") if extra_keys else b""
         parent = xxhash.xxh64_intdigest(raw, parent or 0)
         hashes.append(parent)
     return hashes
@@ -54,7 +56,7 @@ class EventMachine(ManagerMachine):
                 assert event.block_size == bs and event.medium == "GPU" and event.lora_id is None
                 assert len(event.token_ids) == bs * len(event.block_hashes)
                 if self.manager.hash_fn is None:
-                    assert event.block_hashes == chained(event.parent_block_hash, event.token_ids, bs)
+                    assert event.block_hashes == chained(event.parent_block_hash, event.token_ids, bs, event.extra_keys)
             else:
                 assert type(event) in (BlockRemoved, AllBlocksCleared)
 
@@ -103,6 +105,18 @@ def test_jsonl_lines_are_vllm_tagged_structs():
     assert json.loads(line) == {"type": "BlockStored", "block_hashes": chained(None, [1, 2], 2),
                                 "parent_block_hash": None, "token_ids": [1, 2], "block_size": 2,
                                 "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": None}
+
+
+def test_salted_blocks_carry_their_keys_and_only_their_tokens():
+    manager = BlockManager(8, 2, kv_events=True)
+    with manager.kv_events.subscribe() as events:
+        manager.allocate(Sequence([1, 2, 3, 4, 5], 2, cache_salt="tenant-a", extra_keys={1: "image"}))
+        manager.allocate(Sequence([1, 2, 3, 4, 5], 2))
+        salted, plain = list(events)
+    assert salted.token_ids == plain.token_ids == [1, 2, 3, 4]
+    assert plain.extra_keys is None and len(salted.extra_keys) == 2 and all(salted.extra_keys)
+    assert not set(salted.block_hashes) & set(plain.block_hashes)  # tenants never share a block
+    assert json.loads(json.dumps(event_dict(salted)))["extra_keys"] == salted.extra_keys
 
 
 def test_jsonl_to_a_path_is_closed_with_the_subscription(tmp_path):

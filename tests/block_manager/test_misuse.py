@@ -4,6 +4,7 @@ import pytest
 
 from kvlab import (BlockManager, InvalidArgumentError, InvariantViolation, KvlabError, OutOfBlocksError,
                    Sequence, SequenceStateError)
+from kvlab.blocks.block_keys import encode_key
 
 from helpers import allocated, snapshot
 
@@ -141,6 +142,19 @@ def _misfile_a_cached_block(policy):
     policy._uncached.add_many([block])
 
 
+def _sealed(pool, used):
+    return [b for b in range(pool.num_blocks) if pool.content[b] > 0 and (pool.ref[b] > 0) == used]
+
+
+def _give_a_used_block_another_salt(pool):
+    pool.block_bytes[_sealed(pool, used=True)[0]] += b"S" + encode_key("tenant-b")
+
+
+def _merge_two_contents(pool):
+    first, second = _sealed(pool, used=False)[:2]
+    pool.content[second] = pool.content[first]
+
+
 @pytest.mark.parametrize("corrupt, match", [
     (lambda m: m._pool.ref.__setitem__(0, m._pool.ref[0] + 1), "ref count"),
     (lambda m: m._pool.policy.add(0, False), "free"),
@@ -150,6 +164,8 @@ def _misfile_a_cached_block(policy):
     (lambda m: _misfile_a_cached_block(m._pool.policy), "filed as cached"),
     (lambda m: m._swap.ref.__setitem__(1, 1), "CPU block"),
     (lambda m: m._pool.__setattr__("num_free", m._pool.num_free + 1), "miscounts"),
+    (lambda m: _give_a_used_block_another_salt(m._pool), "holds other bytes"),
+    (lambda m: _merge_two_contents(m._pool), "has content id"),
 ])
 def test_check_invariants_catches_corruption(busy, corrupt, match):
     manager = busy[0]

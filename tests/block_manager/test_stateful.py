@@ -8,7 +8,9 @@ every position the step's queries can see (``first_query - W + 1`` on, with a sl
 mapped and hold its own value, prefix hits included. After every operation, also between ``append_token``
 and ``append_slots``, every live sequence reads back each written position it still maps, and
 ``check_invariants`` holds. Weak and constant hash functions, sliding windows, multi-token steps, forks and
-swaps with tokens not yet given slots, every eviction policy and a user-written one are all exercised.
+swaps with tokens not yet given slots, every eviction policy and a user-written one are all exercised, and so
+are tenants: sequences with cache salts, adapter keys and per-block extra keys, whose values depend on them
+(a hit on another tenant's or another image's block reads wrong K/V).
 
 Chunked prompts: a prompt may be admitted with only its first chunk scheduled (``num_new_tokens``), and a
 step may schedule only the next chunk of the tokens without slots, of any size from one token (so chunks
@@ -27,14 +29,23 @@ from kvlab import AllocStatus, BlockManager, EvictionPolicy, InvalidArgumentErro
 
 PREFIXES = [[], [1, 2, 3, 1, 2], [1, 2, 3, 1, 0, 0, 0], [3, 3, 3, 3, 3, 3, 3, 3, 2]]
 tokens = st.integers(0, 2)  # few distinct tokens: many accidental prefix hits
+# Few values, shared by salts, adapters and per-block keys: a salt meets an equal adapter or block key, and "a"
+# meets b"a" (no hits).
+key_values = ["a", b"a", 1, ("a", 0)]
+salts = st.sampled_from([None, "a", b"a"])  # each new request's tenant: equal prompts hit only within one
+cache_keys = st.fixed_dictionaries({}, optional=dict(
+    cache_salt=salts, adapter_key=st.sampled_from([None, *key_values]),
+    extra_keys=st.dictionaries(st.integers(0, 4), st.sampled_from(key_values), max_size=2)))
 _junk = itertools.count()
 
 
-def kv_values(token_ids):
-    """Position p's value depends on tokens[:p+1], like real K/V."""
-    values, running = [], 0
-    for t in token_ids:
-        running = hash((running, t))
+def kv_values(seq, end=None):
+    """Position p's value depends on the salt and adapter, tokens[:p+1] and the extra keys of blocks up to p's,
+    like real K/V (the salt stands for a tenant whose values no one else may read). Keys enter by repr:
+    hash("a") == hash(b"a"), but they are different salts."""
+    values, running, bs = [], hash(repr((seq.cache_salt, seq.adapter_key))), seq.block_size
+    for p, t in enumerate(seq.token_ids[:end]):
+        running = hash((running, t, repr(seq.extra_keys.get(p // bs)) if p % bs == 0 else None))
         values.append(running)
     return values
 
@@ -87,7 +98,7 @@ class ManagerMachine(RuleBasedStateMachine):
         check what its attention reads."""
         n, bs = seq.num_tokens if end is None else end, self.manager.block_size
         assert self.manager.num_scheduled_tokens(seq) == n
-        values = kv_values(seq.token_ids)
+        values = kv_values(seq)
         slots = self.manager.slot_mapping(seq, first_query, n + lookahead)
         for p, slot in enumerate(slots, first_query):
             assert slot >= 0, f"position {p} of the step has no slot"
@@ -101,7 +112,7 @@ class ManagerMachine(RuleBasedStateMachine):
         return 0 if self.window is None else max(0, first_query - self.window + 1)
 
     def _check_reads(self, seq, start, end):
-        expected = kv_values(seq.token_ids[:end])
+        expected = kv_values(seq, end)
         for p, slot in enumerate(self.manager.slot_mapping(seq, start, end), start):
             assert slot >= 0, f"seq {seq.seq_id}: position {p} is still visible but was released"
             assert self.gpu.get(slot) == expected[p], f"seq {seq.seq_id} reads wrong K/V at position {p}"
@@ -120,29 +131,41 @@ class ManagerMachine(RuleBasedStateMachine):
         del self.written[seq], self.first_query[seq], self.reserved[seq]
 
     # ---- rules -----------------------------------------------------------------------------------------
-    @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(tokens, max_size=9))
-    def allocate(self, prefix, suffix):
-        self._allocate(prefix + suffix or [0])
+    @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(tokens, max_size=9), salt=salts)
+    def allocate(self, prefix, suffix, salt):
+        self._allocate(prefix + suffix or [0], cache_salt=salt)
 
     @precondition(lambda self: self.history)
-    @rule(data=st.data(), suffix=st.lists(tokens, max_size=3))
-    def allocate_a_continuation(self, data, suffix):
-        """A new request that repeats part of an earlier sequence (the next turn of a chat): prefix hits."""
+    @rule(data=st.data(), suffix=st.lists(tokens, max_size=3), salt=salts)
+    def allocate_a_continuation(self, data, suffix, salt):
+        """A new request that repeats part of an earlier sequence (the next turn of a chat): prefix hits, where
+        the tenant is the same."""
         earlier = data.draw(st.sampled_from(self.history))
-        self._allocate(earlier[:data.draw(st.integers(1, len(earlier)))] + suffix)
+        self._allocate(earlier[:data.draw(st.integers(1, len(earlier)))] + suffix, cache_salt=salt)
 
-    @rule(data=st.data(), prefix=st.sampled_from(PREFIXES), suffix=st.lists(tokens, max_size=9))
-    def allocate_a_chunk(self, data, prefix, suffix):
+    @rule(data=st.data(), prefix=st.sampled_from(PREFIXES), suffix=st.lists(tokens, max_size=9), salt=salts)
+    def allocate_a_chunk(self, data, prefix, suffix, salt):
         """Admission of a prompt's first chunk: its prefix hits plus 1..all of its other tokens."""
         token_ids = prefix + suffix or [0]
         if self.history and data.draw(st.booleans()):   # or a continuation of an earlier sequence
             earlier = data.draw(st.sampled_from(self.history))
             token_ids = earlier[:data.draw(st.integers(1, len(earlier)))] + suffix[:3]
-        self._allocate(token_ids, data)
+        self._allocate(token_ids, data, cache_salt=salt)
 
-    def _allocate(self, token_ids, data=None):
-        """Admit a prompt: all of it, or (drawing from ``data``) its hits and a first chunk of its other tokens."""
-        seq = Sequence(token_ids, self.manager.block_size)
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), suffix=st.lists(tokens, max_size=3), changed=cache_keys)
+    def allocate_with_cache_keys(self, data, suffix, changed):
+        """A request of a tenant, or with an adapter or images: part of a running sequence again, with its salt
+        and keys (hits) or with some of them ``changed`` (hits only on blocks whose keys still agree)."""
+        earlier = data.draw(st.sampled_from(self.running))
+        keys = {"cache_salt": earlier.cache_salt, "adapter_key": earlier.adapter_key,
+                "extra_keys": dict(earlier.extra_keys), **changed}
+        self._allocate(earlier.token_ids[:data.draw(st.integers(1, earlier.num_tokens))] + suffix, **keys)
+
+    def _allocate(self, token_ids, data=None, **keys):
+        """Admit a prompt with ``keys`` (salt, adapter, extra keys): all of it, or (drawing from ``data``) its
+        hits and a first chunk of its other tokens."""
+        seq = Sequence(token_ids, self.manager.block_size, **keys)
         cached = self.manager.get_num_cached_tokens(seq)   # the hits allocate will find
         num_new_tokens = None if data is None else data.draw(st.integers(1, seq.num_tokens - cached))
         if self.manager.can_allocate(seq, num_new_tokens=num_new_tokens) is not AllocStatus.OK:
@@ -270,7 +293,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def every_sequence_reads_back_its_own_kv(self):
         for seq in self.running:
             n = self.written[seq]
-            expected = kv_values(seq.token_ids[:n])
+            expected = kv_values(seq, n)
             visible = self._visible_from(self.first_query[seq])
             for p, slot in enumerate(self.manager.slot_mapping(seq, 0, n)):
                 assert slot >= 0 or p < visible, f"seq {seq.seq_id}: position {p} released while visible"
