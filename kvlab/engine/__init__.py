@@ -6,11 +6,13 @@ paged cache, managed by ``kvlab.BlockManager`` and read and written by kvlab's T
     outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
 """
 
-from kvlab.engine.errors import ModelFileError, NoTokenizerError, PromptTooLongError, UnsupportedModelError, WeightsError
+from kvlab.engine.errors import (ModelFileError, NoChatTemplateError, NoTokenizerError, PromptTooLongError,
+                                 UnsupportedModelError, WeightsError)
 from kvlab.engine.llm import LLM
 from kvlab.engine.request import CompletionOutput, RequestMetrics, RequestOutput
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.step_record import StepRecord
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "StepRecord",
-           "UnsupportedModelError", "ModelFileError", "WeightsError", "PromptTooLongError", "NoTokenizerError"]
+           "UnsupportedModelError", "ModelFileError", "WeightsError", "PromptTooLongError", "NoTokenizerError",
+           "NoChatTemplateError"]

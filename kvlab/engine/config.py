@@ -27,6 +27,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 INT_FIELDS = {"vocab_size": 1, "hidden_size": 1, "intermediate_size": 1, "num_hidden_layers": 1,
               "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 2, "max_position_embeddings": 2}
 OPTIONAL_FIELDS = ("num_key_value_heads", "head_dim")  # absent: as many as the query heads; hidden / heads
+#: generation_config.json fields used as sampling defaults -> the SamplingParams field each one sets.
+GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_new_tokens": "max_tokens"}
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class ModelConfig:
     rope_type: str
     eos_token_ids: frozenset
     dtype: torch.dtype | None  # the dtype the weights were saved in, if the config says
+    sampling_defaults: dict    # SamplingParams fields set by generation_config.json (see sampling_defaults)
 
 
 def _read_json_object(file: Path) -> dict:
@@ -73,6 +76,35 @@ def _eos_ids(value, file: Path) -> set:
     return {int(v) for v in ids}
 
 
+def sampling_defaults(raw: dict, file: Path, vocab_size: int) -> dict:
+    """The sampling settings of ``generation_config.json`` as SamplingParams keyword arguments, the fields the
+    file sets and no others (vLLM's ``generation_config="auto"``): temperature, top_p, top_k, and
+    max_new_tokens as max_tokens; null means absent. ``do_sample: false`` is greedy whatever the temperature,
+    as in transformers' ``generate``; without ``do_sample`` the file's temperature is used, as vLLM does (for
+    transformers an absent ``do_sample`` is false). ``max_length`` counts the prompt too and is ignored."""
+    do_sample = raw.get("do_sample")
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise ModelFileError(f"{file}: do_sample must be true, false or absent, got {do_sample!r}")
+    rules = {  # field -> (accepts the value, what is allowed)
+        "temperature": (lambda v: _number(v) and v >= 0, "a finite number >= 0"),
+        "top_p": (lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
+        "top_k": (lambda v: is_int(v) and -1 <= v <= vocab_size,
+                  f"an int from -1 to the vocabulary size {vocab_size} (0 or -1: no cut)"),
+        "max_new_tokens": (lambda v: is_int(v) and v >= 1, "an int >= 1")}
+    defaults = {}
+    for name, param in GENERATION_FIELDS.items():
+        value = raw.get(name)
+        if value is None:
+            continue
+        accepts, allowed = rules[name]
+        if not accepts(value):
+            raise ModelFileError(f"{file}: {name} must be {allowed} or absent, got {value!r}")
+        defaults[param] = value
+    if do_sample is False:
+        defaults["temperature"] = 0.0
+    return defaults
+
+
 def _check_numbers(get, file: Path, resolved: bool) -> None:
     """The sizes the model code uses, read with ``get(name)``: from the raw JSON (``resolved`` False: only the
     fields present are checked, before transformers sees them, so the message names the field whatever
@@ -91,8 +123,12 @@ def _check_numbers(get, file: Path, resolved: bool) -> None:
         raise ModelFileError(f"{file}: rms_norm_eps must be a finite number > 0, got {eps!r}")
 
 
+def _number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _positive_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return _number(value) and value > 0
 
 
 def rope_parameters(hf_config) -> dict:
@@ -108,7 +144,8 @@ def rope_parameters(hf_config) -> dict:
 
 
 def load_model_config(path) -> ModelConfig:
-    """Read and check ``path/config.json`` (and ``generation_config.json``'s end-of-sequence ids). Raises
+    """Read and check ``path/config.json`` (and ``generation_config.json``'s end-of-sequence ids and sampling
+    defaults). Raises
     ModelFileError for a missing directory or a file that is unreadable or holds a value that is not allowed,
     UnsupportedModelError for a model the engine cannot run."""
     from transformers import AutoConfig  # imported here: transformers is slow to import
@@ -165,9 +202,11 @@ def load_model_config(path) -> ModelConfig:
                                  f"{num_heads}, and no head_dim is given")
         head_dim = hf.hidden_size // num_heads
     eos = _eos_ids(getattr(hf, "eos_token_id", None), file)
-    generation = path / "generation_config.json"
+    generation, defaults = path / "generation_config.json", {}
     if generation.is_file():
-        eos |= _eos_ids(_read_json_object(generation).get("eos_token_id"), generation)
+        generation_raw = _read_json_object(generation)
+        eos |= _eos_ids(generation_raw.get("eos_token_id"), generation)
+        defaults = sampling_defaults(generation_raw, generation, hf.vocab_size)
     dtype_name = raw.get("dtype") or raw.get("torch_dtype")
     return ModelConfig(
         path=path, model_type=model_type, hf_config=hf, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
@@ -176,4 +215,4 @@ def load_model_config(path) -> ModelConfig:
         attention_bias=bool(getattr(hf, "attention_bias", False)), mlp_bias=bool(getattr(hf, "mlp_bias", False)),
         qk_norm=ARCHITECTURES[model_type], tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         max_position_embeddings=hf.max_position_embeddings, rope_type=rope["rope_type"],
-        eos_token_ids=frozenset(eos), dtype=DTYPES.get(dtype_name))
+        eos_token_ids=frozenset(eos), dtype=DTYPES.get(dtype_name), sampling_defaults=defaults)

@@ -29,3 +29,8 @@ class PromptTooLongError(KvlabError, ValueError):
 
 class NoTokenizerError(KvlabError, ValueError):
     """A text prompt was given but the model directory has no tokenizer (pass token ids instead)."""
+
+
+class NoChatTemplateError(KvlabError, ValueError):
+    """``LLM.chat`` was called but the model's tokenizer has no chat template (format the prompt yourself and
+    call ``generate``)."""

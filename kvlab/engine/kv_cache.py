@@ -11,8 +11,10 @@ from kvlab.errors import InvalidArgumentError
 from kvlab.kernels import (allocate_cpu_cache, allocate_kv_cache, bytes_per_block, copy_blocks,
                            paged_attention_decode, paged_attention_decode_torch, swap_blocks)
 
-#: KV budget on a machine without a GPU when ``num_blocks`` is not given (the interpreter is for small models).
-CPU_KV_CACHE_BYTES = 1 << 30
+#: KV budget on a machine without a GPU when ``num_blocks`` is not given: small enough for any laptop, and the
+#: same on every machine so a notebook's pool is reproducible. SmolLM2-135M in fp32 (45 KiB of K and V per
+#: token) gets ~5,800 tokens, more than a CPU serves at a useful speed; pass ``num_blocks`` for more.
+CPU_KV_CACHE_BYTES = 256 << 20
 
 Round = namedtuple("Round", "kind pairs srcs dsts")
 
@@ -52,6 +54,16 @@ class PagedKVCache:
         self.cpu = (allocate_cpu_cache(*shape, block_size=block_size, dtype=dtype, num_blocks=num_cpu_blocks)
                     if num_cpu_blocks else [])
         self.bytes_per_block = bytes_per_block(*shape, block_size=block_size, dtype=dtype)
+        self.num_blocks, self.num_cpu_blocks, self.block_size = num_blocks, num_cpu_blocks, block_size
+
+    def summary(self) -> str:
+        """How many blocks were made and the memory they take, for the engine's log line."""
+        mib = self.bytes_per_block / 2**20
+        line = (f"{self.num_blocks} KV blocks of {self.block_size} tokens ({self.num_blocks * self.block_size} "
+                f"tokens, {self.num_blocks * mib:.1f} MiB) on {self.gpu[0].device}")
+        if self.num_cpu_blocks:
+            line += f", plus {self.num_cpu_blocks} CPU blocks for swapping ({self.num_cpu_blocks * mib:.1f} MiB)"
+        return line
 
     def apply(self, moves: BlockMoves) -> None:
         for kind, pairs, _, _ in moves.rounds:

@@ -1,18 +1,21 @@
 """``LLM``: load a local Hugging Face model and serve it with continuous batching on kvlab's paged KV cache.
 
-Offline: ``llm.generate(prompts, SamplingParams(...))``. Step by step (to watch the pool between steps):
+Offline: ``llm.generate(prompts, SamplingParams(...))``, or ``llm.chat(messages)`` through the tokenizer's chat
+template. Step by step (to watch the pool between steps):
 ``llm.add_request(...)``, then ``llm.step()`` while ``llm.has_unfinished_requests()``. Every request's output
 is returned exactly once: by the ``generate`` call that added it, else by ``step``.
 """
 
 import itertools
+import logging
 
 from tqdm.auto import tqdm
 
 from kvlab.blocks.manager import BlockManager
+from kvlab.engine.chat import render
 from kvlab.engine.config import load_model_config
 from kvlab.engine.errors import ModelFileError, NoTokenizerError, PromptTooLongError
-from kvlab.engine.kv_cache import PagedKVCache, blocks_for_memory, check_kernel_support
+from kvlab.engine.kv_cache import CPU_KV_CACHE_BYTES, PagedKVCache, blocks_for_memory, check_kernel_support
 from kvlab.engine.request import Request, RequestOutput
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampler import Sampler
@@ -26,12 +29,15 @@ from kvlab.errors import InvalidArgumentError
 from kvlab.validation import is_int
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+logger = logging.getLogger(__name__)
 
 
 class LLM:
     """``model``: a local directory with ``config.json`` and ``*.safetensors`` (Llama or Qwen3 architecture);
     its tokenizer is loaded when the directory has one. ``num_blocks=None`` takes as many KV blocks as the
-    memory budget allows (see ``kv_cache.blocks_for_memory``). ``preemption_mode``: "recompute" (free the
+    memory budget allows (see ``kv_cache.blocks_for_memory``: on CPU a fixed 256 MiB, on a GPU what
+    ``gpu_memory_utilization`` leaves); the pool made is logged at INFO level on the ``kvlab.engine.llm``
+    logger (``logging.basicConfig(level=logging.INFO)`` shows it). ``preemption_mode``: "recompute" (free the
     newest sequence and prefill it again later) or "swap" (move its blocks to ``num_cpu_blocks`` CPU blocks,
     default as many as the device pool). ``dtype``/``device`` None: fp32 on CPU, the checkpoint's dtype on a
     GPU. ``max_model_len`` defaults to the config's ``max_position_embeddings``. ``attention_backend``: "triton"
@@ -61,7 +67,11 @@ class LLM:
         check_kernel_support(config, block_size, self.dtype, self.device, self.attention_backend)
         self.model = load_model(config, self.dtype, self.device)
         self.model.init_rope(self.dtype, self.device)
+        sized_by = f"num_blocks={num_blocks}"
         if num_blocks is None:
+            sized_by = ("num_blocks=None: gpu_memory_utilization less weights and activations"
+                        if self.device.type == "cuda" else
+                        f"num_blocks=None: the CPU budget, {CPU_KV_CACHE_BYTES >> 20} MiB")
             num_blocks = blocks_for_memory(
                 config, block_size, self.dtype, self.device, gpu_memory_utilization=gpu_memory_utilization,
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
@@ -71,6 +81,7 @@ class LLM:
         self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                           enable_prefix_caching=enable_prefix_caching, record_events=record_events)
         self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.dtype, self.device, num_cpu_blocks)
+        logger.info("kvlab.engine: %s (%s)", self.kv_cache.summary(), sized_by)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, preemption_mode=preemption_mode)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, self.attention_backend)
@@ -94,8 +105,9 @@ class LLM:
 
     # ---- the step-level API ------------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue one prompt (a string, or a list of token ids); it joins the batch at a coming step. Returns its
-        id. Raises before queueing anything if the prompt or the parameters cannot be served."""
+        """Queue one prompt (a string, or a list of token ids); it joins the batch at a coming step (``params``
+        None: ``default_sampling_params()``). Returns its id. Raises before queueing anything if the prompt or
+        the parameters cannot be served."""
         params = self._check_params(params)
         token_ids = self._encode(prompt)
         if request_id is not None and (not isinstance(request_id, str) or request_id in self._ids_in_use()):
@@ -147,21 +159,32 @@ class LLM:
     # ---- offline generation ------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Run ``prompts`` (a list of strings or of token-id lists, or one string) to completion, in a batch
-        with any requests already queued. ``sampling_params``: one for all, or a list with one per prompt.
-        Every prompt is checked before the first is queued. Returns the outputs of these prompts, in order;
-        outputs of other requests that finish meanwhile are kept and returned by the next ``step()`` (as are
-        these prompts' outputs if generate raises)."""
+        with any requests already queued. ``sampling_params``: one for all, or a list with one per prompt;
+        None: ``default_sampling_params()``. Every prompt is checked before the first is queued. ``use_tqdm``:
+        show a tqdm progress bar counting finished requests (``tqdm.auto``: a widget in notebooks). Returns
+        the outputs of these prompts, in order; outputs of other requests that finish meanwhile are kept and
+        returned by the next ``step()`` (as are these prompts' outputs if generate raises)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or any(is_int(p) for p in prompts):
             raise InvalidArgumentError("prompts must be a list of strings or of token-id lists (e.g. [[1, 2, 3]])")
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(prompts):
-                raise InvalidArgumentError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
-            params = [self._check_params(p) for p in sampling_params]
-        else:
-            params = [self._check_params(sampling_params)] * len(prompts)
+        params = self._params_for(sampling_params, len(prompts))
         token_ids = [self._encode(prompt) for prompt in prompts]  # all checked before any is queued
+        return self._run(prompts, token_ids, params, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role": ..., "content": ...}`` dicts) or a list of them, as
+        vLLM's ``LLM.chat``: each is rendered by the tokenizer's chat template with the generation prompt and
+        encoded without adding special tokens (the template writes its own BOS; see ``kvlab.engine.chat``),
+        then run as ``generate`` runs token ids (same ``sampling_params`` and ``use_tqdm``). Each output's
+        ``prompt`` is the rendered text. Raises NoTokenizerError or NoChatTemplateError when the model cannot
+        chat, InvalidArgumentError for a malformed conversation, before anything is queued."""
+        rendered = render(self.tokenizer, self.model_config.path, messages)
+        params = self._params_for(sampling_params, len(rendered))
+        token_ids = [self._encode(ids) for _, ids in rendered]  # the length checks; all before any is queued
+        return self._run([text for text, _ in rendered], token_ids, params, use_tqdm)
+
+    def _run(self, prompts, token_ids, params, use_tqdm: bool) -> list[RequestOutput]:
         ids = [self._queue(*args) for args in zip(prompts, token_ids, params)]
         pending, done = set(ids), {}
         try:
@@ -179,6 +202,13 @@ class LLM:
             raise
         return [done[i] for i in ids]
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request without SamplingParams gets, as vLLM's ``generation_config="auto"``: the model's
+        ``generation_config.json`` temperature, top_p, top_k and max_new_tokens (as max_tokens; ``do_sample:
+        false`` is greedy), SamplingParams' defaults for what it does not set. A SamplingParams passed
+        explicitly replaces all of it: its unset fields take SamplingParams' defaults, not the file's."""
+        return SamplingParams(**self.model_config.sampling_defaults)
+
     # ---- what happened ------------------------------------------------------------------------------------
     @property
     def prefix_cache_stats(self):
@@ -195,9 +225,16 @@ class LLM:
         return records_to_dataframe(self._loop.records)
 
     # ---- input checks -------------------------------------------------------------------------------------
+    def _params_for(self, sampling_params, count: int) -> list[SamplingParams]:
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != count:
+                raise InvalidArgumentError(f"{len(sampling_params)} sampling_params for {count} prompts")
+            return [self._check_params(p) for p in sampling_params]
+        return [self._check_params(sampling_params)] * count
+
     def _check_params(self, params) -> SamplingParams:
         if params is None:
-            return SamplingParams()
+            return self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if params.n > self.scheduler.max_num_seqs:
