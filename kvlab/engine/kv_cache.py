@@ -59,7 +59,7 @@ class PagedKVCache:
     def summary(self) -> str:
         """How many blocks were made and the memory they take, for the engine's log line."""
         mib = self.bytes_per_block / 2**20
-        line = (f"{self.num_blocks} KV blocks of {self.block_size} tokens ({self.num_blocks * self.block_size} "
+        line = (f"{self.num_blocks} blocks of {self.block_size} tokens ({self.num_blocks * self.block_size} "
                 f"tokens, {self.num_blocks * mib:.1f} MiB) on {self.gpu[0].device}")
         if self.num_cpu_blocks:
             line += f", plus {self.num_cpu_blocks} CPU blocks for swapping ({self.num_cpu_blocks * mib:.1f} MiB)"

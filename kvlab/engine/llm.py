@@ -81,7 +81,7 @@ class LLM:
         self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                           enable_prefix_caching=enable_prefix_caching, record_events=record_events)
         self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.dtype, self.device, num_cpu_blocks)
-        logger.info("kvlab.engine: %s (%s)", self.kv_cache.summary(), sized_by)
+        logger.info("KV cache: %s (%s)", self.kv_cache.summary(), sized_by)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, preemption_mode=preemption_mode)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, self.attention_backend)
