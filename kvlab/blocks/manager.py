@@ -22,25 +22,28 @@ WAITING with ``preempted=True``); ``fork`` shares a running sequence's blocks wi
 ``swap_out`` (SWAPPED) / ``swap_in`` (RUNNING) move it to the CPU pool and back. The manager decides what is
 valid from its own records, never from a status a caller set. Every public method holds one lock, so
 threads may share a manager (each Sequence belongs to one thread at a time). A failed call changes nothing.
+
+This module holds that lifecycle; ``BlockManager`` inherits the queries and vLLM V0's interface
+(kvlab.blocks.manager_queries) and swapping (kvlab.blocks.manager_swap).
 """
 
-import functools
 import threading
 from typing import Optional
 
-from kvlab.blocks.allocations import (Allocation, allocation_of, check_block_size_matches, check_sequence,
-                                      check_unallocated)
+from kvlab.blocks.allocations import Allocation, check_unallocated
 from kvlab.blocks.block_pool import ROOT, BlockPool
 from kvlab.blocks.cross_attention import CrossTables
 from kvlab.blocks.eviction import make_policy
 from kvlab.blocks.hashing import HashFn, PromptHashes
 from kvlab.blocks.invariants import check_manager
 from kvlab.blocks.kv_events import KVEventPublisher
+from kvlab.blocks.locking import serialized
+from kvlab.blocks.manager_swap import BlockManagerSwapping
 from kvlab.blocks.planning import hashes_to_seal, plan_allocation, plan_step
 from kvlab.blocks.records import AllocStatus, Event, PrefixCacheStats
 from kvlab.blocks.sequence import Sequence, SequenceStatus, check_block_size, copy_tokens, set_allocation_record
 from kvlab.blocks.swap import SwapSpace
-from kvlab.errors import InvalidArgumentError, OutOfBlocksError, SequenceStateError
+from kvlab.errors import InvalidArgumentError, OutOfBlocksError
 from kvlab.validation import check_int, check_number
 
 __all__ = ["BlockManager", "AllocStatus", "PrefixCacheStats", "NULL_BLOCK", "MAX_BLOCKS"]
@@ -50,22 +53,8 @@ NULL_BLOCK = 0  # with a sliding window, block 0 is reserved: every released tab
 MAX_BLOCKS = 1 << 24
 
 
-def _serialized(cls):
-    """Make every public method of ``cls`` hold ``self._lock`` (re-entrant: public methods call each other)."""
-    def locked(method):
-        @functools.wraps(method)
-        def call(self, *args, **kwargs):
-            with self._lock:
-                return method(self, *args, **kwargs)
-        return call
-    for name, member in list(vars(cls).items()):
-        if callable(member) and not name.startswith("_"):
-            setattr(cls, name, locked(member))
-    return cls
-
-
-@_serialized
-class BlockManager:
+@serialized
+class BlockManager(BlockManagerSwapping):
     def __init__(self, num_blocks: int, block_size: int = 16, *, num_cpu_blocks: int = 0,
                  watermark: float = 0.0, enable_prefix_caching: bool = True,
                  sliding_window: Optional[int] = None, hash_fn: Optional[HashFn] = None,
@@ -95,77 +84,6 @@ class BlockManager:
         self._prompt_hashes = PromptHashes(self.block_size, hash_fn)
         self._lock = threading.RLock()
         self.stats = PrefixCacheStats()
-
-    # ---- queries -------------------------------------------------------------------------------------
-    @property
-    def num_free_blocks(self) -> int:
-        return self._pool.num_free
-
-    @property
-    def num_evictions(self) -> int:
-        """Cached prefixes dropped because their block was reused for new content."""
-        return self._pool.evictions
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks a prefix lookup can hit now (in use or free-but-warm)."""
-        return len(self._pool.cached)
-
-    @property
-    def num_cpu_blocks(self) -> int:
-        return self._swap.num_blocks
-
-    @property
-    def num_free_cpu_blocks(self) -> int:
-        return self._swap.num_free
-
-    def ref_count(self, block_id: int) -> int:
-        return self._pool.ref[check_int("block id", block_id, 0, self.num_blocks - 1)]
-
-    def cpu_ref_count(self, block_id: int) -> int:
-        """How many swapped-out table entries point at CPU block ``block_id``."""
-        return self._swap.ref[check_int("CPU block id", block_id, 0, self._swap.num_blocks - 1)]
-
-    def block_hash(self, block_id: int) -> Optional[int]:
-        return self._pool.block_hash(check_int("block id", block_id, 0, self.num_blocks - 1))
-
-    def is_cached(self, block_id: int) -> bool:
-        """Whether a prefix lookup can hit this block now (it may be in use or free-but-warm)."""
-        return self._pool.is_cached(check_int("block id", block_id, 0, self.num_blocks - 1))
-
-    def free_block_ids(self) -> list[int]:
-        """Free GPU blocks, in the order they will be reused."""
-        return list(self._pool.policy)
-
-    def get_block_table(self, seq: Sequence) -> list[int]:
-        """A copy of the sequence's block table (CPU block ids while it is swapped out)."""
-        return list(allocation_of(self, seq).table)
-
-    def is_swapped(self, seq: Sequence) -> bool:
-        """Whether an allocated sequence's blocks are in the CPU pool (its table then holds CPU ids)."""
-        return allocation_of(self, seq).on_cpu
-
-    def num_released_blocks(self, seq: Sequence) -> int:
-        """Leading table entries the sliding window released (they point at the null block on the GPU)."""
-        return allocation_of(self, seq).num_released
-
-    def num_scheduled_tokens(self, seq: Sequence) -> int:
-        """How many of ``seq``'s tokens have slots: their K/V is written by now or by the step just scheduled
-        (vLLM V1's ``request.num_computed_tokens``, which its scheduler advances when it schedules a step).
-        The tokens after them (the rest of a chunked prompt, or tokens appended since) still need a step."""
-        return allocation_of(self, seq).num_written
-
-    def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
-        """Cache slot (block_id * block_size + offset) of positions start..end-1; -1 where the sliding window
-        released the block (only positions no query of this or a later step can see). Only positions with a
-        slot (scheduled ones and lookahead slots) can be asked for."""
-        alloc, bs = self._on_gpu(seq), self.block_size
-        table = alloc.table
-        if not (check_int("start", start, 0) <= check_int("end", end, 0) <= alloc.num_slots):
-            raise InvalidArgumentError(f"need 0 <= start <= end <= {alloc.num_slots} (positions with slots), got "
-                                       f"start={start!r}, end={end!r}")
-        released = alloc.num_released
-        return [-1 if p // bs < released else table[p // bs] * bs + p % bs for p in range(start, end)]
 
     # ---- admission and allocation --------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_lookahead_slots: int = 0, encoder_seq=None, *,
@@ -328,94 +246,11 @@ class BlockManager:
         if self.events is not None:
             self.events.append(Event("fork", child.seq_id, other=parent.seq_id))
 
-    # ---- swapping (vLLM V0's preemption) ----------------------------------------------------------------
-    def can_swap_out(self, seq: Sequence) -> AllocStatus:
-        """Whether ``swap_out(seq)`` fits in the CPU pool now (OK), once swapped sequences leave it (LATER),
-        or never (NEVER)."""
-        return self._swap.can_move_out(self._on_gpu(seq))
-
-    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Move the sequence's blocks (and its group's cross-attention blocks, if it is the group's last
-        sequence on the GPU) to the CPU pool; returns the (gpu, cpu) copies to make. A block shared with a
-        sequence swapped out earlier is not copied again."""
-        mapping = self._swap.move_out(self._on_gpu(seq), self._pool)
-        seq.status = SequenceStatus.SWAPPED
-        if self.events is not None:
-            self.events.extend(Event("swap_out", seq.seq_id, gpu, cpu) for gpu, cpu in mapping)
-        return mapping
-
-    def can_swap_in(self, seq: Sequence) -> AllocStatus:
-        return self._admission(*self._swap.blocks_needed_in(self._on_cpu(seq)))
-
-    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Bring a swapped sequence back (with its group's cross-attention blocks if they are on the CPU);
-        returns the (cpu, gpu) copies to make. Swapped-in blocks are not re-registered in the prefix cache."""
-        alloc = self._on_cpu(seq)
-        if self._admission(*self._swap.blocks_needed_in(alloc)) is not AllocStatus.OK:
-            raise OutOfBlocksError(f"not enough free GPU blocks to swap in sequence {seq.seq_id}")
-        mapping = self._swap.move_in(alloc, self._pool)
-        seq.status = SequenceStatus.RUNNING
-        if self.events is not None:
-            self.events.extend(Event("swap_in", seq.seq_id, gpu, cpu) for cpu, gpu in mapping)
-        return mapping
-
     # ---- encoder-decoder: the group's cross-attention table ----------------------------------------------
-    def get_cross_block_table(self, seq: Sequence) -> tuple:
-        """The encoder's blocks of ``seq``'s group (CPU ids while swapped out), for any member or its root."""
-        return tuple(self._cross.table_of(self, seq).blocks)
-
     def free_cross(self, seq: Sequence) -> None:
         """Free the cross-attention table of ``seq``'s group (call it with any live member, or with the
         sequence that was allocated with the encoder, even after it was freed)."""
         self._cross.free(self._cross.table_of(self, seq), self._pool, self._swap)
-
-    # ---- vLLM V0's block-space-manager queries -----------------------------------------------------------
-    def mark_blocks_as_computed(self, seq: Sequence) -> None:
-        """The step that wrote ``seq``'s new slots ran. (``append_slots`` implies it for the step before.)"""
-        alloc = self._on_gpu(seq)
-        alloc.num_computed = alloc.num_written
-
-    def access_all_blocks_in_seq(self, seq: Sequence, now: float) -> None:
-        """``seq``'s blocks were used at time ``now``; LRU orders the blocks it was told about by it."""
-        alloc = self._on_gpu(seq)
-        now = check_number("now", now)
-        with self._pool.transaction() as txn:
-            txn.access(alloc.live_blocks(), now)
-
-    def get_common_computed_block_ids(self, seqs) -> list[int]:
-        """The longest run of leading blocks that every sequence in ``seqs`` holds and whose K/V is computed:
-        what a batched prefill of the group can skip."""
-        if isinstance(seqs, (Sequence, str, bytes)) or not isinstance(seqs, (list, tuple)):
-            raise InvalidArgumentError(f"seqs must be a list of Sequence (e.g. [seq]), got {type(seqs).__name__}")
-        common = None
-        for seq in seqs:
-            alloc = self._on_gpu(seq)
-            computed = alloc.table[:alloc.num_computed // self.block_size]
-            if common is None:
-                common = computed
-            else:
-                same = next((i for i, (a, b) in enumerate(zip(common, computed)) if a != b), None)
-                common = common[:min(len(common), len(computed)) if same is None else same]
-        return list(common or [])
-
-    def get_num_cached_tokens(self, seq: Sequence) -> int:
-        """Tokens of ``seq``'s leading full blocks found in the prefix cache now (at most all but the last
-        token, as ``allocate`` would hit); works for allocated and waiting sequences."""
-        check_block_size_matches(self, check_sequence(seq))
-        if not self.enable_prefix_caching or seq.num_tokens == 0:
-            return 0
-        hashes, contents = self._prompt_hashes(seq)
-        return len(self._pool.lookup(hashes, contents, (seq.num_tokens - 1) // self.block_size)) * self.block_size
-
-    def get_prefix_cache_hit_rate(self, device="gpu") -> float:
-        """Block hit rate of ``allocate``'s lookups on ``device`` ("gpu" or "cpu", or an enum named so);
-        -1.0 where there is no prefix cache (the CPU pool, or prefix caching off), as in vLLM."""
-        name = str(getattr(device, "name", device)).lower()
-        if name not in ("gpu", "cpu"):
-            raise InvalidArgumentError(f"device must be 'gpu' or 'cpu', got {device!r}")
-        if name == "cpu" or not self.enable_prefix_caching:
-            return -1.0
-        return self.stats.hit_blocks / self.stats.queried_blocks if self.stats.queried_blocks else 0.0
 
     # ---- maintenance -----------------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
@@ -445,32 +280,10 @@ class BlockManager:
         set_allocation_record(seq, alloc)
         seq.num_cached_tokens, seq.status = num_cached_tokens, SequenceStatus.RUNNING
 
-    def _alloc(self, seq) -> Allocation:
-        return allocation_of(self, seq)
-
-    def _on_gpu(self, seq) -> Allocation:
-        alloc = allocation_of(self, seq)
-        if alloc.on_cpu:
-            raise SequenceStateError(f"sequence {seq.seq_id} is swapped out; swap_in first")
-        return alloc
-
-    def _on_cpu(self, seq) -> Allocation:
-        alloc = allocation_of(self, seq)
-        if not alloc.on_cpu:
-            raise SequenceStateError(f"sequence {seq.seq_id} is not swapped out")
-        return alloc
-
     def _plan_allocation(self, seq, lookahead, num_new_tokens):
         hashes, contents = self._prompt_hashes(seq) if self.enable_prefix_caching else ([], [])
         return plan_allocation(self._pool, seq, hashes, contents, self.block_size, self.sliding_window, lookahead,
                                num_new_tokens)
-
-    def _admission(self, live_blocks, needed_free) -> AllocStatus:
-        if live_blocks > self._usable - self._watermark_blocks:
-            return AllocStatus.NEVER
-        if self._pool.num_free - needed_free >= self._watermark_blocks:
-            return AllocStatus.OK
-        return AllocStatus.LATER
 
     def _plan_step(self, alloc, lookahead, num_new_tokens):
         check_int("num_lookahead_slots", lookahead, 0)

@@ -1,0 +1,166 @@
+"""What the block manager answers about its state, and vLLM V0's block-space-manager interface.
+
+``BlockManagerQueries`` is the base of ``BlockManager`` (kvlab.blocks.manager), whose ``__init__`` sets the
+state read here (``_pool``, ``_swap``, ``_cross``, ``stats`` ...). Nothing here allocates or frees a block:
+the queries read the pools and a sequence's record, the V0 calls note which steps ran and when blocks were
+used, and the helpers at the end check a sequence's state and admission for the manager's other parts.
+"""
+
+from typing import Optional
+
+from kvlab.blocks.allocations import Allocation, allocation_of, check_block_size_matches, check_sequence
+from kvlab.blocks.locking import serialized
+from kvlab.blocks.records import AllocStatus
+from kvlab.blocks.sequence import Sequence
+from kvlab.errors import InvalidArgumentError, SequenceStateError
+from kvlab.validation import check_int, check_number
+
+
+@serialized
+class BlockManagerQueries:
+    # ---- queries -------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self._pool.num_free
+
+    @property
+    def num_evictions(self) -> int:
+        """Cached prefixes dropped because their block was reused for new content."""
+        return self._pool.evictions
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks a prefix lookup can hit now (in use or free-but-warm)."""
+        return len(self._pool.cached)
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self._swap.num_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self._swap.num_free
+
+    def ref_count(self, block_id: int) -> int:
+        return self._pool.ref[check_int("block id", block_id, 0, self.num_blocks - 1)]
+
+    def cpu_ref_count(self, block_id: int) -> int:
+        """How many swapped-out table entries point at CPU block ``block_id``."""
+        return self._swap.ref[check_int("CPU block id", block_id, 0, self._swap.num_blocks - 1)]
+
+    def block_hash(self, block_id: int) -> Optional[int]:
+        return self._pool.block_hash(check_int("block id", block_id, 0, self.num_blocks - 1))
+
+    def is_cached(self, block_id: int) -> bool:
+        """Whether a prefix lookup can hit this block now (it may be in use or free-but-warm)."""
+        return self._pool.is_cached(check_int("block id", block_id, 0, self.num_blocks - 1))
+
+    def free_block_ids(self) -> list[int]:
+        """Free GPU blocks, in the order they will be reused."""
+        return list(self._pool.policy)
+
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        """A copy of the sequence's block table (CPU block ids while it is swapped out)."""
+        return list(allocation_of(self, seq).table)
+
+    def is_swapped(self, seq: Sequence) -> bool:
+        """Whether an allocated sequence's blocks are in the CPU pool (its table then holds CPU ids)."""
+        return allocation_of(self, seq).on_cpu
+
+    def num_released_blocks(self, seq: Sequence) -> int:
+        """Leading table entries the sliding window released (they point at the null block on the GPU)."""
+        return allocation_of(self, seq).num_released
+
+    def num_scheduled_tokens(self, seq: Sequence) -> int:
+        """How many of ``seq``'s tokens have slots: their K/V is written by now or by the step just scheduled
+        (vLLM V1's ``request.num_computed_tokens``, which its scheduler advances when it schedules a step).
+        The tokens after them (the rest of a chunked prompt, or tokens appended since) still need a step."""
+        return allocation_of(self, seq).num_written
+
+    def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Cache slot (block_id * block_size + offset) of positions start..end-1; -1 where the sliding window
+        released the block (only positions no query of this or a later step can see). Only positions with a
+        slot (scheduled ones and lookahead slots) can be asked for."""
+        alloc, bs = self._on_gpu(seq), self.block_size
+        table = alloc.table
+        if not (check_int("start", start, 0) <= check_int("end", end, 0) <= alloc.num_slots):
+            raise InvalidArgumentError(f"need 0 <= start <= end <= {alloc.num_slots} (positions with slots), got "
+                                       f"start={start!r}, end={end!r}")
+        released = alloc.num_released
+        return [-1 if p // bs < released else table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    # ---- encoder-decoder: the group's cross-attention table ----------------------------------------------
+    def get_cross_block_table(self, seq: Sequence) -> tuple:
+        """The encoder's blocks of ``seq``'s group (CPU ids while swapped out), for any member or its root."""
+        return tuple(self._cross.table_of(self, seq).blocks)
+
+    # ---- vLLM V0's block-space-manager queries -----------------------------------------------------------
+    def mark_blocks_as_computed(self, seq: Sequence) -> None:
+        """The step that wrote ``seq``'s new slots ran. (``append_slots`` implies it for the step before.)"""
+        alloc = self._on_gpu(seq)
+        alloc.num_computed = alloc.num_written
+
+    def access_all_blocks_in_seq(self, seq: Sequence, now: float) -> None:
+        """``seq``'s blocks were used at time ``now``; LRU orders the blocks it was told about by it."""
+        alloc = self._on_gpu(seq)
+        now = check_number("now", now)
+        with self._pool.transaction() as txn:
+            txn.access(alloc.live_blocks(), now)
+
+    def get_common_computed_block_ids(self, seqs) -> list[int]:
+        """The longest run of leading blocks that every sequence in ``seqs`` holds and whose K/V is computed:
+        what a batched prefill of the group can skip."""
+        if isinstance(seqs, (Sequence, str, bytes)) or not isinstance(seqs, (list, tuple)):
+            raise InvalidArgumentError(f"seqs must be a list of Sequence (e.g. [seq]), got {type(seqs).__name__}")
+        common = None
+        for seq in seqs:
+            alloc = self._on_gpu(seq)
+            computed = alloc.table[:alloc.num_computed // self.block_size]
+            if common is None:
+                common = computed
+            else:
+                same = next((i for i, (a, b) in enumerate(zip(common, computed)) if a != b), None)
+                common = common[:min(len(common), len(computed)) if same is None else same]
+        return list(common or [])
+
+    def get_num_cached_tokens(self, seq: Sequence) -> int:
+        """Tokens of ``seq``'s leading full blocks found in the prefix cache now (at most all but the last
+        token, as ``allocate`` would hit); works for allocated and waiting sequences."""
+        check_block_size_matches(self, check_sequence(seq))
+        if not self.enable_prefix_caching or seq.num_tokens == 0:
+            return 0
+        hashes, contents = self._prompt_hashes(seq)
+        return len(self._pool.lookup(hashes, contents, (seq.num_tokens - 1) // self.block_size)) * self.block_size
+
+    def get_prefix_cache_hit_rate(self, device="gpu") -> float:
+        """Block hit rate of ``allocate``'s lookups on ``device`` ("gpu" or "cpu", or an enum named so);
+        -1.0 where there is no prefix cache (the CPU pool, or prefix caching off), as in vLLM."""
+        name = str(getattr(device, "name", device)).lower()
+        if name not in ("gpu", "cpu"):
+            raise InvalidArgumentError(f"device must be 'gpu' or 'cpu', got {device!r}")
+        if name == "cpu" or not self.enable_prefix_caching:
+            return -1.0
+        return self.stats.hit_blocks / self.stats.queried_blocks if self.stats.queried_blocks else 0.0
+
+    # ---- internals -------------------------------------------------------------------------------------
+    def _alloc(self, seq) -> Allocation:
+        return allocation_of(self, seq)
+
+    def _on_gpu(self, seq) -> Allocation:
+        alloc = allocation_of(self, seq)
+        if alloc.on_cpu:
+            raise SequenceStateError(f"sequence {seq.seq_id} is swapped out; swap_in first")
+        return alloc
+
+    def _on_cpu(self, seq) -> Allocation:
+        alloc = allocation_of(self, seq)
+        if not alloc.on_cpu:
+            raise SequenceStateError(f"sequence {seq.seq_id} is not swapped out")
+        return alloc
+
+    def _admission(self, live_blocks, needed_free) -> AllocStatus:
+        if live_blocks > self._usable - self._watermark_blocks:
+            return AllocStatus.NEVER
+        if self._pool.num_free - needed_free >= self._watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER

@@ -1,0 +1,45 @@
+"""Swapping (vLLM V0's preemption): a running sequence's blocks move to the CPU pool and back.
+
+``BlockManagerSwapping`` adds these calls to ``BlockManagerQueries``; ``BlockManager`` inherits both. The
+swap space (kvlab.blocks.swap) decides which blocks move and where; these calls check the sequence's state
+and the room for it, set its status and record the events.
+"""
+
+from kvlab.blocks.locking import serialized
+from kvlab.blocks.manager_queries import BlockManagerQueries
+from kvlab.blocks.records import AllocStatus, Event
+from kvlab.blocks.sequence import Sequence, SequenceStatus
+from kvlab.errors import OutOfBlocksError
+
+
+@serialized
+class BlockManagerSwapping(BlockManagerQueries):
+    def can_swap_out(self, seq: Sequence) -> AllocStatus:
+        """Whether ``swap_out(seq)`` fits in the CPU pool now (OK), once swapped sequences leave it (LATER),
+        or never (NEVER)."""
+        return self._swap.can_move_out(self._on_gpu(seq))
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move the sequence's blocks (and its group's cross-attention blocks, if it is the group's last
+        sequence on the GPU) to the CPU pool; returns the (gpu, cpu) copies to make. A block shared with a
+        sequence swapped out earlier is not copied again."""
+        mapping = self._swap.move_out(self._on_gpu(seq), self._pool)
+        seq.status = SequenceStatus.SWAPPED
+        if self.events is not None:
+            self.events.extend(Event("swap_out", seq.seq_id, gpu, cpu) for gpu, cpu in mapping)
+        return mapping
+
+    def can_swap_in(self, seq: Sequence) -> AllocStatus:
+        return self._admission(*self._swap.blocks_needed_in(self._on_cpu(seq)))
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Bring a swapped sequence back (with its group's cross-attention blocks if they are on the CPU);
+        returns the (cpu, gpu) copies to make. Swapped-in blocks are not re-registered in the prefix cache."""
+        alloc = self._on_cpu(seq)
+        if self._admission(*self._swap.blocks_needed_in(alloc)) is not AllocStatus.OK:
+            raise OutOfBlocksError(f"not enough free GPU blocks to swap in sequence {seq.seq_id}")
+        mapping = self._swap.move_in(alloc, self._pool)
+        seq.status = SequenceStatus.RUNNING
+        if self.events is not None:
+            self.events.extend(Event("swap_in", seq.seq_id, gpu, cpu) for cpu, gpu in mapping)
+        return mapping
