@@ -82,7 +82,7 @@ print(f"kernels run in {mode()} mode on {DEVICE}; model: {MODEL_DIR}")
 NUM_BLOCKS = 12                  # GPU-pool blocks of 8 tokens
 PREEMPTION_MODE = "recompute"    # or "swap": copy the victim's blocks to a CPU pool of 16 blocks
 llm = LLM(MODEL_DIR, block_size=8, num_blocks=NUM_BLOCKS, max_num_seqs=8, max_num_batched_tokens=64,
-          preemption_mode=PREEMPTION_MODE, num_cpu_blocks=16)
+          preemption_mode=PREEMPTION_MODE, num_cpu_blocks=16, scheduling="v0")  # whole-prompt steps
 SYSTEM = list(range(100, 120))
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 COLUMNS = ["step", "kind", "num_seqs", "num_tokens", "cached_tokens", "blocks_used", "blocks_free", "blocks_cached",

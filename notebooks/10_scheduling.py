@@ -119,7 +119,8 @@ class Run:
 
     def __init__(self, num_blocks, preemption_mode="recompute", budget=TOKEN_BUDGET):
         self.llm = LLM(MODEL_DIR, block_size=BLOCK_SIZE, num_blocks=num_blocks, max_num_seqs=MAX_NUM_SEQS,
-                       max_num_batched_tokens=budget, preemption_mode=preemption_mode, seed=SEED)
+                       max_num_batched_tokens=budget, preemption_mode=preemption_mode, seed=SEED,
+                       scheduling="v0")  # whole-prompt steps: this notebook teaches V0
         self.rows = []  # (step, request, state, preempted in this step)
         self.arrived, self.first_token, self.finished, self.outputs = {}, {}, {}, {}
         self.recomputed_tokens = 0  # tokens prefilled again after a preemption by recompute (prefix hits excluded)

@@ -3,9 +3,10 @@ what to do with each sequence when they fail.
 
 Forward pass: if the batch raises, each sequence runs again on its own, in step order, to find the ones that
 fail alone. That is sound because running a sequence again writes the same K/V into the same slots. One
-thing cannot be run: a prefill sequence that hit a block a failed sequence was to write in this very step
-(the same-step prefix hit of the block manager's ordering rule) would read K/V that was never written. It
-goes back to the waiting queue, to be prefilled again once the prefix cache has forgotten those blocks.
+thing cannot be run: a prefill sequence (or prompt chunk, in a V1 step) that hit a block a failed sequence
+was to write in this very step (the same-step prefix hit of the block manager's ordering rule) would read
+K/V that was never written. It goes back to the waiting queue, to be prefilled again once the prefix cache
+has forgotten those blocks.
 
 Sampling: if the vectorised sampler raises, each row is sampled alone, from generator states restored to
 where the batch started, so that seeded rows draw the noise they would have drawn without the failure.
@@ -34,21 +35,21 @@ def run_forward(runner: ModelRunner, step: ScheduledStep) -> ForwardResult:
     """Logits for the step's sequences, each failing sequence set apart (``Exception`` only: an interrupt
     stops the step)."""
     try:
-        return ForwardResult(step.seqs, runner.forward(step.kind, step.seqs))
+        return ForwardResult(step.seqs, runner.forward(step, step.seqs))
     except Exception:  # noqa: BLE001 - which sequence is at fault is found below, each raising its own error
         pass
     result, rows, unwritten = ForwardResult([], None), [], set()
     for seq in step.seqs:
-        if step.kind == "prefill" and unwritten.intersection(runner.manager.get_block_table(seq)):
+        if step.kind != "decode" and unwritten.intersection(runner.manager.get_block_table(seq)):
             result.blocked.append(seq)
-            unwritten |= runner.written_blocks(step.kind, seq)  # what hit its new blocks cannot run either
+            unwritten |= runner.written_blocks(step, seq)  # what hit its new blocks cannot run either
             continue
         try:
-            rows.append(runner.forward(step.kind, [seq]))
+            rows.append(runner.forward(step, [seq]))
             result.seqs.append(seq)
         except Exception as error:  # noqa: BLE001 - this sequence's failure, kept as its abort reason
             result.failed.append((seq, error))
-            unwritten |= runner.written_blocks(step.kind, seq)
+            unwritten |= runner.written_blocks(step, seq)
     result.logits = torch.cat(rows) if rows else None
     return result
 

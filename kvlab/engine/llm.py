@@ -21,6 +21,7 @@ from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampler import Sampler
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler import Scheduler
+from kvlab.engine.scheduler_v1 import V1Scheduler
 from kvlab.engine.settings import check_settings, resolve_attention_backend, resolve_device, resolve_dtype
 from kvlab.engine.step_loop import StepLoop
 from kvlab.engine.step_record import records_to_dataframe
@@ -43,17 +44,24 @@ class LLM:
     GPU. ``max_model_len`` defaults to the config's ``max_position_embeddings``. ``attention_backend``: "triton"
     (kvlab's kernels; interpreted on CPU) or "torch" (batched torch ops on the same paged cache); None picks
     "triton" on CUDA and "torch" elsewhere, and ``llm.attention_backend`` says which runs.
+
+    ``scheduling``: "v1" (the default) or "v0". V1 is vLLM V1's scheduler, what vLLM runs today: each step
+    spends one budget of ``max_num_batched_tokens`` on the running sequences' decode tokens first, then on
+    prompt chunks, all in one forward pass, so a prompt longer than the budget is served over several steps
+    and a long prompt does not stall the decodes running beside it (``kvlab.engine.scheduler_v1``). V0 (vLLM
+    V0 and nano-vllm without chunked prefill) runs a step of whole prompts or a step of decodes and refuses a
+    prompt longer than the budget; it is kept to compare the two (``kvlab.engine.scheduler``).
     """
 
     def __init__(self, model, *, block_size: int = 16, num_blocks: int | None = None,
                  enable_prefix_caching: bool = True, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  preemption_mode: str = "recompute", dtype=None, device=None, max_model_len: int | None = None,
                  num_cpu_blocks: int | None = None, gpu_memory_utilization: float = 0.9, seed: int = 0,
-                 record_events: bool = False, attention_backend: str | None = None):
+                 record_events: bool = False, attention_backend: str | None = None, scheduling: str = "v1"):
         check_settings(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                       preemption_mode=preemption_mode, max_model_len=max_model_len, num_cpu_blocks=num_cpu_blocks,
-                       gpu_memory_utilization=gpu_memory_utilization, seed=seed, record_events=record_events)
+                       scheduling=scheduling, preemption_mode=preemption_mode, max_model_len=max_model_len,
+                       num_cpu_blocks=num_cpu_blocks, gpu_memory_utilization=gpu_memory_utilization, seed=seed, record_events=record_events)
         self.device = resolve_device(device)
         self.attention_backend = resolve_attention_backend(attention_backend, self.device)
         self.model_config = config = load_model_config(model)
@@ -63,7 +71,7 @@ class LLM:
             raise InvalidArgumentError(f"max_model_len={max_model_len} is longer than the model's context "
                                        f"({config.max_position_embeddings} positions)")
         self.max_model_len = max_model_len or config.max_position_embeddings
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_batched_tokens, self.scheduling = max_num_batched_tokens, scheduling
         check_kernel_support(config, block_size, self.dtype, self.device, self.attention_backend)
         self.model = load_model(config, self.dtype, self.device)
         self.model.init_rope(self.dtype, self.device)
@@ -82,7 +90,8 @@ class LLM:
                                           enable_prefix_caching=enable_prefix_caching, record_events=record_events)
         self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.dtype, self.device, num_cpu_blocks)
         logger.info("KV cache: %s (%s)", self.kv_cache.summary(), sized_by)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
+        scheduler = V1Scheduler if scheduling == "v1" else Scheduler
+        self.scheduler = scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, preemption_mode=preemption_mode)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, self.attention_backend)
         self._loop = StepLoop(self.scheduler, self.runner, Sampler(seed, self.device), config.eos_token_ids,
@@ -273,7 +282,8 @@ class LLM:
         if -(-n // manager.block_size) > manager.num_blocks:
             raise PromptTooLongError(f"the prompt has {n} tokens = {-(-n // manager.block_size)} blocks of "
                                      f"{manager.block_size}; the KV pool holds only {manager.num_blocks} blocks")
-        if n > self.max_num_batched_tokens:
+        if self.scheduling == "v0" and n > self.max_num_batched_tokens:
             raise PromptTooLongError(f"the prompt has {n} tokens, more than max_num_batched_tokens="
-                                     f"{self.max_num_batched_tokens} (prefill is not chunked): raise it")
+                                     f"{self.max_num_batched_tokens} (V0 scheduling does not chunk prefill): raise it "
+                                     "or use scheduling='v1'")
         return token_ids

@@ -2,7 +2,8 @@
 
 For each sequence the block manager says where its tokens live: ``slot_mapping`` for the tokens computed in
 this step, ``get_block_table`` for the whole context. A prefill computes only the tokens after the cached
-prefix (``num_cached_tokens``); a decode computes the one token that has no K/V yet (the last sampled one).
+prefix (``num_cached_tokens``), or (V1 scheduling) one chunk of them; a decode computes the one token that
+has no K/V yet (the last sampled one).
 """
 
 import torch
@@ -12,6 +13,7 @@ from kvlab.blocks.sequence import Sequence
 from kvlab.engine.attention import AttentionBatch
 from kvlab.engine.kv_cache import BlockMoves, PagedKVCache
 from kvlab.engine.model import CausalLM
+from kvlab.engine.scheduler import ScheduledStep
 
 
 class ModelRunner:
@@ -24,27 +26,30 @@ class ModelRunner:
         """The step's swaps and copy-on-write copies, once, before any forward pass of the step."""
         self.kv_cache.apply(moves)
 
-    @staticmethod
-    def new_tokens(kind: str, seq: Sequence) -> range:
-        """Positions whose K/V this step computes: prefill, every token after the cached prefix; decode, the
-        last token, which has no K/V yet."""
-        return range(seq.num_cached_tokens if kind == "prefill" else seq.num_tokens - 1, seq.num_tokens)
+    def new_tokens(self, step: ScheduledStep, seq: Sequence) -> range:
+        """Positions whose K/V this step computes: from where the scheduler started it (after the cached
+        prefix, after the chunks earlier steps computed, or a decode's last token, which has no K/V yet) up
+        to the tokens it has slots for."""
+        return range(step.starts[seq.seq_id], self.manager.num_scheduled_tokens(seq))
 
-    def written_blocks(self, kind: str, seq: Sequence) -> set[int]:
-        span = self.new_tokens(kind, seq)
+    def written_blocks(self, step: ScheduledStep, seq: Sequence) -> set[int]:
+        span = self.new_tokens(step, seq)
         return {slot // self.manager.block_size for slot in self.manager.slot_mapping(seq, span.start, span.stop)}
 
-    def forward(self, kind: str, seqs: list[Sequence]) -> torch.Tensor:
-        """fp32 logits ``[len(seqs), vocab]``: each sequence's distribution for its next token ("prefill" or
-        "decode" sequences, after ``apply_moves``). Running some of them again is harmless: each new token's
-        K/V is written again, the same, into the same slot."""
-        input_ids, positions, slots, query_lens = [], [], [], []
+    def forward(self, step: ScheduledStep, seqs: list[Sequence]) -> torch.Tensor:
+        """fp32 logits ``[len(seqs), vocab]``: each sequence's distribution after the last token this step
+        computes for it (``seqs``: some or all of ``step.seqs``, after ``apply_moves``). Prompt chunks and
+        decode tokens go through one forward pass: a decode row is query length 1 over its cached context.
+        Running some of them again is harmless: each new token's K/V is written again, the same, into the
+        same slot."""
+        input_ids, positions, slots, query_lens, context_lens = [], [], [], [], []
         for seq in seqs:
-            span = self.new_tokens(kind, seq)
-            input_ids += seq.token_ids[span.start:] if kind == "prefill" else [seq.last_token]
+            span = self.new_tokens(step, seq)
+            input_ids += seq.token_ids[span.start:span.stop]
             positions += span
             slots += self.manager.slot_mapping(seq, span.start, span.stop)
             query_lens.append(len(span))
+            context_lens.append(span.stop)  # a chunk sees its prompt up to its own last token, no further
         tables = [self.manager.get_block_table(seq) for seq in seqs]
         width = max(len(t) for t in tables)
         block_tables = [t + [0] * (width - len(t)) for t in tables]  # padding is never read
@@ -54,8 +59,8 @@ class ModelRunner:
 
         cu_query_lens = tensor([0] + query_lens, torch.int32).cumsum(0, dtype=torch.int32)
         batch = AttentionBatch.for_backend(
-            self.attention_backend, self.kv_cache.gpu[0], is_prefill=kind == "prefill",
+            self.attention_backend, self.kv_cache.gpu[0], is_prefill=step.kind != "decode",
             slot_mapping=tensor(slots, torch.int64), block_tables=tensor(block_tables, torch.int32),
-            seq_lens=tensor([s.num_tokens for s in seqs], torch.int32), cu_query_lens=cu_query_lens)
+            seq_lens=tensor(context_lens, torch.int32), cu_query_lens=cu_query_lens)
         hidden = self.model(tensor(input_ids, torch.int64), tensor(positions, torch.int64), batch, self.kv_cache.gpu)
         return self.model.compute_logits(hidden[cu_query_lens[1:].long() - 1])  # each sequence's last row

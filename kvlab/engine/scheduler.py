@@ -30,13 +30,21 @@ from kvlab.engine.request import Request
 
 @dataclass
 class ScheduledStep:
-    kind: str                                   # "prefill" or "decode"
+    kind: str                                   # "prefill", "decode" or (V1 scheduling) "mixed"
     seqs: list[Sequence]
     moves: BlockMoves                           # apply before the forward pass
-    num_new_tokens: int = 0                     # tokens the forward pass computes
-    num_cached_tokens: int = 0                  # prefill: prompt tokens found in the prefix cache (not computed)
+    starts: dict[int, int] = field(default_factory=dict)  # seq_id -> first position whose K/V this step
+                                                # computes; it computes up to ``num_scheduled_tokens(seq)``
+    num_prefill_tokens: int = 0                 # prompt (or recomputed) tokens computed, after prefix hits
+    num_decode_tokens: int = 0                  # one per sequence that is past its prefill
+    num_cached_tokens: int = 0                  # prompt tokens found in the prefix cache (not computed)
     num_preempted: int = 0
     aborted: list = field(default_factory=list)  # (sequence, why): can never run in this pool
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens the forward pass computes."""
+        return self.num_prefill_tokens + self.num_decode_tokens
 
 
 class Scheduler:
@@ -118,8 +126,9 @@ class Scheduler:
                 continue
             self.manager.allocate(seq)
             step.seqs.append(seq)
+            step.starts[seq.seq_id] = seq.num_cached_tokens
             step.num_cached_tokens += seq.num_cached_tokens
-            step.num_new_tokens += seq.num_tokens - seq.num_cached_tokens
+            step.num_prefill_tokens += seq.num_tokens - seq.num_cached_tokens
             seats += self._seats(seq)
             tokens += seq.num_tokens
         self.running.extend(step.seqs)
@@ -143,9 +152,10 @@ class Scheduler:
                     break
             else:
                 step.moves.add("copy", self.manager.append_slots(seq))
+                step.starts[seq.seq_id] = seq.num_tokens - 1
                 scheduled.append(seq)
         step.seqs, self.running = scheduled, list(scheduled)  # preempted and aborted sequences are out
-        step.num_new_tokens = len(scheduled)
+        step.num_decode_tokens = len(scheduled)
         return step
 
     def _swap_in(self, step: ScheduledStep) -> None:

@@ -77,19 +77,26 @@ class StepLoop:
             self.scheduler.requeue(seq)
         if result.failed or result.blocked:
             self.scheduler.forget_unwritten_prefixes()
-        if result.seqs:
-            touched += self._append_samples(step.kind, result.seqs, result.logits)
+        now = time.perf_counter()
+        for seq in result.seqs:
+            metrics = self.scheduler.owner[seq.seq_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+                metrics.num_cached_prompt_tokens = seq.num_cached_tokens
+        # Only a sequence whose every token now has K/V samples: a prompt chunk short of the end produces none.
+        ready = [(row, seq) for row, seq in enumerate(result.seqs)
+                 if self.manager.num_scheduled_tokens(seq) == seq.num_tokens]
+        if ready:
+            touched += self._append_samples(ready, result.logits)
         return touched
 
-    def _append_samples(self, kind: str, seqs: list[Sequence], logits) -> list[Request]:
-        """Sample every sequence's next token (a prompt with n > 1 samples n tokens from its one row and forks
-        n - 1 children that share its blocks), append it, and finish the samples that stop."""
-        rows, samples, touched, now = [], [], [], time.perf_counter()
-        for row, seq in enumerate(seqs):
+    def _append_samples(self, ready: list[tuple[int, Sequence]], logits) -> list[Request]:
+        """Sample the next token of every ``(logits row, sequence)`` in ``ready`` (a prompt with n > 1 samples
+        n tokens from its one row and forks n - 1 children that share its blocks), append it, and finish the
+        samples that stop."""
+        rows, samples, touched = [], [], []
+        for row, seq in ready:
             request = self.scheduler.owner[seq.seq_id]
-            if kind == "prefill" and request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = now
-                request.metrics.num_cached_prompt_tokens = seq.num_cached_tokens
             if request.needs_fork:  # the prompt's first prefill: every sample draws from this row
                 try:
                     self._fork(request)
@@ -174,6 +181,7 @@ class StepLoop:
         self.records.append(StepRecord(
             step=len(self.records), kind=step.kind if step.seqs else "idle", start_s=start - self.created,
             wall_s=time.perf_counter() - start, num_seqs=len(step.seqs), num_tokens=step.num_new_tokens,
+            prefill_tokens=step.num_prefill_tokens, decode_tokens=step.num_decode_tokens,
             cached_tokens=step.num_cached_tokens, **pool, preempted=step.num_preempted,
             blocks_swapped_out=moves["swap_out"], blocks_swapped_in=moves["swap_in"], cow_copies=moves["copy"],
             finished=self._finished_samples, aborted=len(step.aborted), waiting=len(self.scheduler.waiting),

@@ -8,11 +8,14 @@ import pandas as pd
 @dataclass
 class StepRecord:
     step: int
-    kind: str              # "prefill", "decode", or "idle" (only aborts happened: nothing could run)
+    kind: str              # "prefill", "decode", "mixed" (both, V1 scheduling), or "idle" (only aborts
+                           # happened: nothing could run)
     start_s: float         # seconds since the engine was created
     wall_s: float          # scheduling + block moves + forward + sampling
     num_seqs: int          # sequences in the batch
-    num_tokens: int        # tokens computed (prefill: after prefix hits; decode: one per sequence)
+    num_tokens: int        # tokens computed: prefill_tokens + decode_tokens
+    prefill_tokens: int    # prompt tokens (or chunks of them) computed, after prefix hits
+    decode_tokens: int     # one per sequence past its prefill
     cached_tokens: int     # prompt tokens read from the prefix cache instead of computed
     blocks_used: int       # device pool while the step ran (after scheduling)
     blocks_free: int       # includes free blocks that still hold a cached prefix...

@@ -15,7 +15,7 @@ from kvlab.errors import InvalidArgumentError
 STEP_COLUMNS = ("step", "kind", "start_s", "wall_s", "num_seqs", "num_tokens", "cached_tokens", "blocks_used",
                 "blocks_free", "blocks_cached", "preempted", "blocks_swapped_out", "blocks_swapped_in",
                 "cow_copies", "waiting", "running", "swapped")
-KIND_COLORS = {"prefill": "#4e79a7", "decode": "#59a14f", "idle": "#bab0ac"}
+KIND_COLORS = {"prefill": "#4e79a7", "decode": "#59a14f", "mixed": "#76b7b2", "idle": "#bab0ac"}
 HIT_COLOR = "#edc948"
 
 
@@ -55,6 +55,7 @@ def draw_engine_timeline(source, axes=None, *, x: str = "time", title=None):
     tokens.set_ylabel("tokens", fontsize=8)
     tokens.legend(handles=[Patch(color=KIND_COLORS["prefill"], label="prefill: computed"),
                            Patch(color=KIND_COLORS["decode"], label="decode: one per sequence"),
+                           Patch(color=KIND_COLORS["mixed"], label="mixed: prompt chunks\nand decodes (V1)"),
                            Patch(facecolor=HIT_COLOR, hatch="//", label="prefix hit: read,\nnot computed")], **legend)
 
     pool.bar(left, frame["blocks_used"], width, align="edge", color="#4e79a7", edgecolor="white", linewidth=0.5,

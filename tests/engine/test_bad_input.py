@@ -100,6 +100,8 @@ def test_attention_backend_default_and_choice(llama):
     (dict(attention_backend=["torch"]), "attention_backend"),
     (dict(seed=2**64), r"seed must be an int in \[0, 18446744073709551615\]"),
     (dict(seed=2**70), "seed"),
+    (dict(scheduling="v2"), r"scheduling must be one of \('v1', 'v0'\), got 'v2'"),
+    (dict(scheduling=None), "scheduling"),
 ])
 def test_bad_engine_settings(llama, settings, match):
     with pytest.raises(KvlabError, match=match) as error:
@@ -113,7 +115,6 @@ def test_bad_prompts_queue_nothing_and_the_engine_stays_usable(llama):
     cases = [
         ([list(range(1, 41))], PromptTooLongError, "context is 40"),
         ([list(range(1, 34))], PromptTooLongError, "pool holds only 4 blocks"),
-        ([[1] * 31], PromptTooLongError, "max_num_batched_tokens=30"),
         ([good, [1, 500]], InvalidArgumentError, r"id in \[0, 128\)"),
         ([good, []], InvalidArgumentError, "at least one token"),
         (["hello"], NoTokenizerError, "token-id lists"),
@@ -138,6 +139,17 @@ def test_bad_prompts_queue_nothing_and_the_engine_stays_usable(llama):
     aborted, = llm.step()
     assert aborted.request_id == "a" and aborted.outputs[0].finish_reason == "abort"
     assert_pool_clean(llm)
+
+
+def test_only_v0_scheduling_refuses_a_prompt_longer_than_the_token_budget(llama):
+    over = [[1] * 31]
+    v0 = make_llm(llama[0], num_blocks=4, max_num_seqs=4, max_num_batched_tokens=30, scheduling="v0")
+    with pytest.raises(PromptTooLongError, match="max_num_batched_tokens=30 .* scheduling='v1'"):
+        v0.generate(over, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert_pool_clean(v0)
+    v1 = make_llm(llama[0], num_blocks=4, max_num_seqs=4, max_num_batched_tokens=30)
+    out, = v1.generate(over, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert out.outputs[0].finish_reason == "length" and list(v1.step_dataframe()["prefill_tokens"]) == [30, 1]
 
 
 @pytest.mark.parametrize("where, error", [("apply_moves", RuntimeError("device lost")),

@@ -73,10 +73,10 @@ def fail_forward(kind):
     def inject(llm, culprit):
         forward = llm.runner.forward
 
-        def flaky(step_kind, seqs):
-            if step_kind == kind and any(s in culprit.seqs for s in seqs):
+        def flaky(step, seqs):
+            if step.kind == kind and any(s in culprit.seqs for s in seqs):
                 raise RuntimeError(f"injected {kind} failure")
-            return forward(step_kind, seqs)
+            return forward(step, seqs)
 
         llm.runner.forward = flaky
     return inject
@@ -85,10 +85,10 @@ def fail_forward(kind):
 def nan_logits(llm, culprit):
     forward = llm.runner.forward
 
-    def broken(kind, seqs):
-        logits = forward(kind, seqs).clone()  # an inference-mode tensor cannot be written in place
+    def broken(step, seqs):
+        logits = forward(step, seqs).clone()  # an inference-mode tensor cannot be written in place
         rows = [i for i, s in enumerate(seqs) if s in culprit.seqs]
-        if kind == "decode":
+        if step.kind == "decode":
             logits[rows] = float("nan")
         return logits
 

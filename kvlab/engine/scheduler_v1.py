@@ -1,0 +1,107 @@
+"""V1 scheduling (vLLM V1's ``Scheduler.schedule``): one token budget per step, shared by every sequence.
+
+There are no prefill steps and decode steps. Each step spends ``max_num_batched_tokens`` tokens:
+
+* running sequences first, in order: a decoding sequence takes one token, a partly prefilled prompt the next
+  chunk of it (as much as the budget left allows). When the pool is short the newest running sequence not yet
+  in the step is preempted (recompute or swap, as in V0), possibly the one asking;
+* then, if nothing was preempted, nothing is swapped out and the prefix cache needs no reset, waiting
+  sequences are admitted first come first served: each gets its prefix hits and a first chunk of what the
+  budget has left (``allocate(seq, num_new_tokens=k)``), the rest is scheduled by later steps.
+
+So a prompt longer than the budget is prefilled over several steps, and decodes keep running while it is: the
+step is one forward pass over prompt chunks and decode tokens together (``ModelRunner.forward``). A sequence
+is sampled only at the step that computes its last token; a chunk short of the end produces nothing.
+
+Queues, preemption, swapping and the prefix-cache reset after a failure are the V0 scheduler's
+(``kvlab.engine.scheduler``); only ``schedule`` differs.
+"""
+
+from collections import deque
+
+from kvlab.blocks.manager import AllocStatus
+from kvlab.blocks.sequence import Sequence
+from kvlab.engine.kv_cache import BlockMoves
+from kvlab.engine.scheduler import ScheduledStep, Scheduler
+
+
+class V1Scheduler(Scheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prefilling: set[int] = set()  # seq_ids whose prompt (or recomputed tokens) is not all scheduled
+
+    def remove(self, seq: Sequence) -> None:
+        super().remove(seq)
+        self.prefilling.discard(seq.seq_id)
+
+    def schedule(self) -> ScheduledStep:
+        if self.prefix_reset_pending and not self.running and not self.swapped:
+            self.prefix_reset_pending = not self.manager.reset_prefix_cache()
+        step = ScheduledStep("mixed", [], BlockMoves())
+        self._swap_in(step)
+        budget = self._schedule_running(step, self.max_num_batched_tokens)
+        if not step.num_preempted and not self.swapped and not self.prefix_reset_pending:
+            self._schedule_waiting(step, budget)
+        step.kind = ("mixed" if step.num_prefill_tokens and step.num_decode_tokens
+                     else "decode" if step.num_decode_tokens else "prefill")
+        return step
+
+    def _count(self, step: ScheduledStep, seq: Sequence, start: int) -> int:
+        """Put ``seq`` in the step from position ``start`` (its slots are given); returns its token count."""
+        step.seqs.append(seq)
+        step.starts[seq.seq_id] = start
+        num_tokens = self.manager.num_scheduled_tokens(seq) - start
+        if seq.seq_id in self.prefilling:
+            step.num_prefill_tokens += num_tokens
+            if self.manager.num_scheduled_tokens(seq) == seq.num_tokens:
+                self.prefilling.discard(seq.seq_id)  # its last chunk: it is sampled after this step
+        else:
+            step.num_decode_tokens += num_tokens
+        return num_tokens
+
+    def _schedule_running(self, step: ScheduledStep, budget: int) -> int:
+        """Give running sequences their next tokens while the budget lasts; returns the budget left."""
+        queue, kept = deque(self.running), []
+        while queue and budget:
+            seq = queue.popleft()
+            start = self.manager.num_scheduled_tokens(seq)
+            num_new = min(seq.num_tokens - start, budget)  # 1 when decoding; a chunk of a partial prompt
+            while not self.manager.can_append_slots(seq, num_new_tokens=num_new):
+                if queue:
+                    self._preempt(queue.pop(), step)
+                elif step.seqs:
+                    self._preempt(seq, step)
+                    break
+                else:  # alone in the pool and still no room: it can never grow here
+                    step.aborted.append((seq, f"grew to {seq.num_tokens} tokens, more than the "
+                                              f"{self.manager.num_blocks}-block pool holds"))
+                    break
+            else:
+                step.moves.add("copy", self.manager.append_slots(seq, num_new_tokens=num_new))
+                budget -= self._count(step, seq, start)
+                kept.append(seq)
+        self.running = kept + list(queue)  # preempted and aborted sequences are out; unscheduled ones wait
+        return budget
+
+    def _schedule_waiting(self, step: ScheduledStep, budget: int) -> None:
+        seats = sum(map(self._seats, self.running))  # a partial prompt with n samples will become n sequences
+        while self.waiting and budget:
+            seq = self.waiting[0]
+            if seats + self._seats(seq) > self.max_num_seqs:
+                break
+            num_new = min(seq.num_tokens - self.manager.get_num_cached_tokens(seq), budget)
+            status = self.manager.can_allocate(seq, num_new_tokens=num_new)
+            if status is AllocStatus.LATER:
+                break
+            self.waiting.popleft()
+            if status is AllocStatus.NEVER:
+                blocks = -(-seq.num_tokens // self.manager.block_size)
+                step.aborted.append((seq, f"{seq.num_tokens} tokens need {blocks} blocks, more than the "
+                                          f"{self.manager.num_blocks}-block pool holds"))
+                continue
+            self.manager.allocate(seq, num_new_tokens=num_new)
+            self.prefilling.add(seq.seq_id)
+            step.num_cached_tokens += seq.num_cached_tokens
+            budget -= self._count(step, seq, seq.num_cached_tokens)
+            self.running.append(seq)
+            seats += self._seats(seq)
