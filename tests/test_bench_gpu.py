@@ -36,10 +36,11 @@ def test_dry_run_writes_every_file_flat(tmp_path, capsys):
     assert set(kernels["kernel"]) == {"decode", "prefill", "reshape_and_cache", "copy_blocks", "swap_out", "swap_in"}
     assert {"kvlab", "kvlab_split_k", "torch_sdpa_contiguous", "flex_attention_paged"} <= set(kernels["impl"])
     engine = pd.read_csv(tmp_path / f"engine-{SLUG}.csv")
-    assert set(engine["system"]) == {"kvlab.engine", "hf-continuous-batching", "hf-generate"}
+    assert set(engine["system"]) == {"kvlab.engine (v1)", "kvlab.engine (v0)", "hf-continuous-batching", "hf-generate"}
     assert {"generated_tok_s", "ttft_ms_median", "itl_ms_median", "vs_hf"} <= set(engine.columns)
     checks = {r["check"]: r["status"] for r in rows}
-    assert checks["V1 scheduling"] == "skipped" and checks["compute-sanitizer memcheck"] == "skipped"
+    assert checks["CUDA-graph decode"] == "skipped" and checks["compute-sanitizer memcheck"] == "skipped"
+    assert checks["kvlab.engine (v1)"] == checks["kvlab.engine (v0)"] == "ok"
 
 
 def test_a_failing_stage_is_logged_and_the_next_still_runs(tmp_path):

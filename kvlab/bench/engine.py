@@ -84,12 +84,13 @@ def release_device_memory():
         torch.cuda.empty_cache()
 
 
-def run_engine(model_dir, prompts, outputs, *, prefix_caching: bool, block_size: int, max_num_seqs: int) -> dict:
+def run_engine(model_dir, prompts, outputs, *, prefix_caching: bool, block_size: int, max_num_seqs: int,
+               scheduling: str = "v1") -> dict:
     from kvlab.engine import LLM, SamplingParams
 
     max_len = max(len(p) + o for p, o in zip(prompts, outputs))
     llm = LLM(model_dir, block_size=block_size, enable_prefix_caching=prefix_caching, max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=max(8192, max_len))
+              max_num_batched_tokens=max(8192, max_len), scheduling=scheduling)
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for o in outputs]
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up (compiles on a GPU)
     llm.block_manager.reset_prefix_cache()

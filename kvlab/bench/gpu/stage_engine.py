@@ -3,11 +3,13 @@ kvlab.engine and, in the same process on the same requests, Hugging Face's conti
 attention, ``init_continuous_batching``) and static ``generate``, into ``engine-<device slug>.csv`` with
 the columns of ``python -m kvlab.bench engine`` (notebook 09 reads both) plus TTFT and inter-token latency.
 
-What it does not run, and says so in the summary: vLLM V1-style scheduling (kvlab.engine has one scheduler,
-V0-style: a step is all prefill or all decode) and CUDA-graph decode (not in kvlab.engine). On a GPU: Qwen3-0.6B's
+kvlab.engine runs twice, with V1 scheduling (one token budget per step, chunked prefill, mixed steps) and with
+V0's (a step is all prefill or all decode). What it does not run, and says so in the summary: CUDA-graph
+decode (not in kvlab.engine). On a GPU: Qwen3-0.6B's
 shape with random bf16 weights (or ``--model``), 256 requests, lengths in [100, 1024]; the dry run: the
 tiny random model, a few short requests, the engine's CPU default (torch attention; the path, not a figure)."""
 
+import functools
 import tempfile
 import time
 from pathlib import Path
@@ -81,8 +83,6 @@ def model_and_workload(stage, tmp):
 
 
 def run(stage):
-    stage.record("V1 scheduling", "skipped", "not in kvlab.engine: one V0-style scheduler (a step is all prefill "
-                                             "or all decode, no chunked prefill)")
     stage.record("CUDA-graph decode", "skipped", "not in kvlab.engine: every decode step launches its kernels")
     path = stage.out / f"{ENGINE_PREFIX}{device_slug(stage.dry_run)}.csv"
     with tempfile.TemporaryDirectory() as tmp:
@@ -91,8 +91,9 @@ def run(stage):
                     prompt_tokens=sum(map(len, prompts)), generated_tokens=sum(outputs),
                     dtype=str(dtype).replace("torch.", ""), prefix_caching=False)
         systems = {
-            "kvlab.engine": lambda: run_engine(model_dir, prompts, outputs, prefix_caching=False, block_size=16,
-                                               max_num_seqs=256),
+            **{f"kvlab.engine ({scheduling})": functools.partial(
+                run_engine, model_dir, prompts, outputs, prefix_caching=False, block_size=16, max_num_seqs=256,
+                scheduling=scheduling) for scheduling in ("v1", "v0")},
             "hf-continuous-batching": lambda: hf_continuous(model_dir, prompts, outputs, dtype=dtype, device=device,
                                                          dry_run=stage.dry_run),
             "hf-generate": lambda: run_hf(model_dir, prompts, outputs, batch_size=HF_BATCH, dtype=dtype),
@@ -105,7 +106,7 @@ def run(stage):
             with stage.check(system) as detail:
                 row = {**base, "system": system, "max_batch": HF_BATCH if system == "hf-generate" else 256,
                        "kernels": ("kvlab, torch attention" if stage.dry_run else "kvlab, compiled")
-                       if system == "kvlab.engine" else "torch", **measure()}
+                       if system.startswith("kvlab.engine") else "torch", **measure()}
                 rows.append(row)
                 write_frame(rows, path)  # after each system: a stage killed later keeps the rows it has
                 detail["text"] = (f"{row['generated_tokens'] / row['wall_s']:.1f} generated tok/s, "
