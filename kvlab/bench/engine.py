@@ -8,6 +8,9 @@ Without --model: a random model of SmolLM2-135M's shape (Qwen3-0.6B's on a GPU).
 --suite throughput (the default on a GPU): offline throughput against HF ``generate`` in static batches (no
 paging) on the same requests, with the device's default attention backend.
 
+--suite scheduling: V0 against V1 scheduling (throughput, TTFT and inter-token latency percentiles) on
+nano-vllm's workload, scaled down on CPU, HF as the peer; see ``kvlab.bench.scheduling``.
+
 Workloads (random token ids from ``--seed``, every request runs to its own output length, EOS ignored):
   random         nano-vllm's benchmark: many requests, prompt and output lengths uniform at random;
   shared-prefix  every prompt starts with the same long system prompt, then a short random suffix.
@@ -154,12 +157,13 @@ def main(argv=None) -> int:
     intro, details = __doc__.split("\n\n", 1)
     parser = argparse.ArgumentParser(prog="python -m kvlab.bench engine", description=intro, epilog=details,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=("serving", "throughput"), help="default: throughput on a GPU, "
+    parser.add_argument("--suite", choices=("serving", "throughput", "scheduling"), help="default: throughput on a GPU, "
                         "serving without one")
     parser.add_argument("--model", help="local HF model directory; default: a random model (see above)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", help="where to write <device>.csv (default: data/bench/<suite>/, "
                         "data/bench/engine/ for throughput)")
+    parser.add_argument("--requests", type=int, help="number of requests per workload (throughput, scheduling)")
     serving = parser.add_argument_group("serving suite")
     serving.add_argument("--backends", default="torch,triton", help="comma-separated attention backends")
     serving.add_argument("--repeats", type=int, default=3, help="runs per measurement (medians reported)")
@@ -168,11 +172,14 @@ def main(argv=None) -> int:
                          help="also run the end-to-end measurement in the Triton interpreter (many minutes)")
     serving.add_argument("--profile", action="store_true", help="print where a torch-backend step spends its time")
     throughput = parser.add_argument_group("throughput suite")
-    throughput.add_argument("--requests", type=int, help="number of requests per workload")
     throughput.add_argument("--quick", action="store_true", help="a quarter of the requests")
     throughput.add_argument("--block-size", type=int, default=16)
-    throughput.add_argument("--max-num-seqs", type=int, default=256)
+    throughput.add_argument("--max-num-seqs", type=int, help="default: 256 (scheduling: 64 on a GPU, 4 on CPU)")
     throughput.add_argument("--hf-batch-size", type=int, default=None, help="default: 64 on a GPU, 16 on CPU")
+    scheduling = parser.add_argument_group("scheduling suite")
+    scheduling.add_argument("--scale", type=float, help="workload lengths x this (default: 1 on a GPU, 1/16 on CPU)")
+    scheduling.add_argument("--max-num-batched-tokens", type=int, help="token budget per step (default: 2048 x "
+                            "scale, raised to the longest prompt)")
     args = parser.parse_args(argv)
     suite = args.suite or ("throughput" if ON_GPU else "serving")
     from kvlab.engine.random_model import save_random_model
@@ -193,6 +200,8 @@ def main(argv=None) -> int:
                                 interpreter_end_to_end=args.interpreter_end_to_end, profile=args.profile, base=base)
             write_and_show(frame, args.out_dir or "data/bench/serving", device_name())
             return 0
+        if suite == "scheduling":
+            return _scheduling(model_dir, dict(base, model=model_name), args)
         frame = run_throughput(model_dir, dict(base, model=model_name), args)
     out = Path(args.out_dir or "data/bench/engine") / f"{device_name()}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -202,6 +211,21 @@ def main(argv=None) -> int:
     print(f"\n{model_name} ({base['params_m']}M parameters) on {device_name()}, engine: {frame['kernels'].iloc[0]}")
     print(frame[shown].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     print(f"wrote {out}")
+    return 0
+
+
+def _scheduling(model_dir, base: dict, args) -> int:
+    from kvlab.bench.scheduling import CPU_SCALE, run_scheduling, show
+
+    scale = args.scale or (1.0 if ON_GPU else CPU_SCALE)
+    frame = run_scheduling(model_dir, base, seed=args.seed, scale=scale, requests=args.requests,
+                           max_num_seqs=args.max_num_seqs or (64 if ON_GPU else 4),
+                           max_num_batched_tokens=args.max_num_batched_tokens or round(2048 * scale),
+                           block_size=args.block_size, hf_batch_size=args.hf_batch_size or (64 if ON_GPU else 16))
+    out = Path(args.out_dir or "data/bench/scheduling") / f"{device_name()}.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    frame.round(4).to_csv(out, index=False)
+    show(frame, out)
     return 0
 
 
@@ -220,10 +244,10 @@ def run_throughput(model_dir, base: dict, args) -> pd.DataFrame:
         for caching in (True, False):
             print(f"{workload}: kvlab engine, prefix caching {'on' if caching else 'off'}")
             result = run_engine(model_dir, prompts, outputs, prefix_caching=caching, block_size=args.block_size,
-                                max_num_seqs=args.max_num_seqs)
+                                max_num_seqs=args.max_num_seqs or 256)
             release_device_memory()
             rows.append({**run_base, "system": "kvlab.engine", "prefix_caching": caching,
-                         "max_batch": args.max_num_seqs, **result})
+                         "max_batch": args.max_num_seqs or 256, **result})
         print(f"{workload}: HF generate, batches of {hf_batch}")
         dtype = getattr(torch, rows[-1]["dtype"])
         rows.append({**run_base, "system": "hf-generate", "prefix_caching": False, "max_batch": hf_batch,

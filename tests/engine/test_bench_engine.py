@@ -1,9 +1,11 @@
 """The engine benchmark's workloads and command line (the benchmark itself is a script, never timed here)."""
 
+import pandas as pd
 import pytest
 
 from kvlab.bench.__main__ import main as bench_main
 from kvlab.bench.engine import CPU_WORKLOAD, make_workloads
+from kvlab.bench.scheduling import latency_row
 
 
 def test_workloads_are_reproducible_and_share_the_system_prompt():
@@ -23,3 +25,23 @@ def test_help_describes_the_gpu_and_cpu_runs(capsys):
     assert exit_.value.code == 0
     text = capsys.readouterr().out
     assert "--model" in text and "Qwen3-0.6B" in text and "Triton interpreter" in text
+
+
+def test_latency_row_counts_every_gap_so_a_stall_shows_in_the_tail():
+    # two requests: the second gets its first token at 3.0 s, the first stalls 1.0 -> 3.0 between tokens
+    row = latency_row([[1.0, 1.1, 3.0, 3.1], [3.0, 3.2]], wall=3.2)
+    assert row["ttft_ms_p50"] == pytest.approx(2000) and row["itl_ms_max"] == pytest.approx(1900)
+    assert row["itl_ms_p50"] == pytest.approx(150) and row["itl_ms_p99"] > 1800  # gaps 100, 1900, 100, 200
+
+
+def test_scheduling_suite_writes_v0_v1_and_hf_rows(tmp_path, capsys):
+    assert bench_main(["engine", "--suite", "scheduling", "--requests", "4", "--scale", "0.01", "--max-num-seqs",
+                       "2", "--out-dir", str(tmp_path)]) == 0
+    frame = pd.read_csv(next(tmp_path.glob("*.csv")))
+    assert list(frame["system"]) == ["kvlab v0", "kvlab v1", "hf-generate"]
+    assert (frame["scale"] == 0.01).all() and "scaled by 0.01" in capsys.readouterr().out
+    engine = frame.iloc[:2]
+    assert engine[[f"{m}_ms_p{p}" for m in ("ttft", "itl") for p in (50, 90, 99)]].notna().all().all()
+    # V0 never mixes; V1 prefills the queued requests inside decode steps
+    assert list(engine["mixed_steps"]) == [0, engine["mixed_steps"].iloc[1]] and engine["mixed_steps"].iloc[1] > 0
+    assert (frame["generated_tok_s"] > 0).all()
