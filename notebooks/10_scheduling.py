@@ -22,7 +22,12 @@
 #    back, by **recompute** (free the blocks, prefill again later) or by **swap** (copy them to CPU memory
 #    and back): the same workload, the two costs side by side;
 # 4. a **token budget** per step (`max_num_batched_tokens`), and what it does to time to first token;
-# 5. throughput and latency as the pool shrinks.
+# 5. throughput and latency as the pool shrinks;
+# 6. **chunked prefill** (`scheduling="v1"`): prefill chunks and decodes share each step's budget, and the
+#    decode stall of sections 1-5 goes away.
+#
+# Sections 1-5 run the engine with `scheduling="v0"` (whole-prompt steps, as vLLM V0 and nano-vllm); section 6
+# compares it with V1.
 #
 # Everything runs on a tiny random model (one layer: nothing is downloaded, the text is noise). On a CPU every
 # step runs in the Triton interpreter, whose times say nothing about a GPU. Costs are therefore counted in
@@ -387,7 +392,7 @@ print(f"Reading: recompute prefilled {recompute_tokens} tokens again, and found 
 # ## 4. A token budget per step
 #
 # `max_num_batched_tokens` caps the tokens one step may compute, so a burst of prompts cannot make one
-# enormous prefill step while everybody else waits. kvlab does not chunk prompts, so every prompt must fit
+# enormous prefill step while everybody else waits. V0 scheduling does not chunk prompts, so every prompt must fit
 # the budget on its own; with a budget of about one prompt, each burst (A, B and C; then E and F) is admitted
 # one prompt per step. Same pool, budget `TOKEN_BUDGET` against `SMALL_BUDGET`:
 
@@ -455,14 +460,132 @@ sweep.round(2)
 # save (notebooks 01-08) turns into throughput.
 
 # %% [markdown]
+# ## 6. Chunked prefill: V0 against V1 scheduling
+#
+# With `scheduling="v1"` kvlab's scheduler works like vLLM V1's: one token budget per step, running requests
+# first (one decode token each), then waiting prompts, and a prompt that does not fit what is left of the
+# budget is prefilled in chunks over several steps. A step can then be **mixed**: prefill chunks and decode
+# tokens in one forward pass.
+#
+# A new workload shows the difference: two short requests (A, B) decode 30 tokens each while two long
+# prompts of `LONG_PROMPT` tokens arrive (C before step 4, D before step 10). For a decoding request what
+# matters is the **longest gap** between two of its tokens, in steps and in tokens computed meanwhile; for a
+# long prompt, its **time to first token**. Steps do not cost the same: a step-time model
+# `t = STEP_MS + TOKEN_MS x tokens` (stated below, an assumption for illustration, not a measurement) turns
+# both into milliseconds.
+
+# %%
+LONG_PROMPT = 64                        # C's and D's prompt tokens: V0 needs a budget at least this large
+BUDGET_SWEEP = [16, 24, 32, 48, 64, 96, 128]
+MIX_BUDGET = 64                         # the budget of the per-step picture (V0 can serve it)
+STEP_MS, TOKEN_MS = 5.0, 0.1            # assumed step-time model: a fixed cost plus a cost per token
+CHUNK_WORKLOAD = {"A": (12, 0, 30), "B": (14, 0, 30), "C": (LONG_PROMPT, 4, 8), "D": (LONG_PROMPT, 10, 8)}
+chunk_prompts = {name: np.random.default_rng(SEED + i).integers(0, 500, size=n).tolist()
+                 for i, (name, (n, _, _)) in enumerate(CHUNK_WORKLOAD.items())}
+
+
+@cache
+def chunk_run(scheduling, budget):
+    """Steps (one row each) and, per request, the step that gave each of its tokens."""
+    llm = LLM(MODEL_DIR, block_size=BLOCK_SIZE, num_blocks=64, max_num_seqs=MAX_NUM_SEQS,
+              max_num_batched_tokens=budget, scheduling=scheduling, seed=SEED)
+    pending, requests, token_steps = dict(CHUNK_WORKLOAD), {}, {}
+    while pending or llm.has_unfinished_requests():
+        step = len(llm.step_records)
+        for name in [n for n, (_, arrives, _) in pending.items() if arrives <= step]:
+            max_tokens = pending.pop(name)[2]
+            llm.add_request(chunk_prompts[name], SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                ignore_eos=True), request_id=name)
+            requests[name] = llm.scheduler.owner[llm.scheduler.waiting[-1].seq_id]  # its metrics count tokens
+        llm.step()
+        for name, request in requests.items():
+            steps = token_steps.setdefault(name, [])
+            steps += [step] * (request.metrics.num_generated_tokens - len(steps))
+    return llm.step_dataframe(), token_steps
+
+
+def stall_summary(scheduling, budget):
+    """A and B's longest decode gap and C and D's time to first token, in steps, tokens and model ms."""
+    steps, token_steps = chunk_run(scheduling, budget)
+    tokens, ms = steps["num_tokens"].to_numpy(), STEP_MS + TOKEN_MS * steps["num_tokens"].to_numpy()
+    gaps = [(b - a, tokens[a + 1:b + 1].sum(), ms[a + 1:b + 1].sum())
+            for n in "AB" for a, b in zip(token_steps[n], token_steps[n][1:])]
+    ttft = [(t[0] + 1 - CHUNK_WORKLOAD[n][1], tokens[CHUNK_WORKLOAD[n][1]:t[0] + 1].sum(),
+             ms[CHUNK_WORKLOAD[n][1]:t[0] + 1].sum()) for n, t in token_steps.items() if n in "CD"]
+    longest = max(gaps, key=lambda g: g[2])
+    return {"scheduling": scheduling, "budget": budget, "steps": len(steps),
+            "longest decode gap (steps)": longest[0], "longest decode gap (tokens)": longest[1],
+            "longest decode gap (model ms)": longest[2], "long prompt TTFT (steps)": np.mean([t[0] for t in ttft]),
+            "long prompt TTFT (model ms)": np.mean([t[2] for t in ttft])}
+
+
+fig, axes = plt.subplots(2, 1, figsize=(12, 5), layout="constrained", sharex=True, sharey=True)
+for ax, scheduling in zip(axes, ("v0", "v1")):
+    steps, _ = chunk_run(scheduling, MIX_BUDGET)
+    ax.bar(steps["step"], steps["prefill_tokens"], color="#4e79a7", label="prefill tokens")
+    ax.bar(steps["step"], steps["decode_tokens"], bottom=steps["prefill_tokens"], color="#59a14f",
+           label="decode tokens")
+    ax.axhline(MIX_BUDGET, color="gray", ls="--", lw=1, label=f"budget ({MIX_BUDGET})")
+    ax.set(ylabel="tokens in the step", title=f"{scheduling.upper()} scheduling: what each step computed")
+    ax.legend(fontsize=8, loc="upper right")
+axes[1].set_xlabel("engine step")
+plt.show()
+
+# %% [markdown]
+# In V0 the steps where C and D are prefilled have no decode tokens (no green): A and B wait a whole step.
+# In V1 every step has A's and B's decode tokens, and C's prompt is cut where the budget runs out, its rest
+# going into the next step. Now the budget sweep: V0 runs only budgets that hold a whole long prompt.
+
+# %%
+stalls = pd.DataFrame([stall_summary(s, b) for s in ("v0", "v1") for b in BUDGET_SWEEP
+                       if s == "v1" or b >= LONG_PROMPT])
+STALL_COLUMNS = ["longest decode gap (tokens)", "longest decode gap (model ms)", "long prompt TTFT (model ms)"]
+fig, axes = plt.subplots(1, 3, figsize=(15, 3.6), layout="constrained")
+for scheduling, rows in stalls.groupby("scheduling"):
+    for ax, column in zip(axes, STALL_COLUMNS):
+        ax.plot(rows["budget"], rows[column], "o-", label=scheduling.upper())
+for ax, column, title in zip(axes, STALL_COLUMNS, ["work between two tokens of A or B",
+                                                   "the decode stall, step-time model",
+                                                   "C and D's first token, step-time model"]):
+    ax.set(xlabel="token budget per step (max_num_batched_tokens)", ylabel=column, title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+plt.show()
+stalls.round(1)
+
+# %%
+v0, v1 = (stalls[(stalls["scheduling"] == s) & (stalls["budget"] == MIX_BUDGET)].iloc[0] for s in ("v0", "v1"))
+small = stalls[(stalls["scheduling"] == "v1")].iloc[0]
+viz.check(v0["longest decode gap (steps)"] >= 2 and v1["longest decode gap (steps)"] == 1 and
+          v1["longest decode gap (tokens)"] < v0["longest decode gap (tokens)"],
+          "V1 should never skip a decode step here, and V0 should", defaults=(LONG_PROMPT == 64 and MIX_BUDGET == 64))
+print(f"Reading: at budget {MIX_BUDGET}, V0 makes A or B wait {v0['longest decode gap (steps)']:.0f} steps "
+      f"({v0['longest decode gap (tokens)']:.0f} tokens computed between two of its tokens, "
+      f"{v0['longest decode gap (model ms)']:.1f} model ms); V1 gives them a token every step, the longest gap "
+      f"{v1['longest decode gap (tokens)']:.0f} tokens ({v1['longest decode gap (model ms)']:.1f} ms). A V1 "
+      f"budget of {small['budget']:.0f} bounds the gap to {small['longest decode gap (model ms)']:.1f} ms but C and "
+      f"D wait {small['long prompt TTFT (steps)']:.1f} steps for their first token "
+      f"({small['long prompt TTFT (model ms)']:.1f} ms) instead of {v1['long prompt TTFT (steps)']:.1f}: "
+      "the budget trades decode smoothness against time to first token.")
+
+# %% [markdown]
+# > **In vLLM.** This is V1's scheduler (`vllm/v1/core/sched/scheduler.py`): running requests are scheduled
+# > first, then waiting ones, each taking at most what is left of the step's token budget, so a long prompt
+# > is prefilled over several steps and shares them with decodes. `python -m kvlab.bench engine --suite
+# > scheduling` measures the same comparison in wall time on nano-vllm's workload shape.
+#
+# **Try it.** Predict, then set `LONG_PROMPT = 120`: which V0 budgets remain, and how long is V0's stall now?
+
+# %% [markdown]
 # ## Takeaways
 #
-# * Continuous batching admits and retires requests between steps; in kvlab (like nano-vllm and vLLM V0
-#   without chunked prefill) each step is a prefill or a decode, so a prefill pauses decoding.
+# * Continuous batching admits and retires requests between steps; with V0 scheduling (like nano-vllm and
+#   vLLM V0 without chunked prefill) each step is a prefill or a decode, so a prefill pauses decoding.
 # * `can_allocate` answers OK / LATER / NEVER; a watermark keeps blocks free for running sequences to grow
 #   into, trading admission for fewer preemptions.
 # * Preemption by recompute costs tokens computed again (partly saved by prefix hits on the victim's own
 #   blocks); by swap, blocks copied twice over PCIe. Outputs are identical either way.
 # * A token budget bounds each step's work at the price of later first tokens for queued prompts; chunked
-#   prefill (vLLM V1) removes most of that trade.
+#   prefill (V1 scheduling) removes most of that trade: the longest decode gap is one step of at most
+#   the budget, and the price moves to the long prompt's time to first token.
 # * Throughput and latency degrade smoothly as the pool shrinks, until preemptions start throwing work away.
