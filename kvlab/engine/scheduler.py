@@ -104,6 +104,11 @@ class Scheduler:
         request = self.owner[seq.seq_id]
         return request.params.n if request.needs_fork and seq is request.seqs[0] else 1
 
+    def _never_fits(self, seq: Sequence) -> str:
+        """Why a prompt is aborted when ``can_allocate`` says NEVER: not even an empty pool could hold it."""
+        blocks = -(-seq.num_tokens // self.manager.block_size)
+        return f"{seq.num_tokens} tokens need {blocks} blocks, more than the {self.manager.num_blocks}-block pool holds"
+
     def _schedule_prefill(self) -> ScheduledStep:
         step = ScheduledStep("prefill", [], BlockMoves())
         seats, tokens = len(self.running), 0
@@ -120,9 +125,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if status is AllocStatus.NEVER:
-                blocks = -(-seq.num_tokens // self.manager.block_size)
-                step.aborted.append((seq, f"{seq.num_tokens} tokens need {blocks} blocks, more than the "
-                                          f"{self.manager.num_blocks}-block pool holds"))
+                step.aborted.append((seq, self._never_fits(seq)))
                 continue
             self.manager.allocate(seq)
             step.seqs.append(seq)

@@ -95,9 +95,7 @@ class V1Scheduler(Scheduler):
                 break
             self.waiting.popleft()
             if status is AllocStatus.NEVER:
-                blocks = -(-seq.num_tokens // self.manager.block_size)
-                step.aborted.append((seq, f"{seq.num_tokens} tokens need {blocks} blocks, more than the "
-                                          f"{self.manager.num_blocks}-block pool holds"))
+                step.aborted.append((seq, self._never_fits(seq)))
                 continue
             self.manager.allocate(seq, num_new_tokens=num_new)
             self.prefilling.add(seq.seq_id)
