@@ -21,8 +21,12 @@ the window cached, so kvlab misses hits whose early blocks were evicted.
 Invariants: each group's records check out on their own, the pools agree with the sum of every group's
 references, and the groups of a sequence schedule the same positions. Every operation plans all groups and
 checks room for their sum before any group acts; allocate pins every group's hits meanwhile, so one group's
-new blocks never evict another's planned hit. (A user eviction policy or ``hash_fn`` that raises in a later
-group leaves the earlier groups' part done.)
+new blocks never evict another's planned hit.
+
+Limitation: "a call that fails changes nothing" holds per group, not across groups. Each group's operation is
+undone if it fails, but when a user eviction policy or ``hash_fn`` raises in group g of ``allocate``,
+``append_slots``, ``free``, ``fork``, ``swap_out`` or ``swap_in``, groups 0..g-1 keep their part done (and
+``allocate`` keeps its pins), so the sequence's groups disagree and ``check_invariants`` says so.
 """
 
 import threading
@@ -124,7 +128,7 @@ class HybridBlockManager:
         check_unallocated(self, seq)
         lookahead = check_int("num_lookahead_slots", num_lookahead_slots, 0)
         _, plans = self._plans(self._new_shadows(seq), lookahead, num_new_tokens)
-        return self._base._admission(sum(p.peak_blocks for p in plans), sum(p.needed_free for p in plans))
+        return self._base._admission(sum(p.peak_blocks for p in plans), self._pins(plans)[2])
 
     def allocate(self, seq: Sequence, *, num_new_tokens: Optional[int] = None) -> None:
         """Allocate ``seq`` in every group, sharing the longest prefix every group has cached."""
@@ -132,11 +136,9 @@ class HybridBlockManager:
         shadows = self._new_shadows(seq)
         common, plans = self._plans(shadows, 0, num_new_tokens)
         pool = self._pool
-        pins = [block for plan in plans for block in plan.hits]
-        revived = [block for block in pins if not pool.ref[block]]
-        fresh = sum(plan.live_blocks - len(plan.hits) + plan.first_live for plan in plans)
-        if fresh + len(revived) > pool.num_free or sum(p.peak_blocks for p in plans) > self._base._usable:
-            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {fresh + len(revived)} free blocks across "
+        pins, revived, needed = self._pins(plans)
+        if needed > pool.num_free or sum(p.peak_blocks for p in plans) > self._base._usable:
+            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {needed} free blocks across "
                                    f"{len(plans)} groups, {pool.num_free} are free (check can_allocate first)")
         with pool.transaction() as txn:
             txn.revive(revived)
@@ -184,6 +186,10 @@ class HybridBlockManager:
             sync_shadow(child, twin)
         set_allocation_record(child, HybridRecord(self, twins))
         child.status, child.num_cached_tokens = SequenceStatus.RUNNING, parent.num_cached_tokens
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every group's cached prefixes (they live in the one shared pool); False while a block is in use."""
+        return self._base.reset_prefix_cache()
 
     # ---- swapping ----------------------------------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> AllocStatus:
@@ -258,6 +264,15 @@ class HybridBlockManager:
             member.max_hits = common
         return common, [member._plan_allocation(shadow, lookahead, num_new_tokens)
                         for member, shadow in zip(self._members, shadows)]
+
+    def _pins(self, plans):
+        """(every group's hits, the free ones among them, the free blocks allocate takes). All hits are pinned
+        while the groups allocate, a window group's out-of-window ones too: were one evicted by another group's
+        new blocks, that group's lookup would find a shorter hit than the plan. So can_allocate counts them."""
+        pins = [block for plan in plans for block in plan.hits]
+        revived = [block for block in pins if not self._pool.ref[block]]
+        fresh = sum(plan.live_blocks - len(plan.hits) + plan.first_live for plan in plans)
+        return pins, revived, fresh + len(revived)
 
     def _step_needs(self, seq, lookahead, num_new_tokens):
         shadows = self._gpu_shadows(seq)

@@ -114,3 +114,22 @@ def test_bad_group_specs(groups):
 def test_bad_window():
     with pytest.raises(InvalidArgumentError, match="sliding window"):
         SlidingWindowSpec(0)
+
+
+@pytest.mark.parametrize("num_blocks, fits", [(9, False), (11, True)])
+def test_can_allocate_counts_the_out_of_window_hits_allocate_pins(num_blocks, fits):
+    """allocate pins a window group's out-of-window hits while the groups allocate; with 8 free blocks and
+    needing 10 (2 new, 8 hits) can_allocate said OK and allocate raised (found by the hybrid state machine)."""
+    m = HybridBlockManager(num_blocks, 2, groups=[FullAttentionSpec(), SlidingWindowSpec(2)])
+    earlier = Sequence(range(8), 2)
+    m.allocate(earlier)
+    m.free(earlier)  # its 8 blocks (4 per group) are free and cached
+    probe = Sequence(range(9), 2)
+    assert m.get_num_cached_tokens(probe) == 8
+    assert (m.can_allocate(probe) is AllocStatus.OK) == fits
+    if fits:
+        m.allocate(probe)
+    else:
+        with pytest.raises(OutOfBlocksError):
+            m.allocate(probe)
+    m.check_invariants()
