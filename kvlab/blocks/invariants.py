@@ -23,6 +23,14 @@ def _fail(message: str):
 
 
 def check_manager(allocations, cross_tables, pool, swap, block_size, prefix_caching) -> None:
+    gpu_refs, cpu_refs = check_records(allocations, cross_tables, pool, block_size, prefix_caching)
+    pool.check(gpu_refs)
+    swap.check(cpu_refs, pool.ref)
+
+
+def check_records(allocations, cross_tables, pool, block_size, prefix_caching) -> tuple[Counter, Counter]:
+    """Check one manager's records; return the (GPU, CPU) references they hold, block -> table entries (the
+    hybrid manager adds up its groups' before checking the pools they share)."""
     gpu_refs, cpu_refs = Counter(), Counter()
     for alloc in allocations:
         seq = alloc.seq
@@ -57,8 +65,7 @@ def check_manager(allocations, cross_tables, pool, swap, block_size, prefix_cach
             _fail(f"the cross table of sequence {table.root.seq_id} has {len(table.blocks)} blocks for "
                   f"{table.num_tokens} encoder tokens")
         (cpu_refs if table.on_cpu else gpu_refs).update(table.blocks)
-    pool.check(gpu_refs)
-    swap.check(cpu_refs, pool.ref)
+    return gpu_refs, cpu_refs
 
 
 def _check_sealed(alloc, pool, block_size) -> None:

@@ -72,12 +72,14 @@ class AllocationPlan(NamedTuple):
 
 
 def plan_allocation(pool, seq, hashes, contents, block_size, sliding_window, lookahead,
-                    num_new_tokens) -> AllocationPlan:
-    """Prefix hits are looked up once, here at admission; the first step computes the first
-    ``num_new_tokens`` tokens after them (None: the whole rest of the prompt)."""
+                    num_new_tokens, max_hits=None) -> AllocationPlan:
+    """Prefix hits are looked up once, here at admission (at most ``max_hits`` blocks: the hybrid manager's
+    hit every group can serve); the first step computes the first ``num_new_tokens`` tokens after them (None:
+    the whole rest of the prompt)."""
     n = seq.num_tokens
     # Never share the whole prompt: at least one token must be computed to produce logits.
-    hits = pool.lookup(hashes, contents, (n - 1) // block_size)
+    limit = (n - 1) // block_size
+    hits = pool.lookup(hashes, contents, limit if max_hits is None else min(limit, max_hits))
     cached = len(hits) * block_size
     scheduled = cached + new_tokens(seq, num_new_tokens, cached)
     # The step's first query is the first uncached token.

@@ -27,6 +27,7 @@ class PolicyTransaction:
         self._trusted = type(pool.policy) in BUILTIN_POLICIES
         self._undo = []   # (method, blocks, cached flags) that reverses each successful call
         self._seen = set()  # blocks popped or revived in this transaction (checks an untrusted policy)
+        self._added = set()  # blocks freed in this transaction: free, though their counts drop only after it
         self.calling = ""   # the policy method being called, for the error message
 
     def revive(self, blocks) -> None:
@@ -68,6 +69,7 @@ class PolicyTransaction:
         for block, is_cached in zip(blocks, cached):
             self._policy.add(block, is_cached)
             self._undo.append(("remove", [block], None))
+            self._added.add(block)
 
     def hits(self, blocks) -> None:
         listener = self._pool.hit_listener
@@ -96,8 +98,8 @@ class PolicyTransaction:
 
     def _check_popped(self, block) -> None:
         pool = self._pool
-        if not (is_int(block) and pool.first_block <= block < pool.num_blocks and not pool.ref[block]
-                and block not in self._seen):
+        if not (is_int(block) and pool.first_block <= block < pool.num_blocks
+                and (not pool.ref[block] or block in self._added) and block not in self._seen):
             raise EvictionPolicyError(f"pop() returned {block!r}, which is not a free block of this pool")
         self._seen.add(block)
 

@@ -214,3 +214,22 @@ def copy_tokens(parent: Sequence, child: Sequence) -> None:
     child._tokens, child._keys = array("Q", parent._token_array()), parent._keys
     child.num_tokens, child.num_prompt_tokens = parent.num_tokens, parent.num_prompt_tokens
     child.last_token, child.num_cached_tokens = parent.last_token, parent.num_cached_tokens
+
+
+def group_shadow(seq: Sequence, group: int) -> Sequence:
+    """``seq``'s stand-in in KV cache group ``group`` of a hybrid manager (kvlab.blocks.hybrid_manager): its
+    id and token array (so appended tokens show), and its keys with the group added to block 0's, so that no
+    two groups' blocks ever have equal bytes: the layers differ, and so does their K/V."""
+    shadow = Sequence((), seq.block_size)
+    extra = dict(seq.extra_keys)
+    extra[0] = ("kv cache group", group) + ((extra[0],) if 0 in extra else ())
+    shadow._keys = cache_keys(seq.cache_salt, seq.adapter_key, extra, (MAX_TOKENS - 1) // seq.block_size)
+    shadow.seq_id = seq.seq_id
+    sync_shadow(seq, shadow)
+    return shadow
+
+
+def sync_shadow(seq: Sequence, shadow: Sequence) -> None:
+    """Bring a shadow's tokens up to its sequence's (``append_token`` and ``fork`` change only the sequence)."""
+    shadow._tokens, shadow.num_tokens, shadow.last_token = seq._tokens, seq.num_tokens, seq.last_token
+    shadow.num_prompt_tokens = seq.num_prompt_tokens

@@ -181,3 +181,18 @@ def test_a_policy_that_cannot_undo_says_so_and_the_checker_notices():
         m.reset_prefix_cache()                # it removed blocks, and cannot put them back
     with pytest.raises(InvariantViolation, match="free set"):
         m.check_invariants()
+
+
+def test_a_user_policy_may_hand_out_a_block_the_same_step_freed():
+    """A window step frees the block that left the window, then takes one: a most-recently-freed-first policy
+    hands out that very block, which is free though its count drops only after the policy calls (found by
+    the hybrid state machine)."""
+    policy = FlakyPolicy()
+    policy.pop = lambda: policy._free.popitem(last=True)[0]
+    m = BlockManager(8, 2, sliding_window=2, eviction=policy)
+    seq = Sequence([1, 2, 3, 1, 2], 2)
+    m.allocate(seq, num_new_tokens=3)
+    released = seq.block_table[0]
+    m.append_slots(seq)
+    assert seq.block_table[0] == 0 and released in seq.block_table[1:]
+    m.check_invariants()

@@ -1,0 +1,135 @@
+"""KV cache groups: one full-attention and one sliding-window group sharing one pool (HybridBlockManager)."""
+
+import pytest
+
+from kvlab import AllocStatus, InvalidArgumentError, OutOfBlocksError, Sequence
+from kvlab.blocks.hybrid_manager import HybridBlockManager
+from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
+from kvlab.blocks.sequence import group_shadow
+
+BS = 4
+GROUPS = [FullAttentionSpec(), SlidingWindowSpec(4)]
+
+
+def make(num_blocks=32, **kw):
+    return HybridBlockManager(num_blocks, BS, groups=GROUPS, **kw)
+
+
+def test_each_group_has_its_own_table_and_slots_from_one_pool():
+    m = make()
+    seq = Sequence(range(10), BS)
+    m.allocate(seq)
+    full, window = m.block_tables(seq)
+    assert len(full) == len(window) == 3 and not set(full) & set(window)
+    assert m.num_free_blocks == 31 - 6  # block 0 is the window's null block
+    slots = m.slot_mappings(seq, 0, 10)
+    assert slots[0] == [full[p // BS] * BS + p % BS for p in range(10)]
+    assert slots[1][:4] == [-1] * 4 or slots[1][0] == window[0] * BS  # window 4 from position 9: blocks 1, 2
+    m.check_invariants()
+
+
+def test_window_group_releases_blocks_that_leave_the_window_still_cached():
+    m = make()
+    seq = Sequence(range(8), BS)
+    m.allocate(seq)
+    before = m.block_tables(seq)[1]
+    for t in range(8, 16):
+        seq.append_token(t)
+        m.append_slots(seq)
+    full, window = m.block_tables(seq)
+    assert all(b != 0 for b in full) and window[:2] == [0, 0]
+    assert m.ref_count(before[0]) == 0 and m.is_cached(before[0])  # freed, evictable, still hittable
+    assert m.slot_mappings(seq, 0, 4)[1] == [-1] * 4
+    m.check_invariants()
+
+
+def test_hit_is_cut_to_what_the_window_group_can_serve():
+    m = make(num_blocks=13)  # 12 usable: tight, so new blocks soon reuse freed ones
+    a = Sequence(range(12), BS)
+    m.allocate(a)
+    for t in range(12, 20):  # the window group releases a's first blocks: freed first, so evicted first
+        a.append_token(t)
+        m.append_slots(a)
+    m.free(a)
+    m.allocate(Sequence([99] * 8, BS))  # evicts the window group's released blocks (freed first)
+    probe = Sequence(range(13), BS)
+    full_hit = m._members[0].get_num_cached_tokens(group_shadow(probe, 0))
+    window_hit = m._members[1].get_num_cached_tokens(group_shadow(probe, 1))
+    assert full_hit == 12 and window_hit < full_hit
+    assert m.get_num_cached_tokens(probe) == window_hit
+    m.allocate(probe)
+    assert probe.num_cached_tokens == window_hit
+    m.check_invariants()
+
+
+def test_same_tokens_in_two_groups_are_different_blocks_and_a_full_hit_needs_both():
+    m = make()
+    a, b = Sequence(range(9), BS), Sequence(range(9), BS)
+    m.allocate(a)
+    m.allocate(b)
+    assert b.num_cached_tokens == 8
+    assert m.block_tables(a)[0][:2] == m.block_tables(b)[0][:2]
+    assert m.block_tables(a)[1][1] == m.block_tables(b)[1][1]
+    m.check_invariants()
+
+
+def test_fork_cow_and_swap_per_group():
+    m = make(num_cpu_blocks=16)
+    parent, child = Sequence(range(6), BS), Sequence([])
+    m.allocate(parent)
+    m.fork(parent, child)
+    assert m.block_tables(child) == m.block_tables(parent)
+    child.append_token(7)
+    pairs = m.append_slots(child)
+    assert len(pairs) == 2 and all(len(p) == 1 for p in pairs)  # each group copies its shared last block
+    assert m.can_swap_out(child) is AllocStatus.OK
+    out = m.swap_out(child)
+    assert len(out) == 2
+    m.check_invariants()
+    assert m.swap_in(child) and m.block_tables(child)[0][-1] != 0
+    m.check_invariants()
+    m.free(child)
+    m.free(parent)
+    m.check_invariants()
+    assert m.num_free_blocks == 31
+
+
+def test_admission_counts_every_group():
+    m = make(num_blocks=5)  # 4 usable: 2 blocks per group fit, 3 do not
+    assert m.can_allocate(Sequence(range(8), BS)) is AllocStatus.OK
+    seq = Sequence(range(12), BS)
+    assert m.can_allocate(seq) is AllocStatus.NEVER
+    with pytest.raises(OutOfBlocksError):
+        m.allocate(seq)
+    m.check_invariants()
+    assert m.num_free_blocks == 4
+
+
+@pytest.mark.parametrize("groups", [[], "full", [FullAttentionSpec(), 3], [None], 5])
+def test_bad_group_specs(groups):
+    with pytest.raises(InvalidArgumentError, match="FullAttentionSpec"):
+        HybridBlockManager(8, BS, groups=groups)
+
+
+def test_bad_window():
+    with pytest.raises(InvalidArgumentError, match="sliding window"):
+        SlidingWindowSpec(0)
+
+
+@pytest.mark.parametrize("num_blocks, fits", [(9, False), (11, True)])
+def test_can_allocate_counts_the_out_of_window_hits_allocate_pins(num_blocks, fits):
+    """allocate pins a window group's out-of-window hits while the groups allocate; with 8 free blocks and
+    needing 10 (2 new, 8 hits) can_allocate said OK and allocate raised (found by the hybrid state machine)."""
+    m = HybridBlockManager(num_blocks, 2, groups=[FullAttentionSpec(), SlidingWindowSpec(2)])
+    earlier = Sequence(range(8), 2)
+    m.allocate(earlier)
+    m.free(earlier)  # its 8 blocks (4 per group) are free and cached
+    probe = Sequence(range(9), 2)
+    assert m.get_num_cached_tokens(probe) == 8
+    assert (m.can_allocate(probe) is AllocStatus.OK) == fits
+    if fits:
+        m.allocate(probe)
+    else:
+        with pytest.raises(OutOfBlocksError):
+            m.allocate(probe)
+    m.check_invariants()

@@ -1,0 +1,231 @@
+"""Model check of KV cache groups: random programs run against HybridBlockManager and a fake KV cache.
+
+As in test_stateful, the machine plays the engine, but a model with several layer kinds writes each group's
+K/V through that group's slot mapping. The fake caches (slot -> value) are keyed by the shared pool's slots,
+and a value names its group, so a block that two groups (or two sequences) both write is caught when the
+loser reads. After each step, and after every operation, every live sequence reads back in each group what
+that group's attention sees: every position in a full-attention group, the last W before the step's first
+query in a window-W group. Every rule of the single-group machine that the hybrid manager offers is here:
+whole and chunked admissions with prefix hits (also continuations of earlier requests, and tenants' salts),
+steps of all pending tokens or of a chunk of them with lookahead slots, forks, frees (preempted or finished),
+swaps and prefix-cache resets; weak hashes and a user-written eviction policy too. (The hybrid manager has no
+``access_all_blocks_in_seq``, so there is no ``touch`` rule.)
+"""
+
+import itertools
+import os
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvlab import AllocStatus, InvalidArgumentError, OutOfBlocksError, Sequence
+from kvlab.blocks.hybrid_manager import HybridBlockManager
+from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
+from test_stateful import PREFIXES, StackPolicy, kv_values, salts, tokens
+
+_junk = itertools.count()
+
+
+class HybridMachine(RuleBasedStateMachine):
+    config = dict(num_blocks=32, block_size=2, num_cpu_blocks=16, groups=[FullAttentionSpec(), SlidingWindowSpec(3)])
+
+    def __init__(self):
+        super().__init__()
+        config = dict(self.config)
+        if isinstance(config.get("eviction"), type):   # a policy class: a fresh instance per program
+            config["eviction"] = config["eviction"]()
+        self.manager = HybridBlockManager(**config)
+        self.windows = [spec.sliding_window for spec in self.manager.groups]
+        self.gpu, self.cpu = {}, {}   # slot -> (group, value): every group's K/V in the one shared pool
+        self.running, self.swapped = [], []
+        self.written, self.reserved, self.first_query = {}, {}, {}   # as in ManagerMachine
+        self.history = []
+
+    # ---- the engine's side ---------------------------------------------------------------------------
+    def _step(self, seq, first_query, lookahead=0, end=None):
+        """Write the step's tokens first_query..end-1 in every group (and junk in lookahead slots), then check
+        what each group's attention reads."""
+        n, bs = seq.num_tokens if end is None else end, self.manager.block_size
+        assert self.manager.num_scheduled_tokens(seq) == n
+        values = kv_values(seq)
+        for g, slots in enumerate(self.manager.slot_mappings(seq, first_query, n + lookahead)):
+            for p, slot in enumerate(slots, first_query):
+                assert slot >= 0, f"group {g}: position {p} of the step has no slot"
+                self.gpu[slot] = (g, values[p]) if p < n else ("junk", next(_junk))
+        self.written[seq], self.first_query[seq] = n, first_query
+        self.reserved[seq] = max(self.reserved.get(seq, 0), n + lookahead)
+        assert all(len(table) * bs >= n + lookahead for table in self.manager.block_tables(seq))
+        self._check_reads(seq)
+
+    def _check_reads(self, seq):
+        """Every group still maps, with its own values, what its queries from ``first_query`` on can see."""
+        n = self.written[seq]
+        expected = kv_values(seq, n)
+        for g, slots in enumerate(self.manager.slot_mappings(seq, 0, n)):
+            window = self.windows[g]
+            visible = 0 if window is None else max(0, self.first_query[seq] - window + 1)
+            for p, slot in enumerate(slots):
+                assert slot >= 0 or p < visible, f"seq {seq.seq_id} group {g}: position {p} released while visible"
+                if slot >= 0:
+                    assert self.gpu.get(slot) == (g, expected[p]), \
+                        f"seq {seq.seq_id} group {g} reads wrong K/V at position {p}"
+
+    def _copy(self, src_cache, dst_cache, pairs_per_group):
+        bs = self.manager.block_size
+        for pairs in pairs_per_group:
+            for src, dst in pairs:
+                for offset in range(bs):
+                    if src * bs + offset in src_cache:
+                        dst_cache[dst * bs + offset] = src_cache[src * bs + offset]
+                    else:
+                        dst_cache.pop(dst * bs + offset, None)
+
+    def _forget(self, seq):
+        (self.running if seq in self.running else self.swapped).remove(seq)
+        del self.written[seq], self.first_query[seq], self.reserved[seq]
+
+    # ---- rules -----------------------------------------------------------------------------------------
+    @rule(data=st.data(), prefix=st.sampled_from(PREFIXES), suffix=st.lists(tokens, max_size=9), salt=salts,
+          chunked=st.booleans())
+    def allocate(self, data, prefix, suffix, salt, chunked):
+        self._allocate(prefix + suffix or [0], data if chunked else None, cache_salt=salt)
+
+    @precondition(lambda self: self.history)
+    @rule(data=st.data(), suffix=st.lists(tokens, max_size=3), salt=salts, chunked=st.booleans())
+    def allocate_a_continuation(self, data, suffix, salt, chunked):
+        """A new request that repeats part of an earlier one: hits in every group, where the tenant agrees."""
+        earlier = data.draw(st.sampled_from(self.history))
+        token_ids = earlier[:data.draw(st.integers(1, len(earlier)))] + suffix
+        self._allocate(token_ids, data if chunked else None, cache_salt=salt)
+
+    def _allocate(self, token_ids, data=None, **keys):
+        """Admit a prompt: all of it, or (drawing from ``data``) its hits and a first chunk of the rest."""
+        seq = Sequence(token_ids, self.manager.block_size, **keys)
+        cached = self.manager.get_num_cached_tokens(seq)
+        num_new_tokens = None if data is None else data.draw(st.integers(1, seq.num_tokens - cached))
+        if self.manager.can_allocate(seq, num_new_tokens=num_new_tokens) is not AllocStatus.OK:
+            try:
+                self.manager.allocate(seq, num_new_tokens=num_new_tokens)
+            except OutOfBlocksError:
+                return
+            raise AssertionError("allocate succeeded although can_allocate said it would not fit")
+        self.manager.allocate(seq, num_new_tokens=num_new_tokens)
+        assert seq.num_cached_tokens == cached < seq.num_tokens
+        self.history.append(seq.token_ids)
+        self.running.append(seq)
+        end = None if num_new_tokens is None else cached + num_new_tokens
+        self._step(seq, cached, end=end)
+
+    @precondition(lambda self: self.running or self.swapped)
+    @rule(data=st.data(), new=st.lists(tokens, min_size=1, max_size=9))
+    def append_tokens(self, data, new):
+        seq = data.draw(st.sampled_from(self.running + self.swapped))
+        for t in new:
+            seq.append_token(t)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), new=st.lists(tokens, max_size=5), lookahead=st.integers(0, 3), chunked=st.booleans())
+    def step(self, data, new, lookahead, chunked):
+        """One engine step: the pending tokens plus ``new`` ones, or (``chunked``) the next 1..all of them."""
+        seq = data.draw(st.sampled_from(self.running))
+        for t in new:
+            seq.append_token(t)
+        first_query = self.written[seq]
+        k = None
+        if chunked and seq.num_tokens > first_query:
+            k = data.draw(st.integers(1, seq.num_tokens - first_query))
+        if not self.manager.can_append_slots(seq, lookahead, num_new_tokens=k):
+            try:
+                self.manager.append_slots(seq, lookahead, num_new_tokens=k)
+            except OutOfBlocksError:
+                self._forget(seq)   # the engine would preempt it; we free it
+                self.manager.free(seq, preempted=True)
+                return
+            raise AssertionError("append_slots succeeded although can_append_slots said no")
+        self._copy(self.gpu, self.gpu, self.manager.append_slots(seq, lookahead, num_new_tokens=k))
+        self._step(seq, first_query, lookahead, end=None if k is None else first_query + k)
+        self.history.append(seq.token_ids)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self.running))
+        child = Sequence([])
+        self.manager.fork(parent, child)
+        for book in (self.written, self.first_query, self.reserved):
+            book[child] = book[parent]
+        self.running.append(child)
+
+    @precondition(lambda self: self.running or self.swapped)
+    @rule(data=st.data(), preempted=st.booleans())
+    def free(self, data, preempted):
+        seq = data.draw(st.sampled_from(self.running + self.swapped))
+        self._forget(seq)
+        self.manager.free(seq, preempted=preempted)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        seq = data.draw(st.sampled_from(self.running))
+        if self.manager.can_swap_out(seq) is AllocStatus.OK:
+            self._copy(self.gpu, self.cpu, self.manager.swap_out(seq))
+            self.running.remove(seq)
+            self.swapped.append(seq)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        seq = data.draw(st.sampled_from(self.swapped))
+        if self.manager.can_swap_in(seq) is AllocStatus.OK:
+            self._copy(self.cpu, self.gpu, self.manager.swap_in(seq))
+            self.swapped.remove(seq)
+            self.running.append(seq)
+
+    @rule()
+    def reset_prefix_cache(self):
+        in_use = any(self.manager.ref_count(b) for b in range(self.manager.num_blocks))
+        assert self.manager.reset_prefix_cache() == (not in_use)
+
+    # ---- invariants ------------------------------------------------------------------------------------
+    @invariant()
+    def bookkeeping_is_consistent(self):
+        self.manager.check_invariants()
+
+    @invariant()
+    def only_scheduled_positions_and_lookahead_have_slots(self):
+        for seq in self.running + self.swapped:
+            assert self.manager.num_scheduled_tokens(seq) == self.written[seq]
+        for seq in self.running:
+            try:
+                self.manager.slot_mappings(seq, 0, self.reserved[seq] + 1)
+            except InvalidArgumentError:
+                continue
+            raise AssertionError(f"seq {seq.seq_id}: a position without a slot got one")
+
+    @invariant()
+    def every_group_reads_back_its_own_kv(self):
+        for seq in self.running:
+            self._check_reads(seq)
+
+
+def _machine(name, *groups, **config):
+    return type(name, (HybridMachine,), {"config": dict(config, groups=list(groups))})
+
+
+FULL, W2, W3, W5 = FullAttentionSpec(), SlidingWindowSpec(2), SlidingWindowSpec(3), SlidingWindowSpec(5)
+MACHINES = [
+    _machine("HybridFullWindow3", FULL, W3, num_blocks=32, block_size=2, num_cpu_blocks=16),
+    _machine("HybridWindowsFirst", W5, W2, FULL, num_blocks=40, block_size=2, num_cpu_blocks=16),
+    _machine("HybridTwoWindows", W2, W5, num_blocks=24, block_size=3, num_cpu_blocks=12),
+    _machine("HybridConstantHash", FULL, W3, num_blocks=32, block_size=2, num_cpu_blocks=16,
+             hash_fn=lambda parent, ids: 7),
+    _machine("HybridUserPolicy", FULL, W2, num_blocks=24, block_size=2, num_cpu_blocks=8, eviction=StackPolicy),
+]
+
+STEPS = int(os.environ.get("KVLAB_STATEFUL_STEPS", "40"))
+for _machine_class in MACHINES:
+    _case = _machine_class.TestCase
+    _case.settings = settings(stateful_step_count=STEPS, deadline=None)
+    globals()[f"Test{_machine_class.__name__}"] = _case
+del _case
