@@ -31,8 +31,12 @@
 #
 # Everything runs on a tiny random model (one layer: nothing is downloaded, the text is noise). On a CPU every
 # step runs in the Triton interpreter, whose times say nothing about a GPU. Costs are therefore counted in
-# **engine steps** and **tokens**, which do not depend on the machine: on a GPU a decode step costs about the
-# same for one or for eight sequences (it is bound by memory bandwidth), so tokens per step is throughput.
+# **engine steps**, **tokens** and **blocks**, which do not depend on the machine, and turned into time by one
+# **step-time model** defined in the knobs cell: a step takes `STEP_MS + TOKEN_MS x tokens` (plus
+# `SWAP_BLOCK_MS` per block it copies to or from CPU memory). The model and its numbers are an **assumption for
+# illustration**, not a measurement: no GPU benchmark is committed to this repository. Its shape is the usual
+# one: on a GPU a decode step costs about the same for one or for eight sequences (it is bound by memory
+# bandwidth, the fixed part), while a prefill's cost grows with its tokens (the per-token part).
 
 # %%
 # Setup (generated from scripts/sync_notebooks.py: edit it there, then `make notebooks`). In a checkout, or in
@@ -82,17 +86,27 @@ from kvlab.kernels import bytes_per_block
 BLOCK_SIZE = 8          # tokens per KV block
 ROOMY_POOL = 32         # blocks: enough for the whole workload at once (section 1)
 TIGHT_POOL = 14         # blocks: the workload does not fit, so sequences get preempted (section 3)
-POOL_SWEEP = [10, 14, 32]   # section 5's pool sizes (each must hold the longest request: 5 blocks of 8)
+POOL_SWEEP = [5, 6, 7, 8, 10, 12, 14, 20, 32]  # section 5 (each must hold the longest request: 5 blocks)
 MAX_NUM_SEQS = 8        # sequences in a batch at most
 TOKEN_BUDGET = 256      # max_num_batched_tokens: tokens one step may compute (a prompt must fit whole)
 SMALL_BUDGET = 32       # section 4's tight budget: about one prompt per step (the longest prompt has 30 tokens)
+V0_BUDGETS = [32, 48, 64, 128, 256]  # section 4's sweep (V0: each must hold a whole prompt)
 WATERMARK = 0.1         # section 2: the share of the pool admission keeps free
 SEED = 0
+# The step-time model, used in every section: an assumption for illustration, not fitted to any measurement.
+STEP_MS, TOKEN_MS = 5.0, 0.1   # a step's fixed cost, and its cost per token computed (prefill or decode)
+SWAP_BLOCK_MS = 0.05           # one block copied between GPU and CPU memory (a block of 1-2 MiB over PCIe)
 
 # One layer, one KV head of 16 dimensions: the smallest model the kernels take, so the interpreter is quick.
 MODEL_DIR = save_random_model(tempfile.mkdtemp() + "/tiny-qwen3", "tiny", num_hidden_layers=1, hidden_size=32,
                               intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
 print(f"kernels run in {mode()} mode on {DEVICE}")
+
+
+def step_ms(steps):
+    """Each step's time under the step-time model; `steps` is a `step_dataframe()`."""
+    copies = steps["blocks_swapped_out"] + steps["blocks_swapped_in"]
+    return (STEP_MS + TOKEN_MS * steps["num_tokens"] + SWAP_BLOCK_MS * copies).to_numpy()
 
 # %% [markdown]
 # ## The workload, and how we watch the scheduler
@@ -177,15 +191,40 @@ class Run:
     def schedule_frame(self):
         return pd.DataFrame(self.rows, columns=["step", "request", "state", "preempted"])
 
+    def longest_gap(self):
+        """The longest wait between two steps that ran one request, in steps and in model ms."""
+        ms, frame = step_ms(self.llm.step_dataframe()), self.schedule_frame()
+        ran = frame[frame["state"].isin(["prefill", "decode", "recompute"])]
+        gaps = [(b - a, ms[a + 1:b + 1].sum()) for _, r in ran.groupby("request")
+                for a, b in zip(r["step"], r["step"].iloc[1:])]
+        return max(gaps, key=lambda g: g[1])
+
+    def recompute_steps(self):
+        """Prefill steps that recompute a preempted request, and those that prefill nothing else: steps that
+        exist only because of a preemption, each paying the fixed step cost again."""
+        prefills = self.schedule_frame().query("state in ['prefill', 'recompute']").groupby("step")["state"]
+        return {"prefill steps that recompute": int(prefills.apply(lambda s: (s == "recompute").any()).sum()),
+                "extra prefill steps (recompute only)": int(prefills.apply(lambda s: (s == "recompute").all()).sum())}
+
     def summary(self):
-        """Machine-independent costs: steps, tokens and blocks (the step counts are 0-based, so +1)."""
+        """Costs in steps, tokens and blocks (the step counts are 0-based, so +1), and in model ms."""
         steps = self.llm.step_dataframe()
+        end = np.cumsum(step_ms(steps))  # when each step ends, in model ms
+        start = end - step_ms(steps)
         generated = sum(map(len, self.outputs.values()))
-        return {"steps": len(steps), "generated tokens per step": generated / len(steps),
+        return {"steps": len(steps), "prefill steps": int((steps["kind"] == "prefill").sum()),
+                "generated tokens per step": generated / len(steps),
+                "generated tokens per model s": generated / end[-1] * 1000,
                 "mean latency (steps)": np.mean([self.finished[n] + 1 - self.arrived[n] for n in self.finished]),
+                "mean latency (model ms)": np.mean([end[self.finished[n]] - start[self.arrived[n]]
+                                                    for n in self.finished]),
                 "mean time to first token (steps)": np.mean([self.first_token[n] + 1 - self.arrived[n]
                                                              for n in self.first_token]),
+                "mean time to first token (model ms)": np.mean([end[self.first_token[n]] - start[self.arrived[n]]
+                                                                for n in self.first_token]),
+                "longest decode gap (model ms)": self.longest_gap()[1], "model time (ms)": end[-1],
                 "preemptions": int(steps["preempted"].sum()), "recomputed tokens": self.recomputed_tokens,
+                **self.recompute_steps(),
                 "recompute tokens hit in own blocks": self.recompute_hits,
                 "blocks swapped out + in": int(steps["blocks_swapped_out"].sum() + steps["blocks_swapped_in"].sum())}
 
@@ -351,29 +390,45 @@ costs.map(lambda v: f"{v:.3g}")
 
 # %% [markdown]
 # Both modes generate exactly the same tokens (checked above): preemption changes cost, never results. What
-# each costs, for this tiny model and scaled to a Llama-3-8B-sized one (KV of 32 layers x 8 heads x 128
-# dimensions in fp16, blocks of 16 tokens: 2 MiB each; prefill at ~50k tokens/s and PCIe at ~25 GB/s, orders
-# of magnitude for one H100-class GPU, not measurements):
+# each costs, against the roomy pool's run of the same workload (no preemption): recompute computes tokens
+# again, in prefill steps that also pause every running request's decoding; swap computes nothing twice
+# but copies blocks out and back. The step-time model turns both into milliseconds. (For scale, the bytes are
+# also given for a Llama-3-8B-sized model: KV of 32 layers x 8 heads x 128 dimensions in fp16.)
 
 # %%
+base = roomy.summary()
 tiny_block = runs["swap"].llm.kv_cache.bytes_per_block
 big_block = bytes_per_block(32, 8, 128, block_size=16, dtype=torch.float16)
 recompute_tokens = int(costs.loc["recomputed tokens", "recompute"])
+hits = int(costs.loc["recompute tokens hit in own blocks", "recompute"])
+recompute_steps = int(costs.loc["prefill steps that recompute", "recompute"])
+extra_prefills = int(costs.loc["extra prefill steps (recompute only)", "recompute"])
 swapped_blocks = int(costs.loc["blocks swapped out + in", "swap"])
-tokens_per_block_ratio = 16 / BLOCK_SIZE  # the same tokens in 16-token blocks
-pd.DataFrame({
-    "recompute": {"work": f"{recompute_tokens} tokens prefilled again",
-                  "Llama-3-8B-sized, estimate (ms)": round(recompute_tokens / 50_000 * 1000, 2)},
-    "swap": {"work": f"{swapped_blocks} blocks copied ({swapped_blocks * tiny_block:,} bytes with this model)",
-             "Llama-3-8B-sized, estimate (ms)": round(swapped_blocks / tokens_per_block_ratio * big_block / 25e9 * 1000,
-                                                      2)},
-}).T
+price = pd.DataFrame({
+    "recompute": {"preemption work": f"{recompute_tokens} tokens prefilled again in {recompute_steps} prefill "
+                                     f"steps, {extra_prefills} of them extra (recompute only)",
+                  "its model ms": recompute_tokens * TOKEN_MS + extra_prefills * STEP_MS},
+    "swap": {"preemption work": f"{swapped_blocks} blocks copied ({swapped_blocks * tiny_block:,} bytes here; "
+                                f"{swapped_blocks * BLOCK_SIZE * big_block / 16 / 2**20:,.0f} MiB for the same "
+                                "tokens of a Llama-3-8B-sized model)",
+             "its model ms": swapped_blocks * SWAP_BLOCK_MS}}).T
+for name in runs:
+    price.loc[name, "whole run, model ms"] = costs.loc["model time (ms)", name]
+    price.loc[name, "more than the roomy pool's"] = costs.loc["model time (ms)", name] - base["model time (ms)"]
+price.round(1)
 
 # %%
-hits = int(costs.loc["recompute tokens hit in own blocks", "recompute"])
-print(f"Reading: recompute prefilled {recompute_tokens} tokens again, and found {hits} more in the victim's own "
-      f"blocks, still cached after it was freed; swap computed nothing twice but copied {swapped_blocks} blocks. "
-      "Which is cheaper depends on the model, the context length and the link.")
+viz.check(recompute_tokens > 0 and swapped_blocks > 0 and (costs.loc["steps"] > base["steps"]).all(),
+          f"the {TIGHT_POOL}-block pool should make both modes preempt and take more steps than the roomy pool",
+          defaults=(TIGHT_POOL == 14 and ROOMY_POOL == 32))
+print(f"Reading: recompute prefilled {recompute_tokens} tokens again (and found {hits} more in the victim's own "
+      f"blocks, still cached after it was freed) in {recompute_steps} prefill steps, {extra_prefills} of them "
+      f"extra: "
+      f"{price.loc['recompute', 'its model ms']:.1f} model ms. Swap computed nothing twice but copied "
+      f"{swapped_blocks} blocks: {price.loc['swap', 'its model ms']:.1f} model ms at the assumed "
+      f"{SWAP_BLOCK_MS} ms a block. Both runs also take more steps than the roomy pool's, with fewer sequences "
+      "per step. Which mode is cheaper depends on the model, the context length and the link: change "
+      "TOKEN_MS or SWAP_BLOCK_MS and the answer can flip.")
 
 # %% [markdown]
 # Recompute needs no CPU memory and no copy stream, and prefix caching turns most of a just-freed sequence's
@@ -408,18 +463,46 @@ pd.DataFrame({name: {"prefill steps": int((r.llm.step_dataframe()["kind"] == "pr
               for name, r in budgets.items()})
 
 # %% [markdown]
-# Reading: the small budget caps the largest step (on a GPU a step's time grows with its tokens), but the
-# same prefill work now takes more steps: queued prompts get their first token later, and every extra prefill
-# step pauses all running requests (pale green). With prefill-first scheduling and no chunking, a budget
-# mostly spreads prefill over time. vLLM V1 gets both bounds with chunked prefill: a long prompt takes its
-# share of the budget in several steps, and each of those steps decodes every running request too.
+# The small budget caps the largest step, but the same prefill work now takes more steps: queued prompts get
+# their first token later, and every extra prefill step pauses all running requests (pale green). The
+# step-time model puts both sides of the trade in milliseconds, over a sweep of budgets: the mean time to
+# first token, and the longest wait of any request between two of its steps (its decode stall).
+
+# %%
+budget_sweep = pd.DataFrame([{"budget": b, **run(ROOMY_POOL, budget=b).summary()} for b in V0_BUDGETS])
+fig, axes = plt.subplots(1, 2, figsize=(12, 3.6), layout="constrained")
+for ax, column in zip(axes, ["mean time to first token (model ms)", "longest decode gap (model ms)"]):
+    ax.plot(budget_sweep["budget"], budget_sweep[column], "o-")
+    ax.set(xlabel="token budget per step (max_num_batched_tokens)", ylabel=column, title=f"V0: {column}",
+           ylim=(0, 1.15 * budget_sweep[column].max()))
+    ax.grid(alpha=0.3)
+plt.show()
+budget_sweep[["budget", "steps", "prefill steps", "mean time to first token (model ms)",
+              "longest decode gap (model ms)"]].round(1)
+
+# %%
+tight, wide = (budget_sweep.set_index("budget").loc[b] for b in (SMALL_BUDGET, TOKEN_BUDGET))
+viz.check(tight["prefill steps"] > wide["prefill steps"] and
+          tight["mean time to first token (model ms)"] > wide["mean time to first token (model ms)"],
+          "the small budget should need more prefill steps and give later first tokens",
+          defaults=(SMALL_BUDGET == 32 and TOKEN_BUDGET == 256 and STEP_MS == 5.0 and TOKEN_MS == 0.1))
+print(f"Reading: from budget {TOKEN_BUDGET} to {SMALL_BUDGET}, prefill steps go from {wide['prefill steps']:.0f} to "
+      f"{tight['prefill steps']:.0f}, the mean time to first token from "
+      f"{wide['mean time to first token (model ms)']:.1f} to {tight['mean time to first token (model ms)']:.1f} "
+      f"model ms, and the longest decode stall from {wide['longest decode gap (model ms)']:.1f} to "
+      f"{tight['longest decode gap (model ms)']:.1f} ms. Without chunking the budget cannot cut a stall below one "
+      "whole prompt's prefill step, and consecutive small prefill steps each pay the fixed STEP_MS: a budget "
+      "mostly spreads prefill over time. vLLM V1 bounds both with chunked prefill (section 6): a long prompt "
+      "takes its share of the budget in several steps, and each of those steps decodes every running request.")
 
 # %% [markdown]
 # ## 5. Throughput and latency as the pool shrinks
 #
-# The same workload in pools from roomy to barely enough, in both preemption modes. Throughput is generated
-# tokens per step; latency is the steps from a request's arrival to its last token. (Where the recompute
-# run preempts nothing the swap run would be the same run, so it is not repeated.)
+# The same workload in pools from roomy to barely enough (5 blocks hold the longest request), in both
+# preemption modes. Throughput is generated tokens per second of model time; latency is the model time from a
+# request's arrival to its last token. Recompute's price is counted in tokens and swap's in blocks, so they
+# get separate panels. (Where the recompute run preempts nothing the swap run would be the same run, so it is
+# not repeated.)
 
 # %%
 sweep = []
@@ -430,34 +513,46 @@ for blocks in POOL_SWEEP:
             r = run(blocks, "swap")
         sweep.append({"pool (blocks)": blocks, "mode": mode_name, **r.summary()})
 sweep = pd.DataFrame(sweep)
-fig, axes = plt.subplots(1, 3, figsize=(15, 3.6), layout="constrained")
+fig, axes = plt.subplots(2, 2, figsize=(13, 6.5), layout="constrained", sharex=True)
 for mode_name, rows in sweep.groupby("mode"):
-    for ax, column in zip(axes, ["generated tokens per step", "mean latency (steps)"]):
+    for ax, column in zip(axes[0], ["generated tokens per model s", "mean latency (model ms)"]):
         ax.plot(rows["pool (blocks)"], rows[column], "o-", label=mode_name)
-for ax, column, title in zip(axes, ["generated tokens per step", "mean latency (steps)"], ["throughput", "latency"]):
+for ax, column, title in zip(axes[0], ["generated tokens per model s", "mean latency (model ms)"],
+                             ["throughput", "latency"]):
     ax.set(ylabel=column, title=f"{title} as the pool shrinks", ylim=(0, 1.15 * sweep[column].max()))
-x = np.arange(len(POOL_SWEEP))
-wasted = sweep.set_index(["mode", "pool (blocks)"])
-axes[2].bar(x - 0.2, wasted.loc["recompute", "recomputed tokens"], 0.4, label="recompute: tokens prefilled again")
-axes[2].bar(x + 0.2, wasted.loc["swap", "blocks swapped out + in"], 0.4, color="C1", label="swap: blocks copied")
-axes[2].set_xticks(x, POOL_SWEEP)
-axes[2].set(ylabel="tokens / blocks", title="the price of preemption")
-for ax in axes:
+    ax.legend(fontsize=8)
+by_mode = sweep.set_index(["mode", "pool (blocks)"])
+axes[1, 0].bar(POOL_SWEEP, by_mode.loc["recompute", "recomputed tokens"], color="C0")
+axes[1, 0].set(ylabel="tokens", title="recompute's price: tokens prefilled again")
+axes[1, 1].bar(POOL_SWEEP, by_mode.loc["swap", "blocks swapped out + in"], color="C1")
+axes[1, 1].set(ylabel="blocks", title="swap's price: blocks copied out and in")
+for ax in axes.flat:
     ax.set_xlabel(f"pool (blocks of {BLOCK_SIZE} tokens)")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3)
-for ax in axes[:2]:
-    ax.set_xticks(POOL_SWEEP)
-axes[0].legend(fontsize=8)
-axes[2].legend(fontsize=8)
 plt.show()
-sweep.round(2)
+sweep[["pool (blocks)", "mode", "steps", "generated tokens per model s", "mean latency (model ms)", "preemptions",
+       "recomputed tokens", "blocks swapped out + in", "model time (ms)"]].round(1)
+
+# %%
+fits = sweep[sweep["preemptions"] == 0]["pool (blocks)"].min()
+worst = sweep[sweep["pool (blocks)"] == min(POOL_SWEEP)].set_index("mode")
+best = sweep[sweep["pool (blocks)"] == max(POOL_SWEEP)].iloc[0]
+viz.check(best["preemptions"] == 0 and worst.loc["recompute", "preemptions"] > 0 and
+          worst.loc["recompute", "mean latency (model ms)"] > best["mean latency (model ms)"],
+          "the largest pool should preempt nothing and the smallest should preempt and be slower",
+          defaults=(POOL_SWEEP[0] == 5 and POOL_SWEEP[-1] == 32))
+print(f"Reading: in this sweep only pools of {fits} blocks or more preempt nothing. At {min(POOL_SWEEP)} blocks throughput is {worst.loc['recompute', 'generated tokens per model s']:.0f} "
+      f"generated tokens per model s (recompute) against {best['generated tokens per model s']:.0f} in the roomy "
+      f"pool, and mean latency {worst.loc['recompute', 'mean latency (model ms)']:.0f} model ms against "
+      f"{best['mean latency (model ms)']:.0f}.")
 
 # %% [markdown]
 # Reading: a smaller pool runs fewer sequences at once, so each step generates fewer tokens and requests
-# take more steps; below the point where the workload fits, preemptions add work (recomputed tokens, or
-# swapped blocks) on top. This is the curve a server operator tunes with `gpu_memory_utilization`, the block
-# size, the batch limits and the preemption mode, and the reason every block that paging and prefix caching
-# save (notebooks 01-08) turns into throughput.
+# take more steps, each paying the fixed step cost; below the point where the workload fits, preemptions add
+# work (recomputed tokens, or swapped blocks) on top. This is the curve a server operator tunes with
+# `gpu_memory_utilization`, the block size, the batch limits and the preemption mode, and the reason every
+# block that paging and prefix caching save (notebooks 01-08) turns into throughput.
 
 # %% [markdown]
 # ## 6. Chunked prefill: V0 against V1 scheduling
@@ -470,15 +565,13 @@ sweep.round(2)
 # A new workload shows the difference: two short requests (A, B) decode 30 tokens each while two long
 # prompts of `LONG_PROMPT` tokens arrive (C before step 4, D before step 10). For a decoding request what
 # matters is the **longest gap** between two of its tokens, in steps and in tokens computed meanwhile; for a
-# long prompt, its **time to first token**. Steps do not cost the same: a step-time model
-# `t = STEP_MS + TOKEN_MS x tokens` (stated below, an assumption for illustration, not a measurement) turns
-# both into milliseconds.
+# long prompt, its **time to first token**. Steps do not cost the same: the step-time model of the knobs
+# cell (an assumption for illustration, not a measurement) turns both into milliseconds.
 
 # %%
 LONG_PROMPT = 64                        # C's and D's prompt tokens: V0 needs a budget at least this large
 BUDGET_SWEEP = [16, 24, 32, 48, 64, 96, 128]
 MIX_BUDGET = 64                         # the budget of the per-step picture (V0 can serve it)
-STEP_MS, TOKEN_MS = 5.0, 0.1            # assumed step-time model: a fixed cost plus a cost per token
 CHUNK_WORKLOAD = {"A": (12, 0, 30), "B": (14, 0, 30), "C": (LONG_PROMPT, 4, 8), "D": (LONG_PROMPT, 10, 8)}
 chunk_prompts = {name: np.random.default_rng(SEED + i).integers(0, 500, size=n).tolist()
                  for i, (name, (n, _, _)) in enumerate(CHUNK_WORKLOAD.items())}
@@ -507,7 +600,7 @@ def chunk_run(scheduling, budget):
 def stall_summary(scheduling, budget):
     """A and B's longest decode gap and C and D's time to first token, in steps, tokens and model ms."""
     steps, token_steps = chunk_run(scheduling, budget)
-    tokens, ms = steps["num_tokens"].to_numpy(), STEP_MS + TOKEN_MS * steps["num_tokens"].to_numpy()
+    tokens, ms = steps["num_tokens"].to_numpy(), step_ms(steps)
     gaps = [(b - a, tokens[a + 1:b + 1].sum(), ms[a + 1:b + 1].sum())
             for n in "AB" for a, b in zip(token_steps[n], token_steps[n][1:])]
     ttft = [(t[0] + 1 - CHUNK_WORKLOAD[n][1], tokens[CHUNK_WORKLOAD[n][1]:t[0] + 1].sum(),
@@ -584,7 +677,8 @@ print(f"Reading: at budget {MIX_BUDGET}, V0 makes A or B wait {v0['longest decod
 # * `can_allocate` answers OK / LATER / NEVER; a watermark keeps blocks free for running sequences to grow
 #   into, trading admission for fewer preemptions.
 # * Preemption by recompute costs tokens computed again (partly saved by prefix hits on the victim's own
-#   blocks); by swap, blocks copied twice over PCIe. Outputs are identical either way.
+#   blocks) and sometimes whole extra prefill steps; by swap, blocks copied out and back. Which costs more
+#   depends on the step-time model (here an assumption, not a measurement). Outputs are identical either way.
 # * A token budget bounds each step's work at the price of later first tokens for queued prompts; chunked
 #   prefill (V1 scheduling) removes most of that trade: the longest decode gap is one step of at most
 #   the budget, and the price moves to the long prompt's time to first token.
