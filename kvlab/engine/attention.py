@@ -31,7 +31,9 @@ class AttentionBatch:
     ``seq_lens`` int32 ``[S]``: every sequence's whole context, new tokens included. ``cu_query_lens`` int32
     ``[S + 1]`` (prefill only): sequence s owns query rows ``cu_query_lens[s]:cu_query_lens[s + 1]``.
     Decode has exactly one new token per sequence (T == S). ``plan``: the torch backend's gather and mask
-    for this step (None with "triton").
+    for this step (None with "triton"). ``sliding_window``: the layers' window in tokens (None: full
+    attention); a model with several kinds of layer has one batch per kind, each with its group's tables
+    and slots (``kvlab.engine.hybrid``).
     """
     is_prefill: bool
     slot_mapping: torch.Tensor
@@ -39,15 +41,17 @@ class AttentionBatch:
     seq_lens: torch.Tensor
     cu_query_lens: torch.Tensor | None = None
     plan: PagedPlan | None = None
+    sliding_window: int | None = None
 
     @classmethod
     def for_backend(cls, backend: str, kv_cache: torch.Tensor, *, is_prefill: bool, slot_mapping, block_tables,
-                    seq_lens, cu_query_lens) -> "AttentionBatch":
+                    seq_lens, cu_query_lens, sliding_window=None) -> "AttentionBatch":
         """The step's batch for ``backend``; ``cu_query_lens [S + 1]`` is given for decode too (0, 1, ... S).
         ``kv_cache``: any layer's cache (they share a layout), for the torch plan."""
-        plan = (plan_paged_attention(kv_cache, block_tables, seq_lens, cu_query_lens, slot_mapping.shape[0])
-                if backend == "torch" else None)
-        return cls(is_prefill, slot_mapping, block_tables, seq_lens, cu_query_lens if is_prefill else None, plan)
+        plan = (plan_paged_attention(kv_cache, block_tables, seq_lens, cu_query_lens, slot_mapping.shape[0],
+                                     sliding_window) if backend == "torch" else None)
+        return cls(is_prefill, slot_mapping, block_tables, seq_lens, cu_query_lens if is_prefill else None, plan,
+                   sliding_window)
 
 
 class PagedSelfAttention(nn.Module):
@@ -82,8 +86,10 @@ class PagedSelfAttention(nn.Module):
             out = paged_attention_torch(q, kv_cache, batch.plan, scale=self.scale)
         elif batch.is_prefill:
             reshape_and_cache(k, v, kv_cache, batch.slot_mapping)
-            out = paged_prefill(q, kv_cache, batch.block_tables, batch.seq_lens, batch.cu_query_lens, scale=self.scale)
+            out = paged_prefill(q, kv_cache, batch.block_tables, batch.seq_lens, batch.cu_query_lens, scale=self.scale,
+                                sliding_window=batch.sliding_window)
         else:
             reshape_and_cache(k, v, kv_cache, batch.slot_mapping)
-            out = paged_attention_decode(q, kv_cache, batch.block_tables, batch.seq_lens, scale=self.scale)
+            out = paged_attention_decode(q, kv_cache, batch.block_tables, batch.seq_lens, scale=self.scale,
+                                         sliding_window=batch.sliding_window)
         return self.o_proj(out.view(tokens, self.num_heads * self.head_dim))

@@ -53,6 +53,7 @@ class ModelConfig:
     eos_token_ids: frozenset
     dtype: torch.dtype | None  # the dtype the weights were saved in, if the config says
     sampling_defaults: dict    # SamplingParams fields set by generation_config.json (see sampling_defaults)
+    layer_windows: tuple = ()  # [num_layers]: each layer's sliding window in tokens, None for full attention
 
 
 def _read_json_object(file: Path) -> dict:
@@ -143,6 +144,23 @@ def rope_parameters(hf_config) -> dict:
     return params
 
 
+def _layer_windows(hf, model_type: str, file: Path) -> tuple:
+    """Each layer's sliding window (None: full attention), as transformers' Qwen3 decides it: a layer whose
+    ``layer_types`` entry is "sliding_attention" sees the last ``sliding_window`` keys, and Qwen3Config sets
+    ``sliding_window`` to None unless ``use_sliding_window`` (so such a layer is then full attention);
+    ``layer_types`` defaults to sliding from layer ``max_window_layers`` on."""
+    kinds = list(getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers)
+    window = getattr(hf, "sliding_window", None)  # already None when use_sliding_window is off
+    if model_type != "qwen3" and (window is not None or "sliding_attention" in kinds):
+        raise UnsupportedModelError(f"{file}: sliding-window layers are supported for qwen3 only, not {model_type}")
+    if len(kinds) != hf.num_hidden_layers or set(kinds) - {"full_attention", "sliding_attention"}:
+        raise UnsupportedModelError(f"{file}: layer_types must list full_attention or sliding_attention for each "
+                                    f"of the {hf.num_hidden_layers} layers, got {kinds}")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ModelFileError(f"{file}: sliding_window must be an integer >= 1, got {window!r}")
+    return tuple(window if kind == "sliding_attention" else None for kind in kinds)
+
+
 def load_model_config(path) -> ModelConfig:
     """Read and check ``path/config.json`` (and ``generation_config.json``'s end-of-sequence ids and sampling
     defaults). Raises
@@ -180,8 +198,7 @@ def load_model_config(path) -> ModelConfig:
     if getattr(hf, "hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"{file}: hidden_act {hf.hidden_act!r}; the MLP implemented here is SwiGLU "
                                     "(silu)")
-    if getattr(hf, "use_sliding_window", False) or "sliding_attention" in (getattr(hf, "layer_types", None) or ()):
-        raise UnsupportedModelError(f"{file}: sliding-window layers are not supported by kvlab.engine")
+    layer_windows = _layer_windows(hf, model_type, file)
     try:
         rope = rope_parameters(hf)
     except (TypeError, ValueError) as e:  # rope_parameters / rope_scaling is not a mapping
@@ -215,4 +232,5 @@ def load_model_config(path) -> ModelConfig:
         attention_bias=bool(getattr(hf, "attention_bias", False)), mlp_bias=bool(getattr(hf, "mlp_bias", False)),
         qk_norm=ARCHITECTURES[model_type], tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         max_position_embeddings=hf.max_position_embeddings, rope_type=rope["rope_type"],
-        eos_token_ids=frozenset(eos), dtype=DTYPES.get(dtype_name), sampling_defaults=defaults)
+        eos_token_ids=frozenset(eos), dtype=DTYPES.get(dtype_name), sampling_defaults=defaults,
+        layer_windows=layer_windows)

@@ -9,7 +9,7 @@ from kvlab.errors import KvlabError
 
 class UnsupportedModelError(KvlabError, ValueError):
     """The model directory holds an architecture or a feature the engine or kvlab's kernels cannot run
-    (unknown ``model_type``, a head dim or dtype the kernels do not support, sliding-window layers...)."""
+    (unknown ``model_type``, a head dim or dtype the kernels do not support, sliding windows outside qwen3...)."""
 
 
 class ModelFileError(KvlabError, ValueError):

@@ -11,10 +11,10 @@ import logging
 
 from tqdm.auto import tqdm
 
-from kvlab.blocks.manager import BlockManager
 from kvlab.engine.chat import render
 from kvlab.engine.config import load_model_config
 from kvlab.engine.errors import ModelFileError, NoTokenizerError, PromptTooLongError
+from kvlab.engine.hybrid import check_hybrid_options, make_block_manager
 from kvlab.engine.kv_cache import CPU_KV_CACHE_BYTES, PagedKVCache, blocks_for_memory, check_kernel_support
 from kvlab.engine.request import Request, RequestOutput
 from kvlab.engine.runner import ModelRunner
@@ -86,8 +86,10 @@ class LLM:
                 max_useful_blocks=max_num_seqs * -(-self.max_model_len // block_size))
         if num_cpu_blocks is None:
             num_cpu_blocks = num_blocks if preemption_mode == "swap" else 0
-        self.block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
-                                          enable_prefix_caching=enable_prefix_caching, record_events=record_events)
+        check_hybrid_options(config, preemption_mode=preemption_mode)
+        self.block_manager = make_block_manager(config, num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
+                                                enable_prefix_caching=enable_prefix_caching,
+                                                record_events=record_events)
         self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.dtype, self.device, num_cpu_blocks)
         logger.info("KV cache: %s (%s)", self.kv_cache.summary(), sized_by)
         scheduler = V1Scheduler if scheduling == "v1" else Scheduler
@@ -246,6 +248,7 @@ class LLM:
             return self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        check_hybrid_options(self.model_config, n=params.n)
         if params.n > self.scheduler.max_num_seqs:
             raise InvalidArgumentError(f"n={params.n} samples can never run together: max_num_seqs is "
                                        f"{self.scheduler.max_num_seqs}")
@@ -279,7 +282,8 @@ class LLM:
         if n >= self.max_model_len:
             raise PromptTooLongError(f"the prompt has {n} tokens; the model's context is {self.max_model_len}, "
                                      "and at least one position must be left to generate")
-        if -(-n // manager.block_size) > manager.num_blocks:
+        # A full-attention layer keeps every prompt block (only sliding windows release them while prefilling).
+        if None in self.model_config.layer_windows and -(-n // manager.block_size) > manager.num_blocks:
             raise PromptTooLongError(f"the prompt has {n} tokens = {-(-n // manager.block_size)} blocks of "
                                      f"{manager.block_size}; the KV pool holds only {manager.num_blocks} blocks")
         if self.scheduling == "v0" and n > self.max_num_batched_tokens:

@@ -48,13 +48,14 @@ class CausalLM(nn.Module):
         self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batches: list[AttentionBatch],
                 kv_caches: list) -> torch.Tensor:
         """input_ids, positions int64 ``[T]`` -> hidden states ``[T, hidden]`` (final norm applied);
-        ``kv_caches``: one paged cache per layer."""
+        ``batches`` and ``kv_caches``: one attention batch (shared by the layers of a KV cache group) and one
+        paged cache per layer."""
         h = self.model.embed_tokens(input_ids)
         rotation = self.rope.at(positions)  # once per step, shared by every layer
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for layer, batch, kv_cache in zip(self.model.layers, batches, kv_caches, strict=True):
             h = layer(h, rotation, kv_cache, batch)
         return self.model.norm(h)
 

@@ -1,0 +1,82 @@
+"""Models whose layers attend differently (Qwen3 ``layer_types``: sliding_attention and full_attention).
+
+Each kind of layer is a KV cache group (``kvlab.blocks.kv_cache_groups``) with a block table per sequence,
+all drawing equal-size pages from one pool, as vLLM V1's hybrid allocator does. Every layer keeps its own
+cache tensor ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (``PagedKVCache``) and reads the page
+ids of its group's table, so a page given to one group is unused in the other groups' tensors: simple, and
+what vLLM does for one group per kind, at the price of one page per layer for every page id.
+
+A model with one kind of layer (all full, or all with one window) keeps the single-group ``BlockManager``,
+windowed when its layers are. Mixed models get ``EngineHybridManager``: the ``HybridBlockManager`` plus the
+few single-group queries the schedulers and the step loop ask. Swap preemption and n > 1 forks are refused
+for them (``check_hybrid_options``): the engine's swap and copy moves are not per group yet.
+"""
+
+from kvlab.blocks.hybrid_manager import HybridBlockManager
+from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
+from kvlab.blocks.manager import BlockManager
+from kvlab.engine.config import ModelConfig
+from kvlab.engine.errors import UnsupportedModelError
+
+
+def group_specs(config: ModelConfig) -> tuple[list, list[int]]:
+    """The model's KV cache groups (full attention first, then one per window) and each layer's group."""
+    windows = sorted({w for w in config.layer_windows if w is not None})
+    specs = ([FullAttentionSpec()] if None in config.layer_windows else []) + [SlidingWindowSpec(w) for w in windows]
+    return specs, [[spec.sliding_window for spec in specs].index(w) for w in config.layer_windows]
+
+
+def is_hybrid(config: ModelConfig) -> bool:
+    return len(group_specs(config)[0]) > 1
+
+
+def make_block_manager(config: ModelConfig, num_blocks: int, block_size: int, **options):
+    """A ``BlockManager`` (windowed if every layer is) for one kind of layer, else an ``EngineHybridManager``."""
+    specs, _ = group_specs(config)
+    if len(specs) == 1:
+        return BlockManager(num_blocks, block_size, sliding_window=specs[0].sliding_window, **options)
+    return EngineHybridManager(num_blocks, block_size, groups=specs, **options)
+
+
+def check_hybrid_options(config: ModelConfig, *, preemption_mode: str = "recompute", n: int = 1) -> None:
+    if not is_hybrid(config):
+        return
+    kinds = "sliding-window and full-attention layers"
+    if preemption_mode == "swap":
+        raise UnsupportedModelError(f"{config.path.name} mixes {kinds}: preemption_mode='swap' is not supported "
+                                    "for such models yet; use preemption_mode='recompute'")
+    if n > 1:
+        raise UnsupportedModelError(f"{config.path.name} mixes {kinds}: n={n} samples (forks) are not supported "
+                                    "for such models yet; send n=1 requests")
+
+
+class EngineHybridManager(HybridBlockManager):
+    """``HybridBlockManager`` answering as one ``BlockManager`` where the engine asks about a sequence as a
+    whole; the runner reads each group's tables through ``block_tables`` / ``slot_mappings``."""
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self._base.enable_prefix_caching
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._pool.cached)  # the groups share one pool
+
+    @property
+    def stats(self):
+        # Every group counts the same hits (the coordinator cuts them to the hit all groups serve).
+        return self._members[0].stats
+
+    def get_block_table(self, seq) -> list[int]:
+        """Every block the sequence holds, in any group (the null block 0 where a window released one)."""
+        return [block for table in self.block_tables(seq) for block in table]
+
+    def slot_mapping(self, seq, start: int, end: int) -> list[int]:
+        """Every group's slots for positions start..end-1, one group after another."""
+        return [slot for slots in self.slot_mappings(seq, start, end) for slot in slots]
+
+    def append_slots(self, seq, num_lookahead_slots: int = 0, *, num_new_tokens=None) -> list[tuple[int, int]]:
+        """Copy-on-write pairs of every group in one list: ``copy_blocks`` copies a page in every layer, and
+        the other groups' layers never read a page this group owns."""
+        pairs = super().append_slots(seq, num_lookahead_slots, num_new_tokens=num_new_tokens)
+        return [pair for group in pairs for pair in group]

@@ -1,0 +1,103 @@
+"""Qwen3 models with sliding-window layers: a mix of sliding and full attention (two KV cache groups on one
+pool) and all-sliding ones (one windowed group), checked token for token against HF greedy generation, which
+applies the window itself. Window 8 and blocks of 4, so prompts and outputs run far past the window and
+blocks leave it."""
+
+import random
+
+import pytest
+
+from engine_helpers import hf_greedy, make_llm, save_tiny_model
+from kvlab.engine import SamplingParams
+from kvlab.engine.errors import UnsupportedModelError
+from kvlab.engine.hybrid import EngineHybridManager
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+WINDOW, BLOCK = 8, 4
+LAYER_TYPES = {"mixed": ["sliding_attention", "full_attention", "sliding_attention"],
+               "sliding": ["sliding_attention"] * 2}
+SEEDS = {"mixed": 1, "sliding": 0}  # weights whose greedy choices on these prompts are all clear-cut
+
+
+@pytest.fixture(scope="module", params=sorted(LAYER_TYPES))
+def windowed(request, tmp_path_factory):
+    """(kind, model directory, the HF model saved there)."""
+    kind, path = request.param, tmp_path_factory.mktemp(f"qwen3_{request.param}")
+    hf = save_tiny_model("qwen3", path, seed=SEEDS[kind], use_sliding_window=True, sliding_window=WINDOW,
+                         layer_types=LAYER_TYPES[kind], num_hidden_layers=len(LAYER_TYPES[kind]))
+    return kind, path, hf
+
+
+def prompts(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)  # token 0 is the oracle's pad token: left out
+    return [[rng.randrange(1, 128) for _ in range(n)] for n in lengths]
+
+
+def check_matches_hf(llm, hf, batch, max_tokens):
+    outs = llm.generate(batch, SamplingParams(max_tokens=max_tokens, **GREEDY), use_tqdm=False)
+    for prompt, out in zip(batch, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, max_tokens)
+    llm.block_manager.check_invariants()
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks - 1  # block 0: a window's null block
+    return outs
+
+
+@pytest.mark.parametrize("settings", [
+    dict(scheduling="v1", max_num_batched_tokens=7, max_num_seqs=3),  # chunks that end inside blocks
+    dict(scheduling="v1", max_num_batched_tokens=1, max_num_seqs=1),  # one token a step
+    dict(scheduling="v0", max_num_batched_tokens=64, max_num_seqs=3),               # whole prompts past the window
+])
+def test_greedy_matches_hf(windowed, settings):
+    kind, path, hf = windowed
+    llm = make_llm(path, block_size=BLOCK, num_blocks=64, **settings)
+    assert isinstance(llm.block_manager, EngineHybridManager) == (kind == "mixed")
+    check_matches_hf(llm, hf, prompts(1, (5, 19, 30)), 14)
+
+
+def test_prefix_hits_match_hf(windowed):
+    kind, path, hf = windowed
+    llm = make_llm(path, block_size=BLOCK, num_blocks=64, max_num_batched_tokens=9, max_num_seqs=2)
+    first, tail = prompts(2, (21, 6))
+    check_matches_hf(llm, hf, [first], 5)
+    out, = check_matches_hf(llm, hf, [first[:16] + tail], 9)
+    assert out.metrics.num_cached_prompt_tokens == 16  # every group serves the shared blocks
+
+
+@pytest.mark.parametrize("scheduling", ["v1", "v0"])
+def test_preemption_by_recompute_matches_hf(windowed, scheduling):
+    kind, path, hf = windowed
+    if kind != "mixed":
+        pytest.skip("an all-sliding sequence holds a window's blocks at most: decodes never outgrow the pool")
+    llm = make_llm(path, block_size=BLOCK, num_blocks=20, scheduling=scheduling, max_num_batched_tokens=32,
+                   max_num_seqs=4)
+    check_matches_hf(llm, hf, prompts(3, (12, 17, 9, 22)), 24)
+    assert llm.step_dataframe()["preempted"].sum() > 0
+
+
+def test_sliding_blocks_are_released_as_they_leave_the_window(windowed):
+    """60 tokens are 15 blocks of 4; the all-sliding model serves them from a pool of 6 (null block, the
+    window's 2-3 blocks and the next one) without preemption: blocks leave the window as it moves."""
+    kind, path, hf = windowed
+    if kind != "sliding":
+        pytest.skip("the full-attention group keeps every block")
+    llm = make_llm(path, block_size=BLOCK, num_blocks=6, max_num_batched_tokens=4, max_num_seqs=1)
+    check_matches_hf(llm, hf, prompts(4, (30,)), 30)
+    assert llm.step_dataframe()["preempted"].sum() == 0
+
+
+def test_triton_backend_matches_hf(windowed):
+    kind, path, hf = windowed
+    llm = make_llm(path, block_size=BLOCK, num_blocks=32, attention_backend="triton", max_num_batched_tokens=6,
+                   max_num_seqs=1)
+    check_matches_hf(llm, hf, prompts(5, (11,)), 6)
+
+
+def test_swap_and_forks_are_refused_for_mixed_models(windowed):
+    kind, path, _ = windowed
+    if kind != "mixed":
+        pytest.skip("one kind of layer: the single-group BlockManager swaps and forks")
+    with pytest.raises(UnsupportedModelError, match="preemption_mode='swap'"):
+        make_llm(path, block_size=BLOCK, preemption_mode="swap")
+    llm = make_llm(path, block_size=BLOCK)
+    with pytest.raises(UnsupportedModelError, match="n=2"):
+        llm.generate([[1, 2, 3]], SamplingParams(n=2, max_tokens=2), use_tqdm=False)
