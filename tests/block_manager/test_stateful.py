@@ -74,7 +74,53 @@ class StackPolicy(EvictionPolicy):
         return len(self._free)
 
 
-class ManagerMachine(RuleBasedStateMachine):
+class PoolRules:
+    """Rules every machine here shares: fork, free, swap and reset, with the engine's bookkeeping (``written``,
+    ``first_query``, ``reserved``, the ``running`` and ``swapped`` lists) and its ``_copy`` of the block pairs
+    the manager returns into the fake caches ``gpu`` and ``cpu``. Hypothesis collects inherited rules."""
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self.running))
+        child = Sequence([])
+        self.manager.fork(parent, child)
+        for book in (self.written, self.first_query, self.reserved):
+            book[child] = book[parent]
+        self.running.append(child)
+
+    @precondition(lambda self: self.running or self.swapped)
+    @rule(data=st.data(), preempted=st.booleans())
+    def free(self, data, preempted):
+        seq = data.draw(st.sampled_from(self.running + self.swapped))
+        self._forget(seq)
+        self.manager.free(seq, preempted=preempted)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        seq = data.draw(st.sampled_from(self.running))
+        if self.manager.can_swap_out(seq) is AllocStatus.OK:
+            self._copy(self.gpu, self.cpu, self.manager.swap_out(seq))
+            self.running.remove(seq)
+            self.swapped.append(seq)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        seq = data.draw(st.sampled_from(self.swapped))
+        if self.manager.can_swap_in(seq) is AllocStatus.OK:
+            self._copy(self.cpu, self.gpu, self.manager.swap_in(seq))
+            self.swapped.remove(seq)
+            self.running.append(seq)
+
+    @rule()
+    def reset_prefix_cache(self):
+        in_use = any(self.manager.ref_count(b) for b in range(self.manager.num_blocks))
+        assert self.manager.reset_prefix_cache() == (not in_use)
+
+
+class ManagerMachine(PoolRules, RuleBasedStateMachine):
     config = dict(num_blocks=24, block_size=4, num_cpu_blocks=12)
 
     def __init__(self):
@@ -229,49 +275,9 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
-    def fork(self, data):
-        parent = data.draw(st.sampled_from(self.running))
-        child = Sequence([])
-        self.manager.fork(parent, child)
-        self.written[child], self.first_query[child] = self.written[parent], self.first_query[parent]
-        self.reserved[child] = self.reserved[parent]
-        self.running.append(child)
-
-    @precondition(lambda self: self.running or self.swapped)
-    @rule(data=st.data(), preempted=st.booleans())
-    def free(self, data, preempted):
-        seq = data.draw(st.sampled_from(self.running + self.swapped))
-        self._forget(seq)
-        self.manager.free(seq, preempted=preempted)
-
-    @precondition(lambda self: self.running)
-    @rule(data=st.data())
-    def swap_out(self, data):
-        seq = data.draw(st.sampled_from(self.running))
-        if self.manager.can_swap_out(seq) is AllocStatus.OK:
-            self._copy(self.gpu, self.cpu, self.manager.swap_out(seq))
-            self.running.remove(seq)
-            self.swapped.append(seq)
-
-    @precondition(lambda self: self.swapped)
-    @rule(data=st.data())
-    def swap_in(self, data):
-        seq = data.draw(st.sampled_from(self.swapped))
-        if self.manager.can_swap_in(seq) is AllocStatus.OK:
-            self._copy(self.cpu, self.gpu, self.manager.swap_in(seq))
-            self.swapped.remove(seq)
-            self.running.append(seq)
-
-    @precondition(lambda self: self.running)
-    @rule(data=st.data())
     def touch(self, data):
         self.clock += 1
         self.manager.access_all_blocks_in_seq(data.draw(st.sampled_from(self.running)), self.clock)
-
-    @rule()
-    def reset_prefix_cache(self):
-        in_use = any(self.manager.ref_count(b) for b in range(self.manager.num_blocks))
-        assert self.manager.reset_prefix_cache() == (not in_use)
 
     # ---- invariants ------------------------------------------------------------------------------------
     @invariant()

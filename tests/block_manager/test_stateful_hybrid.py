@@ -22,12 +22,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvlab import AllocStatus, InvalidArgumentError, OutOfBlocksError, Sequence
 from kvlab.blocks.hybrid_manager import HybridBlockManager
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
-from test_stateful import PREFIXES, StackPolicy, kv_values, salts, tokens
+from test_stateful import PREFIXES, PoolRules, StackPolicy, kv_values, salts, tokens
 
 _junk = itertools.count()
 
 
-class HybridMachine(RuleBasedStateMachine):
+class HybridMachine(PoolRules, RuleBasedStateMachine):
     config = dict(num_blocks=32, block_size=2, num_cpu_blocks=16, groups=[FullAttentionSpec(), SlidingWindowSpec(3)])
 
     def __init__(self):
@@ -146,46 +146,6 @@ class HybridMachine(RuleBasedStateMachine):
         self._copy(self.gpu, self.gpu, self.manager.append_slots(seq, lookahead, num_new_tokens=k))
         self._step(seq, first_query, lookahead, end=None if k is None else first_query + k)
         self.history.append(seq.token_ids)
-
-    @precondition(lambda self: self.running)
-    @rule(data=st.data())
-    def fork(self, data):
-        parent = data.draw(st.sampled_from(self.running))
-        child = Sequence([])
-        self.manager.fork(parent, child)
-        for book in (self.written, self.first_query, self.reserved):
-            book[child] = book[parent]
-        self.running.append(child)
-
-    @precondition(lambda self: self.running or self.swapped)
-    @rule(data=st.data(), preempted=st.booleans())
-    def free(self, data, preempted):
-        seq = data.draw(st.sampled_from(self.running + self.swapped))
-        self._forget(seq)
-        self.manager.free(seq, preempted=preempted)
-
-    @precondition(lambda self: self.running)
-    @rule(data=st.data())
-    def swap_out(self, data):
-        seq = data.draw(st.sampled_from(self.running))
-        if self.manager.can_swap_out(seq) is AllocStatus.OK:
-            self._copy(self.gpu, self.cpu, self.manager.swap_out(seq))
-            self.running.remove(seq)
-            self.swapped.append(seq)
-
-    @precondition(lambda self: self.swapped)
-    @rule(data=st.data())
-    def swap_in(self, data):
-        seq = data.draw(st.sampled_from(self.swapped))
-        if self.manager.can_swap_in(seq) is AllocStatus.OK:
-            self._copy(self.cpu, self.gpu, self.manager.swap_in(seq))
-            self.swapped.remove(seq)
-            self.running.append(seq)
-
-    @rule()
-    def reset_prefix_cache(self):
-        in_use = any(self.manager.ref_count(b) for b in range(self.manager.num_blocks))
-        assert self.manager.reset_prefix_cache() == (not in_use)
 
     # ---- invariants ------------------------------------------------------------------------------------
     @invariant()
