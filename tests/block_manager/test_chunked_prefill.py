@@ -102,7 +102,7 @@ def test_prompt_blocks_are_hashed_once_at_admission():
         return hash((parent, ids))
 
     m = BlockManager(16, block_size=4, hash_fn=counting_hash)
-    seq = chunked(m, list(range(12)), 1, 1, 5, 5)
+    chunked(m, list(range(12)), 1, 1, 5, 5)
     assert len(calls) == 3 and m.num_cached_blocks == 3  # three full blocks, sealed over four steps
 
 
