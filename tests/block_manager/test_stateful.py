@@ -75,9 +75,10 @@ class StackPolicy(EvictionPolicy):
 
 
 class PoolRules:
-    """Rules every machine here shares: fork, free, swap and reset, with the engine's bookkeeping (``written``,
-    ``first_query``, ``reserved``, the ``running`` and ``swapped`` lists) and its ``_copy`` of the block pairs
-    the manager returns into the fake caches ``gpu`` and ``cpu``. Hypothesis collects inherited rules."""
+    """Rules and invariants every machine here shares: fork, free, swap and reset, with the engine's bookkeeping
+    (``written``, ``first_query``, ``reserved``, the ``running`` and ``swapped`` lists), its ``_copy`` of the
+    block pairs the manager returns into the fake caches ``gpu`` and ``cpu``, and ``_slots(seq, start, end)``
+    (the manager's slot lookup). Hypothesis collects inherited rules and invariants."""
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -119,6 +120,21 @@ class PoolRules:
         in_use = any(self.manager.ref_count(b) for b in range(self.manager.num_blocks))
         assert self.manager.reset_prefix_cache() == (not in_use)
 
+    @invariant()
+    def bookkeeping_is_consistent(self):
+        self.manager.check_invariants()
+
+    @invariant()
+    def only_scheduled_positions_and_lookahead_have_slots(self):
+        for seq in self.running + self.swapped:
+            assert self.manager.num_scheduled_tokens(seq) == self.written[seq]
+        for seq in self.running:
+            try:
+                self._slots(seq, 0, self.reserved[seq] + 1)
+            except InvalidArgumentError:
+                continue
+            raise AssertionError(f"seq {seq.seq_id}: a position without a slot got one")
+
 
 class ManagerMachine(PoolRules, RuleBasedStateMachine):
     config = dict(num_blocks=24, block_size=4, num_cpu_blocks=12)
@@ -153,6 +169,9 @@ class ManagerMachine(PoolRules, RuleBasedStateMachine):
         self.reserved[seq] = max(self.reserved.get(seq, 0), n + lookahead)
         assert len(seq.block_table) * bs >= n + lookahead
         self._check_reads(seq, self._visible_from(first_query), n)
+
+    def _slots(self, seq, start, end):
+        return self.manager.slot_mapping(seq, start, end)
 
     def _visible_from(self, first_query):
         return 0 if self.window is None else max(0, first_query - self.window + 1)
@@ -280,21 +299,6 @@ class ManagerMachine(PoolRules, RuleBasedStateMachine):
         self.manager.access_all_blocks_in_seq(data.draw(st.sampled_from(self.running)), self.clock)
 
     # ---- invariants ------------------------------------------------------------------------------------
-    @invariant()
-    def bookkeeping_is_consistent(self):
-        self.manager.check_invariants()
-
-    @invariant()
-    def only_scheduled_positions_and_lookahead_have_slots(self):
-        for seq in self.running + self.swapped:
-            assert self.manager.num_scheduled_tokens(seq) == self.written[seq]
-        for seq in self.running:
-            try:
-                self.manager.slot_mapping(seq, 0, self.reserved[seq] + 1)
-            except InvalidArgumentError:
-                continue
-            raise AssertionError(f"seq {seq.seq_id}: a position without a slot got one")
-
     @invariant()
     def every_sequence_reads_back_its_own_kv(self):
         for seq in self.running:
