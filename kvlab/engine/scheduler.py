@@ -104,6 +104,23 @@ class Scheduler:
         request = self.owner[seq.seq_id]
         return request.params.n if request.needs_fork and seq is request.seqs[0] else 1
 
+    def _make_room(self, seq: Sequence, queue: deque, step: ScheduledStep, *, others: bool,
+                   num_new_tokens: int | None = None) -> bool:
+        """Preempt the newest sequences still in ``queue`` until ``seq`` can take slots for its next tokens;
+        with none left, preempt ``seq`` itself if ``others`` run in this step, else abort it (alone in the
+        pool and still no room: it can never grow here). True when ``seq`` can grow."""
+        while not self.manager.can_append_slots(seq, num_new_tokens=num_new_tokens):
+            if queue:
+                self._preempt(queue.pop(), step)
+            elif others:
+                self._preempt(seq, step)
+                return False
+            else:
+                step.aborted.append((seq, f"grew to {seq.num_tokens} tokens, more than the "
+                                          f"{self.manager.num_blocks}-block pool holds"))
+                return False
+        return True
+
     def _never_fits(self, seq: Sequence) -> str:
         """Why a prompt is aborted when ``can_allocate`` says NEVER: not even an empty pool could hold it."""
         blocks = -(-seq.num_tokens // self.manager.block_size)
@@ -143,17 +160,7 @@ class Scheduler:
         queue, scheduled = deque(self.running), []
         while queue:
             seq = queue.popleft()
-            while not self.manager.can_append_slots(seq):
-                if queue:
-                    self._preempt(queue.pop(), step)
-                elif scheduled:
-                    self._preempt(seq, step)
-                    break
-                else:  # alone in the pool and still no room: it can never grow here
-                    step.aborted.append((seq, f"grew to {seq.num_tokens} tokens, more than the "
-                                              f"{self.manager.num_blocks}-block pool holds"))
-                    break
-            else:
+            if self._make_room(seq, queue, step, others=bool(scheduled)):
                 step.moves.add("copy", self.manager.append_slots(seq))
                 step.starts[seq.seq_id] = seq.num_tokens - 1
                 scheduled.append(seq)

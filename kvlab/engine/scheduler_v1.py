@@ -66,17 +66,7 @@ class V1Scheduler(Scheduler):
             seq = queue.popleft()
             start = self.manager.num_scheduled_tokens(seq)
             num_new = min(seq.num_tokens - start, budget)  # 1 when decoding; a chunk of a partial prompt
-            while not self.manager.can_append_slots(seq, num_new_tokens=num_new):
-                if queue:
-                    self._preempt(queue.pop(), step)
-                elif step.seqs:
-                    self._preempt(seq, step)
-                    break
-                else:  # alone in the pool and still no room: it can never grow here
-                    step.aborted.append((seq, f"grew to {seq.num_tokens} tokens, more than the "
-                                              f"{self.manager.num_blocks}-block pool holds"))
-                    break
-            else:
+            if self._make_room(seq, queue, step, others=bool(step.seqs), num_new_tokens=num_new):
                 step.moves.add("copy", self.manager.append_slots(seq, num_new_tokens=num_new))
                 budget -= self._count(step, seq, start)
                 kept.append(seq)
