@@ -36,3 +36,7 @@ class NeedsGPUError(KvlabError, RuntimeError):
 
 class EvictionPolicyError(KvlabError, RuntimeError):
     """A user-supplied eviction policy raised or broke its contract; the manager's state is unchanged."""
+
+
+class KVEventSubscriberWarning(RuntimeWarning):
+    """A KV-event subscriber raised; it was dropped, and the manager and every other subscriber carried on."""

@@ -21,6 +21,7 @@ One module per part, in the manner of vLLM V1's ``vllm/v1/core/``:
     invariants.py          check_invariants(): the manager's state checked against itself
     records.py             AllocStatus, Event, PrefixCacheStats
     kv_events.py           vLLM's KV cache events (BlockStored, BlockRemoved, AllBlocksCleared) for routers
+    kv_event_subscribers.py  their subscribers: a failing one is dropped, never the manager's problem
 """
 
 from kvlab.blocks.eviction import POLICIES, EvictionPolicy

@@ -72,6 +72,8 @@ class HybridRecord:
 
 @serialized
 class HybridBlockManager:
+    _kv_queue = ()  # no KV events for hybrid managers yet (kvlab.blocks.locking reads it)
+
     def __init__(self, num_blocks: int, block_size: int = 16, *, groups, num_cpu_blocks: int = 0,
                  watermark: float = 0.0, enable_prefix_caching: bool = True, hash_fn=None, eviction="lru",
                  record_events: bool = False):

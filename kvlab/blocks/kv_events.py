@@ -21,18 +21,36 @@ Events are exact: applying them in order to a set of hashes (``CachedHashes``) g
 call, the set of hashes a prefix lookup can hit. A duplicate of a block already cached (kvlab keeps one
 block per hash) is not stored twice, so a ``BlockRemoved`` always removes a hash that was stored.
 
-Subscribers: ``kv_events.subscribe(callback)`` calls ``callback(event)`` as events happen;
+Subscribers: ``kv_events.subscribe(callback)`` calls ``callback(event)`` for every event;
 ``kv_events.subscribe()`` returns a subscription to iterate (each event once, in order);
-``kv_events.write_jsonl(path)`` writes one JSON object per line, tagged ``"type"`` as msgspec encodes vLLM's
-tagged structs. Each returns a ``Subscription``; ``close()`` (or a ``with`` block) ends it.
+``kv_events.write_jsonl(path_or_text_file)`` writes one JSON object per line, tagged ``"type"`` as msgspec
+encodes vLLM's tagged structs (the target is checked, and a path opened, when it is called). Each returns a
+``Subscription``; ``close()`` (or a ``with`` block) ends it.
+
+Delivery (why subscribers cannot hurt the manager). vLLM's workers publish events from a queue, after the
+scheduler's state change, so a slow or broken consumer never touches the scheduler. kvlab does the same in
+one thread: during a manager call the events only go into a queue; when the outermost public call has
+finished its whole state change (and released the manager's lock), the queue is delivered, each event to
+every subscriber in subscription order, then the next event. So a subscriber always sees a consistent
+manager, may call the manager itself (its call's events are delivered after the current ones), and may
+close itself or another subscription mid-delivery without anyone else missing an event.
+
+A subscriber that raises is **dropped**: it is closed, its exception is kept in ``subscription.error``,
+and a ``KVEventSubscriberWarning`` names it. Every other subscriber still gets that event and all later
+ones, and the manager call that produced it returns normally (its change is done and consistent; raising
+would tell the caller it failed). Dropping, not skipping one event, because a consumer that missed an event
+holds a wrong index from then on: a router must re-subscribe and rebuild, as a vLLM consumer that lost
+its ZMQ stream replays it. ``write_jsonl`` to a file whose write fails later (a full disk) is dropped the
+same way.
 """
 
-import json
+import threading
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from kvlab.blocks.kv_event_subscribers import Subscription, jsonl_writer
 from kvlab.errors import InvalidArgumentError
 
 MEDIUM_GPU = "GPU"
@@ -106,68 +124,58 @@ class CachedHashes:
         return min(limit, len(hashes))
 
 
-class Subscription:
-    """One subscriber of a ``KVEventPublisher``. Without a callback it buffers: iterating yields the events
-    published since the last iteration, then stops (nothing blocks: the manager runs in the caller's thread)."""
-
-    def __init__(self, publisher: "KVEventPublisher", callback: Optional[Callable], on_close=None):
-        self._publisher, self._on_close = publisher, on_close
-        self._buffer: deque = deque()
-        self.callback = self._buffer.append if callback is None else callback
-
-    def __iter__(self):
-        while self._buffer:
-            yield self._buffer.popleft()
-
-    def close(self) -> None:
-        if self.callback in self._publisher._callbacks:
-            self._publisher._callbacks.remove(self.callback)
-            if self._on_close is not None:
-                self._on_close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
 class KVEventPublisher:
-    """A manager's event stream (``manager.kv_events``). The manager calls ``stored``, ``removed`` and
-    ``cleared``; with no subscriber they return at once."""
+    """A manager's event stream (``manager.kv_events``). The manager queues events with ``stored``,
+    ``removed`` and ``cleared`` (with no subscriber they return at once) and calls ``deliver()`` when its
+    outermost public call has finished (``kvlab.blocks.locking``)."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
-        self._callbacks: list[Callable] = []
+        self._subscriptions: list[Subscription] = []
+        # Events of finished state changes, not yet delivered. A deque: appends (under the manager's lock) and
+        # popleft (in deliver) are atomic, so producers never wait for subscribers.
+        self.queue: deque = deque()
+        self._delivery_lock = threading.RLock()  # one delivery at a time, so every subscriber sees one order
+        self._delivering = False
 
     def subscribe(self, callback: Optional[Callable[[KVCacheEvent], None]] = None) -> Subscription:
         if callback is not None and not callable(callback):
             raise InvalidArgumentError(f"callback must be callable as callback(event), got {callback!r}")
-        subscription = Subscription(self, callback)
-        self._callbacks.append(subscription.callback)
-        return subscription
+        return self._add(Subscription(self._subscriptions, callback))
 
     def write_jsonl(self, path_or_file) -> Subscription:
-        """Write every event from now on as one JSON line to a path (opened here, closed by ``close()``) or
-        to an open text file (left open)."""
-        if hasattr(path_or_file, "write"):
-            file, on_close = path_or_file, None
-        else:
-            file = open(path_or_file, "w", encoding="utf-8")
-            on_close = file.close
-        subscription = Subscription(self, lambda event: file.write(json.dumps(event_dict(event)) + "\n"), on_close)
-        self._callbacks.append(subscription.callback)
+        """Write every event from now on as one JSON line to a path (opened now, closed by ``close()``) or to
+        an open text file (left open). Raises InvalidArgumentError, subscribing nothing, if the target cannot
+        be written: not a str/os.PathLike path or a text file, a missing folder, a directory, a closed file."""
+        write, on_close = jsonl_writer(path_or_file, event_dict)
+        return self._add(Subscription(self._subscriptions, write, on_close))
+
+    def _add(self, subscription: Subscription) -> Subscription:
+        with self._delivery_lock:  # not while an event is half-delivered: a new subscriber starts at the next
+            self._subscriptions.append(subscription)
         return subscription
 
-    def _publish(self, event) -> None:
-        for callback in self._callbacks:
-            callback(event)
+    def deliver(self) -> None:
+        """Deliver the queued events, oldest first, each to every open subscriber. A callback's own manager
+        calls queue more events, which this loop delivers after the current ones (never nested)."""
+        with self._delivery_lock:
+            if self._delivering:
+                return
+            self._delivering = True
+            try:
+                queue = self.queue
+                while queue:
+                    event = queue.popleft()
+                    for subscription in tuple(self._subscriptions):  # a snapshot: close() may run meanwhile
+                        subscription.receive(event)
+            finally:
+                self._delivering = False
 
-    # ---- called by the block manager -------------------------------------------------------------------------
+    # ---- called by the block manager, under its lock -------------------------------------------------------
     def stored(self, pool, blocks, hashes, contents, parent_hash: Optional[int]) -> None:
         """``blocks`` were just sealed with ``hashes`` (chained after ``parent_hash``); those the prefix
         cache registered (not duplicates of a cached block) are stored, one event per consecutive run."""
-        if not self._callbacks:
+        if not self._subscriptions:
             return
         start = None
         for i, block in enumerate([*blocks, None]):
@@ -177,15 +185,15 @@ class KVEventPublisher:
                 run, width = contents[start:i], 8 * self.block_size
                 # A keyed block's bytes are its tokens then its keys' encoding (kvlab.blocks.block_keys).
                 keys = [content[width:].hex() or None for content in run]
-                self._publish(BlockStored(hashes[start:i], hashes[start - 1] if start else parent_hash,
-                                          self.block_size, extra_keys=keys if any(keys) else None,
-                                          token_bytes=tuple(content[:width] for content in run)))
+                self.queue.append(BlockStored(hashes[start:i], hashes[start - 1] if start else parent_hash,
+                                              self.block_size, extra_keys=keys if any(keys) else None,
+                                              token_bytes=tuple(content[:width] for content in run)))
                 start = None
 
     def removed(self, hashes: list[int]) -> None:
-        if self._callbacks:
-            self._publish(BlockRemoved(hashes))
+        if self._subscriptions:
+            self.queue.append(BlockRemoved(hashes))
 
     def cleared(self) -> None:
-        if self._callbacks:
-            self._publish(AllBlocksCleared())
+        if self._subscriptions:
+            self.queue.append(AllBlocksCleared())

@@ -76,6 +76,7 @@ class BlockManager(BlockManagerSwapping):
         self._pool = BlockPool(self.num_blocks, eviction, first_block, self.events)
         # What enters and leaves the prefix cache, for routers (vLLM's KV events: kvlab.blocks.kv_events).
         self.kv_events = self._pool.kv_events = KVEventPublisher(self.block_size) if kv_events else None
+        self._kv_queue = self.kv_events.queue if kv_events else ()  # delivered after each call (locking.py)
         self._swap = SwapSpace(num_cpu_blocks)
         self._cross = CrossTables(self.block_size)
         self._usable = self.num_blocks - first_block

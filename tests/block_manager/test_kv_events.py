@@ -3,16 +3,19 @@
 The property test reuses the model-checking machine of test_stateful (allocations with prefix hits,
 decode steps, forks, frees, swaps, resets, every eviction policy, weak and constant hashes, sliding windows)
 and checks after every operation that the hashes rebuilt from the events equal the manager's own cached
-hashes, and that every stored event's hashes follow from its parent hash and token ids.
+hashes, and that every stored event's hashes follow from its parent hash and token ids. Faulty subscribers
+ahead of the healthy one (raising, or closing themselves, at a random event) never cost it an event, and
+the manager's invariants (checked by the base machine after every operation) hold whatever they do.
 """
 
 import io
 import json
 
+import hypothesis.strategies as st
 import pytest
 import xxhash
 from hypothesis import settings
-from hypothesis.stateful import invariant
+from hypothesis.stateful import initialize, invariant
 from test_stateful import MACHINES, STEPS, ManagerMachine
 
 from kvlab import BlockManager, InvalidArgumentError, Sequence
@@ -36,10 +39,34 @@ def chained(parent, token_ids, block_size, extra_keys=None) -> list:
     return hashes
 
 
+class Faulty:
+    """A subscriber that breaks at its ``at``-th event: raises, or closes its own subscription."""
+
+    def __init__(self, at: int, how: str):
+        self.at, self.how, self.seen, self.subscription = at, how, 0, None
+
+    def __call__(self, event):
+        self.seen += 1
+        if self.seen == self.at:
+            if self.how == "raise":
+                raise RuntimeError("a broken subscriber")
+            self.subscription.close()
+
+
 class EventMachine(ManagerMachine):
+    """Subscribed in this order: faulty subscribers (raising or closing themselves at a random event), then
+    the healthy index and buffer, which must still see every event, so they come after the faulty ones."""
+
     def __init__(self):
         super().__init__()
-        self.replayed = CachedHashes()
+        self.replayed, self.unchecked, self.faulty = CachedHashes(), iter(()), []
+
+    @initialize(breaks_at=st.lists(st.tuples(st.integers(1, 12), st.sampled_from(["raise", "close"])), max_size=3))
+    def subscribe(self, breaks_at):
+        for at, how in breaks_at:
+            faulty = Faulty(at, how)
+            faulty.subscription = self.manager.kv_events.subscribe(faulty)
+            self.faulty.append(faulty)
         self.manager.kv_events.subscribe(self.replayed)
         self.unchecked = self.manager.kv_events.subscribe()
 
@@ -47,6 +74,13 @@ class EventMachine(ManagerMachine):
     @invariant()
     def events_rebuild_the_cached_hashes(self):
         assert self.replayed.hashes == cached_hashes(self.manager)
+
+    @invariant()
+    def faulty_subscribers_are_dropped_when_they_break_and_only_then(self):
+        for faulty in self.faulty:
+            broke = faulty.seen >= faulty.at
+            assert faulty.subscription.closed == broke and faulty.seen <= faulty.at
+            assert isinstance(faulty.subscription.error, RuntimeError) == (broke and faulty.how == "raise")
 
     @invariant()
     def stored_blocks_chain_from_their_parent(self):
@@ -66,6 +100,8 @@ EVENT_MACHINES = [type(f"Events{m.__name__}", (EventMachine,), {"config": {**m.c
 for _machine_class in EVENT_MACHINES:
     _case = _machine_class.TestCase
     _case.settings = settings(stateful_step_count=STEPS, deadline=None)
+    # The faulty subscribers' drops warn by design (test_kv_event_subscribers checks the warning).
+    _case = pytest.mark.filterwarnings("ignore::kvlab.errors.KVEventSubscriberWarning")(_case)
     globals()[f"Test{_machine_class.__name__}"] = _case
 del _case
 
