@@ -89,6 +89,15 @@ class BlockManagerQueries:
         released = alloc.num_released
         return [-1 if p // bs < released else table[p // bs] * bs + p % bs for p in range(start, end)]
 
+    # The hybrid manager's per-group API, for one group: the engine reads every manager through it.
+    def block_tables(self, seq: Sequence) -> list[list[int]]:
+        """``[get_block_table(seq)]``: one KV cache group."""
+        return [self.get_block_table(seq)]
+
+    def slot_mappings(self, seq: Sequence, start: int, end: int) -> list[list[int]]:
+        """``[slot_mapping(seq, start, end)]``: one KV cache group."""
+        return [self.slot_mapping(seq, start, end)]
+
     # ---- encoder-decoder: the group's cross-attention table ----------------------------------------------
     def get_cross_block_table(self, seq: Sequence) -> tuple:
         """The encoder's blocks of ``seq``'s group (CPU ids while swapped out), for any member or its root."""

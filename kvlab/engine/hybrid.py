@@ -52,7 +52,7 @@ def check_hybrid_options(config: ModelConfig, *, preemption_mode: str = "recompu
 
 class EngineHybridManager(HybridBlockManager):
     """``HybridBlockManager`` answering as one ``BlockManager`` where the engine asks about a sequence as a
-    whole; the runner reads each group's tables through ``block_tables`` / ``slot_mappings``."""
+    whole; the scheduler reads each group's tables through ``block_tables`` / ``slot_mappings`` into the step."""
 
     @property
     def enable_prefix_caching(self) -> bool:

@@ -20,36 +20,36 @@ import torch
 from kvlab.blocks.sequence import Sequence
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampler import Sampler
-from kvlab.engine.scheduler import ScheduledStep
+from kvlab.engine.step import ScheduledStep, SeqStep
 
 
 @dataclass
 class ForwardResult:
-    seqs: list[Sequence]                         # the sequences that ran, in step order
-    logits: torch.Tensor | None                  # [len(seqs), vocab]; None if none ran
+    entries: list[SeqStep]                       # the sequences that ran, in step order
+    logits: torch.Tensor | None                  # [len(entries), vocab]; None if none ran
     failed: list = field(default_factory=list)   # (sequence, the exception it raised alone)
     blocked: list[Sequence] = field(default_factory=list)  # prefills that read blocks a failed one was to write
 
 
-def run_forward(runner: ModelRunner, step: ScheduledStep) -> ForwardResult:
+def run_forward(runner: ModelRunner, step: ScheduledStep, block_size: int) -> ForwardResult:
     """Logits for the step's sequences, each failing sequence set apart (``Exception`` only: an interrupt
     stops the step)."""
     try:
-        return ForwardResult(step.seqs, runner.forward(step, step.seqs))
+        return ForwardResult(list(step.entries), runner.forward(step, step.entries))
     except Exception:  # noqa: BLE001 - which sequence is at fault is found below, each raising its own error
         pass
     result, rows, unwritten = ForwardResult([], None), [], set()
-    for seq in step.seqs:
-        if step.kind != "decode" and unwritten.intersection(runner.manager.get_block_table(seq)):
-            result.blocked.append(seq)
-            unwritten |= runner.written_blocks(step, seq)  # what hit its new blocks cannot run either
+    for entry in step.entries:
+        if step.kind != "decode" and unwritten.intersection(block for t in entry.tables for block in t):
+            result.blocked.append(entry.seq)
+            unwritten |= entry.written_blocks(block_size)  # what hit its new blocks cannot run either
             continue
         try:
-            rows.append(runner.forward(step, [seq]))
-            result.seqs.append(seq)
+            rows.append(runner.forward(step, [entry]))
+            result.entries.append(entry)
         except Exception as error:  # noqa: BLE001 - this sequence's failure, kept as its abort reason
-            result.failed.append((seq, error))
-            unwritten |= runner.written_blocks(step, seq)
+            result.failed.append((entry.seq, error))
+            unwritten |= entry.written_blocks(block_size)
     result.logits = torch.cat(rows) if rows else None
     return result
 

@@ -95,7 +95,7 @@ class LLM:
         scheduler = V1Scheduler if scheduling == "v1" else Scheduler
         self.scheduler = scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, preemption_mode=preemption_mode)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, self.attention_backend)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.attention_backend)
         self._loop = StepLoop(self.scheduler, self.runner, Sampler(seed, self.device), config.eos_token_ids,
                               self.max_model_len)
         self._request_ids = itertools.count()

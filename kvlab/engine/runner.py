@@ -1,80 +1,57 @@
-"""Turn a step's sequences into tensors, move blocks, run the model, return logits.
+"""Turn a step's entries into tensors, move blocks, run the model, return logits.
 
-For each sequence the block manager says where its tokens live: ``slot_mapping`` for the tokens computed in
-this step, ``get_block_table`` for the whole context. A prefill computes only the tokens after the cached
-prefix (``num_cached_tokens``), or (V1 scheduling) one chunk of them; a decode computes the one token that
-has no K/V yet (the last sampled one). A model with several kinds of layer (``kvlab.engine.hybrid``) gets
-one attention batch per KV cache group, from that group's tables and slots, with its window.
+Everything comes from the frozen step (``kvlab.engine.step``): for each sequence the positions it computes
+(after the cached prefix, one chunk of a prompt, or a decode's one token without K/V), their slots, and its
+block tables, as the scheduler read them from the block manager. A model with several kinds of layer
+(``kvlab.engine.hybrid``) gets one attention batch per KV cache group, from that group's tables and slots,
+with its window.
 """
+
+from collections.abc import Sequence
 
 import torch
 
-from kvlab.blocks.manager import BlockManager
-from kvlab.blocks.sequence import Sequence
 from kvlab.engine.attention import AttentionBatch
-from kvlab.engine.hybrid import EngineHybridManager, group_specs
+from kvlab.engine.hybrid import group_specs
 from kvlab.engine.kv_cache import BlockMoves, PagedKVCache
 from kvlab.engine.model import CausalLM
-from kvlab.engine.scheduler import ScheduledStep
+from kvlab.engine.step import ScheduledStep, SeqStep
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, manager: BlockManager, device,
-                 attention_backend: str):
-        self.model, self.kv_cache, self.manager, self.device = model, kv_cache, manager, device
+    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, device, attention_backend: str):
+        self.model, self.kv_cache, self.device = model, kv_cache, device
         self.attention_backend = attention_backend
         specs, self.layer_groups = group_specs(model.config)
         self.windows = [spec.sliding_window for spec in specs]  # each group's window, None: full attention
-        self.hybrid = isinstance(manager, EngineHybridManager)
-
-    def _tables(self, seq: Sequence) -> list[list[int]]:
-        """Each group's block table."""
-        return self.manager.block_tables(seq) if self.hybrid else [self.manager.get_block_table(seq)]
-
-    def _slots(self, seq: Sequence, start: int, end: int) -> list[list[int]]:
-        """Each group's slots for positions start..end-1 (-1 where a window released the block)."""
-        return (self.manager.slot_mappings(seq, start, end) if self.hybrid
-                else [self.manager.slot_mapping(seq, start, end)])
 
     def apply_moves(self, moves: BlockMoves) -> None:
         """The step's swaps and copy-on-write copies, once, before any forward pass of the step."""
         self.kv_cache.apply(moves)
 
-    def new_tokens(self, step: ScheduledStep, seq: Sequence) -> range:
-        """Positions whose K/V this step computes: from where the scheduler started it (after the cached
-        prefix, after the chunks earlier steps computed, or a decode's last token, which has no K/V yet) up
-        to the tokens it has slots for."""
-        return range(step.starts[seq.seq_id], self.manager.num_scheduled_tokens(seq))
-
-    def written_blocks(self, step: ScheduledStep, seq: Sequence) -> set[int]:
-        span = self.new_tokens(step, seq)
-        return {slot // self.manager.block_size for slots in self._slots(seq, span.start, span.stop)
-                for slot in slots if slot >= 0}
-
-    def forward(self, step: ScheduledStep, seqs: list[Sequence]) -> torch.Tensor:
-        """fp32 logits ``[len(seqs), vocab]``: each sequence's distribution after the last token this step
-        computes for it (``seqs``: some or all of ``step.seqs``, after ``apply_moves``). Prompt chunks and
-        decode tokens go through one forward pass: a decode row is query length 1 over its cached context.
-        Running some of them again is harmless: each new token's K/V is written again, the same, into the
-        same slot."""
+    def forward(self, step: ScheduledStep, entries: Sequence[SeqStep]) -> torch.Tensor:
+        """fp32 logits ``[len(entries), vocab]``: each sequence's distribution after the last token this step
+        computes for it (``entries``: some or all of ``step.entries``, after ``apply_moves``). Prompt chunks
+        and decode tokens go through one forward pass: a decode row is query length 1 over its cached
+        context. Running some of them again is harmless: each new token's K/V is written again, the same,
+        into the same slot. Reads only the step, never the block manager."""
         input_ids, positions, query_lens, context_lens = [], [], [], []
         slots = [[] for _ in self.windows]  # [groups][T]
-        for seq in seqs:
-            span = self.new_tokens(step, seq)
-            input_ids += seq.token_ids[span.start:span.stop]
-            positions += span
-            for group, group_slots in zip(slots, self._slots(seq, span.start, span.stop)):
+        for entry in entries:
+            input_ids += entry.seq.token_ids[entry.start:entry.end]
+            positions += range(entry.start, entry.end)
+            for group, group_slots in zip(slots, entry.slots):
                 group += group_slots
-            query_lens.append(len(span))
-            context_lens.append(span.stop)  # a chunk sees its prompt up to its own last token, no further
-        tables = list(zip(*(self._tables(seq) for seq in seqs)))  # [groups][S]
+            query_lens.append(entry.num_tokens)
+            context_lens.append(entry.end)  # a chunk sees its prompt up to its own last token, no further
+        tables = list(zip(*(entry.tables for entry in entries)))  # [groups][S]
 
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype, device=self.device)
 
         def padded(group_tables):  # padding is never read
             width = max(len(t) for t in group_tables)
-            return tensor([t + [0] * (width - len(t)) for t in group_tables], torch.int32)
+            return tensor([t + (0,) * (width - len(t)) for t in group_tables], torch.int32)
 
         cu_query_lens = tensor([0] + query_lens, torch.int32).cumsum(0, dtype=torch.int32)
         seq_lens = tensor(context_lens, torch.int32)

@@ -11,7 +11,8 @@ the CPU pool). Each step is one of two kinds, as in nano-vllm and vLLM v0 withou
   freed and re-queued; swap: moved to the CPU pool), possibly the one asking.
 
 Scheduling never frees a sequence that is already in the step (the block manager's ordering rule): victims
-are taken from the sequences not yet given a slot.
+are taken from the sequences not yet given a slot. ``schedule`` returns a frozen ``ScheduledStep``
+(``kvlab.engine.step``): what each sequence computes, with its tables and slots, read once here.
 
 After a sequence's forward pass failed, blocks it was to write may be in the prefix cache with no K/V in
 them. The block manager can forget cached prefixes only when no device block is in use, so until then no
@@ -20,31 +21,11 @@ the end, then the prefix cache is reset and admissions resume.
 """
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from kvlab.blocks.manager import AllocStatus, BlockManager
 from kvlab.blocks.sequence import Sequence, SequenceStatus
-from kvlab.engine.kv_cache import BlockMoves
 from kvlab.engine.request import Request
-
-
-@dataclass
-class ScheduledStep:
-    kind: str                                   # "prefill", "decode" or (V1 scheduling) "mixed"
-    seqs: list[Sequence]
-    moves: BlockMoves                           # apply before the forward pass
-    starts: dict[int, int] = field(default_factory=dict)  # seq_id -> first position whose K/V this step
-                                                # computes; it computes up to ``num_scheduled_tokens(seq)``
-    num_prefill_tokens: int = 0                 # prompt (or recomputed) tokens computed, after prefix hits
-    num_decode_tokens: int = 0                  # one per sequence that is past its prefill
-    num_cached_tokens: int = 0                  # prompt tokens found in the prefix cache (not computed)
-    num_preempted: int = 0
-    aborted: list = field(default_factory=list)  # (sequence, why): can never run in this pool
-
-    @property
-    def num_new_tokens(self) -> int:
-        """Tokens the forward pass computes."""
-        return self.num_prefill_tokens + self.num_decode_tokens
+from kvlab.engine.step import ScheduledStep, StepBuilder
 
 
 class Scheduler:
@@ -95,16 +76,16 @@ class Scheduler:
             self.prefix_reset_pending = not self.manager.reset_prefix_cache()
         if not self.swapped and not self.prefix_reset_pending:
             step = self._schedule_prefill()
-            if step.seqs or step.aborted:
-                return step
-        return self._schedule_decode()
+            if step.entries or step.aborted:
+                return step.freeze()
+        return self._schedule_decode().freeze()
 
     def _seats(self, seq: Sequence) -> int:
         """Running slots a waiting sequence takes: a prompt with n samples becomes n sequences after prefill."""
         request = self.owner[seq.seq_id]
         return request.params.n if request.needs_fork and seq is request.seqs[0] else 1
 
-    def _make_room(self, seq: Sequence, queue: deque, step: ScheduledStep, *, others: bool,
+    def _make_room(self, seq: Sequence, queue: deque, step: StepBuilder, *, others: bool,
                    num_new_tokens: int | None = None) -> bool:
         """Preempt the newest sequences still in ``queue`` until ``seq`` can take slots for its next tokens;
         with none left, preempt ``seq`` itself if ``others`` run in this step, else abort it (alone in the
@@ -126,8 +107,8 @@ class Scheduler:
         blocks = -(-seq.num_tokens // self.manager.block_size)
         return f"{seq.num_tokens} tokens need {blocks} blocks, more than the {self.manager.num_blocks}-block pool holds"
 
-    def _schedule_prefill(self) -> ScheduledStep:
-        step = ScheduledStep("prefill", [], BlockMoves())
+    def _schedule_prefill(self) -> StepBuilder:
+        step = StepBuilder("prefill")
         seats, tokens = len(self.running), 0
         while self.waiting:
             seq = self.waiting[0]
@@ -135,7 +116,7 @@ class Scheduler:
                 break
             # Budgeted on all its tokens (hits are known only once allocated, and an allocated prompt must run).
             # A sequence over the budget on its own is a recompute that grew while decoding: it runs alone.
-            if tokens + seq.num_tokens > self.max_num_batched_tokens and step.seqs:
+            if tokens + seq.num_tokens > self.max_num_batched_tokens and step.entries:
                 break
             status = self.manager.can_allocate(seq)
             if status is AllocStatus.LATER:
@@ -145,30 +126,26 @@ class Scheduler:
                 step.aborted.append((seq, self._never_fits(seq)))
                 continue
             self.manager.allocate(seq)
-            step.seqs.append(seq)
-            step.starts[seq.seq_id] = seq.num_cached_tokens
+            step.add(self.manager, seq, seq.num_cached_tokens, prefill=True)
             step.num_cached_tokens += seq.num_cached_tokens
-            step.num_prefill_tokens += seq.num_tokens - seq.num_cached_tokens
             seats += self._seats(seq)
             tokens += seq.num_tokens
         self.running.extend(step.seqs)
         return step
 
-    def _schedule_decode(self) -> ScheduledStep:
-        step = ScheduledStep("decode", [], BlockMoves())
+    def _schedule_decode(self) -> StepBuilder:
+        step = StepBuilder("decode")
         self._swap_in(step)
-        queue, scheduled = deque(self.running), []
+        queue = deque(self.running)
         while queue:
             seq = queue.popleft()
-            if self._make_room(seq, queue, step, others=bool(scheduled)):
+            if self._make_room(seq, queue, step, others=bool(step.entries)):
                 step.moves.add("copy", self.manager.append_slots(seq))
-                step.starts[seq.seq_id] = seq.num_tokens - 1
-                scheduled.append(seq)
-        step.seqs, self.running = scheduled, list(scheduled)  # preempted and aborted sequences are out
-        step.num_decode_tokens = len(scheduled)
+                step.add(self.manager, seq, seq.num_tokens - 1, prefill=False)
+        self.running = step.seqs  # preempted and aborted sequences are out
         return step
 
-    def _swap_in(self, step: ScheduledStep) -> None:
+    def _swap_in(self, step: StepBuilder) -> None:
         """Bring swapped sequences back, oldest first, while the pool keeps a block of headroom per running
         sequence (so the decode below rarely has to push out what just came in)."""
         while self.swapped and len(self.running) < self.max_num_seqs:
@@ -180,7 +157,7 @@ class Scheduler:
             step.moves.add("swap_in", self.manager.swap_in(seq))
             self.running.append(self.swapped.popleft())
 
-    def _preempt(self, seq: Sequence, step: ScheduledStep) -> None:
+    def _preempt(self, seq: Sequence, step: StepBuilder) -> None:
         if self.preemption_mode == "swap" and self.manager.can_swap_out(seq) is AllocStatus.OK:
             step.moves.add("swap_out", self.manager.swap_out(seq))
             self.swapped.appendleft(seq)

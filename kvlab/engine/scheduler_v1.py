@@ -21,8 +21,8 @@ from collections import deque
 
 from kvlab.blocks.manager import AllocStatus
 from kvlab.blocks.sequence import Sequence
-from kvlab.engine.kv_cache import BlockMoves
-from kvlab.engine.scheduler import ScheduledStep, Scheduler
+from kvlab.engine.scheduler import Scheduler
+from kvlab.engine.step import ScheduledStep, StepBuilder
 
 
 class V1Scheduler(Scheduler):
@@ -37,43 +37,37 @@ class V1Scheduler(Scheduler):
     def schedule(self) -> ScheduledStep:
         if self.prefix_reset_pending and not self.running and not self.swapped:
             self.prefix_reset_pending = not self.manager.reset_prefix_cache()
-        step = ScheduledStep("mixed", [], BlockMoves())
+        step = StepBuilder("mixed")
         self._swap_in(step)
         budget = self._schedule_running(step, self.max_num_batched_tokens)
         if not step.num_preempted and not self.swapped and not self.prefix_reset_pending:
             self._schedule_waiting(step, budget)
-        step.kind = ("mixed" if step.num_prefill_tokens and step.num_decode_tokens
-                     else "decode" if step.num_decode_tokens else "prefill")
-        return step
+        prefill = any(entry.prefill for entry in step.entries)
+        decode = not all(entry.prefill for entry in step.entries)
+        return step.freeze("mixed" if prefill and decode else "decode" if decode else "prefill")
 
-    def _count(self, step: ScheduledStep, seq: Sequence, start: int) -> int:
+    def _count(self, step: StepBuilder, seq: Sequence, start: int) -> int:
         """Put ``seq`` in the step from position ``start`` (its slots are given); returns its token count."""
-        step.seqs.append(seq)
-        step.starts[seq.seq_id] = start
-        num_tokens = self.manager.num_scheduled_tokens(seq) - start
-        if seq.seq_id in self.prefilling:
-            step.num_prefill_tokens += num_tokens
-            if self.manager.num_scheduled_tokens(seq) == seq.num_tokens:
-                self.prefilling.discard(seq.seq_id)  # its last chunk: it is sampled after this step
-        else:
-            step.num_decode_tokens += num_tokens
-        return num_tokens
+        entry = step.add(self.manager, seq, start, prefill=seq.seq_id in self.prefilling)
+        if entry.samples:
+            self.prefilling.discard(seq.seq_id)  # its last chunk: it is sampled after this step
+        return entry.num_tokens
 
-    def _schedule_running(self, step: ScheduledStep, budget: int) -> int:
+    def _schedule_running(self, step: StepBuilder, budget: int) -> int:
         """Give running sequences their next tokens while the budget lasts; returns the budget left."""
         queue, kept = deque(self.running), []
         while queue and budget:
             seq = queue.popleft()
             start = self.manager.num_scheduled_tokens(seq)
             num_new = min(seq.num_tokens - start, budget)  # 1 when decoding; a chunk of a partial prompt
-            if self._make_room(seq, queue, step, others=bool(step.seqs), num_new_tokens=num_new):
+            if self._make_room(seq, queue, step, others=bool(step.entries), num_new_tokens=num_new):
                 step.moves.add("copy", self.manager.append_slots(seq, num_new_tokens=num_new))
                 budget -= self._count(step, seq, start)
                 kept.append(seq)
         self.running = kept + list(queue)  # preempted and aborted sequences are out; unscheduled ones wait
         return budget
 
-    def _schedule_waiting(self, step: ScheduledStep, budget: int) -> None:
+    def _schedule_waiting(self, step: StepBuilder, budget: int) -> None:
         seats = sum(map(self._seats, self.running))  # a partial prompt with n samples will become n sequences
         while self.waiting and budget:
             seq = self.waiting[0]

@@ -19,7 +19,8 @@ from kvlab.engine.isolation import run_forward, sample_rows
 from kvlab.engine.request import Finish, Request
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampler import Sampler
-from kvlab.engine.scheduler import ScheduledStep, Scheduler
+from kvlab.engine.scheduler import Scheduler
+from kvlab.engine.step import ScheduledStep
 from kvlab.engine.step_record import StepRecord
 
 
@@ -53,11 +54,11 @@ class StepLoop:
         earlier, self.finished_between = self.finished_between, []
         try:
             step = self.scheduler.schedule()
-            if not step.seqs and not step.aborted:
+            if not step.entries and not step.aborted:
                 return earlier  # nothing queued: no step, no record
             pool = self._pool_state()
             touched = [self._finish(seq, Finish("abort", abort_reason=why)) for seq, why in step.aborted]
-            if step.seqs:
+            if step.entries:
                 self.runner.apply_moves(step.moves)
                 touched += self._run(step)
         except BaseException as error:
@@ -71,21 +72,20 @@ class StepLoop:
 
     # ---- after the block moves -----------------------------------------------------------------------------
     def _run(self, step: ScheduledStep) -> list[Request]:
-        result = run_forward(self.runner, step)
+        result = run_forward(self.runner, step, self.manager.block_size)
         touched = [self._fail(seq, "the forward pass", error) for seq, error in result.failed]
         for seq in reversed(result.blocked):  # reversed: they go back to the queue's front in step order
             self.scheduler.requeue(seq)
         if result.failed or result.blocked:
             self.scheduler.forget_unwritten_prefixes()
         now = time.perf_counter()
-        for seq in result.seqs:
-            metrics = self.scheduler.owner[seq.seq_id].metrics
+        for entry in result.entries:
+            metrics = self.scheduler.owner[entry.seq.seq_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-                metrics.num_cached_prompt_tokens = seq.num_cached_tokens
+                metrics.num_cached_prompt_tokens = entry.seq.num_cached_tokens
         # Only a sequence whose every token now has K/V samples: a prompt chunk short of the end produces none.
-        ready = [(row, seq) for row, seq in enumerate(result.seqs)
-                 if self.manager.num_scheduled_tokens(seq) == seq.num_tokens]
+        ready = [(row, entry.seq) for row, entry in enumerate(result.entries) if entry.samples]
         if ready:
             touched += self._append_samples(ready, result.logits)
         return touched
@@ -179,8 +179,8 @@ class StepLoop:
     def _record(self, step: ScheduledStep, pool: dict, start: float) -> None:
         moves = step.moves.counts
         self.records.append(StepRecord(
-            step=len(self.records), kind=step.kind if step.seqs else "idle", start_s=start - self.created,
-            wall_s=time.perf_counter() - start, num_seqs=len(step.seqs), num_tokens=step.num_new_tokens,
+            step=len(self.records), kind=step.kind if step.entries else "idle", start_s=start - self.created,
+            wall_s=time.perf_counter() - start, num_seqs=len(step.entries), num_tokens=step.num_new_tokens,
             prefill_tokens=step.num_prefill_tokens, decode_tokens=step.num_decode_tokens,
             cached_tokens=step.num_cached_tokens, **pool, preempted=step.num_preempted,
             blocks_swapped_out=moves["swap_out"], blocks_swapped_in=moves["swap_in"], cow_copies=moves["copy"],

@@ -73,10 +73,10 @@ def fail_forward(kind):
     def inject(llm, culprit):
         forward = llm.runner.forward
 
-        def flaky(step, seqs):
-            if step.kind == kind and any(s in culprit.seqs for s in seqs):
+        def flaky(step, entries):
+            if step.kind == kind and any(e.seq in culprit.seqs for e in entries):
                 raise RuntimeError(f"injected {kind} failure")
-            return forward(step, seqs)
+            return forward(step, entries)
 
         llm.runner.forward = flaky
     return inject
@@ -85,9 +85,9 @@ def fail_forward(kind):
 def nan_logits(llm, culprit):
     forward = llm.runner.forward
 
-    def broken(step, seqs):
-        logits = forward(step, seqs).clone()  # an inference-mode tensor cannot be written in place
-        rows = [i for i, s in enumerate(seqs) if s in culprit.seqs]
+    def broken(step, entries):
+        logits = forward(step, entries).clone()  # an inference-mode tensor cannot be written in place
+        rows = [i for i, e in enumerate(entries) if e.seq in culprit.seqs]
         if step.kind == "decode":
             logits[rows] = float("nan")
         return logits

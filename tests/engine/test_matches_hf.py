@@ -38,7 +38,7 @@ def test_prefill_logits_match_hf(tiny_model, backend):
         step = llm.scheduler.schedule()
         assert step.kind == "prefill" and len(step.seqs) == len(batch)
         llm.runner.apply_moves(step.moves)
-        logits = llm.runner.forward(step, step.seqs)
+        logits = llm.runner.forward(step, step.entries)
         for i in ids:  # the step ran, so its sequences may be freed now
             llm.abort_request(i)
         assert [o.request_id for o in llm.step()] == ids  # the aborted requests' outputs

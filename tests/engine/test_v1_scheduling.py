@@ -106,10 +106,10 @@ def test_a_failure_in_a_mixed_step_aborts_only_its_request(llama):
     culprit = llm._loop.requests[ids[1]]
     forward = llm.runner.forward
 
-    def flaky(step, seqs):  # the long prompt's second chunk, beside the first request's decode
-        if step.kind == "mixed" and culprit.seqs[0] in seqs and step.starts[culprit.seqs[0].seq_id] > 0:
+    def flaky(step, entries):  # the long prompt's second chunk, beside the first request's decode
+        if step.kind == "mixed" and any(e.seq is culprit.seqs[0] and e.start > 0 for e in entries):
             raise RuntimeError("injected mixed-step failure")
-        return forward(step, seqs)
+        return forward(step, entries)
 
     llm.runner.forward = flaky
     outs = {}

@@ -1,0 +1,104 @@
+"""The step contract: what the scheduler decided, frozen, and the only thing the runner and the step loop read.
+
+vLLM V1's ``SchedulerOutput``: once ``schedule()`` returns, the step says for every sequence which positions
+its forward pass computes, whether it samples, and (per KV cache group) its block table and the slots of
+those positions, read from the block manager once, when the sequence was scheduled. The runner builds its
+tensors from that, the step loop samples from it, and failure isolation re-runs from it, so a call into the
+manager after scheduling can no longer change what runs (they used to ask the manager again mid-step).
+
+Invariant: entries are in scheduling order, one per sequence; ``start < end``; ``slots[g]`` has ``end - start``
+entries (-1 where a sliding window released the block); a step's block moves are applied before its forward
+pass.
+"""
+
+from dataclasses import dataclass, field
+
+from kvlab.blocks.sequence import Sequence
+from kvlab.engine.kv_cache import BlockMoves
+
+
+@dataclass(frozen=True, slots=True)
+class SeqStep:
+    """One sequence's part of a step: it computes the K/V of positions ``start .. end - 1``."""
+    seq: Sequence
+    start: int                       # after the cached prefix, the chunks earlier steps computed, or a decode's
+                                     # last token (the one with no K/V yet)
+    end: int                         # one past the last position with a slot
+    prefill: bool                    # prompt (or recomputed) tokens; else one decode token
+    tables: tuple[tuple[int, ...], ...]  # [groups][blocks]: each KV cache group's block table
+    slots: tuple[tuple[int, ...], ...]   # [groups][end - start]: where each new token's K/V goes
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def samples(self) -> bool:
+        """The step computes the sequence's last token, so its next token is sampled (a prompt chunk short
+        of the end produces none)."""
+        return self.end == self.seq.num_tokens
+
+    def written_blocks(self, block_size: int) -> set[int]:
+        """Blocks this step writes K/V into, in any group."""
+        return {slot // block_size for group in self.slots for slot in group if slot >= 0}
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    kind: str                          # "prefill", "decode" or (V1 scheduling) "mixed"
+    entries: tuple[SeqStep, ...]
+    moves: BlockMoves                  # apply before the forward pass
+    num_cached_tokens: int = 0         # prompt tokens found in the prefix cache (not computed)
+    num_preempted: int = 0
+    aborted: tuple = ()                # (sequence, why): can never run in this pool
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [entry.seq for entry in self.entries]
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt (or recomputed) tokens computed, after prefix hits."""
+        return sum(entry.num_tokens for entry in self.entries if entry.prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(entry.num_tokens for entry in self.entries if not entry.prefill)
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens the forward pass computes."""
+        return sum(entry.num_tokens for entry in self.entries)
+
+
+@dataclass
+class StepBuilder:
+    """The scheduler's draft of a step; ``freeze`` makes the ``ScheduledStep`` everyone else reads."""
+    kind: str
+    moves: BlockMoves = field(default_factory=BlockMoves)
+    entries: list[SeqStep] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_preempted: int = 0
+    aborted: list = field(default_factory=list)
+
+    def add(self, manager, seq: Sequence, start: int, *, prefill: bool) -> SeqStep:
+        """Put ``seq`` in the step from position ``start``, its slots already given by the manager, whose
+        records are read here, once."""
+        end = manager.num_scheduled_tokens(seq)
+        entry = SeqStep(seq, start, end, prefill, *_tables_and_slots(manager, seq, start, end))
+        self.entries.append(entry)
+        return entry
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [entry.seq for entry in self.entries]
+
+    def freeze(self, kind: str | None = None) -> ScheduledStep:
+        return ScheduledStep(kind or self.kind, tuple(self.entries), self.moves, self.num_cached_tokens,
+                             self.num_preempted, tuple(self.aborted))
+
+
+def _tables_and_slots(manager, seq: Sequence, start: int, end: int) -> tuple[tuple, tuple]:
+    """Each KV cache group's block table and slots for positions start..end-1."""
+    return (tuple(map(tuple, manager.block_tables(seq))),
+            tuple(map(tuple, manager.slot_mappings(seq, start, end))))
