@@ -165,3 +165,18 @@ def test_keyed_blocks_of_two_groups_stay_apart():
     assert b.num_cached_tokens == 8 and m.block_tables(b)[0][:2] == full[:2]
     assert not set(full) & set(window)
     m.check_invariants()
+
+
+@pytest.mark.parametrize("manager, usable", [
+    (BlockManager(9, BS), 9),
+    (BlockManager(9, BS, sliding_window=6, watermark=0.12), 7),  # less the null block and the 1-block watermark
+    (make(9), 8),
+], ids=["full", "window", "hybrid"])
+@pytest.mark.parametrize("num_new_tokens", [None, 3])
+def test_blocks_for_prompt_says_when_can_allocate_says_never(manager, usable, num_new_tokens):
+    """The engine refuses a prompt up front with these numbers: they must be can_allocate's in an idle pool."""
+    assert manager.usable_blocks == usable
+    for n in range(3, 60):
+        seq = Sequence(range(100, 100 + n), BS)
+        never = manager.can_allocate(seq, num_new_tokens=num_new_tokens) is AllocStatus.NEVER
+        assert never == (manager.blocks_for_prompt(n, num_new_tokens) > usable), n
