@@ -7,6 +7,8 @@ accepted as a number (``True`` is an ``int`` in Python, but never what a caller 
 
 import math
 import numbers
+import os
+from pathlib import Path
 
 from kvlab.errors import InvalidArgumentError
 
@@ -51,3 +53,14 @@ def check_number(name: str, value, minimum=None, maximum=None, *, min_open=False
 def check_optional_int(name: str, value, minimum=None, maximum=None):
     """None, or an int as ``check_int`` accepts it."""
     return None if value is None else check_int(name, value, minimum, maximum)
+
+
+def check_directory(name: str, value) -> Path:
+    """A directory given as a non-empty str or an ``os.PathLike`` of one (``pathlib.Path``). An empty string
+    is refused: ``Path("")`` is the current directory, so an unset ``$DIR`` would write there unasked."""
+    text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(text, str):
+        raise InvalidArgumentError(f"{name} must be a directory, as a str or pathlib.Path, got {value!r}")
+    if not text:
+        raise InvalidArgumentError(f"{name} must be a directory, got an empty string (pass '.' for the current one)")
+    return Path(text)

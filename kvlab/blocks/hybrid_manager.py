@@ -101,6 +101,14 @@ class HybridBlockManager:
     def num_free_blocks(self) -> int:
         return self._pool.num_free
 
+    @property
+    def usable_blocks(self) -> int:
+        return self._base.usable_blocks
+
+    def blocks_for_prompt(self, num_tokens: int, num_new_tokens: Optional[int] = None) -> int:
+        """Every group's blocks together (see BlockManager.blocks_for_prompt): ``can_allocate`` sums them."""
+        return sum(member.blocks_for_prompt(num_tokens, num_new_tokens) for member in self._members)
+
     def ref_count(self, block_id: int) -> int:
         return self._base.ref_count(block_id)
 

@@ -10,6 +10,7 @@ from typing import Optional
 
 from kvlab.blocks.allocations import Allocation, allocation_of, check_block_size_matches, check_sequence
 from kvlab.blocks.locking import serialized
+from kvlab.blocks.planning import least_peak_blocks
 from kvlab.blocks.records import AllocStatus
 from kvlab.blocks.sequence import Sequence
 from kvlab.errors import InvalidArgumentError, SequenceStateError
@@ -40,6 +41,22 @@ class BlockManagerQueries:
     @property
     def num_free_cpu_blocks(self) -> int:
         return self._swap.num_free
+
+    @property
+    def usable_blocks(self) -> int:
+        """The most blocks one sequence can hold at once: the pool less the null block (reserved when there is
+        a sliding window) and the watermark. ``can_allocate`` says NEVER for a prompt that needs more."""
+        return self._usable - self._watermark_blocks
+
+    def blocks_for_prompt(self, num_tokens: int, num_new_tokens: Optional[int] = None) -> int:
+        """Blocks a prompt of ``num_tokens`` tokens must hold at once when none of it is cached, its first step
+        computing ``num_new_tokens`` tokens (None: all of them, as V0 scheduling does) and later steps the rest,
+        however chunked. ``can_allocate`` says NEVER for such a prompt exactly when this is more than
+        ``usable_blocks``. (A prefix hit starts the first step later, which moves the blocks a window holds.)"""
+        n = check_int("num_tokens", num_tokens, 1)
+        first = n if num_new_tokens is None else check_int("num_new_tokens", num_new_tokens, 1, n)
+        # plan_allocation's peak_blocks with no hits: the first step's blocks, or the most a later step needs.
+        return max(-(-first // self.block_size), least_peak_blocks(first, n, self.block_size, self.sliding_window, 0))
 
     def ref_count(self, block_id: int) -> int:
         return self._pool.ref[check_int("block id", block_id, 0, self.num_blocks - 1)]

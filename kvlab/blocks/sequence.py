@@ -9,7 +9,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from kvlab.blocks.block_keys import cache_keys
+from kvlab.blocks.block_keys import cache_keys, group_keys
 from kvlab.errors import InvalidArgumentError, SequenceStateError
 from kvlab.validation import check_int
 
@@ -221,9 +221,7 @@ def group_shadow(seq: Sequence, group: int) -> Sequence:
     id and token array (so appended tokens show), and its keys with the group added to block 0's, so that no
     two groups' blocks ever have equal bytes: the layers differ, and so does their K/V."""
     shadow = Sequence((), seq.block_size)
-    extra = dict(seq.extra_keys)
-    extra[0] = ("kv cache group", group) + ((extra[0],) if 0 in extra else ())
-    shadow._keys = cache_keys(seq.cache_salt, seq.adapter_key, extra, (MAX_TOKENS - 1) // seq.block_size)
+    shadow._keys = group_keys(seq._keys, group)
     shadow.seq_id = seq.seq_id
     sync_shadow(seq, shadow)
     return shadow

@@ -20,7 +20,7 @@ from kvlab.engine.request import Request, RequestOutput
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampler import Sampler
 from kvlab.engine.sampling_params import SamplingParams
-from kvlab.engine.scheduler import Scheduler
+from kvlab.engine.scheduler import Scheduler, too_long_for_the_pool
 from kvlab.engine.scheduler_v1 import V1Scheduler
 from kvlab.engine.settings import check_settings, resolve_attention_backend, resolve_device, resolve_dtype
 from kvlab.engine.step_loop import StepLoop
@@ -278,14 +278,16 @@ class LLM:
         if not token_ids or not all(0 <= t < vocab for t in token_ids):
             raise InvalidArgumentError(f"a prompt needs at least one token, each an id in [0, {vocab}); got "
                                        f"{token_ids[:8]}{'...' if len(token_ids) > 8 else ''}")
-        n, manager = len(token_ids), self.block_manager
+        n = len(token_ids)
         if n >= self.max_model_len:
             raise PromptTooLongError(f"the prompt has {n} tokens; the model's context is {self.max_model_len}, "
                                      "and at least one position must be left to generate")
-        # A full-attention layer keeps every prompt block (only sliding windows release them while prefilling).
-        if None in self.model_config.layer_windows and -(-n // manager.block_size) > manager.num_blocks:
-            raise PromptTooLongError(f"the prompt has {n} tokens = {-(-n // manager.block_size)} blocks of "
-                                     f"{manager.block_size}; the KV pool holds only {manager.num_blocks} blocks")
+        # What the scheduler would abort at admission even in an idle pool: V0 prefills the whole prompt in one
+        # step, V1 as much as its token budget takes.
+        first_step = None if self.scheduling == "v0" else min(n, self.max_num_batched_tokens)
+        too_long = too_long_for_the_pool(self.block_manager, n, first_step)
+        if too_long:
+            raise PromptTooLongError(too_long)
         if self.scheduling == "v0" and n > self.max_num_batched_tokens:
             raise PromptTooLongError(f"the prompt has {n} tokens, more than max_num_batched_tokens="
                                      f"{self.max_num_batched_tokens} (V0 scheduling does not chunk prefill): raise it "

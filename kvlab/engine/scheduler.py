@@ -28,6 +28,27 @@ from kvlab.engine.request import Request
 from kvlab.engine.step import ScheduledStep, StepBuilder
 
 
+def pool_text(manager) -> str:
+    """The KV pool as one sequence sees it: "8 blocks", or "7 usable blocks of its 8" where the null block of
+    a sliding window (or the watermark) is reserved."""
+    usable = manager.usable_blocks
+    return f"{usable} blocks" if usable == manager.num_blocks else f"{usable} usable blocks of its {manager.num_blocks}"
+
+
+def too_long_for_the_pool(manager, num_tokens: int, num_new_tokens: int | None) -> str | None:
+    """Why a prompt of ``num_tokens`` tokens can never be prefilled here, or None: not even an idle pool with
+    nothing cached holds what it needs at once when its first step computes ``num_new_tokens`` tokens (None:
+    all), every KV cache group's blocks counted. The scheduler would abort it at admission (``can_allocate``
+    says NEVER), so ``LLM`` refuses it up front."""
+    needed = manager.blocks_for_prompt(num_tokens, num_new_tokens)
+    if needed <= manager.usable_blocks:
+        return None
+    groups = len(getattr(manager, "groups", ()))  # a HybridBlockManager's group specs
+    across = f" across the model's {groups} KV cache groups" if groups > 1 else ""
+    return (f"the prompt has {num_tokens} tokens, which need {needed} blocks of {manager.block_size} at once"
+            f"{across}; the KV pool holds only {pool_text(manager)}")
+
+
 class Scheduler:
     def __init__(self, manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  preemption_mode: str):
@@ -97,15 +118,17 @@ class Scheduler:
                 self._preempt(seq, step)
                 return False
             else:
-                step.aborted.append((seq, f"grew to {seq.num_tokens} tokens, more than the "
-                                          f"{self.manager.num_blocks}-block pool holds"))
+                step.aborted.append((seq, f"grew to {seq.num_tokens} tokens, more than the KV pool holds for one "
+                                          f"sequence ({pool_text(self.manager)})"))
                 return False
         return True
 
     def _never_fits(self, seq: Sequence) -> str:
-        """Why a prompt is aborted when ``can_allocate`` says NEVER: not even an empty pool could hold it."""
-        blocks = -(-seq.num_tokens // self.manager.block_size)
-        return f"{seq.num_tokens} tokens need {blocks} blocks, more than the {self.manager.num_blocks}-block pool holds"
+        """Why a sequence is aborted when ``can_allocate`` says NEVER: its prompt (or a preempted sequence's
+        prompt and output, recomputed) needs more blocks at once than the pool gives one sequence. ``LLM``
+        refuses prompts that never fit up front (``too_long_for_the_pool``); this is for the rest."""
+        return (f"{seq.num_tokens} tokens need more blocks at once than the KV pool holds for one sequence "
+                f"({pool_text(self.manager)})")
 
     def _schedule_prefill(self) -> StepBuilder:
         step = StepBuilder("prefill")

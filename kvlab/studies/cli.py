@@ -24,7 +24,7 @@ from kvlab.studies.study import cache_hit_study
 from kvlab.studies.summary import summary
 from kvlab.studies.synthetic import WORKLOADS
 from kvlab.studies.traces import BUNDLED
-from kvlab.validation import check_int, check_number
+from kvlab.validation import check_directory, check_int, check_number
 
 DEFAULTS = dict(trace="mooncake_conversation", block_size="512",
                 capacity="1000,2000,4000,8000,16000,32000,64000,inf", policy="lru,fifo,lfu", mode="sequential",
@@ -101,9 +101,10 @@ def _positive(name: str):
 
 
 def _directory(text: str) -> Path:
-    if not text:  # Path("") is the current directory: an empty --out "$DIR" is a mistake, not a choice
-        raise argparse.ArgumentTypeError("expected a directory, got an empty string")
-    return Path(text)  # not stripped, unlike the other options: a path may end in a space
+    try:  # not through _option: a path is not stripped, it may end in a space
+        return check_directory("out", text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,7 +2,8 @@
 
 import pytest
 
-from kvlab import AllocStatus, InvalidArgumentError, OutOfBlocksError, Sequence
+from kvlab import AllocStatus, BlockManager, InvalidArgumentError, OutOfBlocksError, Sequence
+from kvlab.blocks.block_keys import MAX_KEY_DEPTH
 from kvlab.blocks.hybrid_manager import HybridBlockManager
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
 from kvlab.blocks.sequence import group_shadow
@@ -133,3 +134,49 @@ def test_can_allocate_counts_the_out_of_window_hits_allocate_pins(num_blocks, fi
         with pytest.raises(OutOfBlocksError):
             m.allocate(probe)
     m.check_invariants()
+
+
+def nested(key, depth: int):
+    for _ in range(depth):
+        key = (key,)
+    return key
+
+
+@pytest.mark.parametrize("manager", [BlockManager(40, BS), make(40)], ids=["BlockManager", "HybridBlockManager"])
+def test_both_managers_take_the_deepest_keys_a_sequence_accepts(manager):
+    """The hybrid manager used to wrap block 0's key in a tuple with the group, one level too deep."""
+    deepest = nested("deep", MAX_KEY_DEPTH)
+    with pytest.raises(InvalidArgumentError, match="nested too deep"):
+        Sequence(range(9), BS, extra_keys={0: nested("deep", MAX_KEY_DEPTH + 1)})
+    first, again = (Sequence(range(9), BS, extra_keys={0: deepest}, cache_salt="tenant") for _ in range(2))
+    other = Sequence(range(9), BS, extra_keys={0: nested("other", MAX_KEY_DEPTH)}, cache_salt="tenant")
+    for seq in (first, again, other):
+        manager.allocate(seq)
+    assert (again.num_cached_tokens, other.num_cached_tokens) == (8, 0)
+    manager.check_invariants()
+
+
+def test_keyed_blocks_of_two_groups_stay_apart():
+    m = make()
+    a, b = (Sequence(range(9), BS, extra_keys={0: "image", 1: ("image", 2)}, cache_salt="t") for _ in range(2))
+    m.allocate(a)
+    m.allocate(b)
+    full, window = m.block_tables(a)
+    assert b.num_cached_tokens == 8 and m.block_tables(b)[0][:2] == full[:2]
+    assert not set(full) & set(window)
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("manager, usable", [
+    (BlockManager(9, BS), 9),
+    (BlockManager(9, BS, sliding_window=6, watermark=0.12), 7),  # less the null block and the 1-block watermark
+    (make(9), 8),
+], ids=["full", "window", "hybrid"])
+@pytest.mark.parametrize("num_new_tokens", [None, 3])
+def test_blocks_for_prompt_says_when_can_allocate_says_never(manager, usable, num_new_tokens):
+    """The engine refuses a prompt up front with these numbers: they must be can_allocate's in an idle pool."""
+    assert manager.usable_blocks == usable
+    for n in range(3, 60):
+        seq = Sequence(range(100, 100 + n), BS)
+        never = manager.can_allocate(seq, num_new_tokens=num_new_tokens) is AllocStatus.NEVER
+        assert never == (manager.blocks_for_prompt(n, num_new_tokens) > usable), n

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from engine_helpers import hf_greedy, make_llm, save_tiny_model
-from kvlab.engine import SamplingParams
+from kvlab.engine import PromptTooLongError, SamplingParams
 from kvlab.engine.errors import UnsupportedModelError
 from kvlab.engine.hybrid import EngineHybridManager
 
@@ -72,6 +72,61 @@ def test_preemption_by_recompute_matches_hf(windowed, scheduling):
                    max_num_seqs=4)
     check_matches_hf(llm, hf, prompts(3, (12, 17, 9, 22)), 24)
     assert llm.step_dataframe()["preempted"].sum() > 0
+
+
+# The longest prompt a pool serves needs every usable block (the pool's, less block 0: the windows' null block),
+# and one token more needs 8 blocks. mixed: the full and the window group each hold every prompt block while a
+# whole prompt is prefilled (12 tokens: 3 + 3 of 6 usable blocks, 13 tokens: 4 + 4); with 4-token chunks the
+# window group holds 3 blocks at most (16 tokens: 4 + 3 of 7). sliding: one group, 7 blocks of 4 of 7. A pool
+# that the prompt fills leaves no room to decode, except in the sliding model, whose window moves on.
+LONGEST_FITTING = [  # (model, settings, num_blocks, longest prompt, max_tokens)
+    ("mixed", dict(scheduling="v1"), 7, 12, 1), ("mixed", dict(scheduling="v0"), 7, 12, 1),
+    ("mixed", dict(scheduling="v1", max_num_batched_tokens=4), 8, 16, 1), ("sliding", dict(scheduling="v1"), 8, 28, 4)]
+
+
+@pytest.mark.parametrize("kind, settings, num_blocks, longest, max_tokens", LONGEST_FITTING)
+def test_a_prompt_that_never_fits_is_refused_up_front_and_one_that_just_fits_is_served(
+        windowed, kind, settings, num_blocks, longest, max_tokens):
+    """A prompt one token too long used to be queued, then aborted at its first step, told (for a 32-token
+    prompt) "32 tokens need 8 blocks, more than the 8-block pool holds": the window group's blocks and the null
+    block were left out."""
+    model_kind, path, hf = windowed
+    if model_kind != kind:
+        pytest.skip("the other model")
+    llm = make_llm(path, block_size=BLOCK, num_blocks=num_blocks, max_num_seqs=1, **settings)
+    fits, too_long = prompts(6, (longest, longest + 1))
+    groups = " across the model's 2 KV cache groups" if kind == "mixed" else ""
+    with pytest.raises(PromptTooLongError, match=f"the prompt has {longest + 1} tokens, which need 8 blocks of 4 at "
+                                                 f"once{groups}; the KV pool holds only {num_blocks - 1} usable "
+                                                 f"blocks of its {num_blocks}$"):
+        llm.generate([fits, too_long], SamplingParams(max_tokens=max_tokens, **GREEDY), use_tqdm=False)
+    with pytest.raises(PromptTooLongError):
+        llm.add_request(too_long)
+    assert not llm.has_unfinished_requests()
+    assert llm.block_manager.blocks_for_prompt(longest, settings.get("max_num_batched_tokens")) == num_blocks - 1
+    out, = check_matches_hf(llm, hf, [fits], max_tokens)
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_a_sequence_that_outgrows_the_pool_is_told_what_the_pool_holds(windowed):
+    """Its message used to count the null block as room: "more than the 7-block pool holds"."""
+    kind, path, hf = windowed
+    if kind != "mixed":
+        pytest.skip("an all-sliding sequence holds a window's blocks at most: decodes never outgrow the pool")
+    llm = make_llm(path, block_size=BLOCK, num_blocks=7)
+    prompt, = prompts(6, (12,))  # fills the 6 usable blocks; the first decode needs a 7th
+    out, = llm.generate([prompt], SamplingParams(max_tokens=4, **GREEDY), use_tqdm=False)
+    assert out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids == hf_greedy(hf, prompt, 1)
+    assert out.outputs[0].abort_reason == ("grew to 13 tokens, more than the KV pool holds for one sequence "
+                                           "(6 usable blocks of its 7)")
+
+
+def test_the_true_count_for_a_32_token_prompt(windowed):
+    kind, path, _ = windowed
+    llm = make_llm(path, block_size=BLOCK, num_blocks=8)
+    needed = 16 if kind == "mixed" else 8  # every group holds the 8 blocks while the prompt is prefilled
+    with pytest.raises(PromptTooLongError, match=f"32 tokens, which need {needed} blocks of 4 at once.*7 usable"):
+        llm.generate([list(range(1, 33))], use_tqdm=False)
 
 
 def test_sliding_blocks_are_released_as_they_leave_the_window(windowed):

@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import subprocess
 import time
 import types
@@ -217,6 +218,24 @@ def test_a_folder_that_is_not_a_model_is_refused(fakes, tmp_path, monkeypatch, w
         smollm2(tmp_path if where == "path" else None, cache_dir=tmp_path / "cache")
     assert isinstance(e.value, ValueError)
     assert fakes.pip == 0
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ((5,), "path must be a directory, as a str or pathlib.Path, got 5"),
+    ((b"/tmp",), "path must be a directory, as a str or pathlib.Path, got b'/tmp'"),
+    (("",), "path must be a directory, got an empty string (pass '.' for the current one)"),
+    ((None, 5), "cache_dir must be a directory, as a str or pathlib.Path, got 5"),
+    ((None, ""), "cache_dir must be a directory, got an empty string (pass '.' for the current one)"),
+], ids=["path=5", "path=bytes", "path=empty", "cache_dir=5", "cache_dir=empty"])
+def test_bad_folders_are_refused_before_anything_is_looked_up_or_written(fakes, tmp_path, monkeypatch, arguments,
+                                                                         message):
+    """An empty cache_dir used to be the current directory: the model was converted there."""
+    path, cache_dir = (*arguments, None)[:2]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hub, "local_snapshot", fail)
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        smollm2(path, cache_dir=cache_dir)
+    assert list(tmp_path.iterdir()) == [] and fakes.pip == 0
 
 
 def test_unknown_source_is_refused():

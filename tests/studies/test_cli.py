@@ -141,7 +141,8 @@ def test_an_empty_out_is_refused_not_taken_as_the_current_directory(monkeypatch,
     monkeypatch.setattr("kvlab.studies.cli.cache_hit_study", refuse_to_run)
     with pytest.raises(SystemExit) as exit_info:
         main(["--out", ""])
-    assert exit_info.value.code == 2 and "argument --out: expected a directory, got an empty string" in capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "argument --out: out must be a directory, got an empty string" in capsys.readouterr().err
 
 
 def test_an_infinite_timestamp_in_a_trace_is_reported_not_replayed_forever(tmp_path, capsys):
