@@ -60,12 +60,28 @@ class V1Scheduler(Scheduler):
             seq = queue.popleft()
             start = self.manager.num_scheduled_tokens(seq)
             num_new = min(seq.num_tokens - start, budget)  # 1 when decoding; a chunk of a partial prompt
+            if seq.seq_id in self.prefilling and not queue and not step.entries:
+                num_new = self._chunk_that_fits(seq, num_new)
             if self._make_room(seq, queue, step, others=bool(step.entries), num_new_tokens=num_new):
                 step.moves.add("copy", self.manager.append_slots(seq, num_new_tokens=num_new))
                 budget -= self._count(step, seq, start)
                 kept.append(seq)
         self.running = kept + list(queue)  # preempted and aborted sequences are out; unscheduled ones wait
         return budget
+
+    def _chunk_that_fits(self, seq: Sequence, num_new: int) -> int:
+        """Alone, with no one to preempt, a prompt chunk the pool has no room for is cut to the largest chunk
+        that fits, instead of the prompt being aborted: a sliding window releases blocks between steps, so
+        smaller chunks hold fewer at once, and ``LLM`` admitted the prompt because one token a step fits
+        (``blocks_for_prompt``). Room only shrinks as the chunk grows, so a binary search finds it."""
+        fits = lambda k: self.manager.can_append_slots(seq, num_new_tokens=k)  # noqa: E731
+        if fits(num_new):
+            return num_new
+        low, high = 1, num_new  # fits(high) is false; fits(1) may be too (then _make_room aborts, as before)
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+        return low
 
     def _schedule_waiting(self, step: StepBuilder, budget: int) -> None:
         seats = sum(map(self._seats, self.running))  # a partial prompt with n samples will become n sequences

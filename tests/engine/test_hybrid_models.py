@@ -156,3 +156,18 @@ def test_swap_and_forks_are_refused_for_mixed_models(windowed):
     llm = make_llm(path, block_size=BLOCK)
     with pytest.raises(UnsupportedModelError, match="n=2"):
         llm.generate([[1, 2, 3]], SamplingParams(n=2, max_tokens=2), use_tqdm=False)
+
+
+def test_a_prompt_alone_in_a_tight_pool_is_chunked_smaller_instead_of_aborted(windowed):
+    """V1 with a budget of 7: a 21-token prompt needs 9 blocks at once when its later chunks are small enough,
+    which is why ``generate`` admits it with 9 usable blocks; its second 7-token chunk needed more, and the
+    sequence, alone, was aborted ("grew to 21 tokens ...") instead of taking a smaller chunk."""
+    kind, path, hf = windowed
+    if kind != "mixed":
+        pytest.skip("the mixed model's full-attention group is what makes the pool tight")
+    llm = make_llm(path, block_size=BLOCK, num_blocks=10, scheduling="v1", max_num_batched_tokens=7,
+                   max_num_seqs=1)
+    prompt, = prompts(7, (21,))
+    assert llm.block_manager.blocks_for_prompt(21, 7) == llm.block_manager.usable_blocks == 9
+    out, = check_matches_hf(llm, hf, [prompt], 2)
+    assert out.outputs[0].finish_reason == "length"
