@@ -28,7 +28,6 @@ with the torch backend (the Triton interpreter would take minutes). Writes ``<ou
 """
 
 import argparse
-import gc
 import platform
 import random
 import re
@@ -39,6 +38,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from kvlab.bench.hf_static import run_hf
+from kvlab.bench.timing import release_device_memory, sync
 from kvlab.device import ON_GPU
 
 CPU_WORKLOAD = dict(requests=16, input_len=(8, 48), output_len=(4, 16), prefix_len=64, suffix_len=(4, 16))
@@ -75,18 +76,6 @@ def make_workloads(vocab: int, seed: int, spec: dict) -> dict:
     return {"random": (random_prompts, random_outputs), "shared-prefix": (shared_prompts, shared_outputs)}
 
 
-def sync():
-    if ON_GPU:
-        torch.cuda.synchronize()
-
-
-def release_device_memory():
-    """After a run: its model and KV cache are garbage now; hand their GPU memory back for the next run."""
-    gc.collect()
-    if ON_GPU:
-        torch.cuda.empty_cache()
-
-
 def run_engine(model_dir, prompts, outputs, *, prefix_caching: bool, block_size: int, max_num_seqs: int,
                scheduling: str = "v1") -> dict:
     from kvlab.engine import LLM, SamplingParams
@@ -118,39 +107,6 @@ def latency_stats(metrics) -> dict:
     itl = pd.Series([m.decode_time / (m.num_generated_tokens - 1) for m in metrics if m.num_generated_tokens > 1],
                     dtype=float) * 1e3
     return dict(ttft_ms_median=ttft.median(), ttft_ms_p99=ttft.quantile(0.99), itl_ms_median=itl.median())
-
-
-@torch.inference_mode()
-def run_hf(model_dir, prompts, outputs, *, batch_size: int, dtype) -> dict:
-    """HF generate in static batches of ``batch_size`` (arrival order), left-padded, each batch running to its
-    longest output; only each request's own tokens count as generated."""
-    from transformers import AutoModelForCausalLM
-
-    device = "cuda" if ON_GPU else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    model.generation_config.eos_token_id = None  # run every batch to its max_new_tokens
-    model.generation_config.pad_token_id = 0
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
-                          * torch.empty((), dtype=dtype).element_size())
-
-    def batch(ps, n):
-        width = max(map(len, ps))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in ps], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=device)
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False)
-        return len(ps) * (width + n) * kv_bytes_per_token
-
-    batch([prompts[0][:16]], 2)  # warm-up
-    sync()
-    start, peak = time.perf_counter(), 0
-    for i in range(0, len(prompts), batch_size):
-        peak = max(peak, batch(prompts[i:i + batch_size], max(outputs[i:i + batch_size])))
-    sync()
-    wall = time.perf_counter() - start
-    return dict(wall_s=wall, peak_kv_mib=peak / 2**20, steps=sum(max(outputs[i:i + batch_size])
-                                                                    for i in range(0, len(prompts), batch_size)))
 
 
 def main(argv=None) -> int:

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from kvlab.bench.kernels import COPY_LAYERS, DTYPES
+from kvlab.bench.kernel_cases import COPY_LAYERS, DTYPES
 
 #: FlexAttention's query tile (rows of the block mask); its default sparse block size.
 FLEX_Q_BLOCK = 128

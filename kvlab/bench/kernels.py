@@ -13,7 +13,7 @@ sequences for attention, of tokens written for reshape_and_cache, of (src, dst) 
 ``context`` is each sequence's length (0 for the cache kernels). Prefill cases append ``query_len`` new
 tokens (``PREFILL_QUERY_LEN`` in the grid) to a cached prefix, so context = prefix + new tokens. Swaps cross the host link, so their
 fraction is of the measured pinned host <-> device copy in the same direction, not of the device copy.
-Implementations: kernel_impls.py.
+Cases: kernel_cases.py; implementations: kernel_impls.py.
 """
 
 import argparse
@@ -27,32 +27,12 @@ from pathlib import Path
 
 import torch
 
+from kvlab.bench.kernel_cases import COPY_LAYERS, DTYPES, PREFILL_QUERY_LEN, Case
 from kvlab.device import ON_GPU
 from kvlab.errors import NeedsGPUError
 
 CSV_COLUMNS = ("kernel", "impl", "dtype", "batch", "context", "num_heads", "num_kv_heads", "head_dim",
                "block_size", "query_len", "median_us", "gbps", "frac_of_copy_bw", "gpu")
-PREFILL_QUERY_LEN = 512
-COPY_LAYERS = 32
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class Case:
-    kernel: str  # "decode", "prefill", "reshape_and_cache", "copy_blocks", "swap_out" or "swap_in"
-    dtype: str   # key of DTYPES
-    batch: int
-    context: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int = 128
-    block_size: int = 16
-    query_len: int = 0  # new tokens per sequence: 0 = 1 for decode, PREFILL_QUERY_LEN for prefill
-
-    def __post_init__(self):
-        if self.query_len == 0 and self.kernel in ("decode", "prefill"):
-            # resolved here, so that a case equals its CSV row (the dry run shrinks prefill's query)
-            object.__setattr__(self, "query_len", 1 if self.kernel == "decode" else PREFILL_QUERY_LEN)
 
 
 def build_grid(quick=False):

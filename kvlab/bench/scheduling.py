@@ -16,7 +16,8 @@ import time
 
 import pandas as pd
 
-from kvlab.bench.engine import release_device_memory, run_hf, sync
+from kvlab.bench.hf_static import run_hf
+from kvlab.bench.timing import release_device_memory, sync
 from kvlab.device import ON_GPU
 
 NANO_VLLM = dict(requests=256, input_len=(100, 1024), output_len=(100, 1024))

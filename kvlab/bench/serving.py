@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from kvlab.bench.engine import sync
+from kvlab.bench.timing import sync
 from kvlab.device import ON_GPU
 
 PROMPT_LENS = (5, 61, 118, 174, 230)

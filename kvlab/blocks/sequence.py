@@ -138,6 +138,11 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self._token_array().tolist()
 
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Token ids of positions ``start .. stop - 1`` (clipped as a slice is), copying only those: a decode
+        step takes one token, where ``token_ids[start:stop]`` would copy the whole sequence first."""
+        return self._token_array()[start:stop].tolist()
+
     @property
     def num_completion_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens

@@ -6,9 +6,13 @@ the cached prefix, so a prefix hit is compute skipped). Two backends do the writ
 same cache, block tables and slot mappings:
 
 * "triton": kvlab's kernels, ``reshape_and_cache`` then ``paged_prefill`` (prompt tokens) or
-  ``paged_attention_decode`` (one new token per sequence); compiled on CUDA, interpreted on CPU.
-* "torch": ``kvlab.kernels.torch_paged``, batched torch ops; its plan (what to gather and mask) is made once
-  per step by ``AttentionBatch.for_backend`` and shared by every layer.
+  ``paged_attention_decode`` (one new token per sequence); compiled on CUDA, interpreted on CPU. The step's
+  slots and tables are checked once, by ``AttentionBatch.for_backend`` (``kvlab.kernels.step_checks``), and
+  every layer launches the kernels unchecked: a step's tensor -> host reads do not grow with the layers.
+  Debug switch: with ``KVLAB_CHECK_EVERY_LAYER=1`` in the environment when the ``LLM`` is made, every layer
+  calls the public, checked launchers again (``kvlab.engine.settings.check_every_layer_from_env``).
+* "torch": ``kvlab.kernels.torch_paged``, batched torch ops; its plans (where to store, what to gather and
+  mask) are checked and made once per step by ``AttentionBatch.for_backend`` and shared by every layer.
 """
 
 from dataclasses import dataclass
@@ -19,8 +23,12 @@ from torch import nn
 from kvlab.engine.config import ModelConfig
 from kvlab.engine.layers import RMSNorm, Rotation
 from kvlab.kernels import paged_attention_decode, paged_prefill, reshape_and_cache
-from kvlab.kernels.torch_paged import (PagedPlan, paged_attention_torch, plan_paged_attention,
-                                       reshape_and_cache_torch)
+from kvlab.kernels.paged_attention_decode import paged_attention_decode_unchecked
+from kvlab.kernels.paged_prefill import paged_prefill_unchecked
+from kvlab.kernels.reshape_and_cache import reshape_and_cache_unchecked
+from kvlab.kernels.step_checks import CheckedStep, check_paged_step
+from kvlab.kernels.torch_paged import (CacheWrite, PagedPlan, paged_attention_torch, plan_cache_write,
+                                       plan_paged_attention, write_cache)
 
 
 @dataclass
@@ -30,10 +38,12 @@ class AttentionBatch:
     ``slot_mapping`` int64 ``[T]``: cache slot of each new token. ``block_tables`` int32 ``[S, max_blocks]``,
     ``seq_lens`` int32 ``[S]``: every sequence's whole context, new tokens included. ``cu_query_lens`` int32
     ``[S + 1]`` (prefill only): sequence s owns query rows ``cu_query_lens[s]:cu_query_lens[s + 1]``.
-    Decode has exactly one new token per sequence (T == S). ``plan``: the torch backend's gather and mask
-    for this step (None with "triton"). ``sliding_window``: the layers' window in tokens (None: full
-    attention); a model with several kinds of layer has one batch per kind, each with its group's tables
-    and slots (``kvlab.engine.hybrid``).
+    Decode has exactly one new token per sequence (T == S). ``sliding_window``: the layers' window in tokens
+    (None: full attention); a model with several kinds of layer has one batch per kind, each with its group's
+    tables and slots (``kvlab.engine.hybrid``). What the step's checks left for the layers: with "torch",
+    ``plan`` and ``cache_write`` (what to gather and mask, where to store); with "triton", ``checked`` (the
+    longest context, the prefill's tile map) and ``check_every_layer`` (the debug switch: every layer calls
+    the public, checked launchers).
     """
     is_prefill: bool
     slot_mapping: torch.Tensor
@@ -41,17 +51,29 @@ class AttentionBatch:
     seq_lens: torch.Tensor
     cu_query_lens: torch.Tensor | None = None
     plan: PagedPlan | None = None
+    cache_write: CacheWrite | None = None
+    checked: CheckedStep | None = None
     sliding_window: int | None = None
+    check_every_layer: bool = False
 
     @classmethod
     def for_backend(cls, backend: str, kv_cache: torch.Tensor, *, is_prefill: bool, slot_mapping, block_tables,
-                    seq_lens, cu_query_lens, sliding_window=None) -> "AttentionBatch":
-        """The step's batch for ``backend``; ``cu_query_lens [S + 1]`` is given for decode too (0, 1, ... S).
-        ``kv_cache``: any layer's cache (they share a layout), for the torch plan."""
-        plan = (plan_paged_attention(kv_cache, block_tables, seq_lens, cu_query_lens, slot_mapping.shape[0],
-                                     sliding_window) if backend == "torch" else None)
-        return cls(is_prefill, slot_mapping, block_tables, seq_lens, cu_query_lens if is_prefill else None, plan,
-                   sliding_window)
+                    seq_lens, cu_query_lens, max_seq_len: int, num_heads: int, sliding_window=None,
+                    check_every_layer=False) -> "AttentionBatch":
+        """The step's batch for ``backend``, its metadata checked (once for every layer); ``cu_query_lens
+        [S + 1]`` is given for decode too (0, 1, ... S). ``kv_cache``: any layer's cache (they share a
+        layout); ``max_seq_len``: the longest ``seq_lens`` entry, known on the host; ``num_heads``: query heads."""
+        if backend == "torch":
+            num_tokens = slot_mapping.shape[0]
+            plan = plan_paged_attention(kv_cache, block_tables, seq_lens, cu_query_lens, num_tokens, sliding_window)
+            return cls(is_prefill, slot_mapping, block_tables, seq_lens, cu_query_lens if is_prefill else None,
+                       plan=plan, cache_write=plan_cache_write(kv_cache, slot_mapping, num_tokens),
+                       sliding_window=sliding_window)
+        cu_query_lens = cu_query_lens if is_prefill else None  # decode: the kernel takes one query per sequence
+        checked = check_paged_step(kv_cache, num_heads, slot_mapping, block_tables, seq_lens, cu_query_lens,
+                                   max_seq_len=max_seq_len, sliding_window=sliding_window)
+        return cls(is_prefill, slot_mapping, block_tables, seq_lens, cu_query_lens, checked=checked,
+                   sliding_window=sliding_window, check_every_layer=check_every_layer)
 
 
 class PagedSelfAttention(nn.Module):
@@ -82,14 +104,25 @@ class PagedSelfAttention(nn.Module):
         # The ordering rule: this step's K/V are in the cache before any query reads it (a sequence that hit
         # a prefix another sequence is computing in this very step reads it here).
         if batch.plan is not None:  # the torch backend
-            reshape_and_cache_torch(k, v, kv_cache, batch.slot_mapping)
+            write_cache(k, v, kv_cache, batch.cache_write)
             out = paged_attention_torch(q, kv_cache, batch.plan, scale=self.scale)
-        elif batch.is_prefill:
-            reshape_and_cache(k, v, kv_cache, batch.slot_mapping)
-            out = paged_prefill(q, kv_cache, batch.block_tables, batch.seq_lens, batch.cu_query_lens, scale=self.scale,
-                                sliding_window=batch.sliding_window)
-        else:
-            reshape_and_cache(k, v, kv_cache, batch.slot_mapping)
-            out = paged_attention_decode(q, kv_cache, batch.block_tables, batch.seq_lens, scale=self.scale,
-                                         sliding_window=batch.sliding_window)
+        elif batch.check_every_layer:
+            out = self._triton_checked(q, k, v, kv_cache, batch)
+        else:  # checked once for the step by for_backend
+            reshape_and_cache_unchecked(k, v, kv_cache, batch.slot_mapping)
+            if batch.is_prefill:
+                out = paged_prefill_unchecked(q, kv_cache, batch.block_tables, batch.seq_lens, batch.cu_query_lens,
+                                              batch.checked.tile_map, self.scale, batch.sliding_window)
+            else:
+                out = paged_attention_decode_unchecked(q, kv_cache, batch.block_tables, batch.seq_lens,
+                                                       batch.checked.max_seq_len, self.scale, batch.sliding_window)
         return self.o_proj(out.view(tokens, self.num_heads * self.head_dim))
+
+    def _triton_checked(self, q, k, v, kv_cache, batch: AttentionBatch) -> torch.Tensor:
+        """The public launchers, which check their arguments on every call (the debug switch)."""
+        reshape_and_cache(k, v, kv_cache, batch.slot_mapping)
+        if batch.is_prefill:
+            return paged_prefill(q, kv_cache, batch.block_tables, batch.seq_lens, batch.cu_query_lens,
+                                 scale=self.scale, sliding_window=batch.sliding_window)
+        return paged_attention_decode(q, kv_cache, batch.block_tables, batch.seq_lens, scale=self.scale,
+                                      sliding_window=batch.sliding_window)

@@ -22,7 +22,8 @@ from kvlab.engine.sampler import Sampler
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler import Scheduler, too_long_for_the_pool
 from kvlab.engine.scheduler_v1 import V1Scheduler
-from kvlab.engine.settings import check_settings, resolve_attention_backend, resolve_device, resolve_dtype
+from kvlab.engine.settings import (check_every_layer_from_env, check_settings, resolve_attention_backend, resolve_device,
+                                   resolve_dtype)
 from kvlab.engine.step_loop import StepLoop
 from kvlab.engine.step_record import records_to_dataframe
 from kvlab.engine.weights import load_model
@@ -64,6 +65,7 @@ class LLM:
                        num_cpu_blocks=num_cpu_blocks, gpu_memory_utilization=gpu_memory_utilization, seed=seed, record_events=record_events)
         self.device = resolve_device(device)
         self.attention_backend = resolve_attention_backend(attention_backend, self.device)
+        check_every_layer = check_every_layer_from_env()
         self.model_config = config = load_model_config(model)
         self.tokenizer = self._load_tokenizer(config.path)  # before the weights and the cache: fails fast
         self.dtype = resolve_dtype(dtype, config, self.device)
@@ -95,7 +97,8 @@ class LLM:
         scheduler = V1Scheduler if scheduling == "v1" else Scheduler
         self.scheduler = scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, preemption_mode=preemption_mode)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.attention_backend)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.attention_backend,
+                                  check_every_layer=check_every_layer)
         self._loop = StepLoop(self.scheduler, self.runner, Sampler(seed, self.device), config.eos_token_ids,
                               self.max_model_len)
         self._request_ids = itertools.count()

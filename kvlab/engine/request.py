@@ -109,7 +109,7 @@ class Request:
         outputs = []
         for k, finish in enumerate(self.finishes):
             seq = self.seqs[k] if k < len(self.seqs) else None  # aborted before the fork: no sequence
-            ids = seq.token_ids[seq.num_prompt_tokens:] if seq is not None else []
+            ids = seq.token_slice(seq.num_prompt_tokens, seq.num_tokens) if seq is not None else []
             text = None
             if tokenizer is not None:
                 try:

@@ -19,9 +19,11 @@ from kvlab.engine.step import ScheduledStep, SeqStep
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, device, attention_backend: str):
+    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, device, attention_backend: str, *,
+                 check_every_layer: bool = False):
         self.model, self.kv_cache, self.device = model, kv_cache, device
         self.attention_backend = attention_backend
+        self.check_every_layer = check_every_layer  # Triton's debug switch (kvlab.engine.attention)
         specs, self.layer_groups = group_specs(model.config)
         self.windows = [spec.sliding_window for spec in specs]  # each group's window, None: full attention
 
@@ -38,7 +40,7 @@ class ModelRunner:
         input_ids, positions, query_lens, context_lens = [], [], [], []
         slots = [[] for _ in self.windows]  # [groups][T]
         for entry in entries:
-            input_ids += entry.seq.token_ids[entry.start:entry.end]
+            input_ids += entry.seq.token_slice(entry.start, entry.end)
             positions += range(entry.start, entry.end)
             for group, group_slots in zip(slots, entry.slots):
                 group += group_slots
@@ -55,10 +57,12 @@ class ModelRunner:
 
         cu_query_lens = tensor([0] + query_lens, torch.int32).cumsum(0, dtype=torch.int32)
         seq_lens = tensor(context_lens, torch.int32)
+        longest = max(context_lens)  # known here, so no layer reads it back from seq_lens
         batches = [AttentionBatch.for_backend(
             self.attention_backend, self.kv_cache.gpu[0], is_prefill=step.kind != "decode",
             slot_mapping=tensor(group_slots, torch.int64), block_tables=padded(group_tables), seq_lens=seq_lens,
-            cu_query_lens=cu_query_lens, sliding_window=window)
+            cu_query_lens=cu_query_lens, max_seq_len=longest, num_heads=self.model.config.num_heads,
+            sliding_window=window, check_every_layer=self.check_every_layer)
             for group_slots, group_tables, window in zip(slots, tables, self.windows)]
         hidden = self.model(tensor(input_ids, torch.int64), tensor(positions, torch.int64),
                             [batches[g] for g in self.layer_groups], self.kv_cache.gpu)

@@ -1,5 +1,7 @@
 """Checking and resolving ``LLM(...)``'s arguments before anything is loaded."""
 
+import os
+
 import torch
 
 import kvlab.device
@@ -15,6 +17,9 @@ SCHEDULING_POLICIES = ("v1", "v0")
 #: How attention reads and writes the paged cache: kvlab's Triton kernels (compiled on CUDA, interpreted on
 #: CPU) or the batched torch path of ``kvlab.kernels.torch_paged`` (same cache, tables and slots).
 ATTENTION_BACKENDS = ("torch", "triton")
+#: The Triton backend's debug switch (``kvlab.engine.attention``): "1" makes every layer check the step's
+#: slots and tables again, "0" or unset checks them once per step.
+CHECK_EVERY_LAYER_ENV = "KVLAB_CHECK_EVERY_LAYER"
 
 
 def resolve_device(device) -> torch.device:
@@ -43,6 +48,15 @@ def resolve_attention_backend(backend, device: torch.device) -> str:
         raise InvalidArgumentError(f"attention_backend must be None (the default for the device) or one of "
                                    f"{', '.join(map(repr, ATTENTION_BACKENDS))}, got {backend!r}")
     return backend
+
+
+def check_every_layer_from_env() -> bool:
+    """Whether ``$KVLAB_CHECK_EVERY_LAYER`` turns the per-layer checks of the Triton backend back on."""
+    value = os.environ.get(CHECK_EVERY_LAYER_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise InvalidArgumentError(f"{CHECK_EVERY_LAYER_ENV} must be 1 (check every layer), 0 or unset (check "
+                                   f"once per step), got {value!r}")
+    return value == "1"
 
 
 def resolve_dtype(dtype, config: ModelConfig, device: torch.device) -> torch.dtype:

@@ -181,6 +181,18 @@ def paged_attention_decode(query, kv_cache, block_tables, seq_lens, scale=None, 
     num_seqs = query.shape[0]
     max_seq_len = check_seq_lens(seq_lens, num_seqs, device=kv_cache.device, min_len=1)
     check_block_tables(block_tables, num_seqs, num_blocks, seq_lens, block_size)
+    return paged_attention_decode_unchecked(query, kv_cache, block_tables, seq_lens, max_seq_len, scale,
+                                            sliding_window, soft_cap, split_k)
+
+
+def paged_attention_decode_unchecked(query, kv_cache, block_tables, seq_lens, max_seq_len: int, scale=None,
+                                     sliding_window=None, soft_cap=None, split_k=None):
+    """``paged_attention_decode`` without its checks, for a caller that checked the step's tables once and
+    attends many layers with them (the engine, ``kvlab.kernels.step_checks``): no tensor -> host read.
+    ``max_seq_len``: the longest ``seq_lens`` entry, known on the host (it sizes split-K). Nothing is
+    checked, so a block id out of range reads someone else's memory; ``split_k`` is still refused if bad."""
+    num_seqs, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
     device = kv_cache.device
     config = decode_launch_config(
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, query.dtype, max_seq_len, split_k,

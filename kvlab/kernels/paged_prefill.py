@@ -161,14 +161,36 @@ def paged_prefill(query, kv_cache, block_tables, seq_lens, cu_query_lens, scale=
     check_seq_lens(seq_lens, num_seqs, device=kv_cache.device, min_len=1)
     check_block_tables(block_tables, num_seqs, num_blocks, seq_lens, block_size)
     check_cu_query_lens(cu_query_lens, num_seqs, query.shape[0], seq_lens)
+    tile_map = prefill_tile_map(num_heads, kv_cache, cu_query_lens, seq_lens)
+    return paged_prefill_unchecked(query, kv_cache, block_tables, seq_lens, cu_query_lens, tile_map, scale,
+                                   sliding_window, soft_cap)
 
-    out = torch.empty(query.shape[0], num_heads, head_dim, dtype=query.dtype, device=query.device)
-    device = query.device
-    config = prefill_launch_config(
-        num_heads, num_kv_heads, head_dim, block_size, query.dtype,
-        capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
-        sliding_window=sliding_window, soft_cap=soft_cap)
-    tile_map = query_tile_map(cu_query_lens, seq_lens, config["BLOCK_Q"])
+
+def _capability(device):
+    """The GPU's compute capability, None in the interpreter (what the launch configs take)."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def prefill_tile_map(num_heads, kv_cache, cu_query_lens, seq_lens):
+    """``query_tile_map`` with the tile ``paged_prefill`` launches for ``num_heads`` query heads on
+    ``kv_cache``: the same for every layer of a model, so an engine makes it once per step."""
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    config = prefill_launch_config(num_heads, num_kv_heads, head_dim, block_size, kv_cache.dtype,
+                                   capability=_capability(kv_cache.device))
+    return query_tile_map(cu_query_lens, seq_lens, config["BLOCK_Q"])
+
+
+def paged_prefill_unchecked(query, kv_cache, block_tables, seq_lens, cu_query_lens, tile_map, scale=None,
+                            sliding_window=None, soft_cap=None):
+    """``paged_prefill`` without its checks, for a caller that checked the step's tables once and attends
+    many layers with them (the engine, ``kvlab.kernels.step_checks``): no tensor -> host read. ``tile_map``:
+    ``prefill_tile_map``'s. Nothing is checked, so a block id out of range reads someone else's memory."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    config = prefill_launch_config(num_heads, num_kv_heads, head_dim, block_size, query.dtype,
+                                   capability=_capability(query.device), sliding_window=sliding_window,
+                                   soft_cap=soft_cap)
     if tile_map.shape[0] == 0:
         return out
     paged_prefill_kernel[(tile_map.shape[0], num_kv_heads)](

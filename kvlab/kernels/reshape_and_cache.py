@@ -68,9 +68,17 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping):
     if value.shape[0] != num_tokens:
         raise InvalidArgumentError(f"key has {num_tokens} tokens but value has {value.shape[0]}; they must match")
     check_slot_mapping(slot_mapping, num_tokens, num_blocks * block_size, device=kv_cache.device)
+    return reshape_and_cache_unchecked(key, value, kv_cache, slot_mapping)
+
+
+def reshape_and_cache_unchecked(key, value, kv_cache, slot_mapping):
+    """``reshape_and_cache`` without its checks, for a caller that checked the step's slots once and writes
+    many layers with them (the engine, ``kvlab.kernels.step_checks``): no tensor -> host read. Nothing is
+    checked, so a slot out of range writes someone else's memory."""
+    num_tokens = key.shape[0]
     if num_tokens == 0:
         return kv_cache
-
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     config = reshape_and_cache_config(num_tokens, num_kv_heads, head_dim, block_size)
     reshape_and_cache_kernel[config.pop("grid")](
         key, value, kv_cache, slot_mapping,

@@ -6,7 +6,8 @@ one interpreted program per tile. It differs from ``kvlab.kernels.reference``, t
 loops over sequences to be easy to read; this module is checked against it.
 
 How a step runs (shapes: S sequences, T query tokens, Q = longest query, L = longest visible context):
-  write    one indexed store puts the new tokens' K/V ``[T, H_kv, D]`` in their slots (slot -1 is skipped).
+  write    one indexed store puts the new tokens' K/V ``[T, H_kv, D]`` in their slots (slot -1 is skipped);
+           where they go is checked and worked out once per step (``plan_cache_write``).
   plan     once per step (the same for every layer, so the engine builds it once): where K and V of every
            visible context position ``[S, L]`` are, looked up through the block tables, the mask
            ``[S, 1, Q, L]`` (key padding, bottom-right causal, sliding window) and where each query row goes
@@ -62,17 +63,37 @@ def row_index(kv_cache, blocks, kv, offsets):
 def reshape_and_cache_torch(key, value, kv_cache, slot_mapping):
     """``reshape_and_cache`` in torch: write ``key``/``value [T, H_kv, D]`` into the slots of ``slot_mapping``
     (int64 ``[T]``, -1 = skip). In place; returns ``kv_cache``. Raises InvalidArgumentError as the kernel does."""
-    num_blocks, block_size, num_kv_heads, head_dim = check_cache(kv_cache)
+    _, _, num_kv_heads, head_dim = check_cache(kv_cache)
     for name, t in (("key", key), ("value", value)):
         check_tensor(t, name, ndim=3, dtypes=(kv_cache.dtype,), device=kv_cache.device)
         if tuple(t.shape) != (key.shape[0], num_kv_heads, head_dim):
             raise InvalidArgumentError(f"{name} has shape {tuple(t.shape)}; key and value must both be "
                                        f"[{key.shape[0]}, {num_kv_heads}, {head_dim}] (tokens, kv heads, head_dim)")
-    check_slot_mapping(slot_mapping, key.shape[0], num_blocks * block_size, device=kv_cache.device)
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    # Indexing the 5-D cache itself (not row_view, which may overlap) writes into any layout.
-    kv_cache[slots // block_size, :, slots % block_size] = torch.stack([key[keep], value[keep]], 1)
+    return write_cache(key, value, kv_cache, plan_cache_write(kv_cache, slot_mapping, key.shape[0]))
+
+
+@dataclass(frozen=True)
+class CacheWrite:
+    """Where one step's new tokens go in the cache; shared by every layer of the step."""
+    rows: torch.Tensor     # int64 [W]: the tokens written (slot >= 0), of the step's T
+    blocks: torch.Tensor   # int64 [W]: each one's block
+    offsets: torch.Tensor  # int64 [W]: and its offset in the block
+
+
+def plan_cache_write(kv_cache, slot_mapping, num_tokens: int) -> CacheWrite:
+    """Check ``slot_mapping`` (int64 ``[num_tokens]``, -1 = skip) as ``reshape_and_cache`` does and work out
+    where ``write_cache`` puts each token; ``kv_cache``: any layer's (they share a layout)."""
+    num_blocks, block_size, _, _ = check_cache(kv_cache)
+    check_slot_mapping(slot_mapping, num_tokens, num_blocks * block_size, device=kv_cache.device)
+    rows = (slot_mapping >= 0).nonzero().flatten()
+    slots = slot_mapping[rows]
+    return CacheWrite(rows, slots // block_size, slots % block_size)
+
+
+def write_cache(key, value, kv_cache, write: CacheWrite):
+    """Put the tokens ``write`` names of ``key``/``value [T, H_kv, D]`` in their slots (no check, no host read).
+    Indexing the 5-D cache itself (not row_view, which may overlap) writes into any layout. Returns kv_cache."""
+    kv_cache[write.blocks, :, write.offsets] = torch.stack([key[write.rows], value[write.rows]], 1)
     return kv_cache
 
 

@@ -9,14 +9,14 @@ FIFO and LFU. It prints a table and a summary, and writes ``results/study.csv`` 
 import argparse
 import math
 import sys
-import tempfile
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 
 from kvlab.blocks.eviction import POLICIES
-from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import KvlabError
+from kvlab.studies.cli_options import (block_size_number, check_out, comma_list, count_of, directory, option,
+                                      positive_number, whole_number)
 from kvlab.studies.overlap import EngineModel
 from kvlab.studies.plots import plot_hit_rates
 from kvlab.studies.simulator import MAX_CAPACITY, MODES, check_capacity, policy_factory
@@ -24,7 +24,6 @@ from kvlab.studies.study import cache_hit_study
 from kvlab.studies.summary import summary
 from kvlab.studies.synthetic import WORKLOADS
 from kvlab.studies.traces import BUNDLED
-from kvlab.validation import check_directory, check_int, check_number
 
 DEFAULTS = dict(trace="mooncake_conversation", block_size="512",
                 capacity="1000,2000,4000,8000,16000,32000,64000,inf", policy="lru,fifo,lfu", mode="sequential",
@@ -35,47 +34,11 @@ SHOWN = ["trace", "block_size", "capacity_blocks", "policy", "hit_rate_tokens", 
          "ceiling_hit_rate_tokens", "evictions", "prefill_tokens_saved", "requests_skipped"]
 
 
-# Option types. Each raises ValueError (kvlab's InvalidArgumentError is one) with a message that reads well
-# after argparse's "argument --name:"; _option turns it into the ArgumentTypeError argparse prints.
-def _option(parse):
-    def checked(text: str):
-        try:
-            return parse(text.strip())
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    return checked
-
-
-def _list(parse):
-    def parse_list(text: str) -> list:
-        items = [item.strip() for item in text.split(",")]
-        if not all(items):
-            raise ValueError(f"expected a comma-separated list without empty items, got {text!r}")
-        values = [parse(item) for item in items]
-        # A repeated value would replay the same configuration twice and print duplicate rows.
-        repeated = [item for item, value in zip(items, values) if values.count(value) > 1]
-        if repeated:
-            raise ValueError(f"{repeated[0]!r} is given more than once in {text!r}; give each value once")
-        return values
-    return _option(parse_list)
-
-
-def _whole(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"expected a whole number, got {text!r}") from None
-
-
-def _block_size(text: str) -> int:
-    return check_block_size(_whole(text))
-
-
 def _capacity(text: str):
     if text.lower() in ("inf", "infinite"):
         return math.inf
     try:
-        return check_capacity(_whole(text))
+        return check_capacity(whole_number(text))
     except ValueError:
         raise ValueError(f"expected a number of blocks in [1, {MAX_CAPACITY:,}] or 'inf', got {text!r}") from None
 
@@ -84,92 +47,41 @@ def _policy(text: str) -> str:
     return policy_factory(text)[0]
 
 
-def _count(name: str):
-    def count(text: str) -> int:
-        return check_int(name, _whole(text), 1)
-    return count
-
-
-def _positive(name: str):
-    def positive(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise ValueError(f"expected a number, got {text!r}") from None
-        return check_number(name, value, 0, min_open=True)  # inf or NaN would stall a clock or a wait
-    return positive
-
-
-def _directory(text: str) -> Path:
-    try:  # not through _option: a path is not stripped, it may end in a space
-        return check_directory("out", text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvlab study", description="Replay traces through kvlab's block manager and report prefix-cache "
                                         "hit rates per block size, pool size and eviction policy.",
         epilog=f"With no options: {MAIN_JOB} Traces: {', '.join(BUNDLED)} (bundled), {', '.join(WORKLOADS)} "
                "(synthetic), or a path to a .jsonl (Mooncake shape) or .csv (Azure shape) file.")
-    parser.add_argument("--trace", type=_list(str), default=DEFAULTS["trace"],
+    parser.add_argument("--trace", type=comma_list(str), default=DEFAULTS["trace"],
                         help="trace names or paths, comma-separated (default: %(default)s)")
-    parser.add_argument("--block-size", type=_list(_block_size), default=DEFAULTS["block_size"],
+    parser.add_argument("--block-size", type=comma_list(block_size_number), default=DEFAULTS["block_size"],
                         help="tokens per block, comma-separated (default: %(default)s)")
-    parser.add_argument("--capacity", type=_list(_capacity), default=DEFAULTS["capacity"],
+    parser.add_argument("--capacity", type=comma_list(_capacity), default=DEFAULTS["capacity"],
                         help=f"pool sizes in blocks, comma-separated, each at most {MAX_CAPACITY:,} (the block "
                              "manager's limit); 'inf' never evicts (default: %(default)s)")
-    parser.add_argument("--policy", type=_list(_policy), default=DEFAULTS["policy"],
+    parser.add_argument("--policy", type=comma_list(_policy), default=DEFAULTS["policy"],
                         help=f"eviction policies among {', '.join(POLICIES)} (default: %(default)s)")
     parser.add_argument("--mode", choices=MODES, default=DEFAULTS["mode"],
                         help="one request at a time, or overlapping requests under continuous batching "
                              "(default: %(default)s)")
-    parser.add_argument("--limit", type=_option(_count("limit")), default=None,
+    parser.add_argument("--limit", type=option(count_of("limit")), default=None,
                         help="replay only the first N requests")
-    parser.add_argument("--time-scale", type=_option(_positive("time scale")), default=1.0,
+    parser.add_argument("--time-scale", type=option(positive_number("time scale")), default=1.0,
                         help="overlap mode: multiply arrival times (2 = half the request rate)")
-    parser.add_argument("--jobs", type=_option(_count("jobs")), default=None,
+    parser.add_argument("--jobs", type=option(count_of("jobs")), default=None,
                         help="replays run in N processes (default: all cores; 1: in this process; with "
                              "--dask-scheduler: all the cluster's worker threads)")
     parser.add_argument("--dask-scheduler", metavar="ADDRESS", default=None,
                         help="run the replays on this Dask cluster (e.g. tcp://10.0.0.5:8786) instead of locally; "
                              "its workers need kvlab installed")
-    parser.add_argument("--dask-timeout", metavar="SECONDS", type=_option(_positive("dask timeout")), default=10.0,
+    parser.add_argument("--dask-timeout", metavar="SECONDS", type=option(positive_number("dask timeout")), default=10.0,
                         help="give up on --dask-scheduler after this long without a connection, or as long again "
                              "without its answer (default: %(default)g)")
-    parser.add_argument("--out", type=_directory, default=DEFAULTS["out"],
+    parser.add_argument("--out", type=directory, default=DEFAULTS["out"],
                         help="directory for study.csv and study.png (default: %(default)s)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
-
-
-def check_out(out: Path, names=("study.csv", "study.png")) -> str | None:
-    """Why ``out`` cannot take the files ``names`` (study.csv and study.png), or None: checked before the replays, not after, and
-    without leaving anything behind (a study refused for bad input leaves no directory): ``out`` must take
-    new files, or, when it does not exist yet, the nearest existing directory on the way to it must take a
-    new directory. Some file systems refuse with odd reasons (/proc says "No such file or directory"), so
-    the message says what was tried."""
-    if out.exists() and not out.is_dir():
-        return f"{out} exists and is not a directory"
-    existing = out
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"cannot write in {out}: Not a directory ({existing} is a file)"
-    try:
-        if existing == out:
-            with tempfile.TemporaryFile(dir=out):
-                pass
-        else:
-            with tempfile.TemporaryDirectory(dir=existing):
-                pass
-    except OSError as e:
-        if existing == out:
-            return f"cannot create files in {out} ({e.strerror or e})"
-        return f"cannot create the directory {out}: {existing} does not take new directories ({e.strerror or e})"
-    taken = [name for name in names if (out / name).is_dir()]
-    return f"{out / taken[0]} is a directory" if taken else None
 
 
 def format_table(table) -> str:

@@ -18,7 +18,7 @@ from distributed.comm import registry
 from distributed.comm.addressing import get_address_host_port, parse_address
 
 from kvlab.errors import InvalidArgumentError
-from kvlab.studies.sweep import check_timeout
+from kvlab.studies.parallel_options import check_timeout
 
 EXAMPLE = "'tcp://10.0.0.5:8786'"
 #: Why a protocol cannot be used here, where distributed's own error does not say it.

@@ -12,7 +12,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from kvlab.errors import KvlabError
-from kvlab.studies.cli import _block_size, _count, _directory, _list, _option, _positive, _whole, check_out
+from kvlab.studies.cli_options import (block_size_number, check_out, comma_list, count_of, directory, option,
+                                      positive_number, whole_number)
 from kvlab.studies.fleet import check_capacity, check_replicas
 from kvlab.studies.fleet_study import fleet_study
 from kvlab.studies.overlap import EngineModel
@@ -44,39 +45,39 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"Routers: {', '.join(ROUTERS)}. Traces: {', '.join(BUNDLED)} (bundled), {', '.join(WORKLOADS)} "
                "(synthetic), or a path to a .jsonl (Mooncake shape) or .csv (Azure shape) file.")
     parser.add_argument("--trace", default="mooncake_conversation", help="trace name or path (default: %(default)s)")
-    parser.add_argument("--block-size", type=_list(_block_size), default="512",
+    parser.add_argument("--block-size", type=comma_list(block_size_number), default="512",
                         help="tokens per block, comma-separated (default: %(default)s)")
-    parser.add_argument("--capacity", type=_list(lambda t: check_capacity(_whole(t))), default="2000",
+    parser.add_argument("--capacity", type=comma_list(lambda t: check_capacity(whole_number(t))), default="2000",
                         help="blocks per replica, comma-separated (default: %(default)s)")
-    parser.add_argument("--replicas", type=_list(lambda t: check_replicas(_whole(t))), default="1,8",
+    parser.add_argument("--replicas", type=comma_list(lambda t: check_replicas(whole_number(t))), default="1,8",
                         help="replica counts, comma-separated (default: %(default)s)")
-    parser.add_argument("--router", type=_list(check_router), default=",".join(ROUTERS),
+    parser.add_argument("--router", type=comma_list(check_router), default=",".join(ROUTERS),
                         help="routers, comma-separated (default: %(default)s)")
-    parser.add_argument("--cache-threshold", type=_option(_number("cache threshold", 0, 1)),
+    parser.add_argument("--cache-threshold", type=option(_number("cache threshold", 0, 1)),
                         default=defaults.cache_threshold,
                         help="cache_aware: follow the longest match above this share of the prompt's blocks "
                              "(default: %(default)s)")
-    parser.add_argument("--balance-abs-threshold", type=_option(lambda text: check_int("balance abs threshold",
-                                                                                       _whole(text), 0)),
+    parser.add_argument("--balance-abs-threshold", type=option(lambda text: check_int("balance abs threshold",
+                                                                                      whole_number(text), 0)),
                         default=defaults.balance_abs_threshold,
                         help="cache_aware: balance load when max - min in-flight requests exceed this "
                              "(default: %(default)s)")
-    parser.add_argument("--balance-rel-threshold", type=_option(_number("balance rel threshold", 1)),
+    parser.add_argument("--balance-rel-threshold", type=option(_number("balance rel threshold", 1)),
                         default=defaults.balance_rel_threshold,
                         help="cache_aware: ... and max exceeds this times min (default: %(default)s)")
-    parser.add_argument("--prefill-weight", type=_option(_number("prefill weight", 0)), default=defaults.prefill_weight,
+    parser.add_argument("--prefill-weight", type=option(_number("prefill weight", 0)), default=defaults.prefill_weight,
                         help="kv_cost: weight of the request's uncached prompt tokens (default: %(default)s)")
-    parser.add_argument("--queue-weight", type=_option(_number("queue weight", 0)), default=defaults.queue_weight,
+    parser.add_argument("--queue-weight", type=option(_number("queue weight", 0)), default=defaults.queue_weight,
                         help="kv_cost: weight of the prompt tokens queued at the replica (default: %(default)s)")
-    parser.add_argument("--limit", type=_option(_count("limit")), default=None,
+    parser.add_argument("--limit", type=option(count_of("limit")), default=None,
                         help="replay only the first N requests")
-    parser.add_argument("--time-scale", type=_option(_positive("time scale")), default=1.0,
+    parser.add_argument("--time-scale", type=option(positive_number("time scale")), default=1.0,
                         help="multiply arrival times (2 = half the request rate)")
-    parser.add_argument("--jobs", type=_option(_count("jobs")), default=None,
+    parser.add_argument("--jobs", type=option(count_of("jobs")), default=None,
                         help="replays run in N processes (default: all cores; 1: in this process)")
     parser.add_argument("--dask-scheduler", metavar="ADDRESS", default=None,
                         help="run the replays on this Dask cluster instead of locally")
-    parser.add_argument("--out", type=_directory, default="results",
+    parser.add_argument("--out", type=directory, default="results",
                         help="directory for fleet.csv and fleet.png (default: %(default)s)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser

@@ -15,9 +15,10 @@ from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError
 from kvlab.studies.fleet import check_capacity, check_replicas, replay_fleet
 from kvlab.studies.overlap import EngineModel
+from kvlab.studies.parallel_options import check_jobs, check_timeout
 from kvlab.studies.routers import RouterSettings, check_router
 from kvlab.studies.study import resolve_trace
-from kvlab.studies.sweep import backend, check_jobs, check_timeout
+from kvlab.studies.sweep import backend
 
 FLEET_COLUMNS = ["trace", "block_size", "replicas", "capacity_blocks", "router", "hit_rate_blocks",
                  "hit_rate_tokens", "load_imbalance", "ttft_p50_s", "ttft_p99_s", "policy", "prompt_tokens",

@@ -24,9 +24,10 @@ from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError
 from kvlab.studies.estimate import estimate, slow_notice
 from kvlab.studies.overlap import EngineModel
+from kvlab.studies.parallel_options import check_jobs, check_timeout
 from kvlab.studies.reuse import block_keys, reuse_profile
 from kvlab.studies.simulator import check_capacity, check_mode, infinite_pool_blocks, policy_factory, prepare
-from kvlab.studies.sweep import backend, check_jobs, check_timeout, run_replays
+from kvlab.studies.sweep import backend, run_replays
 from kvlab.studies.synthetic import WORKLOADS
 from kvlab.studies.traces import BUNDLED, check_frame, load_trace
 from kvlab.validation import check_optional_int

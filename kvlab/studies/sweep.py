@@ -15,19 +15,8 @@ from joblib import Parallel, delayed, effective_n_jobs, parallel_config
 from tqdm.auto import tqdm
 
 from kvlab.studies.overlap import EngineModel
+from kvlab.studies.parallel_options import check_jobs
 from kvlab.studies.simulator import PreparedTrace, replay_prepared
-from kvlab.validation import check_int, check_number, is_int
-
-
-def check_jobs(jobs):
-    """None (joblib's current setting: 1 unless inside ``joblib.parallel_config``), -1 (every core, or every
-    Dask worker thread) or a number of parallel workers >= 1."""
-    return jobs if jobs is None or (is_int(jobs) and jobs == -1) else check_int("jobs", jobs, 1)
-
-
-def check_timeout(seconds) -> float:
-    """A Dask scheduler's timeout: a finite number of seconds > 0."""
-    return check_number("dask_timeout (seconds)", seconds, 0, min_open=True)
 
 
 def run_replays(tasks: list[tuple[PreparedTrace, object, object]], *, engine: EngineModel, workers: int,

@@ -25,6 +25,13 @@ def test_append_token_grows_the_sequence():
     assert (seq.num_tokens, seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_blocks) == (5, 3, 2, 2)
 
 
+def test_token_slice_is_the_slice_of_token_ids():
+    seq = Sequence([5, 6, 7], block_size=2)
+    seq.append_token(8)
+    for start, stop in [(3, 4), (0, 4), (1, 3), (2, 2), (0, 9)]:
+        assert seq.token_slice(start, stop) == seq.token_ids[start:stop]
+
+
 def test_numpy_prompt_takes_the_same_tokens():
     tokens = np.arange(1000, 1037, dtype=np.int32)
     assert Sequence(tokens).token_ids == tokens.tolist()

@@ -17,8 +17,10 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from kvlab.bench.engine import GPU_WORKLOAD, make_workloads, release_device_memory, run_engine, run_hf, sync
+from kvlab.bench.engine import GPU_WORKLOAD, make_workloads, run_engine
 from kvlab.bench.gpu.report import ENGINE_PREFIX, device_slug
+from kvlab.bench.hf_static import run_hf
+from kvlab.bench.timing import release_device_memory, sync
 
 DRY_RUN_WORKLOAD = dict(requests=3, input_len=(8, 24), output_len=(2, 5), prefix_len=16, suffix_len=(4, 8))
 #: Requests per static HF batch, as ``python -m kvlab.bench engine`` uses on a GPU.
