@@ -29,6 +29,8 @@ from kvlab.engine.step import ScheduledStep, StepBuilder
 
 
 class Scheduler:
+    scheduling = "v0"  # whole prompts: a prompt longer than the token budget is refused (kvlab.engine.schedulers)
+
     def __init__(self, manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  preemption_mode: str):
         self.manager = manager
@@ -165,4 +167,4 @@ class Scheduler:
             self.manager.free(seq, preempted=True)
             self.waiting.appendleft(seq)
         self.owner[seq.seq_id].metrics.num_preemptions += 1
-        step.num_preempted += 1
+        step.preempted.append(seq)
