@@ -62,6 +62,9 @@ def test_scheduler_and_scheduling_agree(llama, settings, expected):
     (dict(scheduler="fcfs"), "unknown scheduler 'fcfs'; known: v1, v0"),
     (dict(scheduler=object), "scheduler must be a name in"),
     (dict(scheduler=lambda *a, **k: None), "subclass of kvlab.engine.scheduler.Scheduler"),
+    (dict(scheduler=type("Chunky", (Scheduler,), {"scheduling": "v2"})),
+     "scheduler Chunky's class attribute scheduling must be one of"),
+    (dict(scheduling="v2"), r"scheduling must be one of \('v1', 'v0'\), got 'v2'"),
 ])
 def test_bad_scheduler_arguments_are_refused(llama, settings, match):
     with pytest.raises(InvalidArgumentError, match=match):
