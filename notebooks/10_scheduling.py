@@ -117,9 +117,11 @@ def step_ms(steps):
 # In total they need about 28 blocks of 8 tokens at their longest.
 #
 # `llm.step_dataframe()` has one row per step (what kind, how many tokens, the pool, preemptions, swaps).
-# To see *which* request ran in each step, `Run` below also wraps the scheduler's decision,
-# `llm.scheduler.schedule()`, and keeps the sequences it picked. It records, per step and request, a state:
-# `prefill`, `decode`, `recompute` (a prefill again after a preemption), `waiting` or `swapped`.
+# To see *which* request ran in each step, `Run` below creates the engine with `record_decisions=True`:
+# `llm.decisions` then keeps the scheduler's decision of every step (one `StepDecision` per row of
+# `step_dataframe()`): which requests ran and what each computed, who was preempted, and who waited in which
+# queue. From it `Run` lists, per step and request, a state: `prefill`, `decode`, `recompute` (a prefill again
+# after a preemption), `paused` (running, but this step prefills others), `waiting` or `swapped`.
 
 # %%
 rng = np.random.default_rng(SEED)
@@ -139,54 +141,47 @@ class Run:
     def __init__(self, num_blocks, preemption_mode="recompute", budget=TOKEN_BUDGET):
         self.llm = LLM(MODEL_DIR, block_size=BLOCK_SIZE, num_blocks=num_blocks, max_num_seqs=MAX_NUM_SEQS,
                        max_num_batched_tokens=budget, preemption_mode=preemption_mode, seed=SEED,
-                       scheduling="v0")  # whole-prompt steps: this notebook teaches V0
-        self.rows = []  # (step, request, state, preempted in this step)
-        self.arrived, self.first_token, self.finished, self.outputs = {}, {}, {}, {}
-        self.recomputed_tokens = 0  # tokens prefilled again after a preemption by recompute (prefix hits excluded)
-        self.recompute_hits = 0     # tokens of those prefills found in the victim's own cached blocks
-        self._prefilled, self._ran = set(), []
-        self._schedule = self.llm.scheduler.schedule
-        self.llm.scheduler.schedule = self._watched_schedule
+                       scheduling="v0",  # whole-prompt steps: this notebook teaches V0
+                       record_decisions=True)  # llm.decisions: the scheduler's decision at every step
+        self.arrived, self.finished, self.outputs = {}, {}, {}
         pending = dict(WORKLOAD)
         while pending or self.llm.has_unfinished_requests():
             step = len(self.llm.step_records)
             for name in [n for n, r in pending.items() if r["arrives"] <= step]:
                 self.llm.add_request(pending.pop(name)["prompt"], PARAMS, request_id=name)
                 self.arrived[name] = step
-            self._step(step)
+            for out in self.llm.step():
+                self.finished[out.request_id] = step
+                self.outputs[out.request_id] = out.outputs[0].token_ids
+            if len(self.llm.step_records) == step:
+                raise RuntimeError("the engine ran no step although requests are unfinished")
+        self._read_decisions()
 
-    def _watched_schedule(self):
-        """The scheduler's decision, noted before the step carries it out: who runs, as what."""
-        decision = self._schedule()
-        self._ran = []
-        for seq in decision.seqs:
-            state = decision.kind
-            if decision.kind == "prefill":
-                if seq.seq_id in self._prefilled:  # its second prefill: a preemption by recompute came first
-                    state = "recompute"
-                    self.recomputed_tokens += seq.num_tokens - seq.num_cached_tokens
-                    self.recompute_hits += seq.num_cached_tokens
-                self._prefilled.add(seq.seq_id)
-            self._ran.append((self.llm.scheduler.owner[seq.seq_id].request_id, state))
-        return decision
-
-    def _step(self, step):
-        scheduler = self.llm.scheduler
-        running_before = {s.seq_id for s in scheduler.running}
-        for out in self.llm.step():
-            self.finished[out.request_id] = step
-            self.outputs[out.request_id] = out.outputs[0].token_ids
-        if len(self.llm.step_records) == step:
-            raise RuntimeError("the engine ran no step although requests are unfinished")
-        for name, state in self._ran:
-            self.rows.append((step, name, state, False))
-            self.first_token.setdefault(name, step)
-        ran = {name for name, _ in self._ran}
-        for seq in [*scheduler.running, *scheduler.waiting, *scheduler.swapped]:  # did not run in this step
-            name = scheduler.owner[seq.seq_id].request_id
-            if name not in ran:
-                state = {"RUNNING": "paused", "SWAPPED": "swapped"}.get(seq.status.name, "waiting")
-                self.rows.append((step, name, state, state != "paused" and seq.seq_id in running_before))
+    def _read_decisions(self):
+        """Per step and request, its state (and whether it was preempted in that step), from llm.decisions."""
+        self.rows = []  # (step, request, state, preempted in this step)
+        self.first_token = {}
+        self.recomputed_tokens = 0  # tokens prefilled again after a preemption by recompute (prefix hits excluded)
+        self.recompute_hits = 0     # tokens of those prefills found in the victim's own cached blocks
+        prefilled = set()
+        for decision in self.llm.decisions:
+            for seq in decision.ran:  # seq.start .. seq.end - 1: the positions this step computes
+                state = decision.kind
+                if decision.kind == "prefill":
+                    if seq.request_id in prefilled:  # its second prefill: a preemption by recompute came first
+                        state = "recompute"
+                        self.recomputed_tokens += seq.num_tokens
+                        self.recompute_hits += seq.start  # a prefill starts after its prefix hits
+                    prefilled.add(seq.request_id)
+                self.rows.append((decision.step, seq.request_id, state, False))
+                self.first_token.setdefault(seq.request_id, decision.step)
+            ran = {seq.request_id for seq in decision.ran}
+            preempted = {name for name, _ in decision.preempted}
+            for queue, state in ((decision.running, "paused"), (decision.waiting, "waiting"),
+                                 (decision.swapped, "swapped")):
+                for name, _ in queue:  # (request id, sample): one sample per request here
+                    if name not in ran:
+                        self.rows.append((decision.step, name, state, name in preempted))
 
     def schedule_frame(self):
         return pd.DataFrame(self.rows, columns=["step", "request", "state", "preempted"])
@@ -581,19 +576,19 @@ chunk_prompts = {name: np.random.default_rng(SEED + i).integers(0, 500, size=n).
 def chunk_run(scheduling, budget):
     """Steps (one row each) and, per request, the step that gave each of its tokens."""
     llm = LLM(MODEL_DIR, block_size=BLOCK_SIZE, num_blocks=64, max_num_seqs=MAX_NUM_SEQS,
-              max_num_batched_tokens=budget, scheduling=scheduling, seed=SEED)
-    pending, requests, token_steps = dict(CHUNK_WORKLOAD), {}, {}
+              max_num_batched_tokens=budget, scheduling=scheduling, seed=SEED, record_decisions=True)
+    pending, token_steps = dict(CHUNK_WORKLOAD), {}
     while pending or llm.has_unfinished_requests():
         step = len(llm.step_records)
         for name in [n for n, (_, arrives, _) in pending.items() if arrives <= step]:
             max_tokens = pending.pop(name)[2]
             llm.add_request(chunk_prompts[name], SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                                 ignore_eos=True), request_id=name)
-            requests[name] = llm.scheduler.owner[llm.scheduler.waiting[-1].seq_id]  # its metrics count tokens
         llm.step()
-        for name, request in requests.items():
-            steps = token_steps.setdefault(name, [])
-            steps += [step] * (request.metrics.num_generated_tokens - len(steps))
+    for decision in llm.decisions:  # a request gets a token at each step that computes its last position
+        for seq in decision.ran:
+            if seq.samples:
+                token_steps.setdefault(seq.request_id, []).append(decision.step)
     return llm.step_dataframe(), token_steps
 
 

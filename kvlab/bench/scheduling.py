@@ -37,22 +37,25 @@ def workload(vocab: int, seed: int, scale: float, requests: int) -> tuple[list[l
 
 def token_times(llm, prompts, outputs) -> list[list[float]]:
     """Serve every request, all queued at once; for each, the clock after each step that gave it a token.
-    ``generate`` only reports first and last token times, and a stall hides between them."""
+    ``generate`` only reports first and last token times, and a stall hides between them. ``llm`` records
+    its decisions (``record_decisions=True``): a step gives a request a token where it computes its last
+    position."""
     from kvlab.engine import SamplingParams
 
     ids = [llm.add_request(p, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o))
            for p, o in zip(prompts, outputs)]
-    requests = [llm._loop.requests[i] for i in ids]  # kept past finishing: the metrics are all we read
-    seen, times = [0] * len(requests), [[] for _ in requests]
+    index, times = {request_id: k for k, request_id in enumerate(ids)}, [[] for _ in ids]
+    seen = len(llm.decisions)
     start = time.perf_counter()
     while llm.has_unfinished_requests():
         llm.step()
         sync()
         now = time.perf_counter() - start
-        for k, request in enumerate(requests):
-            new = request.metrics.num_generated_tokens - seen[k]
-            times[k] += [now] * new
-            seen[k] += new
+        for decision in llm.decisions[seen:]:
+            for seq in decision.ran:
+                if seq.samples and seq.request_id in index:
+                    times[index[seq.request_id]].append(now)
+        seen = len(llm.decisions)
     return times
 
 
@@ -84,7 +87,8 @@ def run_scheduling(model_dir, base: dict, *, seed: int, scale: float | None, req
     for scheduling in ("v0", "v1"):
         print(f"kvlab {scheduling}: {requests} requests, budget {budget} tokens, {max_num_seqs} sequences", flush=True)
         llm = LLM(model_dir, block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                  max_model_len=max(len(p) + o for p, o in zip(prompts, outputs)), scheduling=scheduling)
+                  max_model_len=max(len(p) + o for p, o in zip(prompts, outputs)), scheduling=scheduling,
+                  record_decisions=True)  # token_times reads them
         llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up (compiles on a GPU)
         first_step = len(llm.step_records)
         start = time.perf_counter()

@@ -6,6 +6,7 @@ paged cache, managed by ``kvlab.BlockManager`` and read and written by kvlab's T
     outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
 """
 
+from kvlab.engine.decisions import SeqDecision, StepDecision
 from kvlab.engine.errors import (ModelFileError, NoChatTemplateError, NoTokenizerError, PromptTooLongError,
                                  UnsupportedModelError, WeightsError)
 from kvlab.engine.llm import LLM
@@ -14,5 +15,5 @@ from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.step_record import StepRecord
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "StepRecord",
-           "UnsupportedModelError", "ModelFileError", "WeightsError", "PromptTooLongError", "NoTokenizerError",
-           "NoChatTemplateError"]
+           "StepDecision", "SeqDecision", "UnsupportedModelError", "ModelFileError", "WeightsError",
+           "PromptTooLongError", "NoTokenizerError", "NoChatTemplateError"]

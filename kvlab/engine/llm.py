@@ -20,8 +20,8 @@ from kvlab.engine.request import Request, RequestOutput
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampler import Sampler
 from kvlab.engine.sampling_params import SamplingParams
-from kvlab.engine.scheduler import Scheduler, too_long_for_the_pool
-from kvlab.engine.scheduler_v1 import V1Scheduler
+from kvlab.engine.scheduler import too_long_for_the_pool
+from kvlab.engine.schedulers import resolve_scheduler
 from kvlab.engine.settings import (check_every_layer_from_env, check_settings, resolve_attention_backend, resolve_device,
                                    resolve_dtype)
 from kvlab.engine.step_loop import StepLoop
@@ -52,17 +52,28 @@ class LLM:
     and a long prompt does not stall the decodes running beside it (``kvlab.engine.scheduler_v1``). V0 (vLLM
     V0 and nano-vllm without chunked prefill) runs a step of whole prompts or a step of decodes and refuses a
     prompt longer than the budget; it is kept to compare the two (``kvlab.engine.scheduler``).
+    ``scheduler``: a name in ``kvlab.engine.schedulers.SCHEDULERS`` ("v1", "v0", or one you added) or your own
+    ``Scheduler`` subclass; ``scheduling`` names only the built-ins, and given both they must agree
+    (``kvlab.engine.schedulers``). ``llm.scheduling`` is the family of the scheduler that runs.
+
+    ``record_decisions=True`` keeps each step's scheduling decision in ``llm.decisions`` (one
+    ``kvlab.engine.decisions.StepDecision`` per step record: who ran and as what, who was preempted or
+    aborted, the queues), by request id; it grows by one per step. Off (the default) nothing is built and
+    ``llm.decisions`` is None.
     """
 
     def __init__(self, model, *, block_size: int = 16, num_blocks: int | None = None,
                  enable_prefix_caching: bool = True, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  preemption_mode: str = "recompute", dtype=None, device=None, max_model_len: int | None = None,
                  num_cpu_blocks: int | None = None, gpu_memory_utilization: float = 0.9, seed: int = 0,
-                 record_events: bool = False, attention_backend: str | None = None, scheduling: str = "v1"):
+                 record_events: bool = False, attention_backend: str | None = None, scheduling: str | None = None,
+                 scheduler=None, record_decisions: bool = False):
         check_settings(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                       scheduling=scheduling, preemption_mode=preemption_mode, max_model_len=max_model_len,
-                       num_cpu_blocks=num_cpu_blocks, gpu_memory_utilization=gpu_memory_utilization, seed=seed, record_events=record_events)
+                       preemption_mode=preemption_mode, max_model_len=max_model_len,
+                       num_cpu_blocks=num_cpu_blocks, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+                       record_events=record_events, record_decisions=record_decisions)
+        scheduler_class = resolve_scheduler(scheduler, scheduling)
         self.device = resolve_device(device)
         self.attention_backend = resolve_attention_backend(attention_backend, self.device)
         check_every_layer = check_every_layer_from_env()
@@ -73,7 +84,7 @@ class LLM:
             raise InvalidArgumentError(f"max_model_len={max_model_len} is longer than the model's context "
                                        f"({config.max_position_embeddings} positions)")
         self.max_model_len = max_model_len or config.max_position_embeddings
-        self.max_num_batched_tokens, self.scheduling = max_num_batched_tokens, scheduling
+        self.max_num_batched_tokens, self.scheduling = max_num_batched_tokens, scheduler_class.scheduling
         check_kernel_support(config, block_size, self.dtype, self.device, self.attention_backend)
         self.model = load_model(config, self.dtype, self.device)
         self.model.init_rope(self.dtype, self.device)
@@ -94,13 +105,12 @@ class LLM:
                                                 record_events=record_events)
         self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.dtype, self.device, num_cpu_blocks)
         logger.info("KV cache: %s (%s)", self.kv_cache.summary(), sized_by)
-        scheduler = V1Scheduler if scheduling == "v1" else Scheduler
-        self.scheduler = scheduler(self.block_manager, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens, preemption_mode=preemption_mode)
+        self.scheduler = scheduler_class(self.block_manager, max_num_seqs=max_num_seqs,
+                                         max_num_batched_tokens=max_num_batched_tokens, preemption_mode=preemption_mode)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.attention_backend,
                                   check_every_layer=check_every_layer)
         self._loop = StepLoop(self.scheduler, self.runner, Sampler(seed, self.device), config.eos_token_ids,
-                              self.max_model_len)
+                              self.max_model_len, record_decisions)
         self._request_ids = itertools.count()
         self._unreturned: list[RequestOutput] = []  # outputs generate() saw for requests it did not add
 
@@ -233,6 +243,12 @@ class LLM:
     @property
     def step_records(self) -> list:
         return self._loop.records
+
+    @property
+    def decisions(self) -> list | None:
+        """Each step's scheduling decision (``kvlab.engine.decisions.StepDecision``), ``decisions[i]`` for
+        ``step_records[i]``; None unless the engine was made with ``record_decisions=True``."""
+        return self._loop.decisions
 
     def step_dataframe(self):
         """One row per step (see ``kvlab.engine.step_record.StepRecord``), for ``kvlab.viz.draw_engine_timeline``."""

@@ -50,6 +50,8 @@ def too_long_for_the_pool(manager, num_tokens: int, num_new_tokens: int | None) 
 
 
 class Scheduler:
+    scheduling = "v0"  # whole prompts: a prompt longer than the token budget is refused (kvlab.engine.schedulers)
+
     def __init__(self, manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  preemption_mode: str):
         self.manager = manager
@@ -188,4 +190,4 @@ class Scheduler:
             self.manager.free(seq, preempted=True)
             self.waiting.appendleft(seq)
         self.owner[seq.seq_id].metrics.num_preemptions += 1
-        step.num_preempted += 1
+        step.preempted.append(seq)

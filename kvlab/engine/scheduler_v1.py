@@ -26,6 +26,8 @@ from kvlab.engine.step import ScheduledStep, StepBuilder
 
 
 class V1Scheduler(Scheduler):
+    scheduling = "v1"  # prompts in chunks: any prompt the pool holds is served
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.prefilling: set[int] = set()  # seq_ids whose prompt (or recomputed tokens) is not all scheduled

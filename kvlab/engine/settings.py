@@ -11,9 +11,6 @@ from kvlab.errors import InvalidArgumentError
 from kvlab.validation import check_int, check_number
 
 PREEMPTION_MODES = ("recompute", "swap")
-#: How a step is filled: "v1", one token budget shared by decodes and prompt chunks (``scheduler_v1``), or
-#: "v0", a step of whole prompts or a step of decodes (``scheduler``).
-SCHEDULING_POLICIES = ("v1", "v0")
 #: How attention reads and writes the paged cache: kvlab's Triton kernels (compiled on CUDA, interpreted on
 #: CPU) or the batched torch path of ``kvlab.kernels.torch_paged`` (same cache, tables and slots).
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -79,19 +76,18 @@ def resolve_dtype(dtype, config: ModelConfig, device: torch.device) -> torch.dty
 
 
 def check_settings(*, block_size, num_blocks, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
-                   scheduling, preemption_mode, max_model_len, num_cpu_blocks, gpu_memory_utilization, seed,
-                   record_events):
+                   preemption_mode, max_model_len, num_cpu_blocks, gpu_memory_utilization, seed,
+                   record_events, record_decisions):
     """Validate the plain-value settings (each error names the argument and what is allowed)."""
     check_int("block_size", block_size, minimum=1)
     if num_blocks is not None:
         check_int("num_blocks", num_blocks, minimum=1)
-    for name, value in (("enable_prefix_caching", enable_prefix_caching), ("record_events", record_events)):
+    for name, value in (("enable_prefix_caching", enable_prefix_caching), ("record_events", record_events),
+                        ("record_decisions", record_decisions)):
         if not isinstance(value, bool):
             raise InvalidArgumentError(f"{name} must be a bool, got {value!r}")
     check_int("max_num_seqs", max_num_seqs, minimum=1)
     check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=max_num_seqs)  # a full decode step fits
-    if not isinstance(scheduling, str) or scheduling not in SCHEDULING_POLICIES:
-        raise InvalidArgumentError(f"scheduling must be one of {SCHEDULING_POLICIES}, got {scheduling!r}")
     if preemption_mode not in PREEMPTION_MODES:
         raise InvalidArgumentError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
     if max_model_len is not None:

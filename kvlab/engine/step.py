@@ -49,12 +49,16 @@ class ScheduledStep:
     entries: tuple[SeqStep, ...]
     moves: BlockMoves                  # apply before the forward pass
     num_cached_tokens: int = 0         # prompt tokens found in the prefix cache (not computed)
-    num_preempted: int = 0
+    preempted: tuple[Sequence, ...] = ()  # preempted (recompute or swap) to make room, in that order
     aborted: tuple = ()                # (sequence, why): can never run in this pool
 
     @property
     def seqs(self) -> list[Sequence]:
         return [entry.seq for entry in self.entries]
+
+    @property
+    def num_preempted(self) -> int:
+        return len(self.preempted)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -78,7 +82,7 @@ class StepBuilder:
     moves: BlockMoves = field(default_factory=BlockMoves)
     entries: list[SeqStep] = field(default_factory=list)
     num_cached_tokens: int = 0
-    num_preempted: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
     aborted: list = field(default_factory=list)
 
     def add(self, manager, seq: Sequence, start: int, *, prefill: bool) -> SeqStep:
@@ -93,9 +97,13 @@ class StepBuilder:
     def seqs(self) -> list[Sequence]:
         return [entry.seq for entry in self.entries]
 
+    @property
+    def num_preempted(self) -> int:
+        return len(self.preempted)
+
     def freeze(self, kind: str | None = None) -> ScheduledStep:
         return ScheduledStep(kind or self.kind, tuple(self.entries), self.moves, self.num_cached_tokens,
-                             self.num_preempted, tuple(self.aborted))
+                             tuple(self.preempted), tuple(self.aborted))
 
 
 def _tables_and_slots(manager, seq: Sequence, start: int, end: int) -> tuple[tuple, tuple]:

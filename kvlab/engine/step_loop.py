@@ -15,6 +15,7 @@ are returned by the next step.
 import time
 
 from kvlab.blocks.sequence import Sequence
+from kvlab.engine.decisions import StepDecision, decide
 from kvlab.engine.isolation import run_forward, sample_rows
 from kvlab.engine.request import Finish, Request
 from kvlab.engine.runner import ModelRunner
@@ -25,13 +26,16 @@ from kvlab.engine.step_record import StepRecord
 
 
 class StepLoop:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler, eos_token_ids, max_model_len: int):
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler, eos_token_ids, max_model_len: int,
+                 record_decisions: bool = False):
         self.scheduler, self.runner, self.sampler = scheduler, runner, sampler
         self.manager = scheduler.manager
         self.eos_token_ids, self.max_model_len = eos_token_ids, max_model_len
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.finished_between: list[Request] = []  # finished between steps (aborted): the next step returns them
         self.records: list[StepRecord] = []
+        # One per record when asked for (kvlab.engine.decisions); None: nothing is built or kept.
+        self.decisions: list[StepDecision] | None = [] if record_decisions else None
         self.created = time.perf_counter()
         self._finished_samples = 0  # in the current step
 
@@ -56,6 +60,7 @@ class StepLoop:
             step = self.scheduler.schedule()
             if not step.entries and not step.aborted:
                 return earlier  # nothing queued: no step, no record
+            decision = None if self.decisions is None else decide(len(self.records), step, self.scheduler)
             pool = self._pool_state()
             touched = [self._finish(seq, Finish("abort", abort_reason=why)) for seq, why in step.aborted]
             if step.entries:
@@ -68,6 +73,8 @@ class StepLoop:
             self.manager.reset_prefix_cache()
             raise
         self._record(step, pool, start)
+        if decision is not None:
+            self.decisions.append(decision)
         return earlier + self._collect(touched)
 
     # ---- after the block moves -----------------------------------------------------------------------------

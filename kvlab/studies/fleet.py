@@ -5,8 +5,8 @@ metrics. Each replica is ``kvlab.studies.overlap``'s continuous-batching engine 
 assumptions) on its own pool of ``capacity`` blocks, publishing KV events (``kvlab.blocks.kv_events``) to
 the router. Requests are routed one at a time in arrival order: first every replica runs the steps that
 start before the arrival, then the router (``kvlab.studies.routers``) picks a replica from their KV events
-and queues, and the request joins that replica's queue at its next step. With one replica this is exactly
-the overlap study's replay.
+and queues (a ``Replica`` shows it those and nothing else), and the request joins that replica's queue at
+its next step. With one replica this is exactly the overlap study's replay.
 
 Metrics: hit_rate_tokens and hit_rate_blocks as in study.csv (prompt tokens served from a cache / all
 prompt tokens of the trace; full prompt blocks hit / all full prompt blocks), summed over the replicas;
@@ -27,32 +27,32 @@ from kvlab.blocks.hashing import block_hashes
 from kvlab.blocks.kv_events import CachedHashes
 from kvlab.blocks.manager import MAX_BLOCKS, BlockManager
 from kvlab.blocks.sequence import check_block_size
+from kvlab.errors import InvalidArgumentError
 from kvlab.studies.overlap import Engine, EngineModel, arrivals
-from kvlab.studies.routers import Router, RouterSettings, check_router
+from kvlab.studies.routers import RouterSettings, router_factory
 from kvlab.studies.simulator import policy_factory
 from kvlab.studies.traces import PromptTokens, check_frame
-from kvlab.validation import check_int
+from kvlab.validation import check_int, is_int
 
 #: The most replicas a fleet may have: a router scans every replica per request.
 MAX_REPLICAS = 1024
 
 
 class Replica:
-    """One engine and what the router knows of it: the hashes its KV events say it caches, its queue."""
-    __slots__ = ("engine", "cached", "next_start")
+    """One replica as its router sees it (``routers.ReplicaView``): the hashes its KV events say it caches,
+    and its queue. Nothing else of the engine or its pool is reachable through it."""
+    __slots__ = ("cached", "_engine")
 
-    def __init__(self, engine: Engine):
-        self.engine, self.cached, self.next_start = engine, CachedHashes(), 0.0
-        engine.m.kv_events.subscribe(self.cached)
+    def __init__(self, engine: Engine, manager: BlockManager):
+        self._engine, self.cached = engine, CachedHashes()
+        manager.kv_events.subscribe(self.cached)
 
     def in_flight(self) -> int:
-        """Requests routed here and not finished: running, waiting, or not yet at a step."""
-        e = self.engine
-        return len(e.running) + len(e.waiting) + len(e.arrivals) - e.next_arrival
+        return self._engine.in_flight()
 
     @property
     def waiting_tokens(self) -> int:
-        return self.engine.waiting_tokens
+        return self._engine.waiting_tokens
 
 
 def check_replicas(replicas) -> int:
@@ -65,43 +65,52 @@ def check_capacity(capacity) -> int:
 
 
 def replay_fleet(trace: pd.DataFrame, *, block_size: int = 512, capacity: int = 2000, replicas: int = 8,
-                 router: str = "round_robin", settings: RouterSettings | None = None,
+                 router="round_robin", settings: RouterSettings | None = None,
                  engine: EngineModel | None = None, policy="lru", label: str = "trace",
                  progress: bool = False) -> dict:
-    """Route and replay ``trace`` once; returns the row described in the module docstring."""
+    """Route and replay ``trace`` once; returns the row described in the module docstring. ``router``: a name
+    in ``routers.ROUTERS``, a ``routers.Router`` subclass or a ``choose`` function (``kvlab.studies.routers``)."""
     check_frame(trace)
     bs, capacity, n = check_block_size(block_size), check_capacity(capacity), check_replicas(replicas)
-    router, settings = check_router(router), settings or RouterSettings()
+    (router, make_router), settings = router_factory(router), settings or RouterSettings()
     engine, (policy_name, policy_class) = engine or EngineModel(), policy_factory(policy)
     start = time.perf_counter()
     prompts, jobs = PromptTokens(trace), arrivals(trace, engine)
-    chooser = Router(router, settings, bs)
+    chooser = make_router(settings, bs)
     with tqdm(total=len(jobs), disable=not progress, leave=False, mininterval=0.5,
               desc=f"{label} bs={bs} cap={capacity} x{n} {router}") as bar:
-        fleet = [Replica(Engine(prompts, [], BlockManager(capacity, bs, eviction=policy_class(), kv_events=True),
-                                engine, bar)) for _ in range(n)]
+        managers = [BlockManager(capacity, bs, eviction=policy_class(), kv_events=True) for _ in range(n)]
+        engines = [Engine(prompts, [], manager, engine, bar) for manager in managers]
+        fleet = [Replica(e, manager) for e, manager in zip(engines, managers)]  # all the router sees
+        next_start = [0.0] * n  # when each engine's next step would start, given what it was pushed so far
         for job in jobs:
             arrival = job.arrival_ms
-            for replica in fleet:
-                if replica.next_start < arrival:
-                    replica.next_start = replica.engine.advance(arrival)
+            for i, e in enumerate(engines):
+                if next_start[i] < arrival:
+                    next_start[i] = e.advance(arrival)
             limit = (job.prompt_len - 1) // bs  # blocks a prompt can hit: its last token is always computed
             hashes = block_hashes(prompts[job.index], bs, 0, limit, None)[0] if chooser.needs_hashes else []
-            chosen = fleet[chooser.choose(fleet, job.prompt_len, hashes)]
-            chosen.engine.push(job)
-            chosen.next_start = -math.inf  # its next step may come sooner now
-        for replica in fleet:
-            replica.engine.advance()
-    return _row(trace, label, bs, capacity, n, router, policy_name, fleet, time.perf_counter() - start)
+            i = _checked_choice(chooser.choose(fleet, job.prompt_len, hashes), n, router)
+            engines[i].push(job)
+            next_start[i] = -math.inf  # its next step may come sooner now
+        for e in engines:
+            e.advance()
+    return _row(trace, label, bs, capacity, n, router, policy_name, engines, managers, time.perf_counter() - start)
 
 
-def _row(trace, label, bs, capacity, n, router, policy_name, fleet, wall_s) -> dict:
-    engines = [replica.engine for replica in fleet]
+def _checked_choice(choice, n: int, router: str) -> int:
+    if not is_int(choice) or not 0 <= choice < n:
+        raise InvalidArgumentError(f"router {router!r} chose {choice!r}: choose must return a replica index, an "
+                                   f"int in [0, {n})")
+    return int(choice)
+
+
+def _row(trace, label, bs, capacity, n, router, policy_name, engines, managers, wall_s) -> dict:
     lengths = trace["input_length"].to_numpy(np.int64)
     prompt_tokens, full_blocks = int(lengths.sum()), int((lengths // bs).sum())
     metrics = [e.metrics() for e in engines]
-    hit_tokens, hit_blocks = (sum(e.c[k] for e in engines) for k in ("hit_tokens", "hit_blocks"))
-    prefill = np.array([e.c["prefill_tokens"] for e in engines], dtype=np.float64)
+    hit_tokens, hit_blocks = (sum(m[k] for m in metrics) for k in ("hit_tokens", "hit_blocks"))
+    prefill = np.array([e.prefill_tokens for e in engines], dtype=np.float64)
     ttft = np.concatenate([np.asarray(e.ttft_ms) for e in engines]) / 1000.0
     total = {k: sum(m[k] for m in metrics) for k in ("requests", "requests_skipped", "requests_dropped_mid_decode",
                                                       "preemptions", "recomputed_tokens")}
@@ -112,6 +121,6 @@ def _row(trace, label, bs, capacity, n, router, policy_name, fleet, wall_s) -> d
         "ttft_p50_s": float(np.percentile(ttft, 50)) if ttft.size else 0.0,
         "ttft_p99_s": float(np.percentile(ttft, 99)) if ttft.size else 0.0,
         "policy": policy_name, "prompt_tokens": prompt_tokens, "prefill_tokens_saved": hit_tokens, **total,
-        "evictions": sum(e.m.num_evictions for e in engines),
+        "evictions": sum(manager.num_evictions for manager in managers),
         "makespan_s": max(m["makespan_s"] for m in metrics), "wall_s": wall_s,
     }

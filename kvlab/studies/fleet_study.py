@@ -16,7 +16,7 @@ from kvlab.errors import InvalidArgumentError
 from kvlab.studies.fleet import check_capacity, check_replicas, replay_fleet
 from kvlab.studies.overlap import EngineModel
 from kvlab.studies.parallel_options import check_jobs, check_timeout
-from kvlab.studies.routers import RouterSettings, check_router
+from kvlab.studies.routers import RouterSettings, router_factory
 from kvlab.studies.study import resolve_trace
 from kvlab.studies.sweep import backend
 
@@ -31,10 +31,13 @@ def fleet_study(trace="mooncake_conversation", *, block_sizes=(512,), capacities
                 settings: RouterSettings | None = None, engine: EngineModel | None = None,
                 limit: int | None = None, progress: bool = True, jobs: int | None = None,
                 dask_scheduler: str | None = None, dask_timeout: float = 10.0) -> pd.DataFrame:
-    """Replay every combination; ``jobs`` and ``dask_scheduler`` as in ``cache_hit_study``."""
+    """Replay every combination; ``jobs`` and ``dask_scheduler`` as in ``cache_hit_study``. ``routers``: names
+    in ``routers.ROUTERS``, ``Router`` subclasses or ``choose`` functions (``kvlab.studies.routers``)."""
     block_sizes = [check_block_size(b) for b in block_sizes]
     capacities = [check_capacity(c) for c in capacities]
-    replicas, routers = [check_replicas(n) for n in replicas], [check_router(r) for r in routers]
+    replicas, routers = [check_replicas(n) for n in replicas], list(routers)
+    for router in routers:  # names, Router subclasses or choose functions (kvlab.studies.routers)
+        router_factory(router)
     if not (block_sizes and capacities and replicas and routers):
         raise InvalidArgumentError("need at least one block size, capacity, replica count and router")
     settings, engine, jobs = settings or RouterSettings(), engine or EngineModel(), check_jobs(jobs)

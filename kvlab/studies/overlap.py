@@ -275,6 +275,15 @@ class Engine:
             c["steps"] += skipped
             self._run_step()
 
+    def in_flight(self) -> int:
+        """Requests given to this engine and not finished: running, waiting, or not yet at a step."""
+        return len(self.running) + len(self.waiting) + len(self.arrivals) - self.next_arrival
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Uncached prompt tokens computed so far, recomputations included."""
+        return self.c["prefill_tokens"]
+
     def push(self, job: _Job) -> None:
         """A request routed here; it arrives no earlier than the last one pushed."""
         self.arrivals.append(job)

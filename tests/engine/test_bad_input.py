@@ -101,7 +101,7 @@ def test_attention_backend_default_and_choice(llama):
     (dict(seed=2**64), r"seed must be an int in \[0, 18446744073709551615\]"),
     (dict(seed=2**70), "seed"),
     (dict(scheduling="v2"), r"scheduling must be one of \('v1', 'v0'\), got 'v2'"),
-    (dict(scheduling=None), "scheduling"),
+    (dict(scheduling=1), "scheduling"),
 ])
 def test_bad_engine_settings(llama, settings, match):
     with pytest.raises(KvlabError, match=match) as error:

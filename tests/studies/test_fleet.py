@@ -7,10 +7,11 @@ import pandas as pd
 import pytest
 
 from kvlab.blocks.kv_events import CachedHashes
+from kvlab.errors import InvalidArgumentError
 from kvlab.studies.cli import main as study_main
 from kvlab.studies.fleet import replay_fleet
 from kvlab.studies.fleet_cli import main as fleet_main
-from kvlab.studies.routers import ROUTERS, Router, RouterSettings
+from kvlab.studies.routers import ROUTERS, KVCost, Router, RouterSettings, make_router
 from kvlab.studies.synthetic import multi_turn_chat
 from kvlab.studies.traces import load_trace
 
@@ -60,7 +61,7 @@ def replicas(*states):
 
 def test_round_robin_and_least_loaded_take_turns_among_equals():
     fleet = replicas(((), 0, 0), ((), 0, 0), ((), 0, 0))
-    robin, least = Router("round_robin", RouterSettings(), 4), Router("least_loaded", RouterSettings(), 4)
+    robin, least = make_router("round_robin", RouterSettings(), 4), make_router("least_loaded", RouterSettings(), 4)
     assert [robin.choose(fleet, 10, []) for _ in range(4)] == [0, 1, 2, 0]
     assert [least.choose(fleet, 10, []) for _ in range(3)] == [0, 1, 2]
     assert least.choose(replicas(((), 3, 0), ((), 1, 0), ((), 2, 0)), 10, []) == 1
@@ -68,7 +69,7 @@ def test_round_robin_and_least_loaded_take_turns_among_equals():
 
 def test_cache_aware_follows_the_longest_match_until_loads_are_imbalanced():
     settings = RouterSettings(cache_threshold=0.5, balance_abs_threshold=4, balance_rel_threshold=1.5)
-    router, prompt = Router("cache_aware", settings, 4), [11, 12, 13, 14]
+    router, prompt = make_router("cache_aware", settings, 4), [11, 12, 13, 14]
     fleet = replicas(({11, 12}, 2, 0), ({11, 12, 13}, 5, 0), ((), 3, 0))
     assert router.choose(fleet, 17, prompt) == 1              # 3 of 4 blocks cached there
     assert router.choose(fleet, 17, [99, 12]) == 2            # no match: the smallest cache
@@ -78,9 +79,9 @@ def test_cache_aware_follows_the_longest_match_until_loads_are_imbalanced():
 def test_kv_cost_weighs_uncached_prefill_against_queued_tokens():
     fleet, prompt = replicas(({11, 12, 13}, 1, 20), ((), 1, 0)), [11, 12, 13, 14]
     # Replica 0: 17 - 3 x 4 = 5 uncached tokens behind 20 queued; replica 1: all 17 uncached, nothing queued.
-    assert Router("kv_cost", RouterSettings(), 4).choose(fleet, 17, prompt) == 1                   # 25 > 17
-    assert Router("kv_cost", RouterSettings(queue_weight=0.1), 4).choose(fleet, 17, prompt) == 0   # 7 < 17
-    assert Router("kv_cost", RouterSettings(prefill_weight=0.1), 4).choose(fleet, 17, prompt) == 1  # 20.5 > 1.7
+    assert make_router("kv_cost", RouterSettings(), 4).choose(fleet, 17, prompt) == 1                   # 25 > 17
+    assert make_router("kv_cost", RouterSettings(queue_weight=0.1), 4).choose(fleet, 17, prompt) == 0   # 7 < 17
+    assert make_router("kv_cost", RouterSettings(prefill_weight=0.1), 4).choose(fleet, 17, prompt) == 1  # 20.5 > 1.7
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -108,3 +109,58 @@ def test_a_fleet_accounts_for_every_request():
     row = replay_fleet(trace, block_size=512, capacity=100, replicas=3, router="kv_cost")
     assert row["requests"] + row["requests_skipped"] + row["requests_dropped_mid_decode"] == 50
     assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] and row["load_imbalance"] >= 1.0
+
+
+class LongestPrefix(Router):
+    """A learner's router: the longest cached-prefix match, then the fewest requests in flight."""
+    needs_hashes = True
+
+    def choose(self, replicas, num_tokens, hashes):
+        return self.pick([(-r.cached.prefix_match(hashes, len(hashes)), r.in_flight()) for r in replicas])
+
+
+def least_waiting(replicas, num_tokens, hashes):
+    """A learner's router as a plain function: the fewest prompt tokens waiting."""
+    return min(range(len(replicas)), key=lambda i: replicas[i].waiting_tokens)
+
+
+def test_a_learners_router_plugs_in_as_a_class_a_function_or_a_registered_name(monkeypatch, tmp_path):
+    chat = multi_turn_chat(num_conversations=12, turns=6, rate_per_s=4.0, seed=1)
+    run = dict(block_size=16, capacity=4000, replicas=4)
+    robin, mine = (replay_fleet(chat, router=r, **run) for r in ("round_robin", LongestPrefix))
+    assert mine["router"] == "LongestPrefix" and mine["requests"] == len(chat)
+    assert mine["hit_rate_tokens"] > robin["hit_rate_tokens"] + 0.2  # affinity: the turns find their prefix
+    waiting = replay_fleet(chat, router=least_waiting, **run)
+    assert waiting["router"] == "least_waiting" and waiting["requests"] == len(chat)
+    by_class, by_name = replay_fleet(chat, router=KVCost, **run), replay_fleet(chat, router="kv_cost", **run)
+    assert {**by_class, "wall_s": 0} == {**by_name, "wall_s": 0}
+    monkeypatch.setitem(ROUTERS, "longest_prefix", LongestPrefix)  # the CLI's --router takes registered names
+    assert fleet_main(["--trace", "mooncake_conversation", "--limit", "40", "--replicas", "2", "--router",
+                       "longest_prefix,round_robin", "--jobs", "1", "--quiet", "--out", str(tmp_path)]) == 0
+    assert list(pd.read_csv(tmp_path / "fleet.csv")["router"]) == ["longest_prefix", "round_robin"]
+
+
+def test_a_router_sees_only_the_replica_view():
+    seen = []
+
+    def look(replicas, num_tokens, hashes):
+        seen.append({name for name in dir(replicas[0]) if not name.startswith("_")})
+        assert isinstance(replicas[0].cached, CachedHashes) and replicas[0].in_flight() >= 0
+        return 0
+
+    replay_fleet(load_trace("mooncake_conversation", limit=5), block_size=512, capacity=100, replicas=2, router=look)
+    assert seen and all(names == {"cached", "in_flight", "waiting_tokens"} for names in seen)
+
+
+@pytest.mark.parametrize("router, match", [
+    (lambda replicas, num_tokens, hashes: len(replicas), r"router '<lambda>' chose 3: .* an int in \[0, 3\)"),
+    (lambda replicas, num_tokens, hashes: None, "router '<lambda>' chose None"),
+    (Router, "router Router must override choose"),
+    ("random", "unknown router 'random'; known: round_robin, "),
+    (RouterSettings, "router must be a name"),
+    (3, "router must be a name"),
+])
+def test_a_bad_router_is_refused_with_a_clear_error(router, match):
+    trace = load_trace("mooncake_conversation", limit=5)
+    with pytest.raises(InvalidArgumentError, match=match):
+        replay_fleet(trace, block_size=512, capacity=100, replicas=3, router=router)
