@@ -16,6 +16,8 @@ import matplotlib.pyplot as plt
 
 from kvlab.blocks.eviction import POLICIES
 from kvlab.blocks.sequence import check_block_size
+from kvlab.cli_options import option as _option
+from kvlab.cli_options import whole as _whole
 from kvlab.errors import KvlabError
 from kvlab.studies.overlap import EngineModel
 from kvlab.studies.plots import plot_hit_rates
@@ -35,17 +37,7 @@ SHOWN = ["trace", "block_size", "capacity_blocks", "policy", "hit_rate_tokens", 
          "ceiling_hit_rate_tokens", "evictions", "prefill_tokens_saved", "requests_skipped"]
 
 
-# Option types. Each raises ValueError (kvlab's InvalidArgumentError is one) with a message that reads well
-# after argparse's "argument --name:"; _option turns it into the ArgumentTypeError argparse prints.
-def _option(parse):
-    def checked(text: str):
-        try:
-            return parse(text.strip())
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    return checked
-
-
+# Option types (see kvlab.cli_options): each raises ValueError with a message for argparse's one error line.
 def _list(parse):
     def parse_list(text: str) -> list:
         items = [item.strip() for item in text.split(",")]
@@ -58,13 +50,6 @@ def _list(parse):
             raise ValueError(f"{repeated[0]!r} is given more than once in {text!r}; give each value once")
         return values
     return _option(parse_list)
-
-
-def _whole(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"expected a whole number, got {text!r}") from None
 
 
 def _block_size(text: str) -> int:
