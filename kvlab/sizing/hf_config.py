@@ -7,23 +7,29 @@ text model (``text_config``). Each layer's kind comes from ``layer_types`` when 
 transformers derive it from Gemma 3's ``sliding_window_pattern``); without it a ``sliding_window`` applies to
 every layer (Mistral). MLA is recognised by ``kv_lora_rank``.
 
-Weights: the ``*.safetensors`` files' sizes when a model directory has them, else the parameter count below
-times the config's dtype. Counted: embeddings (and an untied LM head), the attention projections (MLA's
-low-rank ones for DeepSeek), the MLP (SwiGLU: 3 matrices; for mixture-of-experts models every routed and
-shared expert plus the router). Not counted: norms and biases (under 0.1% for the models here), vision
-towers, and DeepSeek's multi-token-prediction layers.
+Parameters (for the weight estimate, ``kvlab.sizing.plan``): embeddings (and an untied LM head), the
+attention projections (MLA's low-rank ones for DeepSeek), the MLP (SwiGLU: 3 matrices; for mixture-of-experts
+models every routed and shared expert plus the router). Not counted: norms and biases (under 0.1% for the
+models here), vision towers, and DeepSeek's multi-token-prediction layers.
 """
 
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from kvlab.errors import InvalidArgumentError
 from kvlab.sizing.layout import KVLayout
 
 #: Assumed when a config states no dtype.
 DEFAULT_DTYPE = "bfloat16"
+
+
+class Parameters(NamedTuple):
+    total: int
+    embeddings: int       # the embedding table and an untied LM head
+    routed_experts: int   # mixture-of-experts models' routed experts (0 for dense models)
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,7 @@ class ModelShape:
     max_position_embeddings: int
     layer_windows: tuple       # [num_layers]: each layer's window, None for full attention
     mla_latent_dim: int | None
-    parameters: int
+    parameters: Parameters
     quantization: str | None   # quantization_config's quant_method (the weights are smaller than counted)
     weight_files_bytes: int | None  # the *.safetensors files' total size, when a model directory has them
 
@@ -85,17 +91,19 @@ def _attention_parameters(t, h: int) -> int:
     return 2 * h * t.num_attention_heads * head_dim + 2 * h * kv_heads * head_dim
 
 
-def parameter_count(t) -> int:
+def parameter_count(t) -> Parameters:
     """Parameters of the text model ``t`` (a transformers config), as the module docstring says."""
     h, layers = t.hidden_size, t.num_hidden_layers
     embeddings = t.vocab_size * h * (1 if getattr(t, "tie_word_embeddings", False) else 2)
     experts = (getattr(t, "num_local_experts", None) or getattr(t, "n_routed_experts", None)
                or getattr(t, "num_experts", None) or 0)
     dense_layers = layers if not experts else min(layers, getattr(t, "first_k_dense_replace", 0) or 0)
-    expert_width = getattr(t, "moe_intermediate_size", None) or t.intermediate_size
-    moe_layer = (experts + (getattr(t, "n_shared_experts", None) or 0)) * 3 * h * expert_width + h * experts
-    return (embeddings + layers * _attention_parameters(t, h) + dense_layers * 3 * h * t.intermediate_size
-            + (layers - dense_layers) * moe_layer)
+    expert = 3 * h * (getattr(t, "moe_intermediate_size", None) or t.intermediate_size)
+    routed = (layers - dense_layers) * experts * expert
+    shared_and_router = (layers - dense_layers) * ((getattr(t, "n_shared_experts", None) or 0) * expert + h * experts)
+    total = (embeddings + layers * _attention_parameters(t, h) + dense_layers * 3 * h * t.intermediate_size
+             + routed + shared_and_router)
+    return Parameters(total, embeddings, routed)
 
 
 def read_model_shape(path) -> ModelShape:

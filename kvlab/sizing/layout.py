@@ -14,6 +14,7 @@ size``, the engine's ``blocks_for_memory`` and its cache's ``bytes_per_block``).
 from dataclasses import dataclass
 
 from kvlab.errors import InvalidArgumentError
+from kvlab.validation import check_int, is_int
 
 #: Cache dtype names (vLLM's ``--kv-cache-dtype`` spellings and torch's) -> bytes per element. fp8 caches
 #: also keep one scale per layer for K and one for V (vLLM's k_scale / v_scale), a few bytes in all.
@@ -41,8 +42,14 @@ class KVLayout:
 
     def __post_init__(self):
         dtype_bytes(self.dtype)
-        if not self.layer_windows:
-            raise InvalidArgumentError("a KV layout needs at least one layer")
+        check_int("num_kv_heads", self.num_kv_heads, 1)
+        check_int("head_dim", self.head_dim, 1)
+        if self.mla_latent_dim is not None:
+            check_int("mla_latent_dim", self.mla_latent_dim, 1)
+        if not isinstance(self.layer_windows, tuple) or not self.layer_windows or not all(
+                window is None or (is_int(window) and window >= 1) for window in self.layer_windows):
+            raise InvalidArgumentError(f"layer_windows must be a non-empty tuple with each layer's window (an int "
+                                       f">= 1) or None for full attention, got {self.layer_windows!r}")
 
     @property
     def num_layers(self) -> int:
@@ -109,6 +116,7 @@ class KVLayout:
 
     def page_bytes(self, block_size: int) -> int:
         """One block of one layer: ``block_size`` tokens' K and V (the unit vLLM's pages come in)."""
+        check_int("block_size", block_size, 1)
         return self.bytes_per_token_per_layer * block_size
 
     def bytes_per_block(self, block_size: int) -> int:

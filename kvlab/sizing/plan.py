@@ -3,7 +3,8 @@ concurrent requests a memory budget holds after the weights and activations (``k
 
 Assumptions, printed with the result (``Sizing.assumptions``): the budget is ``gpu_memory_utilization``
 (vLLM's default 0.9) of the GPU's memory; the weights take the ``*.safetensors`` files' size, or the
-parameter count (``kvlab.sizing.hf_config``) times the config's dtype; activations take the engine's bound
+parameter count (``kvlab.sizing.hf_config``) times the config's dtype (``QUANTIZED`` checkpoints: their
+quantized parameters at their own size); activations take the engine's bound
 (``kvlab.sizing.budget.activation_bytes``) for ``max_num_batched_tokens`` tokens and ``max_num_seqs``
 sequences; a request holds the blocks of ``kvlab.sizing.groups.blocks_per_request`` at ``max_model_len``.
 """
@@ -56,16 +57,29 @@ class Sizing:
     pools: tuple           # (the engine's Pool,) or, for a hybrid model, (the engine's, vLLM's)
 
 
+#: quantization_config's quant_method -> (which parameters it quantizes, bytes per quantized parameter): fp8
+#: (DeepSeek-V3) every linear layer, the embeddings stay in the model's dtype; mxfp4 (gpt-oss) the routed
+#: experts, 4-bit values with one 8-bit scale per 32 (4.25 bits).
+QUANTIZED = {"fp8": (lambda p: p.total - p.embeddings, 1), "mxfp4": (lambda p: p.routed_experts, 17 / 32)}
+
+
 def weights_estimate(shape: ModelShape) -> tuple[int, str]:
     """(bytes, how they were estimated)."""
     if shape.weight_files_bytes is not None:
         return shape.weight_files_bytes, "the *.safetensors files' size"
     dtype = shape.dtype if shape.dtype in DTYPE_BYTES else DEFAULT_DTYPE
-    how = f"{shape.parameters:,} parameters counted from the config x {DTYPE_BYTES[dtype]} bytes ({dtype})"
+    params = shape.parameters
+    how = f"{params.total:,} parameters counted from the config x {DTYPE_BYTES[dtype]} bytes ({dtype})"
+    if shape.quantization in QUANTIZED:
+        which, size = QUANTIZED[shape.quantization]
+        quantized = which(params)
+        how = (f"{params.total - quantized:,} parameters counted from the config x {DTYPE_BYTES[dtype]} bytes "
+               f"({dtype}) + {quantized:,} x {size:g} bytes ({shape.quantization})")
+        return int((params.total - quantized) * DTYPE_BYTES[dtype] + quantized * size), how
     if shape.quantization:
         how += (f"; the checkpoint is quantized ({shape.quantization}), so its weights are smaller: pass the "
                 "model directory to use its files' size")
-    return shape.parameters * DTYPE_BYTES[dtype], how
+    return params.total * DTYPE_BYTES[dtype], how
 
 
 def size_model(shape: ModelShape, *, kv_cache_dtype: str = "auto", gpu_memory: int, gpu_memory_utilization: float,

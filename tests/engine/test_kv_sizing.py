@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from engine_helpers import make_llm, save_tiny_model
+from kvlab.engine.config import load_model_config
+from kvlab.engine.kv_cache import blocks_for_memory
 from kvlab.sizing.hf_config import read_model_shape
 
 
@@ -36,3 +38,16 @@ def test_a_windowed_model_keeps_a_page_in_every_layer_for_each_block_id(tmp_path
     llm = make_llm(tmp_path, num_blocks=16, block_size=4)
     check_layout(llm, tmp_path)
     assert llm.kv_cache.bytes_per_block == len(layer_types) * 2 * 4 * 2 * 32 * 4
+
+
+def test_on_a_gpu_the_pool_is_what_utilization_leaves_after_weights_and_activations(llama, monkeypatch):
+    """The GPU branch of ``blocks_for_memory`` with the device's memory faked: 10 GiB in all, 6 GiB free."""
+    total, free = 10 * 2**30, 6 * 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, total))
+    config = load_model_config(llama[0])
+    num_blocks = blocks_for_memory(config, 8, torch.float16, torch.device("cuda"), gpu_memory_utilization=0.9,
+                                   max_num_batched_tokens=256, max_num_seqs=4, max_useful_blocks=10**9)
+    # hidden 64, 4 heads on 2 kv heads of 32, intermediate 96, vocab 128, fp16
+    activations = 2 * 256 * (3 * 64 + (4 + 2 * 2) * 32 + 2 * 96) * 2 + 3 * 4 * 128 * 4
+    per_block = 2 * 2 * 8 * 2 * 32 * 2  # 2 layers x K and V x 8 tokens x 2 kv heads x 32 dims x 2 bytes
+    assert num_blocks == int(free - (1 - 0.9) * total - activations) // per_block

@@ -78,9 +78,21 @@ def test_auto_is_the_configs_dtype_else_bfloat16():
     assert size_model(shape("gpt-oss-20b"), gpu_memory=GiB, gpu_memory_utilization=0.9).layout.dtype == "bfloat16"
 
 
-def test_an_unknown_dtype_is_refused():
-    with pytest.raises(InvalidArgumentError, match="unknown KV cache dtype 'int3'"):
-        KVLayout(8, 128, "int3", (None,))
+@pytest.mark.parametrize("args, message", [
+    ((8, 128, "int3", (None,)), "unknown KV cache dtype 'int3'"),
+    ((0, 128, "fp16", (None,)), "num_kv_heads"),
+    ((8, 128, "fp16", ()), "layer_windows"),
+    ((8, 128, "fp16", (None, 0)), "layer_windows"),
+    ((8, 128, "fp16", [None]), "layer_windows"),
+])
+def test_a_bad_layout_is_refused(args, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        KVLayout(*args)
+
+
+def test_a_block_holds_at_least_one_token():
+    with pytest.raises(InvalidArgumentError, match="block_size"):
+        KVLayout(8, 128, "fp16", (None,)).bytes_per_block(0)
 
 
 @pytest.mark.parametrize("name, parameters, published", [
@@ -89,13 +101,13 @@ def test_an_unknown_dtype_is_refused():
     ("Qwen3-0.6B", 151936 * 1024 + 28 * (2 * 1024 * 16 * 128 + 2 * 1024 * 8 * 128 + 3 * 1024 * 3072), 0.6e9),
 ])
 def test_parameter_count_of_dense_models(name, parameters, published):
-    assert shape(name).parameters == parameters
+    assert shape(name).parameters.total == parameters
     assert abs(parameters / published - 1) < 0.01
 
 
 @pytest.mark.parametrize("name, published", [("DeepSeek-V3", 671e9), ("gpt-oss-20b", 20.9e9)])
 def test_parameter_count_of_moe_models_is_within_a_percent_of_the_published_total(name, published):
-    assert abs(shape(name).parameters / published - 1) < 0.01
+    assert abs(shape(name).parameters.total / published - 1) < 0.01
 
 
 def test_llama3_8b_on_80gib():
@@ -108,6 +120,18 @@ def test_llama3_8b_on_80gib():
     assert pool.num_blocks == kv_memory // (2 * 8 * 128 * 2 * 32 * 16)
     assert pool.blocks_per_request == 8192 // 16
     assert pool.max_concurrency == pool.num_blocks / (8192 // 16)
+
+
+def test_quantized_weights_are_counted_at_their_size():
+    deepseek = shape("DeepSeek-V3")  # fp8: every linear layer at 1 byte, the embeddings in bf16
+    assert size_model(deepseek, gpu_memory=GiB, gpu_memory_utilization=0.9).weights == (
+        deepseek.parameters.embeddings * 2 + (deepseek.parameters.total - deepseek.parameters.embeddings) * 1)
+    assert deepseek.parameters.embeddings == 2 * 129280 * 7168
+    oss = shape("gpt-oss-20b")  # mxfp4: the routed experts at 4.25 bits, the rest in bf16
+    experts = 24 * 32 * 3 * 2880 * 2880
+    assert oss.parameters.routed_experts == experts
+    assert size_model(oss, gpu_memory=GiB, gpu_memory_utilization=0.9).weights == int(
+        (oss.parameters.total - experts) * 2 + experts * 4.25 / 8)
 
 
 def test_a_model_directory_is_sized_by_its_safetensors_files(tmp_path):
