@@ -1,7 +1,7 @@
 """A model on a GPU: what its KV cache costs per token and per block, and how many blocks, tokens and
 concurrent requests a memory budget holds after the weights and activations (``kvlab size`` prints this).
 
-Assumptions, printed with the result (``Sizing.assumptions``): the budget is ``gpu_memory_utilization``
+Assumptions, printed with the result (``kvlab.sizing.report.ASSUMPTIONS``): the budget is ``gpu_memory_utilization``
 (vLLM's default 0.9) of the GPU's memory; the weights take the ``*.safetensors`` files' size, or the
 parameter count (``kvlab.sizing.hf_config``) times the config's dtype (``QUANTIZED`` checkpoints: their
 quantized parameters at their own size); activations take the engine's bound
@@ -15,6 +15,7 @@ from kvlab.sizing.budget import activation_bytes, kv_blocks, kv_memory
 from kvlab.sizing.groups import GroupLayout, engine_groups, vllm_groups
 from kvlab.sizing.hf_config import DEFAULT_DTYPE, ModelShape
 from kvlab.sizing.layout import DTYPE_BYTES, KVLayout, dtype_bytes
+from kvlab.validation import check_int, check_number, check_optional_int
 
 
 def resolve_kv_cache_dtype(name: str, shape: ModelShape) -> str:
@@ -85,6 +86,12 @@ def weights_estimate(shape: ModelShape) -> tuple[int, str]:
 def size_model(shape: ModelShape, *, kv_cache_dtype: str = "auto", gpu_memory: int, gpu_memory_utilization: float,
                max_model_len: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 8192,
                max_num_seqs: int = 256) -> Sizing:
+    check_int("gpu_memory", gpu_memory, 1)
+    check_number("gpu_memory_utilization", gpu_memory_utilization, 0, 1, min_open=True)
+    for name, value in (("block_size", block_size), ("max_num_batched_tokens", max_num_batched_tokens),
+                        ("max_num_seqs", max_num_seqs)):
+        check_int(name, value, 1)
+    check_optional_int("max_model_len", max_model_len, 1)
     layout = shape.layout(resolve_kv_cache_dtype(kv_cache_dtype, shape))
     max_model_len = max_model_len or shape.max_position_embeddings
     weights, weights_source = weights_estimate(shape)

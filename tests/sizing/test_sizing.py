@@ -141,6 +141,23 @@ def test_a_model_directory_is_sized_by_its_safetensors_files(tmp_path):
     assert sizing.weights == 1000 and "safetensors" in sizing.weights_source
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(gpu_memory=0), "gpu_memory"), (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(block_size=0), "block_size"), (dict(max_model_len=0), "max_model_len"),
+    (dict(max_num_seqs=0), "max_num_seqs"), (dict(kv_cache_dtype="int3"), "int3"),
+])
+def test_size_model_refuses_bad_settings(options, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        size_model(shape("SmolLM2-135M"), **{"gpu_memory": GiB, "gpu_memory_utilization": 0.9, **options})
+
+
+def test_layer_kinds_sizing_cannot_describe_are_refused(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3", "num_hidden_layers": 2, '
+                                          '"layer_types": ["full_attention", "linear_attention"]}')
+    with pytest.raises(InvalidArgumentError, match="layer_types"):
+        read_model_shape(tmp_path)
+
+
 def test_a_model_that_does_not_fit_gets_no_blocks():
     (pool,) = size_model(shape("DeepSeek-V3"), gpu_memory=80 * GiB, gpu_memory_utilization=0.9).pools
     assert pool.num_blocks == 0 and pool.max_concurrency == 0
