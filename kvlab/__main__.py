@@ -10,6 +10,8 @@ COMMANDS = {
               "kvlab.studies.cli:main"),
     "fleet": ("route a trace across replicas (KV-event routers) and report hit rates, load imbalance and TTFT",
               "kvlab.studies.fleet_cli:main"),
+    "size": ("KV cache bytes per token and per block, and the blocks, tokens and concurrent requests a GPU holds",
+             "kvlab.sizing.cli:main"),
     "info": ("which kernel mode is active (GPU or Triton interpreter), with versions", "kvlab.__main__:info"),
     "bench": ("benchmarks: blocks (block manager), kernels (GPU), engine (vs Hugging Face generate)",
               "kvlab.__main__:bench"),

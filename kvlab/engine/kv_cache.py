@@ -8,8 +8,9 @@ import torch
 from kvlab.engine.config import ModelConfig
 from kvlab.engine.errors import UnsupportedModelError
 from kvlab.errors import InvalidArgumentError
-from kvlab.kernels import (allocate_cpu_cache, allocate_kv_cache, bytes_per_block, copy_blocks,
-                           paged_attention_decode, paged_attention_decode_torch, swap_blocks)
+from kvlab.kernels import (allocate_cpu_cache, allocate_kv_cache, copy_blocks, paged_attention_decode,
+                           paged_attention_decode_torch, swap_blocks)
+from kvlab.sizing import KVLayout, activation_bytes, kv_blocks, kv_memory
 
 #: KV budget on a machine without a GPU when ``num_blocks`` is not given: small enough for any laptop, and the
 #: same on every machine so a notebook's pool is reproducible. SmolLM2-135M in fp32 (45 KiB of K and V per
@@ -44,23 +45,34 @@ class BlockMoves:
             self.counts[kind] += 1
 
 
+def engine_layout(config: ModelConfig, dtype) -> KVLayout:
+    """The model's KV layout (``kvlab.sizing``) as the engine stores it: every layer, windowed or not, keeps a
+    cache tensor with a page for every block id, so a block id costs ``layout.bytes_per_block``."""
+    return KVLayout(config.num_kv_heads, config.head_dim, str(dtype).removeprefix("torch."),
+                    config.layer_windows or (None,) * config.num_layers)
+
+
 class PagedKVCache:
     """``gpu[layer]``: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` on the engine's device (CPU in
-    interpreter mode); ``cpu[layer]``: the same layout with ``num_cpu_blocks`` blocks in host memory."""
+    interpreter mode); ``cpu[layer]``: the same layout with ``num_cpu_blocks`` blocks in host memory.
+    ``bytes_per_block`` (from ``engine_layout``) is what one block id takes in those tensors."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype, device, num_cpu_blocks: int):
         shape = (config.num_layers, config.num_kv_heads, config.head_dim)
         self.gpu = allocate_kv_cache(*shape, block_size=block_size, dtype=dtype, device=device, num_blocks=num_blocks)
         self.cpu = (allocate_cpu_cache(*shape, block_size=block_size, dtype=dtype, num_blocks=num_cpu_blocks)
                     if num_cpu_blocks else [])
-        self.bytes_per_block = bytes_per_block(*shape, block_size=block_size, dtype=dtype)
+        self.layout = engine_layout(config, dtype)
+        self.bytes_per_block = self.layout.bytes_per_block(block_size)
         self.num_blocks, self.num_cpu_blocks, self.block_size = num_blocks, num_cpu_blocks, block_size
 
     def summary(self) -> str:
-        """How many blocks were made and the memory they take, for the engine's log line."""
+        """How many blocks were made, the memory they take and what a token costs, for the engine's log line."""
         mib = self.bytes_per_block / 2**20
+        layout = self.layout
         line = (f"{self.num_blocks} blocks of {self.block_size} tokens ({self.num_blocks * self.block_size} "
-                f"tokens, {self.num_blocks * mib:.1f} MiB) on {self.gpu[0].device}")
+                f"tokens, {self.num_blocks * mib:.1f} MiB; {layout.bytes_per_token:,} bytes per token = "
+                f"{layout.bytes_per_token_per_layer:,} x {layout.num_layers} layers) on {self.gpu[0].device}")
         if self.num_cpu_blocks:
             line += f", plus {self.num_cpu_blocks} CPU blocks for swapping ({self.num_cpu_blocks * mib:.1f} MiB)"
         return line
@@ -92,29 +104,24 @@ def check_kernel_support(config: ModelConfig, block_size: int, dtype, device, at
             f"head_dim {config.head_dim}): {e}") from None
 
 
-def activation_bytes(config: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, dtype) -> int:
-    """A generous bound on one step's temporary memory: the widest per-token tensors of a layer for every
-    batched token, twice over, plus fp32 logits and sampling copies for every sequence."""
-    per_token = (3 * config.hidden_size + (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-                 + 2 * config.intermediate_size)
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * max_num_batched_tokens * per_token * element + 3 * max_num_seqs * config.vocab_size * 4
-
-
 def blocks_for_memory(config: ModelConfig, block_size: int, dtype, device, *, gpu_memory_utilization: float,
                       max_num_batched_tokens: int, max_num_seqs: int, max_useful_blocks: int) -> int:
     """``num_blocks=None``: on a GPU, what is left of ``gpu_memory_utilization`` of its memory once the
-    weights are loaded and a step's activations are set aside; on CPU, ``CPU_KV_CACHE_BYTES``. Never more
-    than ``max_useful_blocks`` (every sequence at full context length)."""
-    per_block = bytes_per_block(config.num_layers, config.num_kv_heads, config.head_dim, block_size=block_size,
-                                dtype=dtype)
+    weights are loaded and a step's activations are set aside (``kvlab.sizing.budget``, as ``kvlab size``
+    estimates it); on CPU, ``CPU_KV_CACHE_BYTES``. Never more than ``max_useful_blocks`` (every sequence at
+    full context length)."""
+    per_block = engine_layout(config, dtype).bytes_per_block(block_size)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = free - (1 - gpu_memory_utilization) * total
-        budget -= activation_bytes(config, max_num_batched_tokens, max_num_seqs, dtype)
+        activations = activation_bytes(
+            hidden_size=config.hidden_size, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim, intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            element_bytes=torch.empty((), dtype=dtype).element_size())
+        budget = kv_memory(total, gpu_memory_utilization, total - free, activations)
     else:
         budget = CPU_KV_CACHE_BYTES
-    num_blocks = min(int(budget // per_block), max_useful_blocks)
+    num_blocks = kv_blocks(budget, per_block, max_useful_blocks)
     if num_blocks < 1:
         raise InvalidArgumentError(
             f"no memory left for the KV cache ({budget / 2**20:.0f} MiB after weights and activations; one block "

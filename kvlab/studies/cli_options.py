@@ -1,4 +1,5 @@
-"""The command lines' option types (``kvlab study``, ``kvlab fleet``) and the check of their ``--out``.
+"""The studies' option types (``kvlab study``, ``kvlab fleet``) and the check of their ``--out``, built on the
+option types every kvlab command shares (``kvlab.cli_options``).
 
 Each type takes the option's text and returns its value, or raises ValueError (kvlab's InvalidArgumentError
 is one) with a message that reads well after argparse's "argument --name:"; ``option`` turns it into the
@@ -10,16 +11,8 @@ import tempfile
 from pathlib import Path
 
 from kvlab.blocks.sequence import check_block_size
+from kvlab.cli_options import option, whole_number
 from kvlab.validation import check_directory, check_int, check_number
-
-
-def option(parse):
-    def checked(text: str):
-        try:
-            return parse(text.strip())
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    return checked
 
 
 def comma_list(parse):
@@ -34,13 +27,6 @@ def comma_list(parse):
             raise ValueError(f"{repeated[0]!r} is given more than once in {text!r}; give each value once")
         return values
     return option(parse_list)
-
-
-def whole_number(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"expected a whole number, got {text!r}") from None
 
 
 def block_size_number(text: str) -> int:

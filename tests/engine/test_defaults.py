@@ -76,13 +76,14 @@ def test_the_cpu_default_pool_is_256_mib_and_logged(qwen3, tmp_path, caplog):
         llm = LLM(path, block_size=8)
     per_block = llm.kv_cache.bytes_per_block  # 2 layers x K and V x 8 tokens x 2 kv heads x 32 dims x 4 bytes
     assert per_block == 8192 and llm.block_manager.num_blocks * per_block == 256 * 2**20
-    assert caplog.messages == ["KV cache: 32768 blocks of 8 tokens (262144 tokens, 256.0 MiB) on cpu "
-                               "(num_blocks=None: the CPU budget, 256 MiB)"]
+    # A token: K and V x 2 kv heads x 32 dims x 4 bytes = 512 bytes a layer, in 2 layers.
+    assert caplog.messages == ["KV cache: 32768 blocks of 8 tokens (262144 tokens, 256.0 MiB; 1,024 bytes per "
+                               "token = 512 x 2 layers) on cpu (num_blocks=None: the CPU budget, 256 MiB)"]
 
 
 def test_the_log_line_states_a_given_pool_and_its_swap_space(llama, caplog):
     with caplog.at_level(logging.INFO, logger="kvlab.engine"):
         make_llm(llama[0], num_blocks=64, preemption_mode="swap", num_cpu_blocks=128)
     device = kvlab.device.DEVICE.type + (":0" if kvlab.device.ON_GPU else "")
-    assert caplog.messages == [f"KV cache: 64 blocks of 8 tokens (512 tokens, 0.5 MiB) on {device}, plus "
-                               "128 CPU blocks for swapping (1.0 MiB) (num_blocks=64)"]
+    assert caplog.messages == [f"KV cache: 64 blocks of 8 tokens (512 tokens, 0.5 MiB; 1,024 bytes per token = "
+                               f"512 x 2 layers) on {device}, plus 128 CPU blocks for swapping (1.0 MiB) (num_blocks=64)"]

@@ -1,0 +1,112 @@
+"""A model on a GPU: what its KV cache costs per token and per block, and how many blocks, tokens and
+concurrent requests a memory budget holds after the weights and activations (``kvlab size`` prints this).
+
+Assumptions, printed with the result (``kvlab.sizing.report.ASSUMPTIONS``): the budget is ``gpu_memory_utilization``
+(vLLM's default 0.9) of the GPU's memory; the weights take the ``*.safetensors`` files' size, or the
+parameter count (``kvlab.sizing.hf_config``) times the config's dtype (``QUANTIZED`` checkpoints: their
+quantized parameters at their own size); activations take the engine's bound
+(``kvlab.sizing.budget.activation_bytes``) for ``max_num_batched_tokens`` tokens and ``max_num_seqs``
+sequences; a request holds the blocks of ``kvlab.sizing.groups.blocks_per_request`` at ``max_model_len``.
+"""
+
+from dataclasses import dataclass
+
+from kvlab.sizing.budget import activation_bytes, kv_blocks, kv_memory
+from kvlab.sizing.groups import GroupLayout, engine_groups, vllm_groups
+from kvlab.sizing.hf_config import DEFAULT_DTYPE, ModelShape
+from kvlab.sizing.layout import DTYPE_BYTES, KVLayout, dtype_bytes
+from kvlab.validation import check_int, check_number, check_optional_int
+
+
+def resolve_kv_cache_dtype(name: str, shape: ModelShape) -> str:
+    """vLLM's ``--kv-cache-dtype``: ``auto`` is the model's dtype (``DEFAULT_DTYPE`` if its config states none)."""
+    if name == "auto":
+        return shape.dtype if shape.dtype in DTYPE_BYTES else DEFAULT_DTYPE
+    dtype_bytes(name)
+    return name
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The pool one layout (``groups``) makes of the KV memory."""
+
+    groups: GroupLayout
+    bytes_per_block: int
+    num_blocks: int
+    blocks_per_request: int   # at max_model_len, summed over the groups
+
+    @property
+    def max_concurrency(self) -> float:
+        """Requests of max_model_len tokens that fit at once, as vLLM logs it ("Maximum concurrency")."""
+        return self.num_blocks / self.blocks_per_request
+
+
+@dataclass(frozen=True)
+class Sizing:
+    shape: ModelShape
+    layout: KVLayout
+    block_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    gpu_memory: int
+    gpu_memory_utilization: float
+    weights: int
+    weights_source: str
+    activations: int
+    kv_memory: int         # what is left for the KV cache (negative: the model does not fit)
+    pools: tuple           # (the engine's Pool,) or, for a hybrid model, (the engine's, vLLM's)
+
+
+#: quantization_config's quant_method -> (which parameters it quantizes, bytes per quantized parameter): fp8
+#: (DeepSeek-V3) every linear layer, the embeddings stay in the model's dtype; mxfp4 (gpt-oss) the routed
+#: experts, 4-bit values with one 8-bit scale per 32 (4.25 bits).
+QUANTIZED = {"fp8": (lambda p: p.total - p.embeddings, 1), "mxfp4": (lambda p: p.routed_experts, 17 / 32)}
+
+
+def weights_estimate(shape: ModelShape) -> tuple[int, str]:
+    """(bytes, how they were estimated)."""
+    if shape.weight_files_bytes is not None:
+        return shape.weight_files_bytes, "the *.safetensors files' size"
+    dtype = shape.dtype if shape.dtype in DTYPE_BYTES else DEFAULT_DTYPE
+    params = shape.parameters
+    how = f"{params.total:,} parameters counted from the config x {DTYPE_BYTES[dtype]} bytes ({dtype})"
+    if shape.quantization in QUANTIZED:
+        which, size = QUANTIZED[shape.quantization]
+        quantized = which(params)
+        how = (f"{params.total - quantized:,} parameters counted from the config x {DTYPE_BYTES[dtype]} bytes "
+               f"({dtype}) + {quantized:,} x {size:g} bytes ({shape.quantization})")
+        return int((params.total - quantized) * DTYPE_BYTES[dtype] + quantized * size), how
+    if shape.quantization:
+        how += (f"; the checkpoint is quantized ({shape.quantization}), so its weights are smaller: pass the "
+                "model directory to use its files' size")
+    return params.total * DTYPE_BYTES[dtype], how
+
+
+def size_model(shape: ModelShape, *, kv_cache_dtype: str = "auto", gpu_memory: int, gpu_memory_utilization: float,
+               max_model_len: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 8192,
+               max_num_seqs: int = 256) -> Sizing:
+    check_int("gpu_memory", gpu_memory, 1)
+    check_number("gpu_memory_utilization", gpu_memory_utilization, 0, 1, min_open=True)
+    for name, value in (("block_size", block_size), ("max_num_batched_tokens", max_num_batched_tokens),
+                        ("max_num_seqs", max_num_seqs)):
+        check_int(name, value, 1)
+    check_optional_int("max_model_len", max_model_len, 1)
+    layout = shape.layout(resolve_kv_cache_dtype(kv_cache_dtype, shape))
+    max_model_len = max_model_len or shape.max_position_embeddings
+    weights, weights_source = weights_estimate(shape)
+    model_dtype = shape.dtype if shape.dtype in DTYPE_BYTES else DEFAULT_DTYPE
+    activations = activation_bytes(
+        hidden_size=shape.hidden_size, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim, intermediate_size=shape.intermediate_size, vocab_size=shape.vocab_size,
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        element_bytes=DTYPE_BYTES[model_dtype])
+    memory = kv_memory(gpu_memory, gpu_memory_utilization, weights, activations)
+    layouts = [engine_groups(layout)] + ([vllm_groups(layout)] if layout.is_hybrid else [])
+    pools = []
+    for groups in layouts:
+        per_block = groups.bytes_per_block(layout, block_size)
+        pools.append(Pool(groups, per_block, kv_blocks(memory, per_block),
+                          groups.blocks_per_request(max_model_len, block_size, max_num_batched_tokens)))
+    return Sizing(shape, layout, block_size, max_model_len, max_num_batched_tokens, max_num_seqs, gpu_memory,
+                  gpu_memory_utilization, weights, weights_source, activations, memory, tuple(pools))

@@ -1,0 +1,113 @@
+"""``kvlab size``'s text: a ``Sizing`` (``kvlab.sizing.plan``) with the arithmetic of every figure."""
+
+from collections import Counter
+
+from kvlab.sizing.groups import ENGINE, VLLM, blocks_per_request
+from kvlab.sizing.plan import Pool, Sizing
+
+ASSUMPTIONS = ("assumptions: the budget is gpu_memory_utilization of the GPU's memory; weights as stated above; "
+               "activations are kvlab's engine's bound (2 x batched tokens x (3 hidden + (heads + 2 kv heads) x "
+               "head_dim + 2 intermediate) x dtype bytes, plus fp32 logits x 3 per sequence); a sliding-window "
+               "group holds cdiv(min(window - 1 + max_num_batched_tokens, max_model_len), block_size) + 1 blocks "
+               "per request (vLLM's bound, chunked prefill included).")
+HYBRID = ("hybrid model: kvlab's engine keeps one cache tensor per layer for every block id, so a block id costs "
+          "a page in every layer; vLLM V1 shares each tensor between one layer of every group, so a block id "
+          "costs a page in only group-size layers, but a request takes blocks in every group.")
+
+
+def _size(n: float) -> str:
+    """``n`` bytes in the largest binary unit that keeps it >= 1 (``2.00 MiB``)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def _bytes(n: int) -> str:
+    return f"{n:,} B ({_size(n)})"
+
+
+def _kind(window) -> str:
+    return "full" if window is None else f"sliding {window}"
+
+
+def describe_layers(s: Sizing) -> str:
+    layout, shape = s.layout, s.shape
+    kinds = [f"{layout.full_layers} full attention"] if layout.full_layers else []
+    kinds += [f"{count} sliding-window ({window} tokens)" for window, count in layout.windows.items()]
+    heads = (f"MLA: one latent of {layout.mla_latent_dim} per token for {shape.num_heads} heads"
+             if layout.mla_latent_dim else f"{shape.num_heads} query heads share {shape.num_kv_heads} kv heads")
+    return (f"{shape.name}: {shape.model_type} ({shape.architecture}), {layout.num_layers} layers: "
+            f"{', '.join(kinds)}; {heads}")
+
+
+def _token_lines(s: Sizing) -> list[str]:
+    layout, per_layer, n = s.layout, s.layout.bytes_per_token_per_layer, s.max_model_len
+    lines = [f"per token and layer: {layout.per_layer_formula()}",
+             f"per token, model:    {per_layer:,} B x {layout.num_layers} layers = {_bytes(layout.bytes_per_token)}"
+             + (" while every window still holds the token" if layout.windows else "")]
+    if layout.windows:
+        lines += [f"  past the windows:  {per_layer:,} B x {layout.full_layers} full-attention layers = "
+                  f"{_bytes(layout.bytes_per_token_past_windows)}: a sliding-window layer keeps at most its window",
+                  f"  one request of {n:,} tokens, token-exact: {_bytes(layout.bytes_for_tokens(n))}, against "
+                  f"{_size(layout.bytes_per_token * n)} if every layer kept every token"]
+    return lines
+
+
+def _block_lines(s: Sizing) -> list[str]:
+    page, b = s.layout.page_bytes(s.block_size), s.block_size
+    lines = [f"per page (one layer, one block of {b} tokens): {s.layout.bytes_per_token_per_layer:,} B x {b} = "
+             f"{page:,} B"]
+    for pool in s.pools:
+        groups = pool.groups
+        if groups.name == ENGINE:
+            where = f"a page in each of the {groups.pages_per_block} layers"
+        else:
+            padding = (f" ({groups.padding_layers} padding layer{'s' * (groups.padding_layers != 1)})"
+                       if groups.padding_layers else "")
+            where = (f"{len(groups.groups)} groups of {groups.pages_per_block} layers{padding}, a page in each of "
+                     f"the {groups.pages_per_block} tensors they share")
+        lines.append(f"per block id, {groups.name}: {page:,} B x {groups.pages_per_block} = "
+                     f"{_bytes(pool.bytes_per_block)}; {where}")
+    return lines
+
+
+def _memory_lines(s: Sizing) -> list[str]:
+    lines = [f"memory: {_size(s.gpu_memory)} x {s.gpu_memory_utilization:g} gpu_memory_utilization = "
+             f"{_size(s.gpu_memory * s.gpu_memory_utilization)}",
+             f"  - weights      {_size(s.weights):>12}  ({s.weights_source})",
+             f"  - activations  {_size(s.activations):>12}  (a bound for {s.max_num_batched_tokens:,} batched "
+             f"tokens and {s.max_num_seqs} sequences)",
+             f"  = KV cache     {_size(s.kv_memory):>12}"]
+    if s.kv_memory <= 0:
+        lines.append("  no room for the KV cache: the weights and activations take the whole budget")
+    return lines
+
+
+def _per_request(pool: Pool, s: Sizing) -> str:
+    """The blocks a request holds, group by group: ``8,192 (full) + 6 x 577 (sliding 1024)``."""
+    terms = []
+    for window, count in Counter(pool.groups.groups).items():
+        blocks = blocks_per_request(window, s.max_model_len, s.block_size, s.max_num_batched_tokens)
+        terms.append(f"{'' if count == 1 else f'{count} x '}{blocks:,} ({_kind(window)})")
+    return " + ".join(terms)
+
+
+def _pool_lines(s: Sizing) -> list[str]:
+    lines, b = [], s.block_size
+    for pool in s.pools:
+        groups = len(pool.groups.groups)
+        logged = (f"; vLLM logs 'KV cache size: {pool.num_blocks // groups * b:,} tokens', the blocks over its "
+                  f"{groups} groups" if pool.groups.name == VLLM and groups > 1 else "")
+        lines += [f"{pool.groups.name}: {_size(max(s.kv_memory, 0))} / {pool.bytes_per_block:,} B = "
+                  f"{pool.num_blocks:,} blocks of {b} tokens ({pool.num_blocks * b:,} token slots{logged})",
+                  f"  a request of {s.max_model_len:,} tokens holds {_per_request(pool, s)} = "
+                  f"{pool.blocks_per_request:,} blocks: Maximum concurrency for {s.max_model_len:,} tokens per "
+                  f"request: {pool.max_concurrency:.2f}x"]
+    return lines
+
+
+def format_sizing(s: Sizing, kv_dtype_note: str = "") -> str:
+    lines = [describe_layers(s), f"KV cache dtype: {s.layout.dtype}{kv_dtype_note}", "", *_token_lines(s),
+             *_block_lines(s), "", *_memory_lines(s), *_pool_lines(s), "", ASSUMPTIONS]
+    return "\n".join(lines + ([HYBRID] if len(s.pools) > 1 else []))

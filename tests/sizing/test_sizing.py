@@ -1,0 +1,246 @@
+"""KV cache sizing (kvlab.sizing, ``kvlab size``) against numbers worked by hand from the published configs in
+configs/ (abridged copies: see configs/README.md). Every expected value is written as its arithmetic:
+2 (K and V) x kv heads x head_dim x dtype bytes per token and layer, times layers, times tokens per block."""
+
+from pathlib import Path
+
+import pytest
+
+from kvlab.__main__ import main
+from kvlab.errors import InvalidArgumentError
+from kvlab.sizing import KVLayout, blocks_per_request, parse_memory, vllm_groups
+from kvlab.sizing.hf_config import read_model_shape
+from kvlab.sizing.plan import size_model
+
+CONFIGS = Path(__file__).parent / "configs"
+GiB = 2**30
+
+
+def shape(name: str):
+    return read_model_shape(CONFIGS / name)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# model -> (bytes per token and layer in bf16, layers, full-attention layers, {window: layers})
+MODELS = {
+    "Meta-Llama-3-8B": (2 * 8 * 128 * 2, 32, 32, {}),
+    "Qwen3-0.6B": (2 * 8 * 128 * 2, 28, 28, {}),              # head_dim 128 set, not 1024 / 16 = 64
+    "SmolLM2-135M": (2 * 3 * (576 // 9) * 2, 30, 30, {}),      # head_dim = hidden / heads
+    "gemma-3-4b-it": (2 * 4 * 256 * 2, 34, 34 // 6, {1024: 34 - 34 // 6}),  # every 6th layer global
+    "gpt-oss-20b": (2 * 8 * 64 * 2, 24, 12, {128: 12}),        # sliding and full alternate
+    "DeepSeek-V3": ((512 + 64) * 2, 61, 61, {}),               # MLA: one latent, no factor 2
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_bytes_per_token_and_block_match_the_hand_worked_numbers(name):
+    per_layer, layers, full, windows = MODELS[name]
+    layout = shape(name).layout("bfloat16")
+    assert (layout.bytes_per_token_per_layer, layout.num_layers, layout.full_layers, layout.windows) == (
+        per_layer, layers, full, windows)
+    assert layout.bytes_per_token == per_layer * layers
+    assert layout.bytes_per_token_past_windows == per_layer * full
+    assert layout.bytes_per_block(16) == per_layer * layers * 16
+    assert layout.is_hybrid == bool(windows)
+
+
+def test_the_per_layer_formula_is_shown():
+    assert shape("Meta-Llama-3-8B").layout("bfloat16").per_layer_formula() == (
+        "2 (K and V) x 8 kv heads x 128 head_dim x 2 bytes (bfloat16) = 4,096 B")
+    assert shape("DeepSeek-V3").layout("fp8").per_layer_formula() == (
+        "576 latent (kv_lora_rank + qk_rope_head_dim, one for K and V) x 1 bytes (fp8) = 576 B")
+
+
+def test_gemma3_global_layers_are_every_sixth():
+    windows = shape("gemma-3-4b-it").layer_windows
+    assert [i for i, w in enumerate(windows) if w is None] == [5, 11, 17, 23, 29]
+
+
+def test_a_sliding_layer_holds_at_most_its_window():
+    layout = shape("gemma-3-4b-it").layout("bfloat16")
+    assert layout.bytes_for_tokens(100) == 2 * 4 * 256 * 2 * 34 * 100
+    assert layout.bytes_for_tokens(131072) == 2 * 4 * 256 * 2 * (5 * 131072 + 29 * 1024)
+
+
+@pytest.mark.parametrize("dtype, element_bytes", [("fp8", 1), ("fp8_e4m3", 1), ("fp8_e5m2", 1), ("fp16", 2),
+                                                  ("float16", 2), ("bfloat16", 2), ("float32", 4)])
+def test_the_kv_cache_dtype_sets_the_element_size(dtype, element_bytes):
+    sizing = size_model(shape("Meta-Llama-3-8B"), kv_cache_dtype=dtype, gpu_memory=80 * GiB, gpu_memory_utilization=0.9)
+    assert sizing.layout.bytes_per_token == 2 * 8 * 128 * element_bytes * 32
+
+
+def test_auto_is_the_configs_dtype_else_bfloat16():
+    assert size_model(shape("Qwen3-0.6B"), gpu_memory=GiB, gpu_memory_utilization=0.9).layout.dtype == "bfloat16"
+    assert shape("gpt-oss-20b").dtype is None
+    assert size_model(shape("gpt-oss-20b"), gpu_memory=GiB, gpu_memory_utilization=0.9).layout.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("args, message", [
+    ((8, 128, "int3", (None,)), "unknown KV cache dtype 'int3'"),
+    ((0, 128, "fp16", (None,)), "num_kv_heads"),
+    ((8, 128, "fp16", ()), "layer_windows"),
+    ((8, 128, "fp16", (None, 0)), "layer_windows"),
+    ((8, 128, "fp16", [None]), "layer_windows"),
+])
+def test_a_bad_layout_is_refused(args, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        KVLayout(*args)
+
+
+def test_a_block_holds_at_least_one_token():
+    with pytest.raises(InvalidArgumentError, match="block_size"):
+        KVLayout(8, 128, "fp16", (None,)).bytes_per_block(0)
+
+
+@pytest.mark.parametrize("name, parameters, published", [
+    ("Meta-Llama-3-8B", 2 * 128256 * 4096 + 32 * (2 * 4096 * 32 * 128 + 2 * 4096 * 8 * 128 + 3 * 4096 * 14336), 8.03e9),
+    ("SmolLM2-135M", 49152 * 576 + 30 * (2 * 576 * 9 * 64 + 2 * 576 * 3 * 64 + 3 * 576 * 1536), 135e6),
+    ("Qwen3-0.6B", 151936 * 1024 + 28 * (2 * 1024 * 16 * 128 + 2 * 1024 * 8 * 128 + 3 * 1024 * 3072), 0.6e9),
+])
+def test_parameter_count_of_dense_models(name, parameters, published):
+    assert shape(name).parameters.total == parameters
+    assert abs(parameters / published - 1) < 0.01
+
+
+@pytest.mark.parametrize("name, published", [("DeepSeek-V3", 671e9), ("gpt-oss-20b", 20.9e9)])
+def test_parameter_count_of_moe_models_is_within_a_percent_of_the_published_total(name, published):
+    assert abs(shape(name).parameters.total / published - 1) < 0.01
+
+
+def test_llama3_8b_on_80gib():
+    sizing = size_model(shape("Meta-Llama-3-8B"), gpu_memory=80 * GiB, gpu_memory_utilization=0.9)
+    weights = 8029995008 * 2
+    activations = 2 * 8192 * (3 * 4096 + (32 + 2 * 8) * 128 + 2 * 14336) * 2 + 3 * 256 * 128256 * 4
+    kv_memory = int(80 * GiB * 0.9 - weights - activations)
+    (pool,) = sizing.pools
+    assert (sizing.weights, sizing.activations, sizing.kv_memory) == (weights, activations, kv_memory)
+    assert pool.num_blocks == kv_memory // (2 * 8 * 128 * 2 * 32 * 16)
+    assert pool.blocks_per_request == 8192 // 16
+    assert pool.max_concurrency == pool.num_blocks / (8192 // 16)
+
+
+def test_quantized_weights_are_counted_at_their_size():
+    deepseek = shape("DeepSeek-V3")  # fp8: every linear layer at 1 byte, the embeddings in bf16
+    assert size_model(deepseek, gpu_memory=GiB, gpu_memory_utilization=0.9).weights == (
+        deepseek.parameters.embeddings * 2 + (deepseek.parameters.total - deepseek.parameters.embeddings) * 1)
+    assert deepseek.parameters.embeddings == 2 * 129280 * 7168
+    oss = shape("gpt-oss-20b")  # mxfp4: the routed experts at 4.25 bits, the rest in bf16
+    experts = 24 * 32 * 3 * 2880 * 2880
+    assert oss.parameters.routed_experts == experts
+    assert size_model(oss, gpu_memory=GiB, gpu_memory_utilization=0.9).weights == int(
+        (oss.parameters.total - experts) * 2 + experts * 4.25 / 8)
+
+
+def test_a_model_directory_is_sized_by_its_safetensors_files(tmp_path):
+    (tmp_path / "config.json").write_text((CONFIGS / "SmolLM2-135M" / "config.json").read_text())
+    (tmp_path / "model.safetensors").write_bytes(bytes(1000))
+    sizing = size_model(read_model_shape(tmp_path), gpu_memory=GiB, gpu_memory_utilization=0.9)
+    assert sizing.weights == 1000 and "safetensors" in sizing.weights_source
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(gpu_memory=0), "gpu_memory"), (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(block_size=0), "block_size"), (dict(max_model_len=0), "max_model_len"),
+    (dict(max_num_seqs=0), "max_num_seqs"), (dict(kv_cache_dtype="int3"), "int3"),
+])
+def test_size_model_refuses_bad_settings(options, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        size_model(shape("SmolLM2-135M"), **{"gpu_memory": GiB, "gpu_memory_utilization": 0.9, **options})
+
+
+def test_layer_kinds_sizing_cannot_describe_are_refused(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3", "num_hidden_layers": 2, '
+                                          '"layer_types": ["full_attention", "linear_attention"]}')
+    with pytest.raises(InvalidArgumentError, match="layer_types"):
+        read_model_shape(tmp_path)
+
+
+def test_a_model_that_does_not_fit_gets_no_blocks():
+    (pool,) = size_model(shape("DeepSeek-V3"), gpu_memory=80 * GiB, gpu_memory_utilization=0.9).pools
+    assert pool.num_blocks == 0 and pool.max_concurrency == 0
+
+
+def test_vllm_groups_of_hybrid_models():
+    gemma = vllm_groups(shape("gemma-3-4b-it").layout("bfloat16"))  # 5 full, 29 sliding: groups of 5 layers
+    assert (gemma.pages_per_block, gemma.groups, gemma.padding_layers) == (5, (None,) + (1024,) * 6, 6 * 5 - 29)
+    oss = vllm_groups(shape("gpt-oss-20b").layout("bfloat16"))
+    assert (oss.pages_per_block, oss.groups, oss.padding_layers) == (12, (None, 128), 0)
+    # 12 sliding + 13 full (gpt-oss-20b with an eagle layer): within 25%, so groups of the larger count.
+    eagle = vllm_groups(KVLayout(8, 64, "bfloat16", (128, None) * 12 + (None,)))
+    assert (eagle.pages_per_block, eagle.groups, eagle.padding_layers) == (13, (None, 128), 1)
+    uniform = vllm_groups(shape("Meta-Llama-3-8B").layout("bfloat16"))
+    assert (uniform.pages_per_block, uniform.groups) == (32, (None,))
+
+
+def test_blocks_per_request():
+    assert blocks_per_request(None, 131072, 16, 8192) == 131072 // 16
+    assert blocks_per_request(1024, 131072, 16, 8192) == cdiv(1024 - 1 + 8192, 16) + 1
+    assert blocks_per_request(1024, 100, 16, 8192) == cdiv(100, 16) + 1  # never more than the request
+
+
+def test_gemma3_pools_engine_and_vllm():
+    sizing = size_model(shape("gemma-3-4b-it"), gpu_memory=80 * GiB, gpu_memory_utilization=0.9)
+    engine, vllm = sizing.pools
+    page = 2 * 4 * 256 * 2 * 16
+    window_blocks = cdiv(1024 - 1 + 8192, 16) + 1
+    assert (engine.bytes_per_block, vllm.bytes_per_block) == (page * 34, page * 5)
+    assert engine.num_blocks == sizing.kv_memory // (page * 34)
+    assert vllm.num_blocks == sizing.kv_memory // (page * 5)
+    assert engine.blocks_per_request == 131072 // 16 + window_blocks
+    assert vllm.blocks_per_request == 131072 // 16 + 6 * window_blocks
+
+
+@pytest.mark.parametrize("text, expected", [("80GiB", 80 * 2**30), ("80GB", 80 * 10**9), ("24e9", 24 * 10**9),
+                                            ("512 MiB", 512 * 2**20), ("1.5gib", 3 * 2**29), ("4096", 4096)])
+def test_parse_memory(text, expected):
+    assert parse_memory(text) == expected
+
+
+@pytest.mark.parametrize("text", ["80 GiBs", "lots", "", "-1GB", "0"])
+def test_parse_memory_refuses_what_is_not_memory(text):
+    with pytest.raises(InvalidArgumentError, match="memory"):
+        parse_memory(text)
+
+
+def test_kvlab_size_prints_the_formula_and_the_pool(capsys):
+    assert main(["size", "--model", str(CONFIGS / "Meta-Llama-3-8B"), "--gpu-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "per token and layer: 2 (K and V) x 8 kv heads x 128 head_dim x 2 bytes (bfloat16) = 4,096 B" in out
+    assert "per token, model:    4,096 B x 32 layers = 131,072 B (128.00 KiB)" in out
+    assert f"= {2 * 8 * 128 * 2 * 32 * 16:,} B (2.00 MiB)" in out
+    assert "Maximum concurrency for 8,192 tokens per request:" in out and "assumptions:" in out
+
+
+def test_kvlab_size_prints_both_layouts_for_a_hybrid_model(capsys):
+    config = CONFIGS / "gpt-oss-20b" / "config.json"
+    assert main(["size", "--model", str(config), "--kv-cache-dtype", "fp8", "--max-model-len", "8192",
+                 "--block-size", "32"]) == 0
+    out = capsys.readouterr().out
+    assert f"per block id, kvlab engine: {2 * 8 * 64 * 32:,} B x 24" in out
+    assert f"per block id, vLLM V1: {2 * 8 * 64 * 32:,} B x 12" in out and "hybrid model:" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "/nonexistent"], "neither a config.json file nor a directory"),
+    (["--model", str(CONFIGS / "SmolLM2-135M"), "--max-model-len", "9000"], "longer than the model's context"),
+    (["--model", str(CONFIGS / "SmolLM2-135M"), "--gpu-memory", "lots"], "argument --gpu-memory: expected"),
+    (["--model", str(CONFIGS / "SmolLM2-135M"), "--kv-cache-dtype", "int3"], "argument --kv-cache-dtype"),
+    (["--model", str(CONFIGS / "SmolLM2-135M"), "--block-size", "0"], "argument --block-size"),
+    (["--model", str(CONFIGS / "SmolLM2-135M"), "--gpu-memory-utilization", "1.5"], "gpu memory utilization"),
+])
+def test_bad_input_is_one_error_line_and_exit_status_2(argv, message, capsys):
+    try:
+        status = main(["size", *argv])
+    except SystemExit as e:  # argparse's own errors
+        status = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and message in err[-1] and err[-1].startswith("kvlab size: error:"), err
+
+
+def test_a_config_without_model_type_is_refused(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 2}')
+    assert main(["size", "--model", str(tmp_path)]) == 2
+    assert "needs a model_type that transformers knows" in capsys.readouterr().err
