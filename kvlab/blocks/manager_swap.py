@@ -1,19 +1,20 @@
 """Swapping (vLLM V0's preemption): a running sequence's blocks move to the CPU pool and back.
 
-``BlockManagerSwapping`` adds these calls to ``BlockManagerQueries``; ``BlockManager`` inherits both. The
-swap space (kvlab.blocks.swap) decides which blocks move and where; these calls check the sequence's state
-and the room for it, set its status and record the events.
+``BlockManagerSwapping`` is one of the parts ``BlockManager`` is built from; it reads only the state its base
+(``kvlab.blocks.manager_state.ManagerState``) creates. The swap space (kvlab.blocks.swap) decides which
+blocks move and where; these calls check the sequence's state and the room for it, set its status and
+record the events.
 """
 
 from kvlab.blocks.locking import serialized
-from kvlab.blocks.manager_queries import BlockManagerQueries
+from kvlab.blocks.manager_state import ManagerState
 from kvlab.blocks.records import AllocStatus, Event
 from kvlab.blocks.sequence import Sequence, SequenceStatus
 from kvlab.errors import OutOfBlocksError
 
 
 @serialized
-class BlockManagerSwapping(BlockManagerQueries):
+class BlockManagerSwapping(ManagerState):
     def can_swap_out(self, seq: Sequence) -> AllocStatus:
         """Whether ``swap_out(seq)`` fits in the CPU pool now (OK), once swapped sequences leave it (LATER),
         or never (NEVER)."""
