@@ -22,7 +22,8 @@ One module per part, in the manner of vLLM V1's ``vllm/v1/core/``:
     policy_transaction.py  undo for a user policy that raises half-way through an operation
     invariants.py          check_invariants(): the manager's state checked against itself
     records.py             AllocStatus, Event, PrefixCacheStats
-    kv_events.py           vLLM's KV cache events (BlockStored, BlockRemoved, AllBlocksCleared) for routers
+    event_sink.py          the one sink the manager and pool report to; EventLog (the Event records) consumes it
+    kv_events.py           vLLM's KV cache events (BlockStored, BlockRemoved, AllBlocksCleared): its other consumer
     kv_event_subscribers.py  their subscribers: a failing one is dropped, never the manager's problem
 """
 

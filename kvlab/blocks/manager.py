@@ -26,7 +26,8 @@ threads may share a manager (each Sequence belongs to one thread at a time). A f
 This module holds that lifecycle. ``BlockManager`` is built from parts that each add calls over the state
 ``ManagerState`` creates (kvlab.blocks.manager_state, where its constructor lives): the queries
 (kvlab.blocks.manager_queries), swapping (kvlab.blocks.manager_swap) and vLLM V0's interface with the
-encoder-decoder cross-attention tables (kvlab.blocks.vllm_v0).
+encoder-decoder cross-attention tables (kvlab.blocks.vllm_v0). Every part reports its changes to the
+manager's one event sink (kvlab.blocks.event_sink), when anything listens.
 """
 
 from typing import Optional
@@ -39,7 +40,7 @@ from kvlab.blocks.manager_queries import BlockManagerQueries
 from kvlab.blocks.manager_state import MAX_BLOCKS, NULL_BLOCK
 from kvlab.blocks.manager_swap import BlockManagerSwapping
 from kvlab.blocks.planning import hashes_to_seal, plan_allocation, plan_step
-from kvlab.blocks.records import AllocStatus, Event, PrefixCacheStats
+from kvlab.blocks.records import AllocStatus, PrefixCacheStats
 from kvlab.blocks.sequence import Sequence, SequenceStatus, copy_tokens, set_allocation_record
 from kvlab.blocks.vllm_v0 import VLLMV0Interface
 from kvlab.errors import OutOfBlocksError
@@ -92,17 +93,16 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
             txn.hits(hits)
         pool.claim(live_hits, len(revived))
         new_blocks, cross_blocks = new_blocks[:num_new], new_blocks[num_new:]
-        if self.events is not None:
-            self.events.extend(Event("hit", seq.seq_id, block) for block in hits)
-            self.events.extend(Event("miss", seq.seq_id, block) for block in new_blocks)
+        if self._sink is not None:
+            self._sink.looked_up(seq.seq_id, hits, new_blocks)
         num_sealed = min(len(hashes), scheduled // bs)  # the blocks this step writes to the end
         parent = pool.fill(new_blocks, hashes[len(hits):num_sealed], contents[len(hits):num_sealed], parent)
-        if self.kv_events is not None:
-            self.kv_events.stored(pool, new_blocks[:num_sealed - len(hits)], hashes[len(hits):num_sealed],
-                                  contents[len(hits):num_sealed], hashes[len(hits) - 1] if hits else None)
+        if self._sink is not None:
+            self._sink.stored(pool, new_blocks[:num_sealed - len(hits)], hashes[len(hits):num_sealed],
+                              contents[len(hits):num_sealed], hashes[len(hits) - 1] if hits else None)
         pool.fill(cross_blocks)
-        if self.events is not None:
-            self.events.append(Event("allocate", seq.seq_id))
+        if self._sink is not None:
+            self._sink.allocated(seq.seq_id)
         if self.enable_prefix_caching:
             stats = self.stats
             stats.queried_tokens += n
@@ -133,7 +133,7 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
         first; returns those copy-on-write (src, dst) pairs for ``copy_blocks``."""
         alloc = self._on_gpu(seq)
         plan = self._plan_step(alloc, num_lookahead_slots, num_new_tokens)
-        pool, table, events, bs, n = self._pool, alloc.table, self.events, self.block_size, plan.scheduled
+        pool, table, sink, bs, n = self._pool, alloc.table, self._sink, self.block_size, plan.scheduled
         if plan.blocks_needed > pool.num_free + len(plan.freed):
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {plan.blocks_needed} free blocks, "
                                    f"{pool.num_free + len(plan.freed)} are free (check can_append_slots first)")
@@ -155,19 +155,19 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
                 table[i] = dst = next(fresh)
                 pool.drop([src], ())  # shared, so it stays in use
                 pairs.append((src, dst))
-                if events is not None:
-                    events.append(Event("cow", seq.seq_id, dst, src))
+                if sink is not None:
+                    sink.copied(seq.seq_id, dst, src)
             else:
                 self._swap.forget_gpu([src])  # written in place: its CPU twin goes stale
         for block in fresh:
             table.append(block)
-            if events is not None:
-                events.append(Event("append", seq.seq_id, block))
+            if sink is not None:
+                sink.appended(seq.seq_id, block)
         if sealing:
             sealed = table[alloc.num_sealed:n // bs]
             alloc.last_content = pool.seal(sealed, hashes, contents, alloc.last_content)
-            if self.kv_events is not None:
-                self.kv_events.stored(pool, sealed, hashes, contents, alloc.last_hash)
+            if sink is not None:
+                sink.stored(pool, sealed, hashes, contents, alloc.last_hash)
             alloc.num_sealed, alloc.last_hash = n // bs, hashes[-1]
             if alloc.prompt_hashes is not None and alloc.num_sealed >= len(alloc.prompt_hashes[0]):
                 alloc.prompt_hashes = None  # every prompt block is sealed: nothing left to reuse them for
@@ -193,8 +193,8 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
         seq.status = SequenceStatus.WAITING if preempted else SequenceStatus.FINISHED
         if preempted:
             seq.num_cached_tokens = 0
-        if self.events is not None:
-            self.events.append(Event("free", seq.seq_id))
+        if self._sink is not None:
+            self._sink.freed(seq.seq_id)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give the new ``child`` the parent's tokens (and block size, salt and keys) and share all its blocks:
@@ -208,8 +208,8 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
         self._pool.claim(twin.live_blocks(), 0)  # all in use by the parent: none was free
         self._cross.share(alloc, twin)
         self._adopt(twin, child.num_cached_tokens)
-        if self.events is not None:
-            self.events.append(Event("fork", child.seq_id, other=parent.seq_id))
+        if self._sink is not None:
+            self._sink.forked(child.seq_id, parent.seq_id)
 
     # ---- maintenance -----------------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
@@ -222,8 +222,8 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
             txn.revive(free)
             txn.add(free, [False] * len(free))
         pool.forget_prefixes()
-        if self.kv_events is not None:
-            self.kv_events.cleared()
+        if self._sink is not None:
+            self._sink.cleared()
         pool.evictions = 0
         self.stats = PrefixCacheStats()
         return True

@@ -11,7 +11,8 @@ settings, nothing else.
     _cross         CrossTables: encoder-decoder cross-attention tables (kvlab.blocks.cross_attention)
     _allocs        the Allocation of every sequence allocated here (kvlab.blocks.allocations)
     _prompt_hashes a prompt's block hashes, computed once (kvlab.blocks.hashing)
-    events, kv_events   the teaching Event log and vLLM's KV-event stream (None when off)
+    _sink          the EventSink every change is reported to, None when nobody listens (kvlab.blocks.event_sink)
+    events, kv_events   its consumers: the teaching Event log's list and vLLM's KV-event stream (None when off)
     stats          PrefixCacheStats of ``allocate``'s lookups
     _lock          the re-entrant lock every public call holds (kvlab.blocks.locking)
 """
@@ -22,6 +23,7 @@ from typing import Optional
 from kvlab.blocks.allocations import Allocation, allocation_of
 from kvlab.blocks.block_pool import BlockPool
 from kvlab.blocks.cross_attention import CrossTables
+from kvlab.blocks.event_sink import EventLog, make_sink
 from kvlab.blocks.eviction import make_policy
 from kvlab.blocks.hashing import HashFn, PromptHashes
 from kvlab.blocks.kv_events import KVEventPublisher
@@ -53,12 +55,15 @@ class ManagerState:
         self.sliding_window = sliding_window
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.hash_fn = hash_fn
-        self.events: Optional[list[Event]] = [] if record_events else None
-        first_block = NULL_BLOCK + 1 if sliding_window is not None else 0
-        self._pool = BlockPool(self.num_blocks, eviction, first_block, self.events)
+        log = EventLog() if record_events else None
+        self.events: Optional[list[Event]] = log.events if record_events else None
         # What enters and leaves the prefix cache, for routers (vLLM's KV events: kvlab.blocks.kv_events).
-        self.kv_events = self._pool.kv_events = KVEventPublisher(self.block_size) if kv_events else None
+        self.kv_events = KVEventPublisher(self.block_size) if kv_events else None
         self._kv_queue = self.kv_events.queue if kv_events else ()  # delivered after each call (locking.py)
+        # The one sink the lifecycle and the pool report to: None when neither consumer is on.
+        self._sink = make_sink(log, self.kv_events)
+        first_block = NULL_BLOCK + 1 if sliding_window is not None else 0
+        self._pool = BlockPool(self.num_blocks, eviction, first_block, self._sink)
         self._swap = SwapSpace(num_cpu_blocks)
         self._cross = CrossTables(self.block_size)
         self._usable = self.num_blocks - first_block
