@@ -3,8 +3,10 @@
 One module per part, in the manner of vLLM V1's ``vllm/v1/core/``:
 
     manager.py             BlockManager, the public API; here its lifecycle (allocate, append_slots, fork, free ...)
-    manager_queries.py     its queries (block tables, slot mappings, ref counts) and vLLM V0's interface
+    manager_state.py       its constructor: the state (pools, records, settings) every part below reads
+    manager_queries.py     its queries (block tables, slot mappings, ref counts, cached tokens)
     manager_swap.py        its swap_out and swap_in (vLLM V0's preemption by swapping)
+    vllm_v0.py             vLLM V0's block-space-manager calls and the cross-attention tables' calls
     hybrid_manager.py      HybridBlockManager: KV cache groups (full and sliding-window layers) sharing one pool
     kv_cache_groups.py     the groups' specs: FullAttentionSpec, SlidingWindowSpec (vLLM's KVCacheSpec family)
     locking.py             one re-entrant lock held by every public method, so threads may share a manager
@@ -20,7 +22,8 @@ One module per part, in the manner of vLLM V1's ``vllm/v1/core/``:
     policy_transaction.py  undo for a user policy that raises half-way through an operation
     invariants.py          check_invariants(): the manager's state checked against itself
     records.py             AllocStatus, Event, PrefixCacheStats
-    kv_events.py           vLLM's KV cache events (BlockStored, BlockRemoved, AllBlocksCleared) for routers
+    event_sink.py          the one sink the manager and pool report to; EventLog (the Event records) consumes it
+    kv_events.py           vLLM's KV cache events (BlockStored, BlockRemoved, AllBlocksCleared): its other consumer
     kv_event_subscribers.py  their subscribers: a failing one is dropped, never the manager's problem
 """
 

@@ -22,9 +22,9 @@ from collections import Counter
 from operator import itemgetter
 from typing import Optional
 
+from kvlab.blocks.event_sink import EventSink
 from kvlab.blocks.eviction import EvictionPolicy
 from kvlab.blocks.policy_transaction import policy_transaction
-from kvlab.blocks.records import Event
 from kvlab.errors import InvariantViolation
 
 NO_CONTENT = -1  # block holds nothing sealed
@@ -32,7 +32,7 @@ ROOT = 0         # the "parent content" of a sequence's first block
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, policy: EvictionPolicy, first_block: int, events: Optional[list]):
+    def __init__(self, num_blocks: int, policy: EvictionPolicy, first_block: int, sink: Optional[EventSink]):
         self.num_blocks = num_blocks
         self.ref = [0] * num_blocks
         # A sealed block's hash, content id, its parent's content id and bytes (its tokens, then its keys'
@@ -51,8 +51,7 @@ class BlockPool:
                                 else None)
         self.first_block = first_block    # blocks below it are reserved (the sliding window's null block)
         self.num_free = num_blocks - first_block  # the pool's own count: never trusts len(policy)
-        self.events = events
-        self.kv_events = None  # the manager's KVEventPublisher, told which hashes eviction drops
+        self.sink = sink  # the manager's EventSink (kvlab.blocks.event_sink), None when nobody listens
         self.evictions = 0
         self._next_content = ROOT + 1
         policy.add_many(list(range(first_block, num_blocks)), [False] * self.num_free)
@@ -105,9 +104,10 @@ class BlockPool:
 
     # ---- bookkeeping, after the transaction made the policy calls ----------------------------------------
     def fill(self, taken, hashes=(), contents=(), parent: int = ROOT) -> int:
-        """Blocks the policy handed out for new content: ref count 1 each, their old prefixes evicted; the
-        first ``len(hashes)`` are full with ``contents[i]``, chained after the prefix whose content id is
-        ``parent``, and sealed (see ``seal``). Returns the content id the next block chains after."""
+        """Blocks the policy handed out for new content: ref count 1 each, their old prefixes evicted (reported
+        to the sink first: each block, its hash and its bytes); the first ``len(hashes)``
+        are full with ``contents[i]``, chained after the prefix whose content id is ``parent``, and sealed
+        (see ``seal``). Returns the content id the next block chains after."""
         ref, block_hash, registered, cached = self.ref, self.hash, self.registered, self.cached
         evicted = []
         for block in taken:
@@ -116,15 +116,15 @@ class BlockPool:
                 registered[block] = False
                 del cached[block_hash[block]]
                 evicted.append(block)
-        if evicted and self.kv_events is not None:  # before their hashes are overwritten
-            self.kv_events.removed([block_hash[block] for block in evicted])
+        if evicted and self.sink is not None:  # before their hashes and bytes are overwritten
+            block_bytes = self.block_bytes
+            self.sink.evicted(evicted, [block_hash[block] for block in evicted],
+                              [block_bytes[block] for block in evicted])
         for block in taken[len(hashes):]:  # the rest hold no sealed content now (seal overwrites the others)
             block_hash[block] = None
             self.content[block] = NO_CONTENT
         self.evictions += len(evicted)
         self.num_free -= len(taken)
-        if self.events is not None:
-            self.events.extend(Event("evict", block_id=block) for block in evicted)
         return self.seal(taken[:len(hashes)], hashes, contents, parent) if hashes else parent
 
     def claim(self, blocks, revived: int) -> None:
@@ -140,8 +140,8 @@ class BlockPool:
         for block in blocks:
             ref[block] -= 1
         self.num_free += len(freed)
-        if self.events is not None:
-            self.events.extend(Event("release", block_id=block) for block in freed)
+        if self.sink is not None and freed:
+            self.sink.released(freed)
 
     def seal(self, blocks, hashes, contents, parent: int) -> int:
         """Record that each of ``blocks`` is full with ``contents[i]`` (hash ``hashes[i]``), chained after the
@@ -166,8 +166,9 @@ class BlockPool:
             parent = cid
             cid += 1
         self._next_content = cid
-        if self.events is not None:
-            self.events.extend(Event("seal", block_id=b) for b in blocks if content_id[b] >= first_new)
+        if self.sink is not None:  # the blocks with a new content id (a duplicate of a cached prefix has none)
+            self.sink.sealed(blocks if cid - first_new == len(blocks) else
+                             [b for b in blocks if content_id[b] >= first_new])
         return parent
 
     def forget_prefixes(self) -> None:

@@ -90,8 +90,8 @@ class HybridBlockManager:
         for spec in self.groups:
             member = GroupManager(2, block_size, enable_prefix_caching=enable_prefix_caching,
                                   sliding_window=spec.sliding_window, hash_fn=hash_fn)
-            member.num_blocks, member._pool, member._swap, member.events = base.num_blocks, base._pool, base._swap, \
-                base.events
+            member.num_blocks, member._pool, member._swap, member._sink = base.num_blocks, base._pool, base._swap, \
+                base._sink
             member._usable, member._watermark_blocks = base._usable, base._watermark_blocks
             self._members.append(member)
         self._lock = threading.RLock()

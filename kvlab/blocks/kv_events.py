@@ -50,6 +50,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from kvlab.blocks.event_sink import EventSink
 from kvlab.blocks.kv_event_subscribers import Subscription, jsonl_writer
 from kvlab.errors import InvalidArgumentError
 
@@ -124,9 +125,10 @@ class CachedHashes:
         return min(limit, len(hashes))
 
 
-class KVEventPublisher:
-    """A manager's event stream (``manager.kv_events``). The manager queues events with ``stored``,
-    ``removed`` and ``cleared`` (with no subscriber they return at once) and calls ``deliver()`` when its
+class KVEventPublisher(EventSink):
+    """A manager's event stream (``manager.kv_events``), one consumer of its event sink
+    (kvlab.blocks.event_sink): the sink's ``stored``, ``evicted`` and ``cleared`` reports are queued as
+    vLLM's events (with no subscriber they return at once), and the manager calls ``deliver()`` when its
     outermost public call has finished (``kvlab.blocks.locking``)."""
 
     def __init__(self, block_size: int):
@@ -171,7 +173,7 @@ class KVEventPublisher:
             finally:
                 self._delivering = False
 
-    # ---- called by the block manager, under its lock -------------------------------------------------------
+    # ---- the sink's reports, under the manager's lock ------------------------------------------------------
     def stored(self, pool, blocks, hashes, contents, parent_hash: Optional[int]) -> None:
         """``blocks`` were just sealed with ``hashes`` (chained after ``parent_hash``); those the prefix
         cache registered (not duplicates of a cached block) are stored, one event per consecutive run."""
@@ -190,7 +192,7 @@ class KVEventPublisher:
                                               token_bytes=tuple(content[:width] for content in run)))
                 start = None
 
-    def removed(self, hashes: list[int]) -> None:
+    def evicted(self, blocks, hashes, contents) -> None:
         if self._subscriptions:
             self.queue.append(BlockRemoved(hashes))
 

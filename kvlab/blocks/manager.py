@@ -23,69 +23,34 @@ WAITING with ``preempted=True``); ``fork`` shares a running sequence's blocks wi
 valid from its own records, never from a status a caller set. Every public method holds one lock, so
 threads may share a manager (each Sequence belongs to one thread at a time). A failed call changes nothing.
 
-This module holds that lifecycle; ``BlockManager`` inherits the queries and vLLM V0's interface
-(kvlab.blocks.manager_queries) and swapping (kvlab.blocks.manager_swap).
+This module holds that lifecycle. ``BlockManager`` is built from parts that each add calls over the state
+``ManagerState`` creates (kvlab.blocks.manager_state, where its constructor lives): the queries
+(kvlab.blocks.manager_queries), swapping (kvlab.blocks.manager_swap) and vLLM V0's interface with the
+encoder-decoder cross-attention tables (kvlab.blocks.vllm_v0). Every part reports its changes to the
+manager's one event sink (kvlab.blocks.event_sink), when anything listens.
 """
 
-import threading
 from typing import Optional
 
 from kvlab.blocks.allocations import Allocation, check_unallocated
-from kvlab.blocks.block_pool import ROOT, BlockPool
-from kvlab.blocks.cross_attention import CrossTables
-from kvlab.blocks.eviction import make_policy
-from kvlab.blocks.hashing import HashFn, PromptHashes
+from kvlab.blocks.block_pool import ROOT
 from kvlab.blocks.invariants import check_manager
-from kvlab.blocks.kv_events import KVEventPublisher
 from kvlab.blocks.locking import serialized
+from kvlab.blocks.manager_queries import BlockManagerQueries
+from kvlab.blocks.manager_state import MAX_BLOCKS, NULL_BLOCK
 from kvlab.blocks.manager_swap import BlockManagerSwapping
 from kvlab.blocks.planning import hashes_to_seal, plan_allocation, plan_step
-from kvlab.blocks.records import AllocStatus, Event, PrefixCacheStats
-from kvlab.blocks.sequence import Sequence, SequenceStatus, check_block_size, copy_tokens, set_allocation_record
-from kvlab.blocks.swap import SwapSpace
-from kvlab.errors import InvalidArgumentError, OutOfBlocksError
-from kvlab.validation import check_int, check_number
+from kvlab.blocks.records import AllocStatus, PrefixCacheStats
+from kvlab.blocks.sequence import Sequence, SequenceStatus, copy_tokens, set_allocation_record
+from kvlab.blocks.vllm_v0 import VLLMV0Interface
+from kvlab.errors import OutOfBlocksError
+from kvlab.validation import check_int
 
 __all__ = ["BlockManager", "AllocStatus", "PrefixCacheStats", "NULL_BLOCK", "MAX_BLOCKS"]
 
-NULL_BLOCK = 0  # with a sliding window, block 0 is reserved: every released table entry points at it
-#: Largest pool (GPU or CPU): the manager keeps ~100 bytes of Python state per block (2**24 blocks: ~2 GB).
-MAX_BLOCKS = 1 << 24
-
 
 @serialized
-class BlockManager(BlockManagerSwapping):
-    def __init__(self, num_blocks: int, block_size: int = 16, *, num_cpu_blocks: int = 0,
-                 watermark: float = 0.0, enable_prefix_caching: bool = True,
-                 sliding_window: Optional[int] = None, hash_fn: Optional[HashFn] = None,
-                 eviction="lru", record_events: bool = False, kv_events: bool = False):
-        self.block_size = check_block_size(block_size)
-        self.num_blocks = check_int("num_blocks", num_blocks, 2 if sliding_window is not None else 1, MAX_BLOCKS)
-        check_int("num_cpu_blocks", num_cpu_blocks, 0, MAX_BLOCKS)
-        check_number("watermark", watermark, 0, 1, max_open=True)
-        if sliding_window is not None:
-            check_int("sliding_window", sliding_window, 1)
-        if hash_fn is not None and not callable(hash_fn):
-            raise InvalidArgumentError("hash_fn must be callable as hash_fn(parent_hash_or_None, token_ids)")
-        eviction = make_policy(eviction)
-        self.sliding_window = sliding_window
-        self.enable_prefix_caching = bool(enable_prefix_caching)
-        self.hash_fn = hash_fn
-        self.events: Optional[list[Event]] = [] if record_events else None
-        first_block = NULL_BLOCK + 1 if sliding_window is not None else 0
-        self._pool = BlockPool(self.num_blocks, eviction, first_block, self.events)
-        # What enters and leaves the prefix cache, for routers (vLLM's KV events: kvlab.blocks.kv_events).
-        self.kv_events = self._pool.kv_events = KVEventPublisher(self.block_size) if kv_events else None
-        self._kv_queue = self.kv_events.queue if kv_events else ()  # delivered after each call (locking.py)
-        self._swap = SwapSpace(num_cpu_blocks)
-        self._cross = CrossTables(self.block_size)
-        self._usable = self.num_blocks - first_block
-        self._watermark_blocks = int(watermark * self.num_blocks)
-        self._allocs: set[Allocation] = set()
-        self._prompt_hashes = PromptHashes(self.block_size, hash_fn)
-        self._lock = threading.RLock()
-        self.stats = PrefixCacheStats()
-
+class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
     # ---- admission and allocation --------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_lookahead_slots: int = 0, encoder_seq=None, *,
                      num_new_tokens: Optional[int] = None) -> AllocStatus:
@@ -128,17 +93,16 @@ class BlockManager(BlockManagerSwapping):
             txn.hits(hits)
         pool.claim(live_hits, len(revived))
         new_blocks, cross_blocks = new_blocks[:num_new], new_blocks[num_new:]
-        if self.events is not None:
-            self.events.extend(Event("hit", seq.seq_id, block) for block in hits)
-            self.events.extend(Event("miss", seq.seq_id, block) for block in new_blocks)
+        if self._sink is not None:
+            self._sink.looked_up(seq.seq_id, hits, new_blocks)
         num_sealed = min(len(hashes), scheduled // bs)  # the blocks this step writes to the end
         parent = pool.fill(new_blocks, hashes[len(hits):num_sealed], contents[len(hits):num_sealed], parent)
-        if self.kv_events is not None:
-            self.kv_events.stored(pool, new_blocks[:num_sealed - len(hits)], hashes[len(hits):num_sealed],
-                                  contents[len(hits):num_sealed], hashes[len(hits) - 1] if hits else None)
+        if self._sink is not None:
+            self._sink.stored(pool, new_blocks[:num_sealed - len(hits)], hashes[len(hits):num_sealed],
+                              contents[len(hits):num_sealed], hashes[len(hits) - 1] if hits else None)
         pool.fill(cross_blocks)
-        if self.events is not None:
-            self.events.append(Event("allocate", seq.seq_id))
+        if self._sink is not None:
+            self._sink.allocated(seq.seq_id)
         if self.enable_prefix_caching:
             stats = self.stats
             stats.queried_tokens += n
@@ -169,7 +133,7 @@ class BlockManager(BlockManagerSwapping):
         first; returns those copy-on-write (src, dst) pairs for ``copy_blocks``."""
         alloc = self._on_gpu(seq)
         plan = self._plan_step(alloc, num_lookahead_slots, num_new_tokens)
-        pool, table, events, bs, n = self._pool, alloc.table, self.events, self.block_size, plan.scheduled
+        pool, table, sink, bs, n = self._pool, alloc.table, self._sink, self.block_size, plan.scheduled
         if plan.blocks_needed > pool.num_free + len(plan.freed):
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {plan.blocks_needed} free blocks, "
                                    f"{pool.num_free + len(plan.freed)} are free (check can_append_slots first)")
@@ -191,19 +155,19 @@ class BlockManager(BlockManagerSwapping):
                 table[i] = dst = next(fresh)
                 pool.drop([src], ())  # shared, so it stays in use
                 pairs.append((src, dst))
-                if events is not None:
-                    events.append(Event("cow", seq.seq_id, dst, src))
+                if sink is not None:
+                    sink.copied(seq.seq_id, dst, src)
             else:
                 self._swap.forget_gpu([src])  # written in place: its CPU twin goes stale
         for block in fresh:
             table.append(block)
-            if events is not None:
-                events.append(Event("append", seq.seq_id, block))
+            if sink is not None:
+                sink.appended(seq.seq_id, block)
         if sealing:
             sealed = table[alloc.num_sealed:n // bs]
             alloc.last_content = pool.seal(sealed, hashes, contents, alloc.last_content)
-            if self.kv_events is not None:
-                self.kv_events.stored(pool, sealed, hashes, contents, alloc.last_hash)
+            if sink is not None:
+                sink.stored(pool, sealed, hashes, contents, alloc.last_hash)
             alloc.num_sealed, alloc.last_hash = n // bs, hashes[-1]
             if alloc.prompt_hashes is not None and alloc.num_sealed >= len(alloc.prompt_hashes[0]):
                 alloc.prompt_hashes = None  # every prompt block is sealed: nothing left to reuse them for
@@ -229,8 +193,8 @@ class BlockManager(BlockManagerSwapping):
         seq.status = SequenceStatus.WAITING if preempted else SequenceStatus.FINISHED
         if preempted:
             seq.num_cached_tokens = 0
-        if self.events is not None:
-            self.events.append(Event("free", seq.seq_id))
+        if self._sink is not None:
+            self._sink.freed(seq.seq_id)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give the new ``child`` the parent's tokens (and block size, salt and keys) and share all its blocks:
@@ -244,14 +208,8 @@ class BlockManager(BlockManagerSwapping):
         self._pool.claim(twin.live_blocks(), 0)  # all in use by the parent: none was free
         self._cross.share(alloc, twin)
         self._adopt(twin, child.num_cached_tokens)
-        if self.events is not None:
-            self.events.append(Event("fork", child.seq_id, other=parent.seq_id))
-
-    # ---- encoder-decoder: the group's cross-attention table ----------------------------------------------
-    def free_cross(self, seq: Sequence) -> None:
-        """Free the cross-attention table of ``seq``'s group (call it with any live member, or with the
-        sequence that was allocated with the encoder, even after it was freed)."""
-        self._cross.free(self._cross.table_of(self, seq), self._pool, self._swap)
+        if self._sink is not None:
+            self._sink.forked(child.seq_id, parent.seq_id)
 
     # ---- maintenance -----------------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
@@ -264,8 +222,8 @@ class BlockManager(BlockManagerSwapping):
             txn.revive(free)
             txn.add(free, [False] * len(free))
         pool.forget_prefixes()
-        if self.kv_events is not None:
-            self.kv_events.cleared()
+        if self._sink is not None:
+            self._sink.cleared()
         pool.evictions = 0
         self.stats = PrefixCacheStats()
         return True

@@ -1,24 +1,25 @@
-"""What the block manager answers about its state, and vLLM V0's block-space-manager interface.
+"""What the block manager answers about its state: pool counts, ref counts, block tables, slot mappings, and
+how much of a prompt the prefix cache holds.
 
-``BlockManagerQueries`` is the base of ``BlockManager`` (kvlab.blocks.manager), whose ``__init__`` sets the
-state read here (``_pool``, ``_swap``, ``_cross``, ``stats`` ...). Nothing here allocates or frees a block:
-the queries read the pools and a sequence's record, the V0 calls note which steps ran and when blocks were
-used, and the helpers at the end check a sequence's state and admission for the manager's other parts.
+``BlockManagerQueries`` is one of the parts ``BlockManager`` is built from; it reads only the state its base
+(``kvlab.blocks.manager_state.ManagerState``) creates, and changes nothing. vLLM V0's own calls are in
+``kvlab.blocks.vllm_v0``. ``get_num_cached_tokens`` stays here: V0 has it too, but kvlab's V1-style scheduler
+asks it before a chunked ``allocate``.
 """
 
 from typing import Optional
 
-from kvlab.blocks.allocations import Allocation, allocation_of, check_block_size_matches, check_sequence
+from kvlab.blocks.allocations import allocation_of, check_block_size_matches, check_sequence
 from kvlab.blocks.locking import serialized
+from kvlab.blocks.manager_state import ManagerState
 from kvlab.blocks.planning import least_peak_blocks
-from kvlab.blocks.records import AllocStatus
 from kvlab.blocks.sequence import Sequence
-from kvlab.errors import InvalidArgumentError, SequenceStateError
-from kvlab.validation import check_int, check_number
+from kvlab.errors import InvalidArgumentError
+from kvlab.validation import check_int
 
 
 @serialized
-class BlockManagerQueries:
+class BlockManagerQueries(ManagerState):
     # ---- queries -------------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
@@ -115,40 +116,6 @@ class BlockManagerQueries:
         """``[slot_mapping(seq, start, end)]``: one KV cache group."""
         return [self.slot_mapping(seq, start, end)]
 
-    # ---- encoder-decoder: the group's cross-attention table ----------------------------------------------
-    def get_cross_block_table(self, seq: Sequence) -> tuple:
-        """The encoder's blocks of ``seq``'s group (CPU ids while swapped out), for any member or its root."""
-        return tuple(self._cross.table_of(self, seq).blocks)
-
-    # ---- vLLM V0's block-space-manager queries -----------------------------------------------------------
-    def mark_blocks_as_computed(self, seq: Sequence) -> None:
-        """The step that wrote ``seq``'s new slots ran. (``append_slots`` implies it for the step before.)"""
-        alloc = self._on_gpu(seq)
-        alloc.num_computed = alloc.num_written
-
-    def access_all_blocks_in_seq(self, seq: Sequence, now: float) -> None:
-        """``seq``'s blocks were used at time ``now``; LRU orders the blocks it was told about by it."""
-        alloc = self._on_gpu(seq)
-        now = check_number("now", now)
-        with self._pool.transaction() as txn:
-            txn.access(alloc.live_blocks(), now)
-
-    def get_common_computed_block_ids(self, seqs) -> list[int]:
-        """The longest run of leading blocks that every sequence in ``seqs`` holds and whose K/V is computed:
-        what a batched prefill of the group can skip."""
-        if isinstance(seqs, (Sequence, str, bytes)) or not isinstance(seqs, (list, tuple)):
-            raise InvalidArgumentError(f"seqs must be a list of Sequence (e.g. [seq]), got {type(seqs).__name__}")
-        common = None
-        for seq in seqs:
-            alloc = self._on_gpu(seq)
-            computed = alloc.table[:alloc.num_computed // self.block_size]
-            if common is None:
-                common = computed
-            else:
-                same = next((i for i, (a, b) in enumerate(zip(common, computed)) if a != b), None)
-                common = common[:min(len(common), len(computed)) if same is None else same]
-        return list(common or [])
-
     def get_num_cached_tokens(self, seq: Sequence) -> int:
         """Tokens of ``seq``'s leading full blocks found in the prefix cache now (at most all but the last
         token, as ``allocate`` would hit); works for allocated and waiting sequences."""
@@ -157,36 +124,3 @@ class BlockManagerQueries:
             return 0
         hashes, contents = self._prompt_hashes(seq)
         return len(self._pool.lookup(hashes, contents, (seq.num_tokens - 1) // self.block_size)) * self.block_size
-
-    def get_prefix_cache_hit_rate(self, device="gpu") -> float:
-        """Block hit rate of ``allocate``'s lookups on ``device`` ("gpu" or "cpu", or an enum named so);
-        -1.0 where there is no prefix cache (the CPU pool, or prefix caching off), as in vLLM."""
-        name = str(getattr(device, "name", device)).lower()
-        if name not in ("gpu", "cpu"):
-            raise InvalidArgumentError(f"device must be 'gpu' or 'cpu', got {device!r}")
-        if name == "cpu" or not self.enable_prefix_caching:
-            return -1.0
-        return self.stats.hit_blocks / self.stats.queried_blocks if self.stats.queried_blocks else 0.0
-
-    # ---- internals -------------------------------------------------------------------------------------
-    def _alloc(self, seq) -> Allocation:
-        return allocation_of(self, seq)
-
-    def _on_gpu(self, seq) -> Allocation:
-        alloc = allocation_of(self, seq)
-        if alloc.on_cpu:
-            raise SequenceStateError(f"sequence {seq.seq_id} is swapped out; swap_in first")
-        return alloc
-
-    def _on_cpu(self, seq) -> Allocation:
-        alloc = allocation_of(self, seq)
-        if not alloc.on_cpu:
-            raise SequenceStateError(f"sequence {seq.seq_id} is not swapped out")
-        return alloc
-
-    def _admission(self, live_blocks, needed_free) -> AllocStatus:
-        if live_blocks > self._usable - self._watermark_blocks:
-            return AllocStatus.NEVER
-        if self._pool.num_free - needed_free >= self._watermark_blocks:
-            return AllocStatus.OK
-        return AllocStatus.LATER

@@ -1,19 +1,20 @@
 """Swapping (vLLM V0's preemption): a running sequence's blocks move to the CPU pool and back.
 
-``BlockManagerSwapping`` adds these calls to ``BlockManagerQueries``; ``BlockManager`` inherits both. The
-swap space (kvlab.blocks.swap) decides which blocks move and where; these calls check the sequence's state
-and the room for it, set its status and record the events.
+``BlockManagerSwapping`` is one of the parts ``BlockManager`` is built from; it reads only the state its base
+(``kvlab.blocks.manager_state.ManagerState``) creates. The swap space (kvlab.blocks.swap) decides which
+blocks move and where; these calls check the sequence's state and the room for it, set its status and
+report the moves to the event sink.
 """
 
 from kvlab.blocks.locking import serialized
-from kvlab.blocks.manager_queries import BlockManagerQueries
-from kvlab.blocks.records import AllocStatus, Event
+from kvlab.blocks.manager_state import ManagerState
+from kvlab.blocks.records import AllocStatus
 from kvlab.blocks.sequence import Sequence, SequenceStatus
 from kvlab.errors import OutOfBlocksError
 
 
 @serialized
-class BlockManagerSwapping(BlockManagerQueries):
+class BlockManagerSwapping(ManagerState):
     def can_swap_out(self, seq: Sequence) -> AllocStatus:
         """Whether ``swap_out(seq)`` fits in the CPU pool now (OK), once swapped sequences leave it (LATER),
         or never (NEVER)."""
@@ -25,8 +26,8 @@ class BlockManagerSwapping(BlockManagerQueries):
         sequence swapped out earlier is not copied again."""
         mapping = self._swap.move_out(self._on_gpu(seq), self._pool)
         seq.status = SequenceStatus.SWAPPED
-        if self.events is not None:
-            self.events.extend(Event("swap_out", seq.seq_id, gpu, cpu) for gpu, cpu in mapping)
+        if self._sink is not None:
+            self._sink.swapped_out(seq.seq_id, mapping)
         return mapping
 
     def can_swap_in(self, seq: Sequence) -> AllocStatus:
@@ -40,6 +41,6 @@ class BlockManagerSwapping(BlockManagerQueries):
             raise OutOfBlocksError(f"not enough free GPU blocks to swap in sequence {seq.seq_id}")
         mapping = self._swap.move_in(alloc, self._pool)
         seq.status = SequenceStatus.RUNNING
-        if self.events is not None:
-            self.events.extend(Event("swap_in", seq.seq_id, gpu, cpu) for cpu, gpu in mapping)
+        if self._sink is not None:
+            self._sink.swapped_in(seq.seq_id, mapping)
         return mapping
