@@ -8,15 +8,16 @@ what vLLM does for one group per kind, at the price of one page per layer for ev
 
 A model with one kind of layer (all full, or all with one window) keeps the single-group ``BlockManager``,
 windowed when its layers are. Mixed models get ``EngineHybridManager``: the ``HybridBlockManager`` plus the
-few single-group queries the schedulers and the step loop ask. Swap preemption and n > 1 forks are refused
-for them (``check_hybrid_options``): the engine's swap and copy moves are not per group yet.
+few single-group queries the schedulers and the step loop ask. Its block moves (copy-on-write pairs of n > 1
+forks, swap mappings) come as one list over all groups: page ids are unique across groups (one pool, one CPU
+pool), and a move copies its page in every layer's cache tensor, where the other groups' layers never read
+that page, so every group's K/V arrives where its layers look.
 """
 
 from kvlab.blocks.hybrid_manager import HybridBlockManager
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
 from kvlab.blocks.manager import BlockManager
 from kvlab.engine.config import ModelConfig
-from kvlab.engine.errors import UnsupportedModelError
 
 
 def group_specs(config: ModelConfig) -> tuple[list, list[int]]:
@@ -36,18 +37,6 @@ def make_block_manager(config: ModelConfig, num_blocks: int, block_size: int, **
     if len(specs) == 1:
         return BlockManager(num_blocks, block_size, sliding_window=specs[0].sliding_window, **options)
     return EngineHybridManager(num_blocks, block_size, groups=specs, **options)
-
-
-def check_hybrid_options(config: ModelConfig, *, preemption_mode: str = "recompute", n: int = 1) -> None:
-    if not is_hybrid(config):
-        return
-    kinds = "sliding-window and full-attention layers"
-    if preemption_mode == "swap":
-        raise UnsupportedModelError(f"{config.path.name} mixes {kinds}: preemption_mode='swap' is not supported "
-                                    "for such models yet; use preemption_mode='recompute'")
-    if n > 1:
-        raise UnsupportedModelError(f"{config.path.name} mixes {kinds}: n={n} samples (forks) are not supported "
-                                    "for such models yet; send n=1 requests")
 
 
 class EngineHybridManager(HybridBlockManager):
@@ -76,7 +65,17 @@ class EngineHybridManager(HybridBlockManager):
         return [slot for slots in self.slot_mappings(seq, start, end) for slot in slots]
 
     def append_slots(self, seq, num_lookahead_slots: int = 0, *, num_new_tokens=None) -> list[tuple[int, int]]:
-        """Copy-on-write pairs of every group in one list: ``copy_blocks`` copies a page in every layer, and
-        the other groups' layers never read a page this group owns."""
-        pairs = super().append_slots(seq, num_lookahead_slots, num_new_tokens=num_new_tokens)
-        return [pair for group in pairs for pair in group]
+        """Copy-on-write pairs of every group in one list (see the module docstring)."""
+        return _flat(super().append_slots(seq, num_lookahead_slots, num_new_tokens=num_new_tokens))
+
+    def swap_out(self, seq) -> list[tuple[int, int]]:
+        """Every group's (gpu, cpu) copies in one list."""
+        return _flat(super().swap_out(seq))
+
+    def swap_in(self, seq) -> list[tuple[int, int]]:
+        """Every group's (cpu, gpu) copies in one list."""
+        return _flat(super().swap_in(seq))
+
+
+def _flat(per_group: list[list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    return [pair for group in per_group for pair in group]

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from kvlab.engine.chat import render
 from kvlab.engine.config import load_model_config
 from kvlab.engine.errors import ModelFileError, NoTokenizerError, PromptTooLongError
-from kvlab.engine.hybrid import check_hybrid_options, make_block_manager
+from kvlab.engine.hybrid import make_block_manager
 from kvlab.engine.kv_cache import CPU_KV_CACHE_BYTES, PagedKVCache, blocks_for_memory, check_kernel_support
 from kvlab.engine.request import Request, RequestOutput
 from kvlab.engine.runner import ModelRunner
@@ -99,7 +99,6 @@ class LLM:
                 max_useful_blocks=max_num_seqs * -(-self.max_model_len // block_size))
         if num_cpu_blocks is None:
             num_cpu_blocks = num_blocks if preemption_mode == "swap" else 0
-        check_hybrid_options(config, preemption_mode=preemption_mode)
         self.block_manager = make_block_manager(config, num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                                 enable_prefix_caching=enable_prefix_caching,
                                                 record_events=record_events)
@@ -267,7 +266,6 @@ class LLM:
             return self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        check_hybrid_options(self.model_config, n=params.n)
         if params.n > self.scheduler.max_num_seqs:
             raise InvalidArgumentError(f"n={params.n} samples can never run together: max_num_seqs is "
                                        f"{self.scheduler.max_num_seqs}")

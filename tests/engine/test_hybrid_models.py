@@ -9,7 +9,6 @@ import pytest
 
 from engine_helpers import hf_greedy, make_llm, save_tiny_model
 from kvlab.engine import PromptTooLongError, SamplingParams
-from kvlab.engine.errors import UnsupportedModelError
 from kvlab.engine.hybrid import EngineHybridManager
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -147,15 +146,29 @@ def test_triton_backend_matches_hf(windowed):
     check_matches_hf(llm, hf, prompts(5, (11,)), 6)
 
 
-def test_swap_and_forks_are_refused_for_mixed_models(windowed):
-    kind, path, _ = windowed
-    if kind != "mixed":
-        pytest.skip("one kind of layer: the single-group BlockManager swaps and forks")
-    with pytest.raises(UnsupportedModelError, match="preemption_mode='swap'"):
-        make_llm(path, block_size=BLOCK, preemption_mode="swap")
-    llm = make_llm(path, block_size=BLOCK)
-    with pytest.raises(UnsupportedModelError, match="n=2"):
-        llm.generate([[1, 2, 3]], SamplingParams(n=2, max_tokens=2), use_tqdm=False)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_swap_preemption_matches_hf(windowed, backend):
+    """Every group's blocks go to the CPU pool and come back (one list of moves over all groups)."""
+    kind, path, hf = windowed  # an all-sliding sequence holds a window's blocks at most: a smaller pool
+    llm = make_llm(path, block_size=BLOCK, num_blocks=12 if kind == "mixed" else 6, preemption_mode="swap",
+                   max_num_seqs=3, attention_backend=backend)
+    check_matches_hf(llm, hf, prompts(8, (9, 10, 11)), 10)
+    records = llm.step_dataframe()
+    swapped = records["blocks_swapped_out"].sum()
+    assert records["preempted"].sum() > 0 and swapped > 0 and records["blocks_swapped_in"].sum() == swapped
+
+
+def test_forked_samples_match_hf(windowed):
+    """n > 1: the samples share every group's blocks and copy a shared partial block on write."""
+    kind, path, hf = windowed
+    llm = make_llm(path, block_size=BLOCK, num_blocks=48, max_num_seqs=4)
+    batch = prompts(9, (6, 13))
+    outs = llm.generate(batch, SamplingParams(n=3, max_tokens=9, **GREEDY), use_tqdm=False)
+    for prompt, out in zip(batch, outs):
+        assert [o.token_ids for o in out.outputs] == [hf_greedy(hf, prompt, 9)] * 3
+    assert llm.step_dataframe()["cow_copies"].sum() > 0
+    llm.block_manager.check_invariants()
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks - 1
 
 
 def test_a_prompt_alone_in_a_tight_pool_is_chunked_smaller_instead_of_aborted(windowed):
