@@ -2,7 +2,7 @@
 
 import heapq
 from collections import deque
-from itertools import chain, compress
+from itertools import chain, compress, repeat, starmap
 from operator import not_
 from typing import Iterator
 
@@ -15,7 +15,8 @@ class FifoSet:
 
     A removal only counts a *stale* entry for that block: its entries in the queue that pop must skip. A
     removed block's stale entries are always older than the entry of its next ``add``, so skipping the
-    first ones pop meets is exact. Nothing stale (the usual case): adding and popping a batch run in C.
+    first ones pop meets is exact. Adding and popping a batch run in C; Python looks at an entry only if
+    its block has stale ones.
     """
 
     def __init__(self) -> None:
@@ -39,23 +40,28 @@ class FifoSet:
 
     def pop_many(self, count: int) -> list[int]:
         """The ``count`` oldest members (the caller checked there are enough)."""
-        popleft, stale = self._queue.popleft, self._stale
-        if not stale:
-            taken = [popleft() for _ in range(count)]
-        else:
-            taken = []
-            append, ahead_of = taken.append, stale.get
-            while len(taken) < count:
-                block = popleft()
-                ahead = ahead_of(block)
-                if not ahead:
-                    append(block)
-                elif ahead == 1:
+        popleft, taken = self._queue.popleft, []
+        while len(taken) < count:  # again only if stale entries were skipped
+            batch = list(starmap(popleft, repeat((), count - len(taken))))  # the loop in C
+            taken += self._without_stale(batch) if self._stale else batch
+        self._members.difference_update(taken)
+        return taken
+
+    def _without_stale(self, batch: list[int]) -> list[int]:
+        """``batch`` (entries just popped, oldest first) less its stale entries, which stop counting. Python
+        looks only at the entries of blocks that have stale ones (a few: prefix hits revive a few free blocks);
+        the rest is done in C."""
+        stale, keep = self._stale, [True] * len(batch)
+        for i in compress(range(len(batch)), map(stale.get, batch)):
+            block = batch[i]
+            ahead = stale.get(block)  # None once the batch skipped all of them
+            if ahead:
+                keep[i] = False
+                if ahead == 1:
                     del stale[block]
                 else:
                     stale[block] = ahead - 1
-        self._members.difference_update(taken)
-        return taken
+        return list(compress(batch, keep))
 
     def __iter__(self) -> Iterator[int]:
         skip = dict(self._stale)
