@@ -33,7 +33,7 @@ if sys.byteorder != "little":
 def _split_blocks(raw: bytes, width: int) -> list[bytes]:
     """``raw`` cut into ``width``-byte pieces, in C: one ``struct`` unpack (compiled per call: a cached
     format would keep a long prompt's codes alive) takes a third of the time of a Python loop of slices or
-    a regex ``findall``, and hashing a prompt is a fifth of the block manager's time."""
+    a regex ``findall``, and hashing is a sixth of a replay's time."""
     return list(struct.Struct(f"{width}s" * (len(raw) // width)).unpack(raw))
 
 
@@ -83,6 +83,6 @@ class PromptHashes:
 
     def forget(self) -> None:
         """Drop the remembered answer (``allocate`` consumed it). Kept until the next prompt, its lists would
-        die when every block's bytes and hash have left the CPU cache: a cache miss each (a tenth of a
-        replay's misses); dropped now, they die while those are still warm."""
+        die when every block's bytes and hash have left the CPU cache: a cache miss each (5% of a replay's
+        misses); dropped now, they die while those are still warm."""
         self._last = None
