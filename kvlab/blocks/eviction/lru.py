@@ -3,7 +3,7 @@
 import heapq
 from collections import deque
 from itertools import chain, compress, repeat, starmap
-from operator import not_
+from operator import itemgetter, not_
 from typing import Iterator
 
 from kvlab.blocks.eviction.base import EvictionPolicy
@@ -21,12 +21,13 @@ class FifoSet:
 
     def __init__(self) -> None:
         self._queue: deque[int] = deque()
-        # is_member[b]: whether block b is a member (grown to the largest block seen). A list of flags, not a
-        # set: every block enters and leaves once per reuse, and a set hashes it into a table several times
-        # this list's size, which costs a replay 8% more cache misses.
+        # Per block, in lists grown to the largest block seen: whether it is a member, and its stale entries
+        # ahead in the queue. Lists, not a set and a dict: every block enters and leaves once per reuse, and
+        # hashing it into tables several times these lists' size costs a replay 8% more cache misses.
         self._is_member: list[bool] = []
-        self._count = 0
-        self._stale: dict[int, int] = {}  # block -> entries of it ahead in the queue that are not members
+        self._stale: list[int] = []
+        self._count = 0        # members
+        self._num_stale = 0    # stale entries in the queue
 
     def __len__(self) -> int:
         return self._count
@@ -40,7 +41,9 @@ class FifoSet:
             return
         is_member = self._is_member
         if max(blocks) >= len(is_member):
-            is_member.extend([False] * (max(blocks) + 1 - len(is_member)))
+            grow = max(blocks) + 1 - len(is_member)
+            is_member.extend([False] * grow)
+            self._stale.extend([0] * grow)
         for block in blocks:
             is_member[block] = True
         self._count += len(blocks)
@@ -51,14 +54,15 @@ class FifoSet:
             raise KeyError(block)
         self._is_member[block] = False
         self._count -= 1
-        self._stale[block] = self._stale.get(block, 0) + 1
+        self._stale[block] += 1
+        self._num_stale += 1
 
     def pop_many(self, count: int) -> list[int]:
         """The ``count`` oldest members (the caller checked there are enough)."""
         popleft, taken = self._queue.popleft, []
         while len(taken) < count:  # again only if stale entries were skipped
             batch = list(starmap(popleft, repeat((), count - len(taken))))  # the loop in C
-            taken += self._without_stale(batch) if self._stale else batch
+            taken += self._without_stale(batch) if self._num_stale else batch
         is_member = self._is_member
         for block in taken:
             is_member[block] = False
@@ -70,21 +74,19 @@ class FifoSet:
         looks only at the entries of blocks that have stale ones (a few: prefix hits revive a few free blocks);
         the rest is done in C."""
         stale, keep = self._stale, [True] * len(batch)
-        for i in compress(range(len(batch)), map(stale.get, batch)):
+        ahead = itemgetter(*batch)(stale) if len(batch) > 1 else (stale[batch[0]],)
+        for i in compress(range(len(batch)), ahead):
             block = batch[i]
-            ahead = stale.get(block)  # None once the batch skipped all of them
-            if ahead:
+            if stale[block]:  # 0 once the batch skipped all of them
                 keep[i] = False
-                if ahead == 1:
-                    del stale[block]
-                else:
-                    stale[block] = ahead - 1
+                stale[block] -= 1
+                self._num_stale -= 1
         return list(compress(batch, keep))
 
     def __iter__(self) -> Iterator[int]:
-        skip = dict(self._stale)
+        skip = list(self._stale)
         for block in self._queue:
-            if skip.get(block):
+            if skip[block]:
                 skip[block] -= 1
                 continue
             yield block
