@@ -76,6 +76,7 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
         num_cross = self._cross.blocks_for(seq, encoder_seq)
         hashes, contents, hits, first_live, scheduled, _, needed_free, peak = self._plan_allocation(
             seq, 0, num_new_tokens)
+        self._prompt_hashes.forget()
         pool, bs, n = self._pool, self.block_size, seq.num_tokens
         if needed_free + num_cross > pool.num_free:
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {needed_free + num_cross} free blocks, "

@@ -141,6 +141,37 @@ def test_matches_a_plain_reference_on_random_operations(kind, seed):
     assert list(policy) == [reference.pop() for _ in range(len(policy))]
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_lru_batches_skip_the_entries_of_revived_blocks(seed):
+    """Hits revive free blocks, leaving stale entries in the middle of the LRU queues; a block freed again
+    gets a new entry behind them. Batch pops (as the manager makes them) must skip exactly the stale ones:
+    checked against plain lists, never-cached blocks first, then cached ones least recently freed first."""
+    rng = np.random.default_rng(seed)
+    policy, uncached, cached = LRUPolicy(), [], []
+    in_use = list(range(int(rng.integers(8, 40))))
+    for _ in range(400):
+        op = rng.integers(3)
+        if op == 0 and in_use:                       # free a few blocks, cached or not
+            for _ in range(int(rng.integers(1, len(in_use) + 1))):
+                block, is_cached = in_use.pop(int(rng.integers(len(in_use)))), bool(rng.integers(2))
+                policy.add_many([block], [is_cached])
+                (cached if is_cached else uncached).append(block)
+        elif op == 1 and cached:                     # prefix hits take free cached blocks back
+            for _ in range(int(rng.integers(1, len(cached) + 1))):
+                block = cached.pop(int(rng.integers(len(cached))))
+                policy.remove(block)
+                in_use.append(block)
+        elif op == 2 and len(policy):                # a prompt takes a batch for new content
+            count = int(rng.integers(len(policy) + 1))
+            expected = (uncached + cached)[:count]
+            assert policy.pop_many(count) == expected
+            from_uncached = min(count, len(uncached))
+            del uncached[:from_uncached], cached[:count - from_uncached]
+            in_use += expected
+        assert len(policy) == len(uncached) + len(cached)
+    assert list(policy) == uncached + cached
+
+
 def prompt(first_token, block_size=2):
     """Two full blocks of fresh tokens plus one token in a partial third block (5 tokens)."""
     return list(range(first_token, first_token + 2 * block_size + 1))
