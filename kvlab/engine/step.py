@@ -43,14 +43,8 @@ class SeqStep:
         return {slot // block_size for group in self.slots for slot in group if slot >= 0}
 
 
-@dataclass(frozen=True)
-class ScheduledStep:
-    kind: str                          # "prefill", "decode" or (V1 scheduling) "mixed"
-    entries: tuple[SeqStep, ...]
-    moves: BlockMoves                  # apply before the forward pass
-    num_cached_tokens: int = 0         # prompt tokens found in the prefix cache (not computed)
-    preempted: tuple[Sequence, ...] = ()  # preempted (recompute or swap) to make room, in that order
-    aborted: tuple = ()                # (sequence, why): can never run in this pool
+class _EntriesView:
+    """What a step and its draft both answer from their ``entries`` and ``preempted``."""
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -59,6 +53,16 @@ class ScheduledStep:
     @property
     def num_preempted(self) -> int:
         return len(self.preempted)
+
+
+@dataclass(frozen=True)
+class ScheduledStep(_EntriesView):
+    kind: str                          # "prefill", "decode" or (V1 scheduling) "mixed"
+    entries: tuple[SeqStep, ...]
+    moves: BlockMoves                  # apply before the forward pass
+    num_cached_tokens: int = 0         # prompt tokens found in the prefix cache (not computed)
+    preempted: tuple[Sequence, ...] = ()  # preempted (recompute or swap) to make room, in that order
+    aborted: tuple = ()                # (sequence, why): can never run in this pool
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -76,7 +80,7 @@ class ScheduledStep:
 
 
 @dataclass
-class StepBuilder:
+class StepBuilder(_EntriesView):
     """The scheduler's draft of a step; ``freeze`` makes the ``ScheduledStep`` everyone else reads."""
     kind: str
     moves: BlockMoves = field(default_factory=BlockMoves)
@@ -92,14 +96,6 @@ class StepBuilder:
         entry = SeqStep(seq, start, end, prefill, *_tables_and_slots(manager, seq, start, end))
         self.entries.append(entry)
         return entry
-
-    @property
-    def seqs(self) -> list[Sequence]:
-        return [entry.seq for entry in self.entries]
-
-    @property
-    def num_preempted(self) -> int:
-        return len(self.preempted)
 
     def freeze(self, kind: str | None = None) -> ScheduledStep:
         return ScheduledStep(kind or self.kind, tuple(self.entries), self.moves, self.num_cached_tokens,
