@@ -61,9 +61,11 @@ class EventSink:
         per evicted block made a KV-event replay a third slower."""
 
     # ---- the prefix cache as a router sees it ------------------------------------------------------------------
-    def stored(self, pool, blocks: list, hashes: list, contents: list, parent_hash: Optional[int]) -> None:
+    def stored(self, pool, blocks: list, hashes: list, contents: list, parent_hash: Optional[int],
+               group: int = 0) -> None:
         """``blocks`` were just sealed with ``hashes`` and ``contents``, chained after ``parent_hash`` (None
-        at a prompt's start); ``pool.is_cached(block)`` tells which the prefix cache registered."""
+        at a prompt's start), in KV cache ``group`` (0 but in a hybrid manager's groups: ``GroupSink``);
+        ``pool.is_cached(block)`` tells which the prefix cache registered."""
 
     def cleared(self) -> None:
         """``reset_prefix_cache`` forgot every prefix."""
@@ -127,6 +129,29 @@ def _forward(name: str):
 
 for _name in [name for name in vars(EventSink) if not name.startswith("_")]:
     setattr(Fanout, _name, _forward(_name))
+
+
+class GroupSink(EventSink):
+    """One KV cache group's view of a hybrid manager's sink (kvlab.blocks.hybrid_manager): each group's
+    ``BlockManager`` reports here, and every report passes on unchanged but ``stored``, which gains the group.
+    (The shared pool reports to the sink itself: an eviction's group is the one its block was stored in.)"""
+
+    def __init__(self, sink: EventSink, group: int):
+        self.sink, self.group = sink, group
+
+    def stored(self, pool, blocks, hashes, contents, parent_hash, group=0):
+        self.sink.stored(pool, blocks, hashes, contents, parent_hash, self.group)
+
+
+def _pass_on(name: str):
+    def report(self, *args):
+        getattr(self.sink, name)(*args)
+    report.__name__ = name
+    return report
+
+
+for _name in [name for name in vars(EventSink) if not name.startswith("_") and name != "stored"]:
+    setattr(GroupSink, _name, _pass_on(_name))
 
 
 def make_sink(*consumers: Optional[EventSink]) -> Optional[EventSink]:

@@ -23,6 +23,11 @@ references, and the groups of a sequence schedule the same positions. Every oper
 checks room for their sum before any group acts; allocate pins every group's hits meanwhile, so one group's
 new blocks never evict another's planned hit.
 
+KV events (``kv_events=True``, kvlab.blocks.kv_events): every group's stores and evictions, tagged with the
+group, in one stream ``kv_events``. The members report to the shared sink through a ``GroupSink`` that adds
+their group; the queue belongs to this manager alone (the template and the members have none), so the events
+of all groups are delivered once this manager's outermost call has finished, never by a member's own call.
+
 Limitation: "a call that fails changes nothing" holds per group, not across groups. Each group's operation is
 undone if it fails, but when a user eviction policy or ``hash_fn`` raises in group g of ``allocate``,
 ``append_slots``, ``free``, ``fork``, ``swap_out`` or ``swap_in``, groups 0..g-1 keep their part done (and
@@ -34,8 +39,10 @@ from collections import Counter
 from typing import Optional
 
 from kvlab.blocks.allocations import check_sequence, check_unallocated
+from kvlab.blocks.event_sink import GroupSink, make_sink
 from kvlab.blocks.invariants import check_records
 from kvlab.blocks.kv_cache_groups import check_group_specs
+from kvlab.blocks.kv_events import KVEventPublisher
 from kvlab.blocks.locking import serialized
 from kvlab.blocks.manager import BlockManager
 from kvlab.blocks.planning import plan_allocation
@@ -72,11 +79,9 @@ class HybridRecord:
 
 @serialized
 class HybridBlockManager:
-    _kv_queue = ()  # no KV events for hybrid managers yet (kvlab.blocks.locking reads it)
-
     def __init__(self, num_blocks: int, block_size: int = 16, *, groups, num_cpu_blocks: int = 0,
                  watermark: float = 0.0, enable_prefix_caching: bool = True, hash_fn=None, eviction="lru",
-                 record_events: bool = False):
+                 record_events: bool = False, kv_events: bool = False):
         self.groups = check_group_specs(groups)
         windows = [spec.sliding_window for spec in self.groups if spec.sliding_window is not None]
         # The template owns the shared pool (reserving the null block if any group has a window).
@@ -86,12 +91,17 @@ class HybridBlockManager:
                                          eviction=eviction, record_events=record_events)
         self.block_size, self.num_blocks, self.events = base.block_size, base.num_blocks, base.events
         self._pool, self._swap = base._pool, base._swap
+        # The publisher is this manager's, not the template's: a template call (reset_prefix_cache) would
+        # otherwise deliver the queue in the middle of this manager's call (kvlab.blocks.locking).
+        self.kv_events = KVEventPublisher(base.block_size, self.groups) if kv_events else None
+        self._kv_queue = self.kv_events.queue if kv_events else ()
+        sink = base._sink = base._pool.sink = make_sink(base._sink, self.kv_events)
         self._members = []
-        for spec in self.groups:
+        for g, spec in enumerate(self.groups):
             member = GroupManager(2, block_size, enable_prefix_caching=enable_prefix_caching,
                                   sliding_window=spec.sliding_window, hash_fn=hash_fn)
-            member.num_blocks, member._pool, member._swap, member._sink = base.num_blocks, base._pool, base._swap, \
-                base._sink
+            member.num_blocks, member._pool, member._swap = base.num_blocks, base._pool, base._swap
+            member._sink = None if sink is None else GroupSink(sink, g)
             member._usable, member._watermark_blocks = base._usable, base._watermark_blocks
             self._members.append(member)
         self._lock = threading.RLock()

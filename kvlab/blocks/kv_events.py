@@ -2,24 +2,35 @@
 
 A router that places requests on many replicas cannot read their pools; vLLM V1 workers publish what they
 cache instead (``vllm/distributed/kv_events.py``), and NVIDIA Dynamo, llm-d and the AIBrix gateway route on
-those events. ``BlockManager(..., kv_events=True)`` publishes the same three kinds:
+those events. ``BlockManager(..., kv_events=True)`` and ``HybridBlockManager(..., kv_events=True)`` publish
+the same three kinds:
 
-    BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys)
+    BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys,
+                group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window)
         a run of consecutive full blocks became hittable (``parent_block_hash``: the block before the run,
         None at a prompt's start; ``token_ids``: the run's tokens, block after block)
-    BlockRemoved(block_hashes, medium)   blocks stopped being hittable (evicted: reused for new content)
-    AllBlocksCleared()                   ``reset_prefix_cache`` forgot every prefix
+    BlockRemoved(block_hashes, medium, group_idx)   blocks stopped being hittable (evicted: reused for new content)
+    AllBlocksCleared()                   ``reset_prefix_cache`` forgot every prefix (of every group)
 
 Field names and meanings are vLLM's. kvlab names adapters by key, not by id, so ``lora_id`` and ``lora_name``
 are None; ``extra_keys`` (one entry per block, the non-token inputs of its hash) holds each block's encoded
 salt, adapter and keys (``kvlab.blocks.block_keys``) in hex, None for a block without, and is None when no
-block of the run has any;
-vLLM's hybrid-allocator fields (``group_idx``, ``kv_cache_spec_*``) are left out: kvlab has one KV group.
+block of the run has any.
+vLLM's hybrid-allocator fields: ``group_idx`` is the KV cache group the blocks belong to (the index into the
+hybrid manager's ``groups``), on both BlockStored and BlockRemoved; a store also describes its group with
+``kv_cache_spec_kind`` (``"full_attention"`` or ``"sliding_window"``, vLLM's KVCacheSpecKind values) and
+``kv_cache_spec_sliding_window`` (the window in tokens, None for full attention), so a consumer learns the
+groups from the stream (a group's block 0 hashes the group's tag, ``block_keys.group_keys``, so its
+``extra_keys`` entry holds that tag). A ``HybridBlockManager`` fills all three; a single-group
+``BlockManager`` leaves them None and its events encode without them (vLLM's structs omit fields at their
+None default), as before.
 ``medium`` is always ``"GPU"``: kvlab's CPU pool holds swapped sequences, not a prefix cache.
 
 Events are exact: applying them in order to a set of hashes (``CachedHashes``) gives, after every manager
-call, the set of hashes a prefix lookup can hit. A duplicate of a block already cached (kvlab keeps one
-block per hash) is not stored twice, so a ``BlockRemoved`` always removes a hash that was stored.
+call, the set of hashes a prefix lookup can hit, per group for a hybrid manager (a group's blocks are
+hashed with the group in block 0's keys: a lookup in one group never hits another's). A duplicate of a
+block already cached (kvlab keeps one block per hash) is not stored twice, so a ``BlockRemoved`` always
+removes a hash that was stored.
 
 Subscribers: ``kv_events.subscribe(callback)`` calls ``callback(event)`` for every event;
 ``kv_events.subscribe()`` returns a subscription to iterate (each event once, in order);
@@ -29,9 +40,10 @@ encodes vLLM's tagged structs (the target is checked, and a path opened, when it
 
 Delivery (why subscribers cannot hurt the manager). vLLM's workers publish events from a queue, after the
 scheduler's state change, so a slow or broken consumer never touches the scheduler. kvlab does the same in
-one thread: during a manager call the events only go into a queue; when the outermost public call has
-finished its whole state change (and released the manager's lock), the queue is delivered, each event to
-every subscriber in subscription order, then the next event. So a subscriber always sees a consistent
+one thread: during a manager call the events only go into a queue (a hybrid manager's groups share one
+queue, delivered by the hybrid manager alone); when the outermost public call has finished its whole state
+change (and released the manager's lock), the queue is delivered, each event to every subscriber in
+subscription order, then the next event. So a subscriber always sees a consistent
 manager, may call the manager itself (its call's events are delivered after the current ones), and may
 close itself or another subscription mid-delivery without anyone else missing an event.
 
@@ -66,6 +78,9 @@ class BlockStored:
     medium: Optional[str] = MEDIUM_GPU
     lora_name: Optional[str] = None
     extra_keys: Optional[list] = None
+    group_idx: Optional[int] = None
+    kv_cache_spec_kind: Optional[str] = None
+    kv_cache_spec_sliding_window: Optional[int] = None
     # Each block's tokens as int64 bytes, as the manager holds them: decoding 512 ints per block for every
     # event would cost a fleet replay seconds, and a router never reads them. ``token_ids`` decodes on demand.
     token_bytes: tuple = field(default=(), repr=False)
@@ -79,6 +94,7 @@ class BlockStored:
 class BlockRemoved:
     block_hashes: list
     medium: Optional[str] = MEDIUM_GPU
+    group_idx: Optional[int] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,35 +106,54 @@ KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 def event_dict(event: KVCacheEvent) -> dict:
-    """The event as vLLM's tagged struct encodes it: ``{"type": "BlockStored", "block_hashes": [...], ...}``."""
+    """The event as vLLM's tagged struct encodes it: ``{"type": "BlockStored", "block_hashes": [...], ...}``.
+    The group fields appear only on a hybrid manager's events (vLLM omits them at their None default), so a
+    single-group manager's dicts and JSONL lines are what they were before groups existed."""
     if isinstance(event, BlockStored):
-        return {"type": "BlockStored", "block_hashes": list(event.block_hashes),
-                "parent_block_hash": event.parent_block_hash, "token_ids": event.token_ids,
-                "block_size": event.block_size, "lora_id": event.lora_id, "medium": event.medium,
-                "lora_name": event.lora_name, "extra_keys": event.extra_keys}
+        out = {"type": "BlockStored", "block_hashes": list(event.block_hashes),
+               "parent_block_hash": event.parent_block_hash, "token_ids": event.token_ids,
+               "block_size": event.block_size, "lora_id": event.lora_id, "medium": event.medium,
+               "lora_name": event.lora_name, "extra_keys": event.extra_keys}
+        if event.group_idx is not None:
+            out.update(group_idx=event.group_idx, kv_cache_spec_kind=event.kv_cache_spec_kind,
+                       kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window)
+        return out
     if isinstance(event, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": event.medium}
+        out = {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": event.medium}
+        if event.group_idx is not None:
+            out["group_idx"] = event.group_idx
+        return out
     return {"type": "AllBlocksCleared"}
 
 
 class CachedHashes:
-    """A subscriber that rebuilds a replica's cached block hashes from its events (a router's index)."""
+    """A subscriber that rebuilds a replica's cached block hashes from its events (a router's index).
+
+    ``hashes``: a single-group manager's (events without ``group_idx``); ``groups[g]``: group g's of a hybrid
+    manager. One set per group, not one set of (group, hash) pairs: a router matches a request group by group
+    (the hit is the shortest), so each match probes plain ints in one set, and the single-group index stays
+    the set it always was."""
 
     def __init__(self):
         self.hashes: set[int] = set()
+        self.groups: dict[int, set[int]] = {}
 
     def __call__(self, event: KVCacheEvent) -> None:
-        if type(event) is BlockStored:
-            self.hashes.update(event.block_hashes)
-        elif type(event) is BlockRemoved:
-            self.hashes.difference_update(event.block_hashes)
-        else:
+        if type(event) is AllBlocksCleared:
             self.hashes.clear()
+            self.groups.clear()
+            return
+        group = event.group_idx
+        cached = self.hashes if group is None else self.groups.setdefault(group, set())
+        if type(event) is BlockStored:
+            cached.update(event.block_hashes)
+        else:
+            cached.difference_update(event.block_hashes)
 
-    def prefix_match(self, hashes: list[int], limit: int) -> int:
-        """How many of the first ``limit`` chained ``hashes`` are cached, stopping at the first miss: the
-        blocks a lookup would hit (a chained hash names its whole prefix)."""
-        cached = self.hashes
+    def prefix_match(self, hashes: list[int], limit: int, group: Optional[int] = None) -> int:
+        """How many of the first ``limit`` chained ``hashes`` are cached (in ``group``, for a hybrid manager),
+        stopping at the first miss: the blocks a lookup would hit (a chained hash names its whole prefix)."""
+        cached = self.hashes if group is None else self.groups.get(group, set())
         for i in range(min(limit, len(hashes))):
             if hashes[i] not in cached:
                 return i
@@ -129,10 +164,21 @@ class KVEventPublisher(EventSink):
     """A manager's event stream (``manager.kv_events``), one consumer of its event sink
     (kvlab.blocks.event_sink): the sink's ``stored``, ``evicted`` and ``cleared`` reports are queued as
     vLLM's events (with no subscriber they return at once), and the manager calls ``deliver()`` when its
-    outermost public call has finished (``kvlab.blocks.locking``)."""
+    outermost public call has finished (``kvlab.blocks.locking``).
 
-    def __init__(self, block_size: int):
+    ``groups``: a hybrid manager's group specs (kvlab.blocks.kv_cache_groups), None for a single group. With
+    groups, each member reports ``stored`` with its group (``GroupSink``), and the publisher remembers which
+    group each cached block is in, whether or not anyone subscribes: the pool's ``evicted`` names blocks only,
+    and a subscriber that joins later must still learn the group of a block stored before it joined."""
+
+    def __init__(self, block_size: int, groups=None):
         self.block_size = block_size
+        # The group fields of each group's BlockStored; [{}] (no fields) for a single-group manager.
+        self._stored_fields = [{}] if groups is None else [
+            dict(group_idx=g, kv_cache_spec_sliding_window=spec.sliding_window,
+                 kv_cache_spec_kind="full_attention" if spec.sliding_window is None else "sliding_window")
+            for g, spec in enumerate(groups)]
+        self._group_of: Optional[dict[int, int]] = None if groups is None else {}  # cached block -> its group
         self._subscriptions: list[Subscription] = []
         # Events of finished state changes, not yet delivered. A deque: appends (under the manager's lock) and
         # popleft (in deliver) are atomic, so producers never wait for subscribers.
@@ -174,11 +220,14 @@ class KVEventPublisher(EventSink):
                 self._delivering = False
 
     # ---- the sink's reports, under the manager's lock ------------------------------------------------------
-    def stored(self, pool, blocks, hashes, contents, parent_hash: Optional[int]) -> None:
-        """``blocks`` were just sealed with ``hashes`` (chained after ``parent_hash``); those the prefix
-        cache registered (not duplicates of a cached block) are stored, one event per consecutive run."""
+    def stored(self, pool, blocks, hashes, contents, parent_hash: Optional[int], group: int = 0) -> None:
+        """``blocks`` were just sealed with ``hashes`` (chained after ``parent_hash``) in ``group``; those the
+        prefix cache registered (not duplicates of a cached block) are stored, one event per consecutive run."""
+        if self._group_of is not None:
+            self._group_of.update((block, group) for block in blocks if pool.is_cached(block))
         if not self._subscriptions:
             return
+        fields = self._stored_fields[group]
         start = None
         for i, block in enumerate([*blocks, None]):
             if block is not None and pool.is_cached(block):
@@ -189,13 +238,24 @@ class KVEventPublisher(EventSink):
                 keys = [content[width:].hex() or None for content in run]
                 self.queue.append(BlockStored(hashes[start:i], hashes[start - 1] if start else parent_hash,
                                               self.block_size, extra_keys=keys if any(keys) else None,
-                                              token_bytes=tuple(content[:width] for content in run)))
+                                              token_bytes=tuple(content[:width] for content in run), **fields))
                 start = None
 
     def evicted(self, blocks, hashes, contents) -> None:
-        if self._subscriptions:
-            self.queue.append(BlockRemoved(hashes))
+        if self._group_of is None:
+            if self._subscriptions:
+                self.queue.append(BlockRemoved(hashes))
+            return
+        groups = [self._group_of.pop(block) for block in blocks]
+        if self._subscriptions:  # one event per run of blocks of one group, in eviction order
+            start = 0
+            for i in range(1, len(blocks) + 1):
+                if i == len(blocks) or groups[i] != groups[start]:
+                    self.queue.append(BlockRemoved(hashes[start:i], group_idx=groups[start]))
+                    start = i
 
     def cleared(self) -> None:
+        if self._group_of is not None:
+            self._group_of.clear()
         if self._subscriptions:
             self.queue.append(AllBlocksCleared())
