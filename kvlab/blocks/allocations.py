@@ -35,6 +35,16 @@ class Allocation:
         self.prompt_hashes = prompt_hashes
         self.cross = cross                 # the group's CrossTable (encoder-decoder), shared by its forks
 
+    @classmethod
+    def admitted(cls, manager, seq, plan, table, last_content) -> "Allocation":
+        """The record of a prompt that ``manager.allocate`` just gave ``table`` by ``plan``
+        (kvlab.blocks.planning.AllocationPlan): its hits are computed, its first chunk scheduled, and the
+        prompt's hashes stay with it while a chunked prefill has blocks left to seal."""
+        sealed, hashes = plan.num_sealed, plan.hashes
+        return cls(manager, seq, table, sealed, hashes[sealed - 1] if sealed else None, last_content,
+                   plan.first_live, len(plan.hits) * manager.block_size, plan.scheduled,
+                   (hashes, plan.contents) if sealed < len(hashes) else None)
+
     def live_blocks(self) -> list[int]:
         """Table entries that hold a reference (the sliding window's released ones do not)."""
         return self.table[self.num_released:]

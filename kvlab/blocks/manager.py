@@ -74,48 +74,23 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
         if the prompt could never be finished in this pool."""
         check_unallocated(self, seq)
         num_cross = self._cross.blocks_for(seq, encoder_seq)
-        hashes, contents, hits, first_live, scheduled, _, needed_free, peak = self._plan_allocation(
-            seq, 0, num_new_tokens)
+        plan = self._plan_allocation(seq, 0, num_new_tokens)
         self._prompt_hashes.forget()
-        pool, bs, n = self._pool, self.block_size, seq.num_tokens
-        if needed_free + num_cross > pool.num_free:
-            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {needed_free + num_cross} free blocks, "
-                                   f"{pool.num_free} are free (check can_allocate first)")
-        if peak + num_cross > self._usable:  # a first chunk that fits, of a prompt that never can
-            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {peak + num_cross} blocks at once to finish its "
-                                   f"prompt, the pool has {self._usable} (check can_allocate first)")
-        # Hits outside the sliding window prove the chain but are not pinned: the table points at the null block.
-        live_hits, num_new = hits[first_live:], -(-scheduled // bs) - len(hits)
-        revived = [block for block in live_hits if not pool.ref[block]]
-        parent = pool.content_id(hits[-1]) if hits else ROOT
-        with pool.transaction() as txn:
-            txn.revive(revived)
-            new_blocks = txn.pop(num_new + num_cross)
-            txn.hits(hits)
-        pool.claim(live_hits, len(revived))
-        new_blocks, cross_blocks = new_blocks[:num_new], new_blocks[num_new:]
+        self._check_room(seq, plan, num_cross)
+        new_blocks, cross_blocks = self._take_blocks(plan, num_cross)
         if self._sink is not None:
-            self._sink.looked_up(seq.seq_id, hits, new_blocks)
-        num_sealed = min(len(hashes), scheduled // bs)  # the blocks this step writes to the end
-        parent = pool.fill(new_blocks, hashes[len(hits):num_sealed], contents[len(hits):num_sealed], parent)
-        if self._sink is not None:
-            self._sink.stored(pool, new_blocks[:num_sealed - len(hits)], hashes[len(hits):num_sealed],
-                              contents[len(hits):num_sealed], hashes[len(hits) - 1] if hits else None)
-        pool.fill(cross_blocks)
+            self._sink.looked_up(seq.seq_id, plan.hits, new_blocks)
+        last_content = self._seal_prompt(plan, new_blocks)
+        self._pool.fill(cross_blocks)
         if self._sink is not None:
             self._sink.allocated(seq.seq_id)
         if self.enable_prefix_caching:
-            stats = self.stats
-            stats.queried_tokens += n
-            stats.hit_tokens += len(hits) * bs
-            stats.queried_blocks += len(hashes)
-            stats.hit_blocks += len(hits)
-        table = [NULL_BLOCK] * first_live + live_hits + new_blocks
-        alloc = Allocation(self, seq, table, num_sealed, hashes[num_sealed - 1] if num_sealed else None, parent,
-                           first_live, len(hits) * bs, scheduled,
-                           (hashes, contents) if num_sealed < len(hashes) else None)
+            self.stats.count_lookup(seq.num_tokens, len(plan.hashes), len(plan.hits), self.block_size)
+        # Hits outside the sliding window prove the chain but are not pinned: the table points at the null block.
+        table = [NULL_BLOCK] * plan.first_live + plan.hits[plan.first_live:] + new_blocks
+        alloc = Allocation.admitted(self, seq, plan, table, last_content)
         self._cross.attach(alloc, encoder_seq, cross_blocks)
-        self._adopt(alloc, len(hits) * bs)
+        self._adopt(alloc, alloc.num_computed)
 
     # ---- decode growth and copy-on-write ---------------------------------------------------------------
     def can_append_slots(self, seq: Sequence, num_lookahead_slots: int = 0, *,
@@ -239,6 +214,39 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
         seq = alloc.seq
         set_allocation_record(seq, alloc)
         seq.num_cached_tokens, seq.status = num_cached_tokens, SequenceStatus.RUNNING
+
+    def _check_room(self, seq, plan, num_cross: int) -> None:
+        """Raise before allocate changes anything if ``plan`` (plus the cross-attention blocks) does not fit."""
+        pool = self._pool
+        if plan.needed_free + num_cross > pool.num_free:
+            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {plan.needed_free + num_cross} free blocks, "
+                                   f"{pool.num_free} are free (check can_allocate first)")
+        if plan.peak_blocks + num_cross > self._usable:  # a first chunk that fits, of a prompt that never can
+            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {plan.peak_blocks + num_cross} blocks at once to "
+                                   f"finish its prompt, the pool has {self._usable} (check can_allocate first)")
+
+    def _take_blocks(self, plan, num_cross: int) -> tuple[list[int], list[int]]:
+        """Pin the plan's live hits (reviving the free ones) and pop its new blocks and the cross-attention
+        ones: (new blocks, cross blocks)."""
+        pool, live_hits = self._pool, plan.hits[plan.first_live:]
+        revived = [block for block in live_hits if not pool.ref[block]]
+        with pool.transaction() as txn:
+            txn.revive(revived)
+            taken = txn.pop(plan.num_new + num_cross)
+            txn.hits(plan.hits)
+        pool.claim(live_hits, len(revived))
+        return taken[:plan.num_new], taken[plan.num_new:]
+
+    def _seal_prompt(self, plan, new_blocks: list[int]):
+        """Seal the new blocks this step writes to the end (they become hittable, see the ordering rule);
+        returns the content id of the chain's tail, which the next seal extends."""
+        pool, hits, stop = self._pool, plan.hits, plan.num_sealed
+        hashes, contents = plan.hashes[len(hits):stop], plan.contents[len(hits):stop]
+        parent = pool.fill(new_blocks, hashes, contents, pool.content_id(hits[-1]) if hits else ROOT)
+        if self._sink is not None:
+            self._sink.stored(pool, new_blocks[:stop - len(hits)], hashes, contents,
+                              plan.hashes[len(hits) - 1] if hits else None)
+        return parent
 
     def _plan_allocation(self, seq, lookahead, num_new_tokens):
         hashes, contents = self._prompt_hashes(seq) if self.enable_prefix_caching else ([], [])

@@ -69,6 +69,8 @@ class AllocationPlan(NamedTuple):
     needed_free: int   # of which come out of the free pool
     peak_blocks: int   # blocks it must hold at once at some step until its prompt is done (at the least,
                        # however the rest is chunked; this step included)
+    num_new: int       # blocks allocate takes for the positions after the hits (lookahead aside)
+    num_sealed: int    # leading full blocks sealed once allocated: the hits plus those this step writes to the end
 
 
 def plan_allocation(pool, seq, hashes, contents, block_size, sliding_window, lookahead,
@@ -90,7 +92,7 @@ def plan_allocation(pool, seq, hashes, contents, block_size, sliding_window, loo
     # A chunk that fits is no use if the rest of the prompt never can: admission looks at the whole prompt.
     peak = max(live_blocks, least_peak_blocks(scheduled, n, block_size, sliding_window, lookahead))
     return AllocationPlan(hashes, contents, hits, first_live, scheduled, live_blocks, live_blocks - hits_in_use,
-                          peak)
+                          peak, -(-scheduled // block_size) - len(hits), min(len(hashes), scheduled // block_size))
 
 
 class StepPlan(NamedTuple):

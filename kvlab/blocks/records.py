@@ -34,6 +34,13 @@ class PrefixCacheStats:
     queried_blocks: int = 0
     hit_blocks: int = 0
 
+    def count_lookup(self, num_tokens: int, num_blocks: int, num_hits: int, block_size: int) -> None:
+        """One prompt of ``num_tokens`` tokens and ``num_blocks`` full blocks, ``num_hits`` of them cached."""
+        self.queried_tokens += num_tokens
+        self.hit_tokens += num_hits * block_size
+        self.queried_blocks += num_blocks
+        self.hit_blocks += num_hits
+
     @property
     def hit_rate(self) -> float:
         """Hit tokens / queried tokens (0.0 before any query)."""
