@@ -12,7 +12,7 @@ One module per part, in the manner of vLLM V1's ``vllm/v1/core/``:
     locking.py             one re-entrant lock held by every public method, so threads may share a manager
     sequence.py            Sequence: a request's tokens and its read-only block table
     block_pool.py          the device pool: free lists, reference counts, the prefix cache (hash -> block)
-    hashing.py             chained xxh64 block hashes, computed once per prompt
+    hashing.py             chained xxh64 block hashes, computed once in a sequence's life
     block_keys.py          cache salts and extra keys (LoRA adapter, images): what else makes a block distinct
     planning.py            how many blocks a step needs, and which a sliding window can release
     allocations.py         who owns which blocks (one record per sequence, one manager per sequence)

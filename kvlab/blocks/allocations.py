@@ -12,10 +12,10 @@ from kvlab.errors import InvalidArgumentError, SequenceStateError
 
 class Allocation:
     __slots__ = ("manager", "seq", "table", "on_cpu", "num_sealed", "last_hash", "last_content",
-                 "num_released", "num_written", "num_slots", "num_computed", "prompt_hashes", "cross")
+                 "num_released", "num_written", "num_slots", "num_computed", "cross")
 
     def __init__(self, manager, seq, table, num_sealed, last_hash, last_content, num_released, num_computed,
-                 num_written, prompt_hashes=None, cross=None):
+                 num_written, cross=None):
         self.manager, self.seq, self.table, self.on_cpu = manager, seq, table, False
         # Leading full blocks already sealed, and the chain's tail (hash, content id) that the next seal extends.
         # With prefix caching, num_sealed == num_written // block_size: a block is sealed (hittable) exactly
@@ -30,20 +30,15 @@ class Allocation:
         # ceil(num_slots / block_size) entries (it never shrinks, so this is the largest reservation so far).
         self.num_slots = num_written
         self.num_computed = num_computed   # positions < this are confirmed written (a step ran since)
-        # (hashes, contents) of the prompt's full blocks from admission, kept while a chunked prefill has not
-        # sealed them all, so later chunks seal them without hashing again; None otherwise.
-        self.prompt_hashes = prompt_hashes
         self.cross = cross                 # the group's CrossTable (encoder-decoder), shared by its forks
 
     @classmethod
     def admitted(cls, manager, seq, plan, table, last_content) -> "Allocation":
         """The record of a prompt that ``manager.allocate`` just gave ``table`` by ``plan``
-        (kvlab.blocks.planning.AllocationPlan): its hits are computed, its first chunk scheduled, and the
-        prompt's hashes stay with it while a chunked prefill has blocks left to seal."""
-        sealed, hashes = plan.num_sealed, plan.hashes
-        return cls(manager, seq, table, sealed, hashes[sealed - 1] if sealed else None, last_content,
-                   plan.first_live, len(plan.hits) * manager.block_size, plan.scheduled,
-                   (hashes, plan.contents) if sealed < len(hashes) else None)
+        (kvlab.blocks.planning.AllocationPlan): its hits are computed and its first chunk scheduled."""
+        sealed = plan.num_sealed
+        return cls(manager, seq, table, sealed, plan.hashes[sealed - 1] if sealed else None, last_content,
+                   plan.first_live, len(plan.hits) * manager.block_size, plan.scheduled)
 
     def live_blocks(self) -> list[int]:
         """Table entries that hold a reference (the sliding window's released ones do not)."""
@@ -52,7 +47,7 @@ class Allocation:
     def copy_for(self, seq) -> "Allocation":
         twin = Allocation(self.manager, seq, list(self.table), self.num_sealed, self.last_hash,
                           self.last_content, self.num_released, self.num_computed, self.num_written,
-                          self.prompt_hashes, self.cross)
+                          self.cross)
         twin.num_slots = self.num_slots
         return twin
 

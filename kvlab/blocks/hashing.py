@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import xxhash
 
-from kvlab.blocks.sequence import key_bytes, token_buffer
+from kvlab.blocks.sequence import block_hash_cache, key_bytes, token_buffer
 from kvlab.errors import InvalidArgumentError
 
 #: ``hash_fn(parent_hash_or_None, token_ids_tuple) -> int``, to replace the default in experiments/tests.
@@ -37,16 +37,22 @@ def _split_blocks(raw: bytes, width: int) -> list[bytes]:
     return list(struct.Struct(f"{width}s" * (len(raw) // width)).unpack(raw))
 
 
-def block_hashes(tokens: array, block_size: int, start: int, stop: int, parent: Optional[int],
-                 hash_fn: Optional[HashFn] = None, keys: Optional[dict] = None) -> tuple[list[int], list[bytes]]:
-    """Hashes and bytes of full blocks ``start..stop-1`` of ``tokens``, chained from ``parent`` (the hash of
-    block ``start - 1``, or None for the first block); ``keys`` (``key_bytes(seq)``) extends keyed blocks."""
+def block_contents(tokens: array, block_size: int, start: int, stop: int, keys: Optional[dict]) -> list[bytes]:
+    """Bytes of full blocks ``start..stop-1`` of ``tokens``; ``keys`` (``key_bytes(seq)``) extends keyed blocks."""
     raw = memoryview(tokens)[start * block_size:stop * block_size].tobytes()  # one copy, then cheap slices
     contents = _split_blocks(raw, 8 * block_size)
     if keys:
         for i, suffix in keys.items():
             if start <= i < stop:
                 contents[i - start] += suffix
+    return contents
+
+
+def block_hashes(tokens: array, block_size: int, start: int, stop: int, parent: Optional[int],
+                 hash_fn: Optional[HashFn] = None, keys: Optional[dict] = None) -> tuple[list[int], list[bytes]]:
+    """Hashes and bytes of full blocks ``start..stop-1`` of ``tokens``, chained from ``parent`` (the hash of
+    block ``start - 1``, or None for the first block); ``keys`` (``key_bytes(seq)``) extends keyed blocks."""
+    contents = block_contents(tokens, block_size, start, stop, keys)
     if hash_fn is None:
         xxh64, parent = xxhash.xxh64_intdigest, parent or 0
         return [parent := xxh64(content, parent) for content in contents], contents
@@ -62,27 +68,74 @@ def block_hashes(tokens: array, block_size: int, start: int, stop: int, parent: 
     return hashes, contents
 
 
-class PromptHashes:
-    """``prompt_hashes(seq)``: hashes and bytes of a sequence's full blocks, remembering the last answer. A
-    scheduler calls ``can_allocate`` then ``allocate`` on the same prompt, and hashing is a quarter of a
-    replay's time. The key is the token array itself plus its length: tokens only change by appending, or
-    by ``fork`` replacing the array (and the keys with it; a sequence's salt and keys never change otherwise),
-    so two sequences with the same tokens and different salts never share an entry."""
+class BlockHashes:
+    """A sequence's leading full blocks' hashes under one block size, ``hash_fn`` and keys (vLLM V1's
+    ``request.block_hashes``): computed once for the sequence's whole life (a sequence preempted by
+    recompute is not hashed again) and extended as blocks fill. Tokens only change by appending, or by
+    ``fork`` replacing them, which hands the child a copy of these (``copy_tokens``).
 
-    def __init__(self, block_size: int, hash_fn: Optional[HashFn]):
-        self.block_size, self.hash_fn = block_size, hash_fn
-        self._last = None  # (token array, its length, hashes, contents)
+    The blocks' bytes (``contents``, for the verified lookup and for sealing) are kept only while some of
+    them still wait to be sealed: a scheduler calls ``can_allocate`` then ``allocate``, and a chunked prompt
+    seals its blocks over several steps. Once all are sealed they are dropped while still warm in the CPU
+    cache (kept cold, they cost 5% of a replay in cache misses) and re-sliced from the tokens if needed."""
+    __slots__ = ("block_size", "hash_fn", "keys", "hashes", "contents")
 
-    def __call__(self, seq) -> tuple[list[int], list[bytes]]:
-        tokens, last = token_buffer(seq), self._last
-        if last is None or last[0] is not tokens or last[1] != len(tokens):
-            hashes, contents = block_hashes(tokens, self.block_size, 0, len(tokens) // self.block_size, None,
-                                            self.hash_fn, key_bytes(seq))
-            last = self._last = (tokens, len(tokens), hashes, contents)
-        return last[2], last[3]
+    def __init__(self, block_size: int, hash_fn: Optional[HashFn], keys: Optional[dict]):
+        self.block_size, self.hash_fn, self.keys = block_size, hash_fn, keys
+        self.hashes: list[int] = []
+        self.contents: Optional[list[bytes]] = None  # bytes of the blocks of ``hashes``, or None (dropped)
 
-    def forget(self) -> None:
-        """Drop the remembered answer (``allocate`` consumed it). Kept until the next prompt, its lists would
-        die when every block's bytes and hash have left the CPU cache: a cache miss each (5% of a replay's
-        misses); dropped now, they die while those are still warm."""
-        self._last = None
+    def copy(self) -> "BlockHashes":
+        twin = BlockHashes(self.block_size, self.hash_fn, self.keys)
+        twin.hashes = list(self.hashes)
+        return twin
+
+    def extend(self, tokens: array, stop: int) -> None:
+        """Hash blocks ``len(hashes)..stop-1`` (their bytes too, while the others' are kept)."""
+        start = len(self.hashes)
+        if stop <= start:
+            return
+        hashes, contents = block_hashes(tokens, self.block_size, start, stop, self.hashes[-1] if start else None,
+                                        self.hash_fn, self.keys)
+        self.hashes += hashes
+        if self.contents is not None:
+            self.contents += contents
+
+
+def hashes_of(seq, block_size: int, hash_fn: Optional[HashFn]) -> BlockHashes:
+    """``seq``'s block hashes for this block size, ``hash_fn`` and its keys: the cached ones, or new (empty)
+    ones where they were computed under others (the sequence moved to another manager)."""
+    cache, slot = block_hash_cache(seq)
+    keys, entry = key_bytes(seq), cache.get(slot)
+    if (entry is None or entry.block_size != block_size or entry.hash_fn is not hash_fn
+            or (entry.keys is not keys and entry.keys != keys)):
+        entry = cache[slot] = BlockHashes(block_size, hash_fn, keys)
+    return entry
+
+
+def prompt_blocks(seq, block_size: int, hash_fn: Optional[HashFn]) -> tuple[list[int], list[bytes]]:
+    """Hashes and bytes of all of ``seq``'s full blocks, hashing only those not hashed before."""
+    entry, tokens = hashes_of(seq, block_size, hash_fn), token_buffer(seq)
+    stop = len(tokens) // block_size
+    if entry.contents is None:
+        entry.contents = block_contents(tokens, block_size, 0, len(entry.hashes), entry.keys) if entry.hashes else []
+    entry.extend(tokens, stop)
+    return entry.hashes, entry.contents  # read them now: later blocks extend these lists
+
+
+def hashes_to_seal(seq, start: int, stop: int, block_size: int, hash_fn: Optional[HashFn]) -> tuple[list, list]:
+    """Hashes and bytes of blocks ``start..stop-1``, which a step is about to seal: hashed only if new."""
+    entry, tokens = hashes_of(seq, block_size, hash_fn), token_buffer(seq)
+    entry.extend(tokens, stop)
+    contents = entry.contents
+    if contents is None or len(contents) < stop:
+        return entry.hashes[start:stop], block_contents(tokens, block_size, start, stop, entry.keys)
+    return entry.hashes[start:stop], contents[start:stop]
+
+
+def sealed_through(seq, num_sealed: int) -> None:
+    """``seq``'s first ``num_sealed`` blocks are sealed: drop the bytes once none of them waits any more."""
+    cache, slot = block_hash_cache(seq)
+    entry = cache.get(slot)
+    if entry is not None and entry.contents is not None and num_sealed >= len(entry.contents):
+        entry.contents = None

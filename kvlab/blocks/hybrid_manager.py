@@ -40,6 +40,7 @@ from typing import Optional
 
 from kvlab.blocks.allocations import check_sequence, check_unallocated
 from kvlab.blocks.event_sink import GroupSink, make_sink
+from kvlab.blocks.hashing import prompt_blocks
 from kvlab.blocks.invariants import check_records
 from kvlab.blocks.kv_cache_groups import check_group_specs
 from kvlab.blocks.kv_events import KVEventPublisher
@@ -60,7 +61,7 @@ class GroupManager(BlockManager):
     max_hits: Optional[int] = None
 
     def _plan_allocation(self, seq, lookahead, num_new_tokens):
-        hashes, contents = self._prompt_hashes(seq) if self.enable_prefix_caching else ([], [])
+        hashes, contents = prompt_blocks(seq, self.block_size, self.hash_fn) if self.enable_prefix_caching else ([], [])
         return plan_allocation(self._pool, seq, hashes, contents, self.block_size, self.sliding_window, lookahead,
                                num_new_tokens, self.max_hits)
 

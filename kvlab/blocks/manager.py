@@ -34,12 +34,13 @@ from typing import Optional
 
 from kvlab.blocks.allocations import Allocation, check_unallocated
 from kvlab.blocks.block_pool import ROOT
+from kvlab.blocks.hashing import hashes_to_seal, prompt_blocks, sealed_through
 from kvlab.blocks.invariants import check_manager
 from kvlab.blocks.locking import serialized
 from kvlab.blocks.manager_queries import BlockManagerQueries
 from kvlab.blocks.manager_state import MAX_BLOCKS, NULL_BLOCK
 from kvlab.blocks.manager_swap import BlockManagerSwapping
-from kvlab.blocks.planning import hashes_to_seal, plan_allocation, plan_step
+from kvlab.blocks.planning import plan_allocation, plan_step
 from kvlab.blocks.records import AllocStatus, PrefixCacheStats
 from kvlab.blocks.sequence import Sequence, SequenceStatus, copy_tokens, set_allocation_record
 from kvlab.blocks.vllm_v0 import VLLMV0Interface
@@ -75,12 +76,13 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
         check_unallocated(self, seq)
         num_cross = self._cross.blocks_for(seq, encoder_seq)
         plan = self._plan_allocation(seq, 0, num_new_tokens)
-        self._prompt_hashes.forget()
         self._check_room(seq, plan, num_cross)
         new_blocks, cross_blocks = self._take_blocks(plan, num_cross)
         if self._sink is not None:
             self._sink.looked_up(seq.seq_id, plan.hits, new_blocks)
         last_content = self._seal_prompt(plan, new_blocks)
+        if self.enable_prefix_caching:
+            sealed_through(seq, plan.num_sealed)
         self._pool.fill(cross_blocks)
         if self._sink is not None:
             self._sink.allocated(seq.seq_id)
@@ -115,7 +117,7 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
                                    f"{pool.num_free + len(plan.freed)} are free (check can_append_slots first)")
         sealing = self.enable_prefix_caching and n // bs > alloc.num_sealed
         if sealing:  # hashed before anything changes: a failing hash_fn must leave no trace
-            hashes, contents = hashes_to_seal(alloc, n // bs, bs, self.hash_fn)
+            hashes, contents = hashes_to_seal(seq, alloc.num_sealed, n // bs, bs, self.hash_fn)
         with pool.transaction() as txn:
             txn.add(plan.freed, plan.freed_cached)
             taken = txn.pop(plan.blocks_needed)
@@ -145,8 +147,7 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
             if sink is not None:
                 sink.stored(pool, sealed, hashes, contents, alloc.last_hash)
             alloc.num_sealed, alloc.last_hash = n // bs, hashes[-1]
-            if alloc.prompt_hashes is not None and alloc.num_sealed >= len(alloc.prompt_hashes[0]):
-                alloc.prompt_hashes = None  # every prompt block is sealed: nothing left to reuse them for
+            sealed_through(seq, alloc.num_sealed)
         alloc.num_computed = max(alloc.num_computed, alloc.num_written)  # a new step: the last one ran
         alloc.num_written = n
         alloc.num_slots = max(alloc.num_slots, n + num_lookahead_slots)
@@ -249,7 +250,7 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
         return parent
 
     def _plan_allocation(self, seq, lookahead, num_new_tokens):
-        hashes, contents = self._prompt_hashes(seq) if self.enable_prefix_caching else ([], [])
+        hashes, contents = prompt_blocks(seq, self.block_size, self.hash_fn) if self.enable_prefix_caching else ([], [])
         return plan_allocation(self._pool, seq, hashes, contents, self.block_size, self.sliding_window, lookahead,
                                num_new_tokens)
 

@@ -10,6 +10,7 @@ asks it before a chunked ``allocate``.
 from typing import Optional
 
 from kvlab.blocks.allocations import allocation_of, check_block_size_matches, check_sequence
+from kvlab.blocks.hashing import prompt_blocks
 from kvlab.blocks.locking import serialized
 from kvlab.blocks.manager_state import ManagerState
 from kvlab.blocks.planning import least_peak_blocks
@@ -122,5 +123,5 @@ class BlockManagerQueries(ManagerState):
         check_block_size_matches(self, check_sequence(seq))
         if not self.enable_prefix_caching or seq.num_tokens == 0:
             return 0
-        hashes, contents = self._prompt_hashes(seq)
+        hashes, contents = prompt_blocks(seq, self.block_size, self.hash_fn)
         return len(self._pool.lookup(hashes, contents, (seq.num_tokens - 1) // self.block_size)) * self.block_size

@@ -10,7 +10,6 @@ settings, nothing else.
     _swap          SwapSpace: the CPU pool (kvlab.blocks.swap)
     _cross         CrossTables: encoder-decoder cross-attention tables (kvlab.blocks.cross_attention)
     _allocs        the Allocation of every sequence allocated here (kvlab.blocks.allocations)
-    _prompt_hashes a prompt's block hashes, computed once (kvlab.blocks.hashing)
     _sink          the EventSink every change is reported to, None when nobody listens (kvlab.blocks.event_sink)
     events, kv_events   its consumers: the teaching Event log's list and vLLM's KV-event stream (None when off)
     stats          PrefixCacheStats of ``allocate``'s lookups
@@ -25,7 +24,7 @@ from kvlab.blocks.block_pool import BlockPool
 from kvlab.blocks.cross_attention import CrossTables
 from kvlab.blocks.event_sink import EventLog, make_sink
 from kvlab.blocks.eviction import make_policy
-from kvlab.blocks.hashing import HashFn, PromptHashes
+from kvlab.blocks.hashing import HashFn
 from kvlab.blocks.kv_events import KVEventPublisher
 from kvlab.blocks.records import AllocStatus, Event, PrefixCacheStats
 from kvlab.blocks.sequence import check_block_size
@@ -69,7 +68,6 @@ class ManagerState:
         self._usable = self.num_blocks - first_block
         self._watermark_blocks = int(watermark * self.num_blocks)
         self._allocs: set[Allocation] = set()
-        self._prompt_hashes = PromptHashes(self.block_size, hash_fn)
         self._lock = threading.RLock()
         self.stats = PrefixCacheStats()
 

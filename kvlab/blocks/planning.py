@@ -14,8 +14,6 @@ written before its own attention; a block whose tokens are still to be computed 
 
 from typing import NamedTuple
 
-from kvlab.blocks.hashing import block_hashes
-from kvlab.blocks.sequence import key_bytes, token_buffer
 from kvlab.errors import InvalidArgumentError
 from kvlab.validation import check_int
 
@@ -124,13 +122,3 @@ def plan_step(pool, alloc, block_size, sliding_window, lookahead, num_new_tokens
     copies = {i for i in touched if ref[table[i]] > 1}
     return StepPlan(scheduled, release_upto, release, *pool.freed_by(release), touched, copies,
                     max(0, -(-end // block_size) - len(table)))
-
-
-def hashes_to_seal(alloc, stop: int, block_size: int, hash_fn) -> tuple[list, list]:
-    """Hashes and bytes of blocks ``alloc.num_sealed .. stop - 1``, which a step is about to seal: from the
-    prompt's hashes taken at admission while they cover them (a chunked prefill), else hashed now."""
-    start, prompt = alloc.num_sealed, alloc.prompt_hashes
-    if prompt is not None and stop <= len(prompt[0]):
-        return prompt[0][start:stop], prompt[1][start:stop]
-    return block_hashes(token_buffer(alloc.seq), block_size, start, stop, alloc.last_hash, hash_fn,
-                        key_bytes(alloc.seq))

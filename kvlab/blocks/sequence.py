@@ -110,6 +110,10 @@ class Sequence:
         self.num_cached_tokens = 0      # prompt tokens whose K/V came from the prefix cache
         self.last_token: int | None = self._tokens[-1] if self._tokens else None
         self._allocation = None  # the owning manager's record (kvlab.blocks.allocations.Allocation) while allocated
+        # Its full blocks' hashes (kvlab.blocks.hashing.BlockHashes), computed once for its whole life, under
+        # slot None; a hybrid manager's group shadows keep theirs in the same dict under their group.
+        self._hash_cache: dict = {}
+        self._hash_slot = None
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -188,6 +192,7 @@ class Sequence:
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_allocation"] = None
+        state["_hash_cache"] = {}  # as long as the prompt again, and cheap to recompute
         if self.num_completion_tokens > 0:
             state["_tokens"] = None
         return state
@@ -218,9 +223,20 @@ def key_bytes(seq: Sequence):
     return seq._keys.block_bytes if seq._keys is not None else None
 
 
+def block_hash_cache(seq: Sequence):
+    """(the dict holding ``seq``'s block hashes, its slot there): see kvlab.blocks.hashing.prompt_blocks."""
+    return seq._hash_cache, seq._hash_slot
+
+
 def copy_tokens(parent: Sequence, child: Sequence) -> None:
-    """Give ``child`` the parent's tokens, counters, salt and keys (``fork``)."""
+    """Give ``child`` the parent's tokens, counters, salt and keys (``fork``), and its block hashes with them:
+    the child's own ones were of other tokens (a group shadow's siblings' are the fresh ones of the same fork)."""
     child._tokens, child._keys = array("Q", parent._token_array()), parent._keys
+    if child._hash_slot is None:
+        child._hash_cache = {}
+    hashes = parent._hash_cache.get(parent._hash_slot)
+    if hashes is not None:
+        child._hash_cache[child._hash_slot] = hashes.copy()
     child.num_tokens, child.num_prompt_tokens = parent.num_tokens, parent.num_prompt_tokens
     child.last_token, child.num_cached_tokens = parent.last_token, parent.num_cached_tokens
 
@@ -231,6 +247,7 @@ def group_shadow(seq: Sequence, group: int) -> Sequence:
     two groups' blocks ever have equal bytes: the layers differ, and so does their K/V."""
     shadow = Sequence((), seq.block_size)
     shadow._keys = group_keys(seq._keys, group)
+    shadow._hash_cache, shadow._hash_slot = seq._hash_cache, group
     shadow.seq_id = seq.seq_id
     sync_shadow(seq, shadow)
     return shadow

@@ -194,7 +194,7 @@ def test_can_allocate_then_allocate_hashes_the_prompt_once():
     assert calls == [(1, 2), (3, 4)]
     other = Sequence([1, 2, 3, 4, 5], 2)
     manager.can_allocate(other)
-    other.append_token(6)        # the prompt changed after can_allocate: allocate must hash it again
+    other.append_token(6)        # the prompt grew after can_allocate: allocate hashes only the new full block
     manager.allocate(other)
-    assert calls[2:] == [(1, 2), (3, 4), (1, 2), (3, 4), (5, 6)]
+    assert calls[2:] == [(1, 2), (3, 4), (5, 6)]
     assert other.num_cached_tokens == 4
