@@ -97,9 +97,14 @@ class BlockHashes:
             return
         hashes, contents = block_hashes(tokens, self.block_size, start, stop, self.hashes[-1] if start else None,
                                         self.hash_fn, self.keys)
-        self.hashes += hashes
-        if self.contents is not None:
-            self.contents += contents
+        if start:
+            self.hashes += hashes
+            if self.contents is not None:
+                self.contents += contents
+        else:  # the usual first call: no copy
+            self.hashes = hashes
+            if self.contents is not None:
+                self.contents = contents
 
 
 def hashes_of(seq, block_size: int, hash_fn: Optional[HashFn]) -> BlockHashes:
