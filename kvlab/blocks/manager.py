@@ -83,11 +83,10 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
         last_content = self._seal_prompt(plan, new_blocks)
         if self.enable_prefix_caching:
             sealed_through(seq, plan.num_sealed)
+            self.stats.count_lookup(seq.num_tokens, len(plan.hashes), len(plan.hits), self.block_size)
         self._pool.fill(cross_blocks)
         if self._sink is not None:
             self._sink.allocated(seq.seq_id)
-        if self.enable_prefix_caching:
-            self.stats.count_lookup(seq.num_tokens, len(plan.hashes), len(plan.hits), self.block_size)
         # Hits outside the sliding window prove the chain but are not pinned: the table points at the null block.
         table = [NULL_BLOCK] * plan.first_live + plan.hits[plan.first_live:] + new_blocks
         alloc = Allocation.admitted(self, seq, plan, table, last_content)
