@@ -27,10 +27,6 @@ def group_specs(config: ModelConfig) -> tuple[list, list[int]]:
     return specs, [[spec.sliding_window for spec in specs].index(w) for w in config.layer_windows]
 
 
-def is_hybrid(config: ModelConfig) -> bool:
-    return len(group_specs(config)[0]) > 1
-
-
 def make_block_manager(config: ModelConfig, num_blocks: int, block_size: int, **options):
     """A ``BlockManager`` (windowed if every layer is) for one kind of layer, else an ``EngineHybridManager``."""
     specs, _ = group_specs(config)
