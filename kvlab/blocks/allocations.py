@@ -11,25 +11,25 @@ from kvlab.errors import InvalidArgumentError, SequenceStateError
 
 
 class Allocation:
+    """How far the sequence got is not here: it is ``seq.num_computed_tokens`` (kvlab.blocks.sequence), which
+    the manager advances when it schedules a step and ``check_invariants`` audits against this record."""
     __slots__ = ("manager", "seq", "table", "on_cpu", "num_sealed", "last_hash", "last_content",
-                 "num_released", "num_written", "num_slots", "num_computed", "cross")
+                 "num_released", "num_slots", "num_computed", "cross")
 
     def __init__(self, manager, seq, table, num_sealed, last_hash, last_content, num_released, num_computed,
-                 num_written, cross=None):
+                 num_slots, cross=None):
         self.manager, self.seq, self.table, self.on_cpu = manager, seq, table, False
         # Leading full blocks already sealed, and the chain's tail (hash, content id) that the next seal extends.
-        # With prefix caching, num_sealed == num_written // block_size: a block is sealed (hittable) exactly
-        # when the step that writes its last token is scheduled, never before.
+        # With prefix caching, num_sealed == seq.num_computed_tokens // block_size: a block is sealed (hittable)
+        # exactly when the step that writes its last token is scheduled, never before.
         self.num_sealed, self.last_hash, self.last_content = num_sealed, last_hash, last_content
         self.num_released = num_released   # leading table entries released by the sliding window
-        # Positions < num_written are scheduled: their slots are written by now or by the step just scheduled
-        # (vLLM V1's num_computed_tokens). The tokens after them have no slot yet (the rest of a chunked
-        # prompt, or tokens appended since the last step).
-        self.num_written = num_written
-        # Positions < num_slots have a slot: the scheduled ones plus lookahead slots. The table holds exactly
-        # ceil(num_slots / block_size) entries (it never shrinks, so this is the largest reservation so far).
-        self.num_slots = num_written
-        self.num_computed = num_computed   # positions < this are confirmed written (a step ran since)
+        # Positions < num_slots have a slot: the scheduled ones (< seq.num_computed_tokens) plus lookahead
+        # slots. The table holds exactly ceil(num_slots / block_size) entries (it never shrinks, so this is the
+        # largest reservation so far).
+        self.num_slots = num_slots
+        # vLLM V0's mark (kvlab.blocks.vllm_v0): positions < num_computed are confirmed written (a step ran since).
+        self.num_computed = num_computed
         self.cross = cross                 # the group's CrossTable (encoder-decoder), shared by its forks
 
     @classmethod
@@ -45,11 +45,8 @@ class Allocation:
         return self.table[self.num_released:]
 
     def copy_for(self, seq) -> "Allocation":
-        twin = Allocation(self.manager, seq, list(self.table), self.num_sealed, self.last_hash,
-                          self.last_content, self.num_released, self.num_computed, self.num_written,
-                          self.cross)
-        twin.num_slots = self.num_slots
-        return twin
+        return Allocation(self.manager, seq, list(self.table), self.num_sealed, self.last_hash,
+                          self.last_content, self.num_released, self.num_computed, self.num_slots, self.cross)
 
 
 class CrossTable:

@@ -135,7 +135,8 @@ class HybridBlockManager:
         return [member.slot_mapping(shadow, start, end) for member, shadow in zip(self._members, self._shadows(seq))]
 
     def num_scheduled_tokens(self, seq: Sequence) -> int:
-        return self._members[0].num_scheduled_tokens(self._shadows(seq)[0])
+        self._shadows(seq)  # allocated here
+        return seq.num_computed_tokens
 
     def get_num_cached_tokens(self, seq: Sequence) -> int:
         """Prompt tokens an ``allocate`` now would take from the prefix cache: the hit every group serves."""
@@ -169,6 +170,7 @@ class HybridBlockManager:
         pool.release(pins)  # the groups hold their live hits now; out-of-window hits go back, still cached
         set_allocation_record(seq, HybridRecord(self, shadows))
         seq.status, seq.num_cached_tokens = SequenceStatus.RUNNING, common * self.block_size
+        seq.num_computed_tokens, seq.prefill_end = shadows[0].num_computed_tokens, seq.num_tokens
 
     def can_append_slots(self, seq: Sequence, num_lookahead_slots: int = 0, *,
                          num_new_tokens: Optional[int] = None) -> bool:
@@ -185,12 +187,14 @@ class HybridBlockManager:
         pairs = [None] * len(shadows)
         for g in sorted(range(len(shadows)), key=needs.__getitem__):
             pairs[g] = self._members[g].append_slots(shadows[g], num_lookahead_slots, num_new_tokens=num_new_tokens)
+        seq.num_computed_tokens = shadows[0].num_computed_tokens  # every group scheduled the same positions
         return pairs
 
     def free(self, seq: Sequence, *, preempted: bool = False) -> None:
         for member, shadow in zip(self._members, self._shadows(seq)):
             member.free(shadow, preempted=preempted)
         set_allocation_record(seq, None)
+        seq.num_computed_tokens = seq.prefill_end = 0
         seq.status = SequenceStatus.WAITING if preempted else SequenceStatus.FINISHED
         if preempted:
             seq.num_cached_tokens = 0

@@ -1,9 +1,10 @@
 """``BlockManager.check_invariants()``: an O(pool) audit of the manager's bookkeeping, for tests.
 
-The manager's own records are checked here: every allocation belongs to its sequence, holds exactly the blocks
-its scheduled positions and lookahead slots need, has sealed (with prefix caching) exactly the blocks whose
-tokens are all scheduled and no block holding an unscheduled one is hittable, points released entries at
-the null block and never lists a block twice, and every sealed block in its table holds that sequence's own
+The manager's own records are checked here, and the sequence's progress counter (``seq.num_computed_tokens``,
+which the manager advances but does not own) against them: every allocation belongs to its sequence, holds
+exactly the blocks its scheduled positions and lookahead slots need, has sealed (with prefix caching) exactly
+the blocks whose tokens are all scheduled and no block holding an unscheduled one is hittable, points released
+entries at the null block and never lists a block twice, and every sealed block in its table holds that sequence's own
 bytes (tokens, then its salt and keys) chained after the block before it; every cross table's members are
 live allocations of its group. The reference counts these records imply are then handed to each component,
 which checks itself against them (``BlockPool.check``: ref counts, free set, prefix cache map, content ids;
@@ -36,16 +37,20 @@ def check_records(allocations, cross_tables, pool, block_size, prefix_caching) -
         seq = alloc.seq
         if allocation_record(seq) is not alloc:
             _fail(f"sequence {seq.seq_id} does not point at the allocation that holds it")
-        if not alloc.num_written <= min(alloc.num_slots, seq.num_tokens) or \
+        computed = seq.num_computed_tokens  # the sequence's progress counter, checked against this record
+        if type(computed) is not int or not 0 <= computed <= min(alloc.num_slots, seq.num_tokens) or \
                 len(alloc.table) != -(-alloc.num_slots // block_size):
             _fail(f"sequence {seq.seq_id}: {len(alloc.table)} blocks for {alloc.num_slots} slots, of which "
-                  f"{alloc.num_written} scheduled positions (it has {seq.num_tokens} tokens)")
-        if not alloc.num_computed <= alloc.num_written:
-            _fail(f"sequence {seq.seq_id}: {alloc.num_computed} computed positions but {alloc.num_written} written")
-        if prefix_caching and alloc.num_sealed != alloc.num_written // block_size:
-            _fail(f"sequence {seq.seq_id}: {alloc.num_sealed} sealed blocks, but {alloc.num_written // block_size} "
+                  f"{computed!r} scheduled positions (num_computed_tokens; it has {seq.num_tokens} tokens)")
+        if not alloc.num_computed <= computed:
+            _fail(f"sequence {seq.seq_id}: {alloc.num_computed} positions marked computed but only {computed} "
+                  "scheduled")
+        if not seq.prefill_end <= seq.num_tokens:
+            _fail(f"sequence {seq.seq_id}: prefills up to position {seq.prefill_end} of its {seq.num_tokens} tokens")
+        if prefix_caching and alloc.num_sealed != computed // block_size:
+            _fail(f"sequence {seq.seq_id}: {alloc.num_sealed} sealed blocks, but {computed // block_size} "
                   "have every token scheduled")
-        unscheduled = alloc.table[max(alloc.num_released, alloc.num_written // block_size):]
+        unscheduled = alloc.table[max(alloc.num_released, computed // block_size):]
         if not alloc.on_cpu and any(pool.is_cached(block) for block in unscheduled):
             _fail(f"sequence {seq.seq_id}: a block holding a token still to be scheduled is hittable")
         if any(b != 0 for b in alloc.table[:alloc.num_released]):

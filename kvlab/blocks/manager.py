@@ -11,7 +11,8 @@ computed (the rest of a chunked prompt) is never hittable. The flip side, as in 
 Chunked prompts (vLLM V1's ``allocate_slots(request, num_new_tokens)``): ``allocate(seq, num_new_tokens=k)``
 looks up prefix hits once and gives slots to the hits plus the next k prompt tokens; each later step's
 ``append_slots(seq, num_new_tokens=k)`` gives slots to the next k tokens without one (None: all of them,
-today's whole-prompt and decode behaviour). ``num_scheduled_tokens(seq)`` says how far the sequence got.
+today's whole-prompt and decode behaviour). How far the sequence got is its own ``seq.num_computed_tokens``:
+these calls advance it, ``free`` resets it, ``check_invariants`` audits it (``num_scheduled_tokens(seq)`` reads it).
 
 Sliding window W: a step whose first new token sits at position p attends to keys from p - W + 1 on, so a
 block is released only once it lies wholly before that, at the start of the next step that moves p past it
@@ -91,6 +92,7 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
         table = [NULL_BLOCK] * plan.first_live + plan.hits[plan.first_live:] + new_blocks
         alloc = Allocation.admitted(self, seq, plan, table, last_content)
         self._cross.attach(alloc, encoder_seq, cross_blocks)
+        seq.num_computed_tokens, seq.prefill_end = plan.scheduled, seq.num_tokens
         self._adopt(alloc, alloc.num_computed)
 
     # ---- decode growth and copy-on-write ---------------------------------------------------------------
@@ -147,8 +149,8 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
                 sink.stored(pool, sealed, hashes, contents, alloc.last_hash)
             alloc.num_sealed, alloc.last_hash = n // bs, hashes[-1]
             sealed_through(seq, alloc.num_sealed)
-        alloc.num_computed = max(alloc.num_computed, alloc.num_written)  # a new step: the last one ran
-        alloc.num_written = n
+        alloc.num_computed = max(alloc.num_computed, seq.num_computed_tokens)  # a new step: the last one ran
+        seq.num_computed_tokens = n
         alloc.num_slots = max(alloc.num_slots, n + num_lookahead_slots)
         return pairs
 
@@ -166,6 +168,7 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
         self._cross.detach(alloc)
         self._allocs.discard(alloc)
         set_allocation_record(seq, None)
+        seq.num_computed_tokens = seq.prefill_end = 0  # no slots: a recomputed sequence starts over
         seq.status = SequenceStatus.WAITING if preempted else SequenceStatus.FINISHED
         if preempted:
             seq.num_cached_tokens = 0

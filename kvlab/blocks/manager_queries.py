@@ -93,8 +93,10 @@ class BlockManagerQueries(ManagerState):
     def num_scheduled_tokens(self, seq: Sequence) -> int:
         """How many of ``seq``'s tokens have slots: their K/V is written by now or by the step just scheduled
         (vLLM V1's ``request.num_computed_tokens``, which its scheduler advances when it schedules a step).
-        The tokens after them (the rest of a chunked prompt, or tokens appended since) still need a step."""
-        return allocation_of(self, seq).num_written
+        The tokens after them (the rest of a chunked prompt, or tokens appended since) still need a step.
+        ``seq.num_computed_tokens`` itself, for a sequence allocated here."""
+        allocation_of(self, seq)  # allocated here: else the counter is not this manager's to report
+        return seq.num_computed_tokens
 
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Cache slot (block_id * block_size + offset) of positions start..end-1; -1 where the sliding window

@@ -94,7 +94,7 @@ def plan_allocation(pool, seq, hashes, contents, block_size, sliding_window, loo
 
 
 class StepPlan(NamedTuple):
-    scheduled: int     # num_written after the step: the positions it computes end here
+    scheduled: int     # seq.num_computed_tokens after the step: the positions it computes end here
     release_upto: int  # num_released after the step
     release: list      # blocks leaving the window, tail first (as free() releases)
     freed: list        # those of them that become free...
@@ -109,11 +109,11 @@ class StepPlan(NamedTuple):
 
 
 def plan_step(pool, alloc, block_size, sliding_window, lookahead, num_new_tokens) -> StepPlan:
-    """The step computes positions ``alloc.num_written .. scheduled - 1`` (its first query is the first
+    """The step computes positions ``seq.num_computed_tokens .. scheduled - 1`` (its first query is the first
     position not written yet; ``scheduled`` is num_tokens unless ``num_new_tokens`` says fewer) and reserves
     ``lookahead`` more slots."""
     table, ref = alloc.table, pool.ref
-    first_query = alloc.num_written
+    first_query = alloc.seq.num_computed_tokens
     scheduled = first_query + new_tokens(alloc.seq, num_new_tokens, first_query)
     release_upto = max(alloc.num_released, first_live_block(first_query, sliding_window, block_size))
     release = table[alloc.num_released:release_upto][::-1]

@@ -108,6 +108,14 @@ class Sequence:
         self.num_tokens = len(self._tokens)
         self.num_prompt_tokens = self.num_tokens
         self.num_cached_tokens = 0      # prompt tokens whose K/V came from the prefix cache
+        # How far it got (vLLM V1's request.num_computed_tokens). Invariant: positions < num_computed_tokens
+        # have slots in its block table and their K/V is written by now or by the step just scheduled; the
+        # tokens after them still need a step. 0 while it holds no blocks. The block manager advances it when
+        # it schedules a step (allocate, append_slots) and audits it against its own records (check_invariants).
+        self.num_computed_tokens = 0
+        # Positions < prefill_end are prefilled (set when allocated: the prompt, or everything a sequence
+        # preempted by recompute had); later ones are decoded, one sampled token at a time.
+        self.prefill_end = 0
         self.last_token: int | None = self._tokens[-1] if self._tokens else None
         self._allocation = None  # the owning manager's record (kvlab.blocks.allocations.Allocation) while allocated
         # Its full blocks' hashes (kvlab.blocks.hashing.BlockHashes), computed once for its whole life, under
@@ -150,6 +158,11 @@ class Sequence:
         """Token ids of positions ``start .. stop - 1`` (clipped as a slice is), copying only those: a decode
         step takes one token, where ``token_ids[start:stop]`` would copy the whole sequence first."""
         return self._token_array()[start:stop].tolist()
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Its next step computes prompt (or recomputed) tokens, not one decoded token."""
+        return self.num_computed_tokens < self.prefill_end
 
     @property
     def num_completion_tokens(self) -> int:
@@ -239,6 +252,7 @@ def copy_tokens(parent: Sequence, child: Sequence) -> None:
         child._hash_cache[child._hash_slot] = hashes.copy()
     child.num_tokens, child.num_prompt_tokens = parent.num_tokens, parent.num_prompt_tokens
     child.last_token, child.num_cached_tokens = parent.last_token, parent.num_cached_tokens
+    child.num_computed_tokens, child.prefill_end = parent.num_computed_tokens, parent.prefill_end
 
 
 def group_shadow(seq: Sequence, group: int) -> Sequence:

@@ -23,7 +23,7 @@ class VLLMV0Interface(ManagerState):
     def mark_blocks_as_computed(self, seq: Sequence) -> None:
         """The step that wrote ``seq``'s new slots ran. (``append_slots`` implies it for the step before.)"""
         alloc = self._on_gpu(seq)
-        alloc.num_computed = alloc.num_written
+        alloc.num_computed = seq.num_computed_tokens
 
     def access_all_blocks_in_seq(self, seq: Sequence, now: float) -> None:
         """``seq``'s blocks were used at time ``now``; LRU orders the blocks it was told about by it."""

@@ -28,14 +28,6 @@ from kvlab.engine.step import ScheduledStep, StepBuilder
 class V1Scheduler(Scheduler):
     scheduling = "v1"  # prompts in chunks: any prompt the pool holds is served
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.prefilling: set[int] = set()  # seq_ids whose prompt (or recomputed tokens) is not all scheduled
-
-    def remove(self, seq: Sequence) -> None:
-        super().remove(seq)
-        self.prefilling.discard(seq.seq_id)
-
     def schedule(self) -> ScheduledStep:
         if self.prefix_reset_pending and not self.running and not self.swapped:
             self.prefix_reset_pending = not self.manager.reset_prefix_cache()
@@ -49,20 +41,19 @@ class V1Scheduler(Scheduler):
         return step.freeze("mixed" if prefill and decode else "decode" if decode else "prefill")
 
     def _count(self, step: StepBuilder, seq: Sequence, start: int) -> int:
-        """Put ``seq`` in the step from position ``start`` (its slots are given); returns its token count."""
-        entry = step.add(self.manager, seq, start, prefill=seq.seq_id in self.prefilling)
-        if entry.samples:
-            self.prefilling.discard(seq.seq_id)  # its last chunk: it is sampled after this step
-        return entry.num_tokens
+        """Put ``seq`` in the step from position ``start`` (its slots are given: its progress counter is past
+        ``start`` now); returns its token count. It prefills while ``start`` is before the end of what it had
+        when allocated (``seq.prefill_end``)."""
+        return step.add(self.manager, seq, start, prefill=start < seq.prefill_end).num_tokens
 
     def _schedule_running(self, step: StepBuilder, budget: int) -> int:
         """Give running sequences their next tokens while the budget lasts; returns the budget left."""
         queue, kept = deque(self.running), []
         while queue and budget:
             seq = queue.popleft()
-            start = self.manager.num_scheduled_tokens(seq)
+            start = seq.num_computed_tokens
             num_new = min(seq.num_tokens - start, budget)  # 1 when decoding; a chunk of a partial prompt
-            if seq.seq_id in self.prefilling and not queue and not step.entries:
+            if seq.is_prefilling and not queue and not step.entries:
                 num_new = self._chunk_that_fits(seq, num_new)
             if self._make_room(seq, queue, step, others=bool(step.entries), num_new_tokens=num_new):
                 step.moves.add("copy", self.manager.append_slots(seq, num_new_tokens=num_new))
@@ -100,7 +91,6 @@ class V1Scheduler(Scheduler):
                 step.aborted.append((seq, self._never_fits(seq)))
                 continue
             self.manager.allocate(seq, num_new_tokens=num_new)
-            self.prefilling.add(seq.seq_id)
             step.num_cached_tokens += seq.num_cached_tokens
             budget -= self._count(step, seq, seq.num_cached_tokens)
             self.running.append(seq)

@@ -6,9 +6,11 @@ those positions, read from the block manager once, when the sequence was schedul
 tensors from that, the step loop samples from it, and failure isolation re-runs from it, so a call into the
 manager after scheduling can no longer change what runs (they used to ask the manager again mid-step).
 
-Invariant: entries are in scheduling order, one per sequence; ``start < end``; ``slots[g]`` has ``end - start``
-entries (-1 where a sliding window released the block); a step's block moves are applied before its forward
-pass.
+Invariant: entries are in scheduling order, one per sequence; ``start < end``; ``end`` is the sequence's
+``num_computed_tokens`` once scheduled (the progress counter lives on the sequence: kvlab.blocks.sequence);
+``slots[g]`` has ``end - start`` entries (-1 where a sliding window released the block); the last
+``num_draft_tokens`` of the positions are draft tokens to verify (0 until speculative decoding lands); a
+step's block moves are applied before its forward pass.
 """
 
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ class SeqStep:
     prefill: bool                    # prompt (or recomputed) tokens; else one decode token
     tables: tuple[tuple[int, ...], ...]  # [groups][blocks]: each KV cache group's block table
     slots: tuple[tuple[int, ...], ...]   # [groups][end - start]: where each new token's K/V goes
+    num_draft_tokens: int = 0        # of those positions, the last ones hold proposed tokens to verify
 
     @property
     def num_tokens(self) -> int:
@@ -34,9 +37,9 @@ class SeqStep:
 
     @property
     def samples(self) -> bool:
-        """The step computes the sequence's last token, so its next token is sampled (a prompt chunk short
-        of the end produces none)."""
-        return self.end == self.seq.num_tokens
+        """The step computes the sequence's last token (drafts aside), so its next token is sampled (a prompt
+        chunk short of the end produces none)."""
+        return self.end - self.num_draft_tokens == self.seq.num_tokens
 
     def written_blocks(self, block_size: int) -> set[int]:
         """Blocks this step writes K/V into, in any group."""
@@ -90,9 +93,9 @@ class StepBuilder(_EntriesView):
     aborted: list = field(default_factory=list)
 
     def add(self, manager, seq: Sequence, start: int, *, prefill: bool) -> SeqStep:
-        """Put ``seq`` in the step from position ``start``, its slots already given by the manager, whose
-        records are read here, once."""
-        end = manager.num_scheduled_tokens(seq)
+        """Put ``seq`` in the step from position ``start`` to its progress counter, its slots already given by
+        the manager, whose records are read here, once."""
+        end = seq.num_computed_tokens
         entry = SeqStep(seq, start, end, prefill, *_tables_and_slots(manager, seq, start, end))
         self.entries.append(entry)
         return entry

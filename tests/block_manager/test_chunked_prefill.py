@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 
 from kvlab import (AllocStatus, BlockManager, InvalidArgumentError, InvariantViolation, OutOfBlocksError, Sequence,
                    SequenceStatus, SequenceStateError)
+from kvlab.blocks.hybrid_manager import HybridBlockManager
+from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
 from kvlab.blocks.sequence import allocation_record
 
 from helpers import allocated, snapshot
@@ -289,8 +291,14 @@ def test_a_chunk_that_does_not_fit_changes_nothing():
 @pytest.mark.parametrize("corrupt, match", [
     (lambda a: setattr(a, "num_sealed", 1), "sealed blocks"),
     (lambda a: setattr(a, "num_slots", a.num_slots + 4), "blocks for"),
-    (lambda a: setattr(a, "num_written", a.seq.num_tokens + 1), "blocks for"),
-    (lambda a: (setattr(a, "num_written", 4), setattr(a, "num_sealed", 1)), "still to be scheduled is hittable"),
+    (lambda a: setattr(a.seq, "num_computed_tokens", a.seq.num_tokens + 1), "blocks for"),
+    (lambda a: setattr(a.seq, "num_computed_tokens", -1), "blocks for"),
+    (lambda a: setattr(a.seq, "num_computed_tokens", 8.0), "blocks for"),
+    (lambda a: setattr(a.seq, "num_computed_tokens", 4), "sealed blocks"),
+    (lambda a: (setattr(a.seq, "num_computed_tokens", 4), setattr(a, "num_sealed", 1)),
+     "still to be scheduled is hittable"),
+    (lambda a: setattr(a, "num_computed", 9), "marked computed"),
+    (lambda a: setattr(a.seq, "prefill_end", a.seq.num_tokens + 1), "prefills up to"),
 ])
 def test_check_invariants_audits_the_scheduled_state(corrupt, match):
     m = BlockManager(8, block_size=4)
@@ -299,3 +307,33 @@ def test_check_invariants_audits_the_scheduled_state(corrupt, match):
     corrupt(allocation_record(seq))
     with pytest.raises(InvariantViolation, match=match):
         m.check_invariants()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: BlockManager(16, block_size=4, num_cpu_blocks=16),
+    lambda: HybridBlockManager(16, 4, groups=[FullAttentionSpec(), SlidingWindowSpec(4)], num_cpu_blocks=16),
+], ids=["single", "hybrid"])
+def test_the_progress_counter_lives_on_the_sequence(make):
+    """``seq.num_computed_tokens`` (vLLM V1's name) is how far the sequence got: advanced when a step is scheduled,
+    kept through swapping, copied by fork, 0 once freed; ``prefill_end`` says where its prefill ends."""
+    m = make()
+    seq = chunked(m, PROMPT, 3)
+    assert (seq.num_computed_tokens, seq.prefill_end, seq.is_prefilling) == (3, 10, True)
+    m.append_slots(seq, num_new_tokens=6)
+    assert (seq.num_computed_tokens, seq.is_prefilling) == (9, True)  # one prompt token left: still a prefill
+    m.append_slots(seq)
+    assert (seq.num_computed_tokens, seq.is_prefilling) == (10, False) == (m.num_scheduled_tokens(seq), False)
+    seq.append_token(7)
+    assert seq.num_computed_tokens == 10 and not seq.is_prefilling  # the sampled token waits for a decode step
+    m.append_slots(seq)
+    m.swap_out(seq)
+    m.swap_in(seq)
+    child = Sequence([], 4)
+    m.fork(seq, child)
+    assert (child.num_computed_tokens, child.prefill_end) == (11, 10) == (m.num_scheduled_tokens(child), 10)
+    m.check_invariants()
+    m.free(seq, preempted=True)
+    assert (seq.num_computed_tokens, seq.prefill_end, seq.is_prefilling) == (0, 0, False)
+    m.allocate(seq, num_new_tokens=2)  # recomputed after 2 hits: its prompt and what it generated are prefilled
+    assert (seq.num_computed_tokens, seq.prefill_end, seq.is_prefilling) == (10, 11, True)
+    m.check_invariants()

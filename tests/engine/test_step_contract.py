@@ -9,7 +9,9 @@ import random
 import pytest
 
 from engine_helpers import hf_greedy, make_llm
+from kvlab.blocks.sequence import Sequence
 from kvlab.engine import SamplingParams
+from kvlab.engine.step import SeqStep
 
 QUERIES = ("num_scheduled_tokens", "get_block_table", "slot_mapping", "block_tables", "slot_mappings")
 
@@ -57,3 +59,27 @@ def test_a_scheduled_step_is_frozen_and_says_what_each_sequence_computes(llama):
     with pytest.raises(dataclasses.FrozenInstanceError):
         entry.end = 10
     assert step.num_prefill_tokens == 6 and step.num_decode_tokens == 0
+
+
+def test_a_last_chunk_of_one_prompt_token_is_a_prefill_read_from_the_sequence(llama):
+    """V1 derives "still prefilling" from the sequence (``num_computed_tokens < prefill_end``): a prompt one token
+    longer than the budget ends with a one-token chunk, which a count of tokens left alone would call a decode."""
+    path, _ = llama
+    llm = make_llm(path, scheduling="v1", max_num_batched_tokens=6, max_num_seqs=2)
+    llm.add_request([5, 6, 7, 8, 9, 10, 11], SamplingParams(max_tokens=2))
+    first = llm.scheduler.schedule()
+    [entry] = llm.scheduler.schedule().entries
+    assert [(e.start, e.end, e.prefill, e.samples) for e in first.entries] == [(0, 6, True, False)]
+    assert (entry.start, entry.end, entry.prefill, entry.samples) == (6, 7, True, True)
+    assert entry.seq.num_computed_tokens == 7 and not entry.seq.is_prefilling
+
+
+def test_a_step_entry_has_room_for_draft_tokens():
+    """``SeqStep.num_draft_tokens`` (0 unless speculative decoding proposes some): a sequence samples when its
+    positions, drafts aside, reach its last token."""
+    seq = Sequence(range(10), 4)
+    plain = SeqStep(seq, 9, 10, False, ((1, 2, 3),), ((12,),))
+    drafted = SeqStep(seq, 9, 13, False, ((1, 2, 3, 4),), ((12, 13, 14, 15),), num_draft_tokens=3)
+    assert (plain.num_draft_tokens, plain.samples) == (0, True)
+    assert (drafted.num_tokens, drafted.samples) == (4, True)
+    assert not dataclasses.replace(drafted, num_draft_tokens=2).samples

@@ -73,7 +73,7 @@ def test_a_partially_prefilled_sequence_is_preempted_and_resumes(qwen3, preempti
     partial, preempt = [], llm.scheduler._preempt
 
     def spy(seq, step):
-        partial.append(seq.seq_id in llm.scheduler.prefilling)
+        partial.append(seq.is_prefilling)
         preempt(seq, step)
 
     llm.scheduler._preempt = spy
