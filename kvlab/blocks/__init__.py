@@ -11,7 +11,8 @@ One module per part, in the manner of vLLM V1's ``vllm/v1/core/``:
     kv_cache_groups.py     the groups' specs: FullAttentionSpec, SlidingWindowSpec (vLLM's KVCacheSpec family)
     locking.py             one re-entrant lock held by every public method, so threads may share a manager
     sequence.py            Sequence: a request's tokens and its read-only block table
-    block_pool.py          the device pool: free lists, reference counts, the prefix cache (hash -> block)
+    block_pool.py          the device pool: reference counts, the free blocks (eviction/), its prefix index
+    prefix_index.py        the prefix index of a tier: verified lookup, seal, evict (hash -> block, keyed by content)
     hashing.py             chained xxh64 block hashes, computed once in a sequence's life
     block_keys.py          cache salts and extra keys (LoRA adapter, images): what else makes a block distinct
     planning.py            how many blocks a step needs, and which a sliding window can release

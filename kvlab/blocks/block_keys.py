@@ -9,7 +9,7 @@ Equal tokens after an equal prefix do not always mean equal K/V, nor that sharin
   placeholder tokens sit in it (every image has the same placeholder tokens, not the same K/V).
 
 A keyed block's identity is its token bytes followed by the encoding below. The chained hash is taken over
-those bytes and the pool compares those bytes on every lookup (``BlockPool.lookup``), so the verified lookup
+those bytes and the pool compares those bytes on every lookup (``PrefixIndex.lookup``), so the verified lookup
 covers the keys with no code of its own. A block without keys is its token bytes alone, as before: a block
 with keys is longer, so the two never compare equal.
 

@@ -61,11 +61,11 @@ class EventSink:
         per evicted block made a KV-event replay a third slower."""
 
     # ---- the prefix cache as a router sees it ------------------------------------------------------------------
-    def stored(self, pool, blocks: list, hashes: list, contents: list, parent_hash: Optional[int],
+    def stored(self, index, blocks: list, hashes: list, contents: list, parent_hash: Optional[int],
                group: int = 0) -> None:
         """``blocks`` were just sealed with ``hashes`` and ``contents``, chained after ``parent_hash`` (None
         at a prompt's start), in KV cache ``group`` (0 but in a hybrid manager's groups: ``GroupSink``);
-        ``pool.is_cached(block)`` tells which the prefix cache registered."""
+        ``index.is_cached(block)`` tells which the pool's prefix index registered."""
 
     def cleared(self) -> None:
         """``reset_prefix_cache`` forgot every prefix."""
@@ -139,8 +139,8 @@ class GroupSink(EventSink):
     def __init__(self, sink: EventSink, group: int):
         self.sink, self.group = sink, group
 
-    def stored(self, pool, blocks, hashes, contents, parent_hash, group=0):
-        self.sink.stored(pool, blocks, hashes, contents, parent_hash, self.group)
+    def stored(self, index, blocks, hashes, contents, parent_hash, group=0):
+        self.sink.stored(index, blocks, hashes, contents, parent_hash, self.group)
 
 
 def _pass_on(name: str):

@@ -4,7 +4,7 @@ A block's hash covers its parent's hash and its own token ids, so equal hashes m
 equal prefixes, not merely equal blocks: the same tokens after a different prefix have different K/V and
 must not hit. The default is xxh64 over the block's tokens as little-endian int64 bytes, seeded with the
 parent's hash (the first block's seed is 0). Collisions are harmless for correctness: the pool compares
-the tokens and the parent block before it shares anything (see ``BlockPool.lookup``).
+the tokens and the parent block before it shares anything (see ``PrefixIndex.lookup``).
 
 A salted or keyed sequence's blocks (``kvlab.blocks.block_keys``) are their token bytes followed by the
 keys' encoding, and xxh64 hashes those same bytes: another tenant's lookup misses at the hash map (barring a

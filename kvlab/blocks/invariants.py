@@ -7,13 +7,13 @@ the blocks whose tokens are all scheduled and no block holding an unscheduled on
 entries at the null block and never lists a block twice, and every sealed block in its table holds that sequence's own
 bytes (tokens, then its salt and keys) chained after the block before it; every cross table's members are
 live allocations of its group. The reference counts these records imply are then handed to each component,
-which checks itself against them (``BlockPool.check``: ref counts, free set, prefix cache map, content ids;
-``SwapSpace.check``: CPU ref counts, free list, twin links).
+which checks itself against them (``BlockPool.check``: ref counts, free set, and through ``PrefixIndex.check``
+the prefix cache map and content ids; ``SwapSpace.check``: CPU ref counts, free list, twin links).
 """
 
 from collections import Counter
 
-from kvlab.blocks.block_pool import ROOT
+from kvlab.blocks.prefix_index import ROOT
 from kvlab.blocks.hashing import block_hashes
 from kvlab.blocks.sequence import allocation_record, key_bytes, token_buffer
 from kvlab.errors import InvariantViolation
@@ -51,7 +51,7 @@ def check_records(allocations, cross_tables, pool, block_size, prefix_caching) -
             _fail(f"sequence {seq.seq_id}: {alloc.num_sealed} sealed blocks, but {computed // block_size} "
                   "have every token scheduled")
         unscheduled = alloc.table[max(alloc.num_released, computed // block_size):]
-        if not alloc.on_cpu and any(pool.is_cached(block) for block in unscheduled):
+        if not alloc.on_cpu and any(pool.index.is_cached(block) for block in unscheduled):
             _fail(f"sequence {seq.seq_id}: a block holding a token still to be scheduled is hittable")
         if any(b != 0 for b in alloc.table[:alloc.num_released]):
             _fail(f"sequence {seq.seq_id}: released entries must point at the null block")
@@ -82,12 +82,13 @@ def _check_sealed(alloc, pool, block_size) -> None:
     _, expected = block_hashes(token_buffer(alloc.seq), block_size, 0, alloc.num_sealed, None, None,
                                key_bytes(alloc.seq))
     parent = ROOT if not alloc.num_released else None  # None: not known here, not checked
+    index = pool.index
     for i in range(alloc.num_released, alloc.num_sealed):
         block = alloc.table[i]
-        if pool.content_id(block) <= ROOT:
+        if index.content_id(block) <= ROOT:
             parent = None
             continue
-        if pool.block_bytes[block] != expected[i] or parent not in (None, pool.parent_content[block]):
+        if index.block_bytes[block] != expected[i] or parent not in (None, index.parent_content[block]):
             _fail(f"sequence {alloc.seq.seq_id}: sealed block {i} (GPU block {block}) holds other bytes or "
                   "another prefix than the sequence's own")
-        parent = pool.content_id(block)
+        parent = index.content_id(block)

@@ -220,17 +220,17 @@ class KVEventPublisher(EventSink):
                 self._delivering = False
 
     # ---- the sink's reports, under the manager's lock ------------------------------------------------------
-    def stored(self, pool, blocks, hashes, contents, parent_hash: Optional[int], group: int = 0) -> None:
+    def stored(self, index, blocks, hashes, contents, parent_hash: Optional[int], group: int = 0) -> None:
         """``blocks`` were just sealed with ``hashes`` (chained after ``parent_hash``) in ``group``; those the
         prefix cache registered (not duplicates of a cached block) are stored, one event per consecutive run."""
         if self._group_of is not None:
-            self._group_of.update((block, group) for block in blocks if pool.is_cached(block))
+            self._group_of.update((block, group) for block in blocks if index.is_cached(block))
         if not self._subscriptions:
             return
         fields = self._stored_fields[group]
         start = None
         for i, block in enumerate([*blocks, None]):
-            if block is not None and pool.is_cached(block):
+            if block is not None and index.is_cached(block):
                 start = i if start is None else start
             elif start is not None:
                 run, width = contents[start:i], 8 * self.block_size

@@ -34,7 +34,6 @@ manager's one event sink (kvlab.blocks.event_sink), when anything listens.
 from typing import Optional
 
 from kvlab.blocks.allocations import Allocation, check_unallocated
-from kvlab.blocks.block_pool import ROOT
 from kvlab.blocks.hashing import hashes_to_seal, prompt_blocks, sealed_through
 from kvlab.blocks.invariants import check_manager
 from kvlab.blocks.locking import serialized
@@ -42,6 +41,7 @@ from kvlab.blocks.manager_queries import BlockManagerQueries
 from kvlab.blocks.manager_state import MAX_BLOCKS, NULL_BLOCK
 from kvlab.blocks.manager_swap import BlockManagerSwapping
 from kvlab.blocks.planning import plan_allocation, plan_step
+from kvlab.blocks.prefix_index import ROOT
 from kvlab.blocks.records import AllocStatus, PrefixCacheStats
 from kvlab.blocks.sequence import Sequence, SequenceStatus, copy_tokens, set_allocation_record
 from kvlab.blocks.vllm_v0 import VLLMV0Interface
@@ -146,7 +146,7 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
             sealed = table[alloc.num_sealed:n // bs]
             alloc.last_content = pool.seal(sealed, hashes, contents, alloc.last_content)
             if sink is not None:
-                sink.stored(pool, sealed, hashes, contents, alloc.last_hash)
+                sink.stored(pool.index, sealed, hashes, contents, alloc.last_hash)
             alloc.num_sealed, alloc.last_hash = n // bs, hashes[-1]
             sealed_through(seq, alloc.num_sealed)
         alloc.num_computed = max(alloc.num_computed, seq.num_computed_tokens)  # a new step: the last one ran
@@ -200,7 +200,7 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
         with pool.transaction() as txn:
             txn.revive(free)
             txn.add(free, [False] * len(free))
-        pool.forget_prefixes()
+        pool.index.forget_all()
         if self._sink is not None:
             self._sink.cleared()
         pool.evictions = 0
@@ -245,9 +245,9 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
         returns the content id of the chain's tail, which the next seal extends."""
         pool, hits, stop = self._pool, plan.hits, plan.num_sealed
         hashes, contents = plan.hashes[len(hits):stop], plan.contents[len(hits):stop]
-        parent = pool.fill(new_blocks, hashes, contents, pool.content_id(hits[-1]) if hits else ROOT)
+        parent = pool.fill(new_blocks, hashes, contents, pool.index.content[hits[-1]] if hits else ROOT)
         if self._sink is not None:
-            self._sink.stored(pool, new_blocks[:stop - len(hits)], hashes, contents,
+            self._sink.stored(pool.index, new_blocks[:stop - len(hits)], hashes, contents,
                               plan.hashes[len(hits) - 1] if hits else None)
         return parent
 

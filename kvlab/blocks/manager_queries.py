@@ -34,7 +34,7 @@ class BlockManagerQueries(ManagerState):
     @property
     def num_cached_blocks(self) -> int:
         """Blocks a prefix lookup can hit now (in use or free-but-warm)."""
-        return len(self._pool.cached)
+        return len(self._pool.index.cached)
 
     @property
     def num_cpu_blocks(self) -> int:
@@ -68,11 +68,11 @@ class BlockManagerQueries(ManagerState):
         return self._swap.ref[check_int("CPU block id", block_id, 0, self._swap.num_blocks - 1)]
 
     def block_hash(self, block_id: int) -> Optional[int]:
-        return self._pool.block_hash(check_int("block id", block_id, 0, self.num_blocks - 1))
+        return self._pool.index.block_hash(check_int("block id", block_id, 0, self.num_blocks - 1))
 
     def is_cached(self, block_id: int) -> bool:
         """Whether a prefix lookup can hit this block now (it may be in use or free-but-warm)."""
-        return self._pool.is_cached(check_int("block id", block_id, 0, self.num_blocks - 1))
+        return self._pool.index.is_cached(check_int("block id", block_id, 0, self.num_blocks - 1))
 
     def free_block_ids(self) -> list[int]:
         """Free GPU blocks, in the order they will be reused."""
@@ -126,4 +126,4 @@ class BlockManagerQueries(ManagerState):
         if not self.enable_prefix_caching or seq.num_tokens == 0:
             return 0
         hashes, contents = prompt_blocks(seq, self.block_size, self.hash_fn)
-        return len(self._pool.lookup(hashes, contents, (seq.num_tokens - 1) // self.block_size)) * self.block_size
+        return len(self._pool.index.lookup(hashes, contents, (seq.num_tokens - 1) // self.block_size)) * self.block_size

@@ -6,7 +6,8 @@ interface (vllm_v0.py). Each part derives from ``ManagerState``, so the state a 
 own base class, here, never by a subclass that happens to combine it: the components below and the
 settings, nothing else.
 
-    _pool          BlockPool: the GPU pool, its ref counts and the prefix cache (kvlab.blocks.block_pool)
+    _pool          BlockPool: the GPU pool and its ref counts (kvlab.blocks.block_pool); ``_pool.index`` its
+                   PrefixIndex, the prefix cache (kvlab.blocks.prefix_index)
     _swap          SwapSpace: the CPU pool (kvlab.blocks.swap)
     _cross         CrossTables: encoder-decoder cross-attention tables (kvlab.blocks.cross_attention)
     _allocs        the Allocation of every sequence allocated here (kvlab.blocks.allocations)

@@ -79,7 +79,7 @@ def plan_allocation(pool, seq, hashes, contents, block_size, sliding_window, loo
     n = seq.num_tokens
     # Never share the whole prompt: at least one token must be computed to produce logits.
     limit = (n - 1) // block_size
-    hits = pool.lookup(hashes, contents, limit if max_hits is None else min(limit, max_hits))
+    hits = pool.index.lookup(hashes, contents, limit if max_hits is None else min(limit, max_hits))
     cached = len(hits) * block_size
     scheduled = cached + new_tokens(seq, num_new_tokens, cached)
     # The step's first query is the first uncached token.

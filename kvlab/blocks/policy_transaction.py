@@ -32,7 +32,7 @@ class PolicyTransaction:
 
     def revive(self, blocks) -> None:
         """Free blocks leave the free set without being reused (prefix hits take them back)."""
-        registered, remove = self._pool.registered, self._policy.remove
+        registered, remove = self._pool.index.registered, self._policy.remove
         self.calling = "remove"
         for block in blocks:
             remove(block)
@@ -47,7 +47,7 @@ class PolicyTransaction:
         if self._trusted:  # nothing in a transaction with a trusted policy can fail: no undo to record
             self.calling = "pop_many"
             return self._policy.pop_many(count)
-        registered = self._pool.registered
+        registered = self._pool.index.registered
         self.calling = "pop"
         taken = []
         for _ in range(count):

@@ -45,7 +45,7 @@ class EngineHybridManager(HybridBlockManager):
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self._pool.cached)  # the groups share one pool
+        return len(self._pool.index.cached)  # the groups share one pool
 
     @property
     def stats(self):

@@ -31,7 +31,7 @@ def test_reusing_a_cached_block_reports_its_block_hash_and_bytes():
         reused = txn.pop(3)                                   # the never-used block, then both warm ones
     pool.fill(reused, [33], [b"tokens 3"])
     assert tier.records == [(first[1], 22, b"tokens 2"), (first[0], 11, b"tokens 1")]
-    assert pool.evictions == 2 and not pool.is_cached(first[0]) and pool.block_hash(reused[0]) == 33
+    assert pool.evictions == 2 and not pool.index.is_cached(first[0]) and pool.index.block_hash(reused[0]) == 33
 
 
 def test_a_manager_reports_evicted_prompt_blocks_with_their_tokens():

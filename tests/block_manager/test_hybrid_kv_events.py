@@ -22,7 +22,7 @@ from test_stateful_hybrid import MACHINES, STEPS
 
 from kvlab import BlockManager, Sequence
 from kvlab.blocks.block_keys import encode_key
-from kvlab.blocks.block_pool import NO_CONTENT, ROOT
+from kvlab.blocks.prefix_index import NO_CONTENT, ROOT
 from kvlab.blocks.hybrid_manager import HybridBlockManager
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
 from kvlab.blocks.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, CachedHashes, event_dict
@@ -34,8 +34,8 @@ FULL, W2 = FullAttentionSpec(), SlidingWindowSpec(2)
 def cached_groups(manager: HybridBlockManager) -> tuple[set, dict]:
     """The manager's own answer, from its pool: (every cached hash, cached block -> its group where its chain
     of contents back to block 0 is still in the pool). A block 0's bytes are its tokens, then its group's tag."""
-    pool, width = manager._pool, 8 * manager.block_size
-    holder = {pool.content[b]: b for b in range(pool.num_blocks) if pool.content[b] != NO_CONTENT}
+    pool, width = manager._pool.index, 8 * manager.block_size
+    holder = {pool.content[b]: b for b in range(pool.num_slots) if pool.content[b] != NO_CONTENT}
     tags = [b"G" + encode_key(g) for g in range(len(manager.groups))]
 
     def group(block):
@@ -46,7 +46,7 @@ def cached_groups(manager: HybridBlockManager) -> tuple[set, dict]:
         [g] = [g for g, tag in enumerate(tags) if pool.block_bytes[block][width:].startswith(tag)]
         return g
 
-    cached = [b for b in range(pool.num_blocks) if pool.is_cached(b)]
+    cached = [b for b in range(pool.num_slots) if pool.is_cached(b)]
     return {pool.hash[b] for b in cached}, {b: group(b) for b in cached if group(b) is not None}
 
 
@@ -93,7 +93,7 @@ def _event_machine(machine):
             pairs = {(g, h) for g, group_hashes in self.replayed.groups.items() for h in group_hashes}
             assert not self.replayed.hashes   # every hybrid event names its group
             assert {h for _, h in pairs} == hashes and len(pairs) == len(hashes)
-            pool = self.manager._pool
+            pool = self.manager._pool.index
             assert {(g, pool.hash[b]) for b, g in groups.items()} <= pairs
 
         @invariant()

@@ -143,24 +143,24 @@ def _misfile_a_cached_block(policy):
 
 
 def _sealed(pool, used):
-    return [b for b in range(pool.num_blocks) if pool.content[b] > 0 and (pool.ref[b] > 0) == used]
+    return [b for b in range(pool.num_blocks) if pool.index.content[b] > 0 and (pool.ref[b] > 0) == used]
 
 
 def _give_a_used_block_another_salt(pool):
-    pool.block_bytes[_sealed(pool, used=True)[0]] += b"S" + encode_key("tenant-b")
+    pool.index.block_bytes[_sealed(pool, used=True)[0]] += b"S" + encode_key("tenant-b")
 
 
 def _merge_two_contents(pool):
     first, second = _sealed(pool, used=False)[:2]
-    pool.content[second] = pool.content[first]
+    pool.index.content[second] = pool.index.content[first]
 
 
 @pytest.mark.parametrize("corrupt, match", [
     (lambda m: m._pool.ref.__setitem__(0, m._pool.ref[0] + 1), "ref count"),
     (lambda m: m._pool.policy.add(0, False), "free"),
-    (lambda m: m._pool.cached.__setitem__(12345, 11), "prefix cache"),
+    (lambda m: m._pool.index.cached.__setitem__(12345, 11), "prefix cache"),
     (lambda m: m._swap._link(0, 3), "twin"),
-    (lambda m: m._pool.registered.__setitem__(11, True), "registered flag"),
+    (lambda m: m._pool.index.registered.__setitem__(11, True), "registered flag"),
     (lambda m: _misfile_a_cached_block(m._pool.policy), "filed as cached"),
     (lambda m: m._swap.ref.__setitem__(1, 1), "CPU block"),
     (lambda m: m._pool.__setattr__("num_free", m._pool.num_free + 1), "miscounts"),

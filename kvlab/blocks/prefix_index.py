@@ -1,0 +1,156 @@
+"""The prefix index: which slot of a tier holds which sealed content, looked up by hash and verified by content.
+
+A *slot* is a block of one tier (a GPU block of ``BlockPool``, or a CPU slot of an offload tier); the index
+knows nothing about reference counts or free lists, only what each slot holds. A sealed slot records a
+content id: a unique number for "these bytes (its tokens, then its keys: a tenant's salt, an adapter, an
+image; see ``kvlab.blocks.block_keys``) after that exact prefix", the content id of its parent (the block it
+was computed after; ``ROOT`` for a sequence's first block), and the bytes themselves. A slot is *cached*
+(hittable) when the hash map points at it; at most one slot per hash is.
+
+Why content ids: a lookup shares slot c for logical block i only if c holds the same bytes AND c's parent
+holds exactly the content the lookup matched for block i - 1. Comparing content ids (not slot ids, which are
+reused) makes that check O(1) and immune to hash collisions at this block or any earlier one: a weak hash only
+costs hits, never correctness. Content ids come from one ``ContentIds`` counter shared by every tier's index,
+so one id stands for one (parent, bytes) in all of them and an entry moved between tiers keeps its id (the
+chain it extends stays verifiable there).
+
+Per-slot state lives in parallel lists indexed by slot (cheaper than an object per slot: a tuple per block
+would be a GC-tracked allocation per block, ~13% of a replay).
+"""
+
+from typing import NamedTuple, Optional
+
+from kvlab.errors import InvariantViolation
+
+NO_CONTENT = -1  # slot holds nothing sealed
+ROOT = 0         # the "parent content" of a sequence's first block
+
+
+class ContentIds:
+    """The source of content ids, shared by the indexes of every tier of one manager."""
+
+    def __init__(self):
+        self.next = ROOT + 1
+
+
+class Evicted(NamedTuple):
+    """What an eviction dropped from the index, as it was just before: slot ``slots[i]`` held ``contents[i]``
+    (its tokens as int64 bytes, then its keys' encoding) under hash ``hashes[i]``, with content id
+    ``content_ids[i]`` chained after ``parents[i]``. Aligned lists, not a record per slot (see above)."""
+    slots: list
+    hashes: list
+    contents: list
+    content_ids: list
+    parents: list
+
+
+class PrefixIndex:
+    def __init__(self, num_slots: int, ids: Optional[ContentIds] = None, name: str = "GPU block"):
+        self.num_slots = num_slots
+        self.ids = ids if ids is not None else ContentIds()
+        self.name = name  # how error messages call a slot
+        self.forget_all()
+
+    def forget_all(self) -> None:
+        """Every slot stops holding sealed content."""
+        n = self.num_slots
+        self.hash: list[Optional[int]] = [None] * n
+        self.content = [NO_CONTENT] * n
+        self.parent_content = [NO_CONTENT] * n
+        self.block_bytes: list[Optional[bytes]] = [None] * n
+        self.cached: dict[int, int] = {}  # hash -> the one registered slot with that hash
+        self.registered = [False] * n  # registered[s] == (cached.get(hash of s) == s), kept for speed
+
+    def is_cached(self, slot: int) -> bool:
+        return self.registered[slot]
+
+    def block_hash(self, slot: int) -> Optional[int]:
+        return self.hash[slot]
+
+    def content_id(self, slot: int) -> int:
+        return self.content[slot]
+
+    def lookup(self, hashes: list[int], contents: list[bytes], limit: int, parent: int = ROOT) -> list[int]:
+        """The cached slots matching the first full blocks of a prompt (chained after content ``parent``), in
+        order, stopping at the first miss (at most ``limit``). Pure: changes nothing."""
+        hits: list[int] = []
+        cached, block_bytes, parent_content, content = (self.cached, self.block_bytes, self.parent_content,
+                                                        self.content)
+        for i in range(min(limit, len(hashes))):
+            slot = cached.get(hashes[i])
+            if slot is None or parent_content[slot] != parent or block_bytes[slot] != contents[i]:
+                break
+            hits.append(slot)
+            parent = content[slot]
+        return hits
+
+    def seal(self, slots, hashes, contents, parent: int) -> int:
+        """Record that each of ``slots`` is full with ``contents[i]`` (hash ``hashes[i]``), chained after the
+        prefix whose content id is ``parent``, and register each unless another slot already holds its hash
+        (then only the first stays hittable). Returns the last slot's content id, the next slot's ``parent``.
+        The slots that got a new content id are those with ``content[s] >=`` the ids' ``next`` before."""
+        setdefault, registered, block_hash = self.cached.setdefault, self.registered, self.hash
+        content_id, parent_content, block_bytes = self.content, self.parent_content, self.block_bytes
+        cid = self.ids.next
+        for slot, h, content in zip(slots, hashes, contents):
+            block_hash[slot] = h
+            twin = setdefault(h, slot)
+            if twin == slot:
+                registered[slot] = True
+            elif parent_content[twin] == parent and block_bytes[twin] == content:
+                # The same prefix is already cached in another slot: this one is an unregistered duplicate
+                # with the same content id, so blocks sealed after it still chain to the cached prefix.
+                content_id[slot] = parent = content_id[twin]
+                parent_content[slot], block_bytes[slot] = parent_content[twin], content
+                continue
+            content_id[slot], parent_content[slot], block_bytes[slot] = cid, parent, content
+            parent = cid
+            cid += 1
+        self.ids.next = cid
+        return parent
+
+    def evict(self, slots) -> Optional[Evicted]:
+        """The cached ones of ``slots`` stop being hittable (their slots are reused for new content); returns
+        what they held, or None if none was cached. Their other fields stay until overwritten or ``clear``."""
+        registered = self.registered
+        dropped = [slot for slot in slots if registered[slot]]
+        if not dropped:
+            return None
+        cached, block_hash, block_bytes = self.cached, self.hash, self.block_bytes
+        content, parent_content = self.content, self.parent_content
+        hashes = []
+        for slot in dropped:
+            registered[slot] = False
+            h = block_hash[slot]
+            del cached[h]
+            hashes.append(h)
+        return Evicted(dropped, hashes, [block_bytes[s] for s in dropped], [content[s] for s in dropped],
+                       [parent_content[s] for s in dropped])
+
+    def clear(self, slots) -> None:
+        """``slots`` (none of them cached) hold no sealed content now."""
+        block_hash, content = self.hash, self.content
+        for slot in slots:
+            block_hash[slot] = None
+            content[slot] = NO_CONTENT
+
+    def check(self) -> None:
+        """Raise InvariantViolation unless the hash map, the registered flags and the content ids agree.
+        O(number of slots)."""
+        for h, slot in self.cached.items():
+            if self.hash[slot] != h or self.content[slot] <= ROOT:
+                _fail(f"prefix cache maps hash {h} to block {slot}, which does not hold that sealed content")
+        if sum(self.registered) != len(self.cached) or any(
+                self.registered[s] != (self.cached.get(self.hash[s]) == s) for s in range(self.num_slots)):
+            _fail("a block's registered flag disagrees with the prefix cache map")
+        # A lookup trusts a content id to stand for one parent and one run of bytes (tokens and keys): were it
+        # to stand for two, a hit could hand out K/V of other tokens, or of another tenant.
+        sealed = {}
+        for s in range(self.num_slots):
+            cid, what = self.content[s], (self.parent_content[s], self.block_bytes[s])
+            if cid > ROOT and sealed.setdefault(cid, what) != what:
+                _fail(f"{self.name} {s} has content id {cid} but not the parent and bytes of its other blocks")
+
+
+def _fail(message: str):
+    raise InvariantViolation(message)
