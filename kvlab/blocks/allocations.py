@@ -14,7 +14,7 @@ class Allocation:
     """How far the sequence got is not here: it is ``seq.num_computed_tokens`` (kvlab.blocks.sequence), which
     the manager advances when it schedules a step and ``check_invariants`` audits against this record."""
     __slots__ = ("manager", "seq", "table", "on_cpu", "num_sealed", "last_hash", "last_content",
-                 "num_released", "num_slots", "num_computed", "cross")
+                 "num_released", "num_slots", "num_computed", "cross", "forked_drafts")
 
     def __init__(self, manager, seq, table, num_sealed, last_hash, last_content, num_released, num_computed,
                  num_slots, cross=None):
@@ -31,6 +31,8 @@ class Allocation:
         # vLLM V0's mark (kvlab.blocks.vllm_v0): positions < num_computed are confirmed written (a step ran since).
         self.num_computed = num_computed
         self.cross = cross                 # the group's CrossTable (encoder-decoder), shared by its forks
+        # Blocks shared with a fork while drafts were in flight: a sibling may seal one (kvlab.blocks.drafts).
+        self.forked_drafts = frozenset()
 
     @classmethod
     def admitted(cls, manager, seq, plan, table, last_content) -> "Allocation":
@@ -45,8 +47,10 @@ class Allocation:
         return self.table[self.num_released:]
 
     def copy_for(self, seq) -> "Allocation":
-        return Allocation(self.manager, seq, list(self.table), self.num_sealed, self.last_hash,
+        twin = Allocation(self.manager, seq, list(self.table), self.num_sealed, self.last_hash,
                           self.last_content, self.num_released, self.num_computed, self.num_slots, self.cross)
+        twin.forked_drafts = self.forked_drafts
+        return twin
 
 
 class CrossTable:

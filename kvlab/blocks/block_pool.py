@@ -71,14 +71,23 @@ class BlockPool:
         ref, index = self.ref, self.index
         for block in taken:
             ref[block] = 1
-        evicted = index.evict(taken)
+        self._evict(taken)
+        index.clear(taken[len(hashes):])  # the rest hold no sealed content now (seal overwrites the others)
+        self.num_free -= len(taken)
+        return self.seal(taken[:len(hashes)], hashes, contents, parent) if hashes else parent
+
+    def unseal(self, blocks) -> None:
+        """``blocks`` (each in use by the one sequence about to overwrite it) stop holding sealed content: the
+        cached ones leave the index, reported to the sink as evicted (kvlab.blocks.drafts)."""
+        self._evict(blocks)
+        self.index.clear(blocks)
+
+    def _evict(self, blocks) -> None:
+        evicted = self.index.evict(blocks)
         if evicted is not None:
             self.evictions += len(evicted.slots)
             if self.sink is not None:
                 self.sink.evicted(evicted.slots, evicted.hashes, evicted.contents)
-        index.clear(taken[len(hashes):])  # the rest hold no sealed content now (seal overwrites the others)
-        self.num_free -= len(taken)
-        return self.seal(taken[:len(hashes)], hashes, contents, parent) if hashes else parent
 
     def claim(self, blocks, revived: int) -> None:
         """One more reference to each block (prefix hits, forks, twins); ``revived`` of them were free."""

@@ -173,28 +173,40 @@ class HybridBlockManager:
         seq.num_computed_tokens, seq.prefill_end = shadows[0].num_computed_tokens, seq.num_tokens
 
     def can_append_slots(self, seq: Sequence, num_lookahead_slots: int = 0, *,
-                         num_new_tokens: Optional[int] = None) -> bool:
-        return sum(self._step_needs(seq, num_lookahead_slots, num_new_tokens)[1]) <= self._pool.num_free
+                         num_new_tokens: Optional[int] = None, num_draft_tokens: int = 0) -> bool:
+        return sum(self._step_needs(seq, num_lookahead_slots, num_new_tokens, num_draft_tokens)[1]) <= \
+            self._pool.num_free
 
     def append_slots(self, seq: Sequence, num_lookahead_slots: int = 0, *,
-                     num_new_tokens: Optional[int] = None) -> list[list[tuple[int, int]]]:
-        """Schedule a step in every group; returns each group's copy-on-write (src, dst) pairs."""
-        shadows, needs = self._step_needs(seq, num_lookahead_slots, num_new_tokens)
+                     num_new_tokens: Optional[int] = None, num_draft_tokens: int = 0) -> list[list[tuple[int, int]]]:
+        """Schedule a step in every group (drafts: kvlab.blocks.drafts); returns each group's copy-on-write
+        (src, dst) pairs."""
+        shadows, needs = self._step_needs(seq, num_lookahead_slots, num_new_tokens, num_draft_tokens)
         if sum(needs) > self._pool.num_free:
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {sum(needs)} more free blocks across its groups, "
                                    f"{self._pool.num_free} are free (check can_append_slots first)")
         # Groups that release more than they take go first: then each group finds room when its turn comes.
         pairs = [None] * len(shadows)
         for g in sorted(range(len(shadows)), key=needs.__getitem__):
-            pairs[g] = self._members[g].append_slots(shadows[g], num_lookahead_slots, num_new_tokens=num_new_tokens)
+            pairs[g] = self._members[g].append_slots(shadows[g], num_lookahead_slots, num_new_tokens=num_new_tokens,
+                                                     num_draft_tokens=num_draft_tokens)
         seq.num_computed_tokens = shadows[0].num_computed_tokens  # every group scheduled the same positions
+        seq.num_draft_tokens = num_draft_tokens
         return pairs
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """Verify ``seq``'s drafts in every group (see kvlab.blocks.drafts); group 0 refuses bad arguments
+        before any group changes."""
+        shadows = self._gpu_shadows(seq)
+        for member, shadow in zip(self._members, shadows):
+            member.accept_drafts(shadow, num_accepted)
+        seq.num_computed_tokens, seq.num_draft_tokens = shadows[0].num_computed_tokens, 0
 
     def free(self, seq: Sequence, *, preempted: bool = False) -> None:
         for member, shadow in zip(self._members, self._shadows(seq)):
             member.free(shadow, preempted=preempted)
         set_allocation_record(seq, None)
-        seq.num_computed_tokens = seq.prefill_end = 0
+        seq.num_computed_tokens = seq.prefill_end = seq.num_draft_tokens = 0
         seq.status = SequenceStatus.WAITING if preempted else SequenceStatus.FINISHED
         if preempted:
             seq.num_cached_tokens = 0
@@ -299,9 +311,9 @@ class HybridBlockManager:
         fresh = sum(plan.live_blocks - len(plan.hits) + plan.first_live for plan in plans)
         return pins, revived, fresh + len(revived)
 
-    def _step_needs(self, seq, lookahead, num_new_tokens):
+    def _step_needs(self, seq, lookahead, num_new_tokens, num_drafts):
         shadows = self._gpu_shadows(seq)
-        plans = [member._plan_step(member._on_gpu(shadow), lookahead, num_new_tokens)
+        plans = [member._plan_step(member._on_gpu(shadow), lookahead, num_new_tokens, num_drafts)
                  for member, shadow in zip(self._members, shadows)]
         return shadows, [plan.blocks_needed - len(plan.freed) for plan in plans]
 

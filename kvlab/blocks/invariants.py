@@ -3,12 +3,13 @@
 The manager's own records are checked here, and the sequence's progress counter (``seq.num_computed_tokens``,
 which the manager advances but does not own) against them: every allocation belongs to its sequence, holds
 exactly the blocks its scheduled positions and lookahead slots need, has sealed (with prefix caching) exactly
-the blocks whose tokens are all scheduled and no block holding an unscheduled one is hittable, points released
-entries at the null block and never lists a block twice, and every sealed block in its table holds that sequence's own
-bytes (tokens, then its salt and keys) chained after the block before it; every cross table's members are
-live allocations of its group. The reference counts these records imply are then handed to each component,
-which checks itself against them (``BlockPool.check``: ref counts, free set, and through ``PrefixIndex.check``
-the prefix cache map and content ids; ``SwapSpace.check``: CPU ref counts, free list, twin links).
+the blocks whose tokens are all scheduled and verified (drafts aside) and no block holding an unscheduled or
+unverified one is hittable, points released entries at the null block and never lists a block twice, and
+every sealed block in its table holds that sequence's own bytes (tokens, then its salt and keys) chained
+after the block before it; every cross table's members are live allocations of its group. The reference
+counts these records imply are then handed to each component, which checks itself against them
+(``BlockPool.check``: ref counts, free set, and through ``PrefixIndex.check`` the prefix cache map and content
+ids; ``SwapSpace.check``: CPU ref counts, free list, twin links).
 """
 
 from collections import Counter
@@ -37,22 +38,28 @@ def check_records(allocations, cross_tables, pool, block_size, prefix_caching) -
         seq = alloc.seq
         if allocation_record(seq) is not alloc:
             _fail(f"sequence {seq.seq_id} does not point at the allocation that holds it")
-        computed = seq.num_computed_tokens  # the sequence's progress counter, checked against this record
-        if type(computed) is not int or not 0 <= computed <= min(alloc.num_slots, seq.num_tokens) or \
-                len(alloc.table) != -(-alloc.num_slots // block_size):
+        # The sequence's progress counters, checked against this record: positions < computed have slots, the
+        # last `drafts` of them unverified (kvlab.blocks.drafts).
+        computed, drafts = seq.num_computed_tokens, seq.num_draft_tokens
+        if type(computed) is not int or type(drafts) is not int or not 0 <= drafts <= computed <= alloc.num_slots \
+                or computed - drafts > seq.num_tokens or len(alloc.table) != -(-alloc.num_slots // block_size):
             _fail(f"sequence {seq.seq_id}: {len(alloc.table)} blocks for {alloc.num_slots} slots, of which "
-                  f"{computed!r} scheduled positions (num_computed_tokens; it has {seq.num_tokens} tokens)")
-        if not alloc.num_computed <= computed:
-            _fail(f"sequence {seq.seq_id}: {alloc.num_computed} positions marked computed but only {computed} "
-                  "scheduled")
+                  f"{computed!r} scheduled positions (num_computed_tokens), {drafts!r} of them drafts (it has "
+                  f"{seq.num_tokens} tokens)")
+        verified = computed - drafts
+        if not alloc.num_computed <= verified:
+            _fail(f"sequence {seq.seq_id}: {alloc.num_computed} positions marked computed but only {verified} "
+                  "scheduled and verified")
         if not seq.prefill_end <= seq.num_tokens:
             _fail(f"sequence {seq.seq_id}: prefills up to position {seq.prefill_end} of its {seq.num_tokens} tokens")
-        if prefix_caching and alloc.num_sealed != computed // block_size:
-            _fail(f"sequence {seq.seq_id}: {alloc.num_sealed} sealed blocks, but {computed // block_size} "
-                  "have every token scheduled")
-        unscheduled = alloc.table[max(alloc.num_released, computed // block_size):]
-        if not alloc.on_cpu and any(pool.index.is_cached(block) for block in unscheduled):
-            _fail(f"sequence {seq.seq_id}: a block holding a token still to be scheduled is hittable")
+        if prefix_caching and alloc.num_sealed != verified // block_size:
+            _fail(f"sequence {seq.seq_id}: {alloc.num_sealed} sealed blocks, but {verified // block_size} "
+                  "have every token scheduled and verified")
+        # Only a fork sibling that accepted drafts this sequence rejected seals such a block (kvlab.blocks.drafts).
+        unverified = alloc.table[max(alloc.num_released, verified // block_size):]
+        if not alloc.on_cpu and any(pool.index.is_cached(block) and block not in alloc.forked_drafts
+                                    for block in unverified):
+            _fail(f"sequence {seq.seq_id}: a block holding a token still to be scheduled or verified is hittable")
         if any(b != 0 for b in alloc.table[:alloc.num_released]):
             _fail(f"sequence {seq.seq_id}: released entries must point at the null block")
         live = alloc.live_blocks()

@@ -26,7 +26,8 @@ threads may share a manager (each Sequence belongs to one thread at a time). A f
 
 This module holds that lifecycle. ``BlockManager`` is built from parts that each add calls over the state
 ``ManagerState`` creates (kvlab.blocks.manager_state, where its constructor lives): the queries
-(kvlab.blocks.manager_queries), swapping (kvlab.blocks.manager_swap) and vLLM V0's interface with the
+(kvlab.blocks.manager_queries), swapping (kvlab.blocks.manager_swap), speculative decoding's verification
+(kvlab.blocks.drafts: draft tokens get slots, only verified ones are sealed) and vLLM V0's interface with the
 encoder-decoder cross-attention tables (kvlab.blocks.vllm_v0). Every part reports its changes to the
 manager's one event sink (kvlab.blocks.event_sink), when anything listens.
 """
@@ -34,6 +35,7 @@ manager's one event sink (kvlab.blocks.event_sink), when anything listens.
 from typing import Optional
 
 from kvlab.blocks.allocations import Allocation, check_unallocated
+from kvlab.blocks.drafts import SpeculativeDrafts, check_unverified, share_drafts
 from kvlab.blocks.hashing import hashes_to_seal, prompt_blocks, sealed_through
 from kvlab.blocks.invariants import check_manager
 from kvlab.blocks.locking import serialized
@@ -52,7 +54,7 @@ __all__ = ["BlockManager", "AllocStatus", "PrefixCacheStats", "NULL_BLOCK", "MAX
 
 
 @serialized
-class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
+class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface, SpeculativeDrafts):
     # ---- admission and allocation --------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_lookahead_slots: int = 0, encoder_seq=None, *,
                      num_new_tokens: Optional[int] = None) -> AllocStatus:
@@ -97,28 +99,31 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
 
     # ---- decode growth and copy-on-write ---------------------------------------------------------------
     def can_append_slots(self, seq: Sequence, num_lookahead_slots: int = 0, *,
-                         num_new_tokens: Optional[int] = None) -> bool:
+                         num_new_tokens: Optional[int] = None, num_draft_tokens: int = 0) -> bool:
         """Whether ``append_slots`` with the same arguments fits now (a running sequence: no watermark)."""
-        plan = self._plan_step(self._on_gpu(seq), num_lookahead_slots, num_new_tokens)
+        plan = self._plan_step(self._on_gpu(seq), num_lookahead_slots, num_new_tokens, num_draft_tokens)
         return plan.blocks_needed <= self._pool.num_free + len(plan.freed)
 
     def append_slots(self, seq: Sequence, num_lookahead_slots: int = 0, *,
-                     num_new_tokens: Optional[int] = None) -> list[tuple[int, int]]:
+                     num_new_tokens: Optional[int] = None, num_draft_tokens: int = 0) -> list[tuple[int, int]]:
         """Schedule a step: release the blocks that left the sliding window, give slots to the next
         ``num_new_tokens`` tokens that have none (None: all of them, i.e. every token appended by
-        ``seq.append_token`` since the last step, or the rest of a chunked prompt) plus
-        ``num_lookahead_slots`` speculative ones, and seal blocks whose last token is now scheduled (they
-        become hittable at once, see the ordering rule above). A shared block about to be written is copied
-        first; returns those copy-on-write (src, dst) pairs for ``copy_blocks``."""
+        ``seq.append_token`` since the last step, or the rest of a chunked prompt), then to
+        ``num_draft_tokens`` proposed tokens after the last one (verified by this step's forward pass, then
+        ``accept_drafts``: kvlab.blocks.drafts) and to ``num_lookahead_slots`` more, and seal blocks whose last
+        token is now scheduled, drafts aside (they become hittable at once, see the ordering rule above). A
+        shared block about to be written is copied first; returns those copy-on-write (src, dst) pairs for
+        ``copy_blocks``."""
         alloc = self._on_gpu(seq)
-        plan = self._plan_step(alloc, num_lookahead_slots, num_new_tokens)
+        plan = self._plan_step(alloc, num_lookahead_slots, num_new_tokens, num_draft_tokens)
         pool, table, sink, bs, n = self._pool, alloc.table, self._sink, self.block_size, plan.scheduled
+        verified = n - num_draft_tokens  # only these are sealed: drafts may be rejected
         if plan.blocks_needed > pool.num_free + len(plan.freed):
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {plan.blocks_needed} free blocks, "
                                    f"{pool.num_free + len(plan.freed)} are free (check can_append_slots first)")
-        sealing = self.enable_prefix_caching and n // bs > alloc.num_sealed
+        sealing = self.enable_prefix_caching and verified // bs > alloc.num_sealed
         if sealing:  # hashed before anything changes: a failing hash_fn must leave no trace
-            hashes, contents = hashes_to_seal(seq, alloc.num_sealed, n // bs, bs, self.hash_fn)
+            hashes, contents = hashes_to_seal(seq, alloc.num_sealed, verified // bs, bs, self.hash_fn)
         with pool.transaction() as txn:
             txn.add(plan.freed, plan.freed_cached)
             taken = txn.pop(plan.blocks_needed)
@@ -127,6 +132,8 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
         table[alloc.num_released:plan.release_upto] = [NULL_BLOCK] * len(plan.release)
         alloc.num_released = plan.release_upto
         pool.fill(taken)
+        if plan.unseal:
+            pool.unseal(plan.unseal)
         fresh, pairs = iter(taken), []
         for i in plan.touched:
             src = table[i]
@@ -143,14 +150,14 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
             if sink is not None:
                 sink.appended(seq.seq_id, block)
         if sealing:
-            sealed = table[alloc.num_sealed:n // bs]
+            sealed = table[alloc.num_sealed:verified // bs]
             alloc.last_content = pool.seal(sealed, hashes, contents, alloc.last_content)
             if sink is not None:
                 sink.stored(pool.index, sealed, hashes, contents, alloc.last_hash)
-            alloc.num_sealed, alloc.last_hash = n // bs, hashes[-1]
+            alloc.num_sealed, alloc.last_hash = verified // bs, hashes[-1]
             sealed_through(seq, alloc.num_sealed)
         alloc.num_computed = max(alloc.num_computed, seq.num_computed_tokens)  # a new step: the last one ran
-        seq.num_computed_tokens = n
+        seq.num_computed_tokens, seq.num_draft_tokens = n, num_draft_tokens
         alloc.num_slots = max(alloc.num_slots, n + num_lookahead_slots)
         return pairs
 
@@ -168,7 +175,7 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
         self._cross.detach(alloc)
         self._allocs.discard(alloc)
         set_allocation_record(seq, None)
-        seq.num_computed_tokens = seq.prefill_end = 0  # no slots: a recomputed sequence starts over
+        seq.num_computed_tokens = seq.prefill_end = seq.num_draft_tokens = 0  # no slots: recomputed, it starts over
         seq.status = SequenceStatus.WAITING if preempted else SequenceStatus.FINISHED
         if preempted:
             seq.num_cached_tokens = 0
@@ -178,12 +185,15 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give the new ``child`` the parent's tokens (and block size, salt and keys) and share all its blocks:
         nothing is allocated; a later append into a shared partial block copies it. Whatever tokens and keys
-        the child had are replaced (``Sequence([])`` is the usual child)."""
+        the child had are replaced (``Sequence([])`` is the usual child). A parent's drafts in flight are the
+        child's too, and each verifies them on its own (kvlab.blocks.drafts)."""
         alloc = self._on_gpu(parent)
         check_unallocated(self, child, need_tokens=False, same_block_size=False)
         child.block_size = parent.block_size
         copy_tokens(parent, child)
         twin = alloc.copy_for(child)
+        if parent.num_draft_tokens:
+            share_drafts(alloc, twin)
         self._pool.claim(twin.live_blocks(), 0)  # all in use by the parent: none was free
         self._cross.share(alloc, twin)
         self._adopt(twin, child.num_cached_tokens)
@@ -256,6 +266,9 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface):
         return plan_allocation(self._pool, seq, hashes, contents, self.block_size, self.sliding_window, lookahead,
                                num_new_tokens)
 
-    def _plan_step(self, alloc, lookahead, num_new_tokens):
+    def _plan_step(self, alloc, lookahead, num_new_tokens, num_drafts=0):
         check_int("num_lookahead_slots", lookahead, 0)
-        return plan_step(self._pool, alloc, self.block_size, self.sliding_window, lookahead, num_new_tokens)
+        check_int("num_draft_tokens", num_drafts, 0)
+        check_unverified(alloc.seq)
+        return plan_step(self._pool, alloc, self.block_size, self.sliding_window, lookahead, num_new_tokens,
+                         num_drafts)

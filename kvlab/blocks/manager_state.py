@@ -1,8 +1,8 @@
 """The block manager's state, created in one place, and the record lookups every part of it shares.
 
 ``BlockManager`` (kvlab.blocks.manager) is built from parts that each add public calls over the same state:
-its lifecycle (manager.py), its queries (manager_queries.py), swapping (manager_swap.py) and vLLM V0's
-interface (vllm_v0.py). Each part derives from ``ManagerState``, so the state a part reads is created by its
+its lifecycle (manager.py), its queries (manager_queries.py), swapping (manager_swap.py), speculative
+drafts (drafts.py) and vLLM V0's interface (vllm_v0.py). Each part derives from ``ManagerState``, so the state a part reads is created by its
 own base class, here, never by a subclass that happens to combine it: the components below and the
 settings, nothing else.
 

@@ -14,6 +14,7 @@ written before its own attention; a block whose tokens are still to be computed 
 
 from typing import NamedTuple
 
+from kvlab.blocks.prefix_index import ROOT
 from kvlab.errors import InvalidArgumentError
 from kvlab.validation import check_int
 
@@ -94,7 +95,7 @@ def plan_allocation(pool, seq, hashes, contents, block_size, sliding_window, loo
 
 
 class StepPlan(NamedTuple):
-    scheduled: int     # seq.num_computed_tokens after the step: the positions it computes end here
+    scheduled: int     # seq.num_computed_tokens after the step: the positions it computes end here (drafts included)
     release_upto: int  # num_released after the step
     release: list      # blocks leaving the window, tail first (as free() releases)
     freed: list        # those of them that become free...
@@ -102,23 +103,32 @@ class StepPlan(NamedTuple):
     touched: range     # indices of existing blocks the step writes
     copies: set        # those of them that are shared: copy-on-write
     num_new: int       # blocks to append
+    unseal: list       # touched blocks held by this sequence alone that a fork sibling sealed (kvlab.blocks.drafts)
 
     @property
     def blocks_needed(self) -> int:
         return len(self.copies) + self.num_new
 
 
-def plan_step(pool, alloc, block_size, sliding_window, lookahead, num_new_tokens) -> StepPlan:
+def plan_step(pool, alloc, block_size, sliding_window, lookahead, num_new_tokens, num_drafts=0) -> StepPlan:
     """The step computes positions ``seq.num_computed_tokens .. scheduled - 1`` (its first query is the first
-    position not written yet; ``scheduled`` is num_tokens unless ``num_new_tokens`` says fewer) and reserves
-    ``lookahead`` more slots."""
-    table, ref = alloc.table, pool.ref
-    first_query = alloc.seq.num_computed_tokens
-    scheduled = first_query + new_tokens(alloc.seq, num_new_tokens, first_query)
+    position not written yet; ``scheduled`` is num_tokens unless ``num_new_tokens`` says fewer, plus
+    ``num_drafts`` draft positions after the last token) and reserves ``lookahead`` more slots. A sealed block
+    is never written in place: shared, it is copied; held by this sequence alone, it leaves the prefix cache."""
+    table, ref, content = alloc.table, pool.ref, pool.index.content
+    seq = alloc.seq
+    first_query = seq.num_computed_tokens
+    scheduled = first_query + new_tokens(seq, num_new_tokens, first_query)
+    if num_drafts and scheduled != seq.num_tokens:
+        raise InvalidArgumentError(f"draft tokens follow the last token: a step with {num_drafts} of them must "
+                                   f"schedule all {seq.num_tokens - first_query} tokens of sequence {seq.seq_id} "
+                                   "without a slot (num_new_tokens=None)")
+    scheduled += num_drafts
     release_upto = max(alloc.num_released, first_live_block(first_query, sliding_window, block_size))
     release = table[alloc.num_released:release_upto][::-1]
     end = scheduled + lookahead
     touched = range(first_query // block_size, min(len(table), -(-end // block_size)))
     copies = {i for i in touched if ref[table[i]] > 1}
+    unseal = [table[i] for i in touched if i not in copies and content[table[i]] > ROOT]
     return StepPlan(scheduled, release_upto, release, *pool.freed_by(release), touched, copies,
-                    max(0, -(-end // block_size) - len(table)))
+                    max(0, -(-end // block_size) - len(table)), unseal)

@@ -113,6 +113,10 @@ class Sequence:
         # tokens after them still need a step. 0 while it holds no blocks. The block manager advances it when
         # it schedules a step (allocate, append_slots) and audits it against its own records (check_invariants).
         self.num_computed_tokens = 0
+        # Of those positions, the last num_draft_tokens hold proposed tokens not verified yet (speculative
+        # decoding: kvlab.blocks.drafts). They are not in the token list, and the manager seals (makes
+        # hittable) only positions < num_computed_tokens - num_draft_tokens.
+        self.num_draft_tokens = 0
         # Positions < prefill_end are prefilled (set when allocated: the prompt, or everything a sequence
         # preempted by recompute had); later ones are decoded, one sampled token at a time.
         self.prefill_end = 0
@@ -253,6 +257,7 @@ def copy_tokens(parent: Sequence, child: Sequence) -> None:
     child.num_tokens, child.num_prompt_tokens = parent.num_tokens, parent.num_prompt_tokens
     child.last_token, child.num_cached_tokens = parent.last_token, parent.num_cached_tokens
     child.num_computed_tokens, child.prefill_end = parent.num_computed_tokens, parent.prefill_end
+    child.num_draft_tokens = parent.num_draft_tokens
 
 
 def group_shadow(seq: Sequence, group: int) -> Sequence:

@@ -21,9 +21,10 @@ from kvlab.validation import check_number
 class VLLMV0Interface(ManagerState):
     # ---- computed blocks and recency ---------------------------------------------------------------------
     def mark_blocks_as_computed(self, seq: Sequence) -> None:
-        """The step that wrote ``seq``'s new slots ran. (``append_slots`` implies it for the step before.)"""
+        """The step that wrote ``seq``'s new slots ran. (``append_slots`` implies it for the step before.) Draft
+        tokens still to be verified are not computed (kvlab.blocks.drafts)."""
         alloc = self._on_gpu(seq)
-        alloc.num_computed = seq.num_computed_tokens
+        alloc.num_computed = seq.num_computed_tokens - seq.num_draft_tokens
 
     def access_all_blocks_in_seq(self, seq: Sequence, now: float) -> None:
         """``seq``'s blocks were used at time ``now``; LRU orders the blocks it was told about by it."""

@@ -296,7 +296,7 @@ def test_a_chunk_that_does_not_fit_changes_nothing():
     (lambda a: setattr(a.seq, "num_computed_tokens", 8.0), "blocks for"),
     (lambda a: setattr(a.seq, "num_computed_tokens", 4), "sealed blocks"),
     (lambda a: (setattr(a.seq, "num_computed_tokens", 4), setattr(a, "num_sealed", 1)),
-     "still to be scheduled is hittable"),
+     "still to be scheduled or verified is hittable"),
     (lambda a: setattr(a, "num_computed", 9), "marked computed"),
     (lambda a: setattr(a.seq, "prefill_end", a.seq.num_tokens + 1), "prefills up to"),
 ])

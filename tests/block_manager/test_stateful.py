@@ -16,6 +16,13 @@ Chunked prompts: a prompt may be admitted with only its first chunk scheduled (`
 step may schedule only the next chunk of the tokens without slots, of any size from one token (so chunks
 end inside blocks). Every prompt joins the history at admission, so later requests try to hit blocks whose
 tokens are still to be computed (nano-vllm #208/#219): such a hit would read K/V nobody wrote.
+
+Speculative decoding (kvlab.blocks.drafts): a step may propose draft tokens after the last one, whose K/V (of
+the tokens they would be) the verification pass writes; then the drafts are verified (the first 1..all
+accepted, their tokens appended, optionally a bonus token) or all rejected, and the progress counter rolls
+back. The tokens with their drafts join the history, so later requests try to hit blocks holding drafts: a
+hit on one that was rejected would read K/V of tokens the sequence never had, as would a sequence reading a
+rejected position it did not write again. Forks, swaps and frees happen with drafts in flight.
 """
 
 import itertools
@@ -39,12 +46,12 @@ cache_keys = st.fixed_dictionaries({}, optional=dict(
 _junk = itertools.count()
 
 
-def kv_values(seq, end=None):
+def kv_values(seq, end=None, drafts=()):
     """Position p's value depends on the salt and adapter, tokens[:p+1] and the extra keys of blocks up to p's,
     like real K/V (the salt stands for a tenant whose values no one else may read). Keys enter by repr:
-    hash("a") == hash(b"a"), but they are different salts."""
+    hash("a") == hash(b"a"), but they are different salts. ``drafts`` follow the tokens, as their K/V would."""
     values, running, bs = [], hash(repr((seq.cache_salt, seq.adapter_key))), seq.block_size
-    for p, t in enumerate(seq.token_ids[:end]):
+    for p, t in enumerate((seq.token_ids + list(drafts))[:end]):
         running = hash((running, t, repr(seq.extra_keys.get(p // bs)) if p % bs == 0 else None))
         values.append(running)
     return values
@@ -75,10 +82,17 @@ class StackPolicy(EvictionPolicy):
 
 
 class PoolRules:
-    """Rules and invariants every machine here shares: fork, free, swap and reset, with the engine's bookkeeping
-    (``written``, ``first_query``, ``reserved``, the ``running`` and ``swapped`` lists), its ``_copy`` of the
-    block pairs the manager returns into the fake caches ``gpu`` and ``cpu``, and ``_slots(seq, start, end)``
-    (the manager's slot lookup). Hypothesis collects inherited rules and invariants."""
+    """Rules and invariants every machine here shares: fork, free, swap, reset and speculative steps, with the
+    engine's bookkeeping (``written``: verified positions with K/V, ``first_query``, ``reserved``, ``drafts``
+    in flight, the ``running`` and ``swapped`` lists), its ``_copy`` of the block pairs the manager returns
+    into the fake caches ``gpu`` and ``cpu``, ``_slots(seq, start, end)`` (the manager's slot lookup) and
+    ``_step`` (writing a step's K/V). Hypothesis collects inherited rules and invariants."""
+
+    def _undrafted(self, seqs=None):
+        return [seq for seq in (self.running if seqs is None else seqs) if seq not in self.drafts]
+
+    def _drafted(self):
+        return [seq for seq in self.running if seq in self.drafts]
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -86,9 +100,56 @@ class PoolRules:
         parent = data.draw(st.sampled_from(self.running))
         child = Sequence([])
         self.manager.fork(parent, child)
-        for book in (self.written, self.first_query, self.reserved):
-            book[child] = book[parent]
+        for book in (self.written, self.first_query, self.reserved, self.drafts):
+            if parent in book:
+                book[child] = book[parent]
         self.running.append(child)
+
+    @precondition(lambda self: self._undrafted())
+    @rule(data=st.data(), new=st.lists(tokens, max_size=3), drafts=st.lists(tokens, min_size=1, max_size=6),
+          lookahead=st.integers(0, 2))
+    def propose(self, data, new, drafts, lookahead):
+        """A speculative step: the pending tokens plus ``new`` ones, then ``drafts`` after them."""
+        seq = data.draw(st.sampled_from(self._undrafted()))
+        for t in new:
+            seq.append_token(t)
+        k = len(drafts)
+        if not self.manager.can_append_slots(seq, lookahead, num_draft_tokens=k):
+            try:
+                self.manager.append_slots(seq, lookahead, num_draft_tokens=k)
+            except OutOfBlocksError:
+                self._forget(seq)   # the engine would preempt it; we free it
+                self.manager.free(seq, preempted=True)
+                return
+            raise AssertionError("append_slots succeeded although can_append_slots said no")
+        first_query = self.written[seq]
+        self._copy(self.gpu, self.gpu, self.manager.append_slots(seq, lookahead, num_draft_tokens=k))
+        self.drafts[seq] = drafts
+        self._step(seq, first_query, lookahead, drafts=drafts)
+        self.history.append(seq.token_ids + drafts)
+
+    @precondition(lambda self: self._drafted())
+    @rule(data=st.data(), bonus=st.lists(tokens, max_size=1), bonus_first=st.booleans())
+    def verify_drafts(self, data, bonus, bonus_first):
+        """The verification pass accepted the first 1..all drafts (and maybe sampled a bonus token, which the
+        engine may append before or after ``accept_drafts``)."""
+        seq = data.draw(st.sampled_from(self._drafted()))
+        self._verify(seq, data.draw(st.integers(1, len(self.drafts[seq]))), bonus, bonus_first)
+
+    @precondition(lambda self: self._drafted())
+    @rule(data=st.data(), bonus=st.lists(tokens, max_size=1), bonus_first=st.booleans())
+    def reject_drafts(self, data, bonus, bonus_first):
+        self._verify(data.draw(st.sampled_from(self._drafted())), 0, bonus, bonus_first)
+
+    def _verify(self, seq, accepted, bonus, bonus_first):
+        drafts = self.drafts.pop(seq)
+        for t in drafts[:accepted] + (bonus if bonus_first else []):
+            seq.append_token(t)
+        self.manager.accept_drafts(seq, accepted)
+        self.written[seq] += accepted
+        for t in [] if bonus_first else bonus:
+            seq.append_token(t)
+        self.history.append(seq.token_ids)
 
     @precondition(lambda self: self.running or self.swapped)
     @rule(data=st.data(), preempted=st.booleans())
@@ -127,7 +188,8 @@ class PoolRules:
     @invariant()
     def only_scheduled_positions_and_lookahead_have_slots(self):
         for seq in self.running + self.swapped:
-            assert self.manager.num_scheduled_tokens(seq) == self.written[seq]
+            assert self.manager.num_scheduled_tokens(seq) == self.written[seq] + len(self.drafts.get(seq, ()))
+            assert seq.num_draft_tokens == len(self.drafts.get(seq, ()))
         for seq in self.running:
             try:
                 self._slots(seq, 0, self.reserved[seq] + 1)
@@ -149,25 +211,27 @@ class ManagerMachine(PoolRules, RuleBasedStateMachine):
         self.gpu, self.cpu = {}, {}   # slot -> value: the engine's view of both caches
         self.running, self.swapped = [], []
         self.written = {}             # seq -> positions whose K/V the engine wrote
-        self.reserved = {}            # seq -> positions with slots (written ones plus lookahead slots)
+        self.reserved = {}            # seq -> positions with slots (written ones, drafts, lookahead slots)
+        self.drafts = {}              # seq -> its draft tokens in flight (proposed, not verified yet)
         self.first_query = {}         # seq -> first new position of its latest step
         self.history = []             # token lists of every sequence after each of its steps
         self.clock = 0
 
     # ---- the engine's side ---------------------------------------------------------------------------
-    def _step(self, seq, first_query, lookahead=0, end=None):
-        """Write the step's tokens first_query..end-1 (all of them by default; and junk in lookahead slots), then
-        check what its attention reads."""
+    def _step(self, seq, first_query, lookahead=0, end=None, drafts=()):
+        """Write the step's tokens first_query..end-1 (all of them by default, then the drafts'; and junk in
+        lookahead slots), then check what its attention reads."""
         n, bs = seq.num_tokens if end is None else end, self.manager.block_size
-        assert self.manager.num_scheduled_tokens(seq) == n
-        values = kv_values(seq)
-        slots = self.manager.slot_mapping(seq, first_query, n + lookahead)
+        scheduled = n + len(drafts)
+        assert self.manager.num_scheduled_tokens(seq) == scheduled
+        values = kv_values(seq, drafts=drafts)
+        slots = self.manager.slot_mapping(seq, first_query, scheduled + lookahead)
         for p, slot in enumerate(slots, first_query):
             assert slot >= 0, f"position {p} of the step has no slot"
-            self.gpu[slot] = values[p] if p < n else ("junk", next(_junk))
+            self.gpu[slot] = values[p] if p < scheduled else ("junk", next(_junk))
         self.written[seq], self.first_query[seq] = n, first_query
-        self.reserved[seq] = max(self.reserved.get(seq, 0), n + lookahead)
-        assert len(seq.block_table) * bs >= n + lookahead
+        self.reserved[seq] = max(self.reserved.get(seq, 0), scheduled + lookahead)
+        assert len(seq.block_table) * bs >= scheduled + lookahead
         self._check_reads(seq, self._visible_from(first_query), n)
 
     def _slots(self, seq, start, end):
@@ -194,6 +258,7 @@ class ManagerMachine(PoolRules, RuleBasedStateMachine):
     def _forget(self, seq):
         (self.running if seq in self.running else self.swapped).remove(seq)
         del self.written[seq], self.first_query[seq], self.reserved[seq]
+        self.drafts.pop(seq, None)
 
     # ---- rules -----------------------------------------------------------------------------------------
     @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(tokens, max_size=9), salt=salts)
@@ -246,19 +311,19 @@ class ManagerMachine(PoolRules, RuleBasedStateMachine):
         end = None if num_new_tokens is None else seq.num_cached_tokens + num_new_tokens
         self._step(seq, seq.num_cached_tokens, end=end)
 
-    @precondition(lambda self: self.running or self.swapped)
+    @precondition(lambda self: self._undrafted(self.running + self.swapped))
     @rule(data=st.data(), new=st.lists(tokens, min_size=1, max_size=9))
     def append_tokens(self, data, new):
-        """Tokens sampled (or a chunk, or speculative tokens) that get their slots in a later step."""
-        seq = data.draw(st.sampled_from(self.running + self.swapped))
+        """Tokens sampled (or a chunk) that get their slots in a later step."""
+        seq = data.draw(st.sampled_from(self._undrafted(self.running + self.swapped)))
         for t in new:
             seq.append_token(t)
 
-    @precondition(lambda self: self.running)
+    @precondition(lambda self: self._undrafted())
     @rule(data=st.data(), new=st.lists(tokens, max_size=9), lookahead=st.integers(0, 3))
     def step(self, data, new, lookahead):
         """One engine step for a sequence: its pending tokens plus ``new`` ones get slots and K/V."""
-        seq = data.draw(st.sampled_from(self.running))
+        seq = data.draw(st.sampled_from(self._undrafted()))
         for t in new:
             seq.append_token(t)
         if not self.manager.can_append_slots(seq, lookahead):
@@ -273,12 +338,12 @@ class ManagerMachine(PoolRules, RuleBasedStateMachine):
         self._step(seq, self.written[seq], lookahead)
         self.history.append(seq.token_ids)
 
-    @precondition(lambda self: any(self.written[seq] < seq.num_tokens for seq in self.running))
+    @precondition(lambda self: any(self.written[seq] < seq.num_tokens for seq in self._undrafted()))
     @rule(data=st.data(), lookahead=st.integers(0, 3))
     def step_a_chunk(self, data, lookahead):
         """One engine step for the next 1..all tokens without a slot (the rest of a chunked prompt, or tokens
         appended since the last step)."""
-        seq = data.draw(st.sampled_from([seq for seq in self.running if self.written[seq] < seq.num_tokens]))
+        seq = data.draw(st.sampled_from([seq for seq in self._undrafted() if self.written[seq] < seq.num_tokens]))
         first_query = self.written[seq]
         k = data.draw(st.integers(1, seq.num_tokens - first_query))
         if not self.manager.can_append_slots(seq, lookahead, num_new_tokens=k):

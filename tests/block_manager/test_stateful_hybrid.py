@@ -7,8 +7,10 @@ loser reads. After each step, and after every operation, every live sequence rea
 that group's attention sees: every position in a full-attention group, the last W before the step's first
 query in a window-W group. Every rule of the single-group machine that the hybrid manager offers is here:
 whole and chunked admissions with prefix hits (also continuations of earlier requests, and tenants' salts),
-steps of all pending tokens or of a chunk of them with lookahead slots, forks, frees (preempted or finished),
-swaps and prefix-cache resets; weak hashes and a user-written eviction policy too. (The hybrid manager has no
+steps of all pending tokens or of a chunk of them with lookahead slots, speculative steps whose drafts are
+then verified or rejected (kvlab.blocks.drafts: window groups release blocks by verified positions only),
+forks, frees (preempted or finished), swaps and prefix-cache resets; weak hashes and a user-written eviction
+policy too. (The hybrid manager has no
 ``access_all_blocks_in_seq``, so there is no ``touch`` rule.)
 """
 
@@ -39,23 +41,24 @@ class HybridMachine(PoolRules, RuleBasedStateMachine):
         self.windows = [spec.sliding_window for spec in self.manager.groups]
         self.gpu, self.cpu = {}, {}   # slot -> (group, value): every group's K/V in the one shared pool
         self.running, self.swapped = [], []
-        self.written, self.reserved, self.first_query = {}, {}, {}   # as in ManagerMachine
+        self.written, self.reserved, self.first_query, self.drafts = {}, {}, {}, {}   # as in ManagerMachine
         self.history = []
 
     # ---- the engine's side ---------------------------------------------------------------------------
-    def _step(self, seq, first_query, lookahead=0, end=None):
-        """Write the step's tokens first_query..end-1 in every group (and junk in lookahead slots), then check
-        what each group's attention reads."""
+    def _step(self, seq, first_query, lookahead=0, end=None, drafts=()):
+        """Write the step's tokens first_query..end-1 in every group (then the drafts'; and junk in lookahead
+        slots), then check what each group's attention reads."""
         n, bs = seq.num_tokens if end is None else end, self.manager.block_size
-        assert self.manager.num_scheduled_tokens(seq) == n
-        values = kv_values(seq)
-        for g, slots in enumerate(self.manager.slot_mappings(seq, first_query, n + lookahead)):
+        scheduled = n + len(drafts)
+        assert self.manager.num_scheduled_tokens(seq) == scheduled
+        values = kv_values(seq, drafts=drafts)
+        for g, slots in enumerate(self.manager.slot_mappings(seq, first_query, scheduled + lookahead)):
             for p, slot in enumerate(slots, first_query):
                 assert slot >= 0, f"group {g}: position {p} of the step has no slot"
-                self.gpu[slot] = (g, values[p]) if p < n else ("junk", next(_junk))
+                self.gpu[slot] = (g, values[p]) if p < scheduled else ("junk", next(_junk))
         self.written[seq], self.first_query[seq] = n, first_query
-        self.reserved[seq] = max(self.reserved.get(seq, 0), n + lookahead)
-        assert all(len(table) * bs >= n + lookahead for table in self.manager.block_tables(seq))
+        self.reserved[seq] = max(self.reserved.get(seq, 0), scheduled + lookahead)
+        assert all(len(table) * bs >= scheduled + lookahead for table in self.manager.block_tables(seq))
         self._check_reads(seq)
 
     def _check_reads(self, seq):
@@ -87,6 +90,7 @@ class HybridMachine(PoolRules, RuleBasedStateMachine):
     def _forget(self, seq):
         (self.running if seq in self.running else self.swapped).remove(seq)
         del self.written[seq], self.first_query[seq], self.reserved[seq]
+        self.drafts.pop(seq, None)
 
     # ---- rules -----------------------------------------------------------------------------------------
     @rule(data=st.data(), prefix=st.sampled_from(PREFIXES), suffix=st.lists(tokens, max_size=9), salt=salts,
@@ -120,18 +124,18 @@ class HybridMachine(PoolRules, RuleBasedStateMachine):
         end = None if num_new_tokens is None else cached + num_new_tokens
         self._step(seq, cached, end=end)
 
-    @precondition(lambda self: self.running or self.swapped)
+    @precondition(lambda self: self._undrafted(self.running + self.swapped))
     @rule(data=st.data(), new=st.lists(tokens, min_size=1, max_size=9))
     def append_tokens(self, data, new):
-        seq = data.draw(st.sampled_from(self.running + self.swapped))
+        seq = data.draw(st.sampled_from(self._undrafted(self.running + self.swapped)))
         for t in new:
             seq.append_token(t)
 
-    @precondition(lambda self: self.running)
+    @precondition(lambda self: self._undrafted())
     @rule(data=st.data(), new=st.lists(tokens, max_size=5), lookahead=st.integers(0, 3), chunked=st.booleans())
     def step(self, data, new, lookahead, chunked):
         """One engine step: the pending tokens plus ``new`` ones, or (``chunked``) the next 1..all of them."""
-        seq = data.draw(st.sampled_from(self.running))
+        seq = data.draw(st.sampled_from(self._undrafted()))
         for t in new:
             seq.append_token(t)
         first_query = self.written[seq]
