@@ -54,9 +54,14 @@ class TierMachine(ManagerMachine):
         self._apply_tier_moves()  # the call's tier moves come first
         super()._copy(src_cache, dst_cache, pairs)
 
-    def _step(self, seq, first_query, lookahead=0, end=None):
+    def _step(self, seq, first_query, lookahead=0, end=None, drafts=()):
         self._apply_tier_moves()
-        super()._step(seq, first_query, lookahead, end)
+        super()._step(seq, first_query, lookahead, end, drafts)
+        self._remember_contents(seq)
+
+    def _remember_contents(self, seq):
+        """The values of ``seq``'s sealed blocks (all written: sealed blocks hold verified tokens only), by
+        content id."""
         index, bs, values = self.manager._pool.index, self.manager.block_size, kv_values(seq)
         for i, block in enumerate(seq.block_table[:self.written[seq] // bs]):
             if index.content_id(block) > 0:
@@ -66,7 +71,10 @@ class TierMachine(ManagerMachine):
     @invariant()
     def the_tier_holds_what_was_offloaded(self):
         """Checked at once, not only when a promotion reads it back: an offload copied after its block was
-        overwritten (moves out of order) is caught here."""
+        overwritten (moves out of order) is caught here. (Blocks sealed outside a step, by ``accept_drafts``,
+        are remembered here too, before any of them can be freed and offloaded.)"""
+        for seq in self.running:
+            self._remember_contents(seq)
         index, bs = self.manager._tier.index, self.manager.block_size
         for slot in index.cached.values():
             held = [self.tier.get(slot * bs + offset) for offset in range(bs)]
