@@ -18,6 +18,8 @@ One module per part, in the manner of vLLM V1's ``vllm/v1/core/``:
     planning.py            how many blocks a step needs, and which a sliding window can release
     allocations.py         who owns which blocks (one record per sequence, one manager per sequence)
     swap.py                the CPU pool that preempted sequences are swapped into
+    offload_tier.py        the CPU offload tier of cached blocks: offload at GPU eviction, promote on a GPU miss
+    offload_policies.py    the tier's replacement (LRU, ARC) and admission (always, reused) policies
     cross_attention.py     encoder-decoder cross-attention tables
     eviction/              which cached block to reuse first (LRU, FIFO, LFU, or your own policy)
     policy_transaction.py  undo for a user policy that raises half-way through an operation

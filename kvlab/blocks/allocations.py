@@ -40,7 +40,7 @@ class Allocation:
         (kvlab.blocks.planning.AllocationPlan): its hits are computed and its first chunk scheduled."""
         sealed = plan.num_sealed
         return cls(manager, seq, table, sealed, plan.hashes[sealed - 1] if sealed else None, last_content,
-                   plan.first_live, len(plan.hits) * manager.block_size, plan.scheduled)
+                   plan.first_live, (len(plan.hits) + len(plan.tier_hits)) * manager.block_size, plan.scheduled)
 
     def live_blocks(self) -> list[int]:
         """Table entries that hold a reference (the sliding window's released ones do not)."""

@@ -19,7 +19,7 @@ from typing import Optional
 from kvlab.blocks.event_sink import EventSink
 from kvlab.blocks.eviction import EvictionPolicy
 from kvlab.blocks.policy_transaction import policy_transaction
-from kvlab.blocks.prefix_index import ROOT, PrefixIndex
+from kvlab.blocks.prefix_index import ROOT, Evicted, PrefixIndex
 from kvlab.errors import InvariantViolation
 
 
@@ -37,6 +37,7 @@ class BlockPool:
         self.first_block = first_block    # blocks below it are reserved (the sliding window's null block)
         self.num_free = num_blocks - first_block  # the pool's own count: never trusts len(policy)
         self.sink = sink  # the manager's EventSink (kvlab.blocks.event_sink), None when nobody listens
+        self.tier = None  # the OffloadTier evicted blocks are offered to (kvlab.blocks.offload_tier), if any
         self.evictions = 0
         policy.add_many(list(range(first_block, num_blocks)), [False] * self.num_free)
 
@@ -65,29 +66,33 @@ class BlockPool:
     # ---- bookkeeping, after the transaction made the policy calls ----------------------------------------
     def fill(self, taken, hashes=(), contents=(), parent: int = ROOT) -> int:
         """Blocks the policy handed out for new content: ref count 1 each, their old prefixes evicted from the
-        index (reported to the sink: each block, its hash and its bytes); the first ``len(hashes)`` are full
-        with ``contents[i]``, chained after the prefix whose content id is ``parent``, and sealed (see
-        ``seal``). Returns the content id the next block chains after."""
+        index (reported to the sink: each block, its hash and its bytes; then offered to the offload tier, if
+        any); the first ``len(hashes)`` are full with ``contents[i]``, chained after the prefix whose content id
+        is ``parent``, and sealed (see ``seal``). Returns the content id the next block chains after."""
         ref, index = self.ref, self.index
         for block in taken:
             ref[block] = 1
-        self._evict(taken)
+        evicted = self._evict(taken)
+        if evicted is not None and self.tier is not None:
+            self.tier.offer(evicted)
         index.clear(taken[len(hashes):])  # the rest hold no sealed content now (seal overwrites the others)
         self.num_free -= len(taken)
         return self.seal(taken[:len(hashes)], hashes, contents, parent) if hashes else parent
 
     def unseal(self, blocks) -> None:
         """``blocks`` (each in use by the one sequence about to overwrite it) stop holding sealed content: the
-        cached ones leave the index, reported to the sink as evicted (kvlab.blocks.drafts)."""
+        cached ones leave the index, reported to the sink as evicted (kvlab.blocks.drafts); never offered to the
+        offload tier, which keeps free cached blocks the pool reuses."""
         self._evict(blocks)
         self.index.clear(blocks)
 
-    def _evict(self, blocks) -> None:
+    def _evict(self, blocks) -> Optional[Evicted]:
         evicted = self.index.evict(blocks)
         if evicted is not None:
             self.evictions += len(evicted.slots)
             if self.sink is not None:
                 self.sink.evicted(evicted.slots, evicted.hashes, evicted.contents)
+        return evicted
 
     def claim(self, blocks, revived: int) -> None:
         """One more reference to each block (prefix hits, forks, twins); ``revived`` of them were free."""

@@ -60,6 +60,16 @@ class EventSink:
         What a second cache tier needs to keep them. Three aligned lists, not a record per block: a tuple
         per evicted block made a KV-event replay a third slower."""
 
+    # ---- the offload tier (OffloadTier) ------------------------------------------------------------------------
+    def offloaded(self, block: int, slot: int, block_hash: int, content: bytes) -> None:
+        """The evicted GPU ``block`` is kept in the tier's CPU ``slot``, under ``block_hash`` with ``content``."""
+
+    def tier_removed(self, slots: list, hashes: list) -> None:
+        """The tier dropped these entries (its replacement policy's victims) to make room."""
+
+    def promoted(self, slots: list, blocks: list) -> None:
+        """``allocate`` copies the tier's ``slots`` into the GPU ``blocks`` (a ``stored`` report follows)."""
+
     # ---- the prefix cache as a router sees it ------------------------------------------------------------------
     def stored(self, index, blocks: list, hashes: list, contents: list, parent_hash: Optional[int],
                group: int = 0) -> None:
@@ -110,6 +120,15 @@ class EventLog(EventSink):
 
     def evicted(self, blocks, hashes, contents):
         self.events.extend(Event("evict", block_id=block) for block in blocks)
+
+    def offloaded(self, block, slot, block_hash, content):
+        self.events.append(Event("offload", block_id=block, other=slot))
+
+    def tier_removed(self, slots, hashes):
+        self.events.extend(Event("tier_evict", other=slot) for slot in slots)
+
+    def promoted(self, slots, blocks):
+        self.events.extend(Event("promote", block_id=block, other=slot) for slot, block in zip(slots, blocks))
 
 
 class Fanout(EventSink):

@@ -24,7 +24,9 @@ groups from the stream (a group's block 0 hashes the group's tag, ``block_keys.g
 ``extra_keys`` entry holds that tag). A ``HybridBlockManager`` fills all three; a single-group
 ``BlockManager`` leaves them None and its events encode without them (vLLM's structs omit fields at their
 None default), as before.
-``medium`` is always ``"GPU"``: kvlab's CPU pool holds swapped sequences, not a prefix cache.
+``medium`` (vLLM's field) says which tier: ``"GPU"`` for the pool's prefix cache, ``"CPU"`` for the offload tier
+(``BlockManager(num_offload_blocks=N)``, kvlab.blocks.offload_tier), whose stores name no parent (as vLLM's
+offloading connector's) and always carry one block. The swap space holds swapped sequences, never events.
 
 Events are exact: applying them in order to a set of hashes (``CachedHashes``) gives, after every manager
 call, the set of hashes a prefix lookup can hit, per group for a hybrid manager (a group's blocks are
@@ -67,6 +69,7 @@ from kvlab.blocks.kv_event_subscribers import Subscription, jsonl_writer
 from kvlab.errors import InvalidArgumentError
 
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,21 +133,26 @@ class CachedHashes:
     """A subscriber that rebuilds a replica's cached block hashes from its events (a router's index).
 
     ``hashes``: a single-group manager's (events without ``group_idx``); ``groups[g]``: group g's of a hybrid
-    manager. One set per group, not one set of (group, hash) pairs: a router matches a request group by group
-    (the hit is the shortest), so each match probes plain ints in one set, and the single-group index stays
-    the set it always was."""
+    manager; ``cpu_hashes``: its offload tier's (events with ``medium="CPU"``). One set per group, not one set
+    of (group, hash) pairs: a router matches a request group by group (the hit is the shortest), so each match
+    probes plain ints in one set, and the single-group index stays the set it always was."""
 
     def __init__(self):
         self.hashes: set[int] = set()
         self.groups: dict[int, set[int]] = {}
+        self.cpu_hashes: set[int] = set()
 
     def __call__(self, event: KVCacheEvent) -> None:
         if type(event) is AllBlocksCleared:
             self.hashes.clear()
             self.groups.clear()
+            self.cpu_hashes.clear()
             return
         group = event.group_idx
-        cached = self.hashes if group is None else self.groups.setdefault(group, set())
+        if event.medium == MEDIUM_CPU:
+            cached = self.cpu_hashes
+        else:
+            cached = self.hashes if group is None else self.groups.setdefault(group, set())
         if type(event) is BlockStored:
             cached.update(event.block_hashes)
         else:
@@ -253,6 +261,17 @@ class KVEventPublisher(EventSink):
                 if i == len(blocks) or groups[i] != groups[start]:
                     self.queue.append(BlockRemoved(hashes[start:i], group_idx=groups[start]))
                     start = i
+
+    def offloaded(self, block, slot, block_hash, content) -> None:
+        if self._subscriptions:
+            width = 8 * self.block_size
+            key = content[width:].hex() or None
+            self.queue.append(BlockStored([block_hash], None, self.block_size, medium=MEDIUM_CPU,
+                                          extra_keys=[key] if key else None, token_bytes=(content[:width],)))
+
+    def tier_removed(self, slots, hashes) -> None:
+        if self._subscriptions:
+            self.queue.append(BlockRemoved(list(hashes), medium=MEDIUM_CPU))
 
     def cleared(self) -> None:
         if self._group_of is not None:

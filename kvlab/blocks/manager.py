@@ -83,6 +83,8 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface, S
         new_blocks, cross_blocks = self._take_blocks(plan, num_cross)
         if self._sink is not None:
             self._sink.looked_up(seq.seq_id, plan.hits, new_blocks)
+        if self._tier is not None:
+            self._tier.looked_up(seq.num_tokens, plan.hashes, len(plan.hits), len(plan.tier_hits), self.block_size)
         last_content = self._seal_prompt(plan, new_blocks)
         if self.enable_prefix_caching:
             sealed_through(seq, plan.num_sealed)
@@ -211,6 +213,8 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface, S
             txn.revive(free)
             txn.add(free, [False] * len(free))
         pool.index.forget_all()
+        if self._tier is not None:
+            self._tier.clear()
         if self._sink is not None:
             self._sink.cleared()
         pool.evictions = 0
@@ -220,6 +224,15 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface, S
     def check_invariants(self) -> None:
         """Raise InvariantViolation if the bookkeeping is inconsistent (O(pool size); for tests)."""
         check_manager(self._allocs, self._cross, self._pool, self._swap, self.block_size, self.enable_prefix_caching)
+        if self._tier is not None:
+            self._tier.check(self._pool.index)
+
+    def take_tier_moves(self) -> list[tuple[str, int, int]]:
+        """The offload tier's copies made since the last call, in order: ``("offload", gpu_block, cpu_slot)``
+        (an evicted cached block kept in the tier) and ``("promote", cpu_slot, gpu_block)`` (a tier hit brought
+        back by ``allocate``). Apply them in this order, before the moves the same calls returned (copy-on-write
+        pairs, swap mappings) and before the step's forward pass ([] without a tier)."""
+        return self._tier.take_moves() if self._tier is not None else []
 
     # ---- internals -------------------------------------------------------------------------------------
     def _adopt(self, alloc: Allocation, num_cached_tokens: int) -> None:
@@ -251,14 +264,28 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface, S
         return taken[:plan.num_new], taken[plan.num_new:]
 
     def _seal_prompt(self, plan, new_blocks: list[int]):
-        """Seal the new blocks this step writes to the end (they become hittable, see the ordering rule);
-        returns the content id of the chain's tail, which the next seal extends."""
-        pool, hits, stop = self._pool, plan.hits, plan.num_sealed
-        hashes, contents = plan.hashes[len(hits):stop], plan.contents[len(hits):stop]
-        parent = pool.fill(new_blocks, hashes, contents, pool.index.content[hits[-1]] if hits else ROOT)
+        """Promote the tier hits into the first new blocks, then seal the new blocks this step writes to the end
+        (they become hittable, see the ordering rule); returns the content id of the chain's tail, which the
+        next seal extends."""
+        pool, stop, start = self._pool, plan.num_sealed, len(plan.hits)
+        parent = pool.index.content[plan.hits[-1]] if start else ROOT
+        if plan.tier_hits:
+            parent = self._promote(plan, new_blocks[:len(plan.tier_hits)])
+            new_blocks, start = new_blocks[len(plan.tier_hits):], start + len(plan.tier_hits)
+        hashes, contents = plan.hashes[start:stop], plan.contents[start:stop]
+        parent = pool.fill(new_blocks, hashes, contents, parent)
         if self._sink is not None:
-            self._sink.stored(pool.index, new_blocks[:stop - len(hits)], hashes, contents,
-                              plan.hashes[len(hits) - 1] if hits else None)
+            self._sink.stored(pool.index, new_blocks[:stop - start], hashes, contents,
+                              plan.hashes[start - 1] if start else None)
+        return parent
+
+    def _promote(self, plan, blocks: list[int]):
+        """Bring the plan's tier hits into ``blocks`` (kvlab.blocks.offload_tier); returns the last one's content id."""
+        parent = self._tier.promote(self._pool, plan.tier_hits, blocks)
+        if self._sink is not None:
+            first = len(plan.hits)
+            self._sink.stored(self._pool.index, blocks, plan.hashes[first:first + len(blocks)],
+                              plan.contents[first:first + len(blocks)], plan.hashes[first - 1] if first else None)
         return parent
 
     def _plan_allocation(self, seq, lookahead, num_new_tokens):

@@ -32,6 +32,11 @@ class BlockManagerQueries(ManagerState):
         return self._pool.evictions
 
     @property
+    def tier_stats(self):
+        """Hits per tier (GPU, offload tier, miss) in blocks and tokens: a ``TierHitStats``; None without a tier."""
+        return self._tier.stats if self._tier is not None else None
+
+    @property
     def num_cached_blocks(self) -> int:
         """Blocks a prefix lookup can hit now (in use or free-but-warm)."""
         return len(self._pool.index.cached)
@@ -126,4 +131,7 @@ class BlockManagerQueries(ManagerState):
         if not self.enable_prefix_caching or seq.num_tokens == 0:
             return 0
         hashes, contents = prompt_blocks(seq, self.block_size, self.hash_fn)
-        return len(self._pool.index.lookup(hashes, contents, (seq.num_tokens - 1) // self.block_size)) * self.block_size
+        limit, pool = (seq.num_tokens - 1) // self.block_size, self._pool
+        hits = pool.index.lookup(hashes, contents, limit)
+        tier_hits = pool.tier.lookup(hashes, contents, limit, hits, pool.index) if pool.tier is not None else ()
+        return (len(hits) + len(tier_hits)) * self.block_size

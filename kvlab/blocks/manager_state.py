@@ -9,6 +9,7 @@ settings, nothing else.
     _pool          BlockPool: the GPU pool and its ref counts (kvlab.blocks.block_pool); ``_pool.index`` its
                    PrefixIndex, the prefix cache (kvlab.blocks.prefix_index)
     _swap          SwapSpace: the CPU pool (kvlab.blocks.swap)
+    _tier          OffloadTier: the CPU tier of cached blocks, None without one (kvlab.blocks.offload_tier)
     _cross         CrossTables: encoder-decoder cross-attention tables (kvlab.blocks.cross_attention)
     _allocs        the Allocation of every sequence allocated here (kvlab.blocks.allocations)
     _sink          the EventSink every change is reported to, None when nobody listens (kvlab.blocks.event_sink)
@@ -27,6 +28,8 @@ from kvlab.blocks.event_sink import EventLog, make_sink
 from kvlab.blocks.eviction import make_policy
 from kvlab.blocks.hashing import HashFn
 from kvlab.blocks.kv_events import KVEventPublisher
+from kvlab.blocks.offload_policies import check_offload_options
+from kvlab.blocks.offload_tier import make_tier
 from kvlab.blocks.records import AllocStatus, Event, PrefixCacheStats
 from kvlab.blocks.sequence import check_block_size
 from kvlab.blocks.swap import SwapSpace
@@ -42,13 +45,21 @@ class ManagerState:
     def __init__(self, num_blocks: int, block_size: int = 16, *, num_cpu_blocks: int = 0,
                  watermark: float = 0.0, enable_prefix_caching: bool = True,
                  sliding_window: Optional[int] = None, hash_fn: Optional[HashFn] = None,
-                 eviction="lru", record_events: bool = False, kv_events: bool = False):
+                 eviction="lru", record_events: bool = False, kv_events: bool = False,
+                 num_offload_blocks: int = 0, offload_policy: str = "lru", offload_admission: str = "always"):
         self.block_size = check_block_size(block_size)
         self.num_blocks = check_int("num_blocks", num_blocks, 2 if sliding_window is not None else 1, MAX_BLOCKS)
         check_int("num_cpu_blocks", num_cpu_blocks, 0, MAX_BLOCKS)
         check_number("watermark", watermark, 0, 1, max_open=True)
         if sliding_window is not None:
             check_int("sliding_window", sliding_window, 1)
+        check_int("num_offload_blocks", num_offload_blocks, 0, MAX_BLOCKS)
+        check_offload_options(offload_policy, offload_admission)
+        if num_offload_blocks and (sliding_window is not None or not enable_prefix_caching):
+            raise InvalidArgumentError("num_offload_blocks needs prefix caching on and no sliding_window (the tier "
+                                       "holds cached full-attention blocks); got "
+                                       f"enable_prefix_caching={enable_prefix_caching!r}, "
+                                       f"sliding_window={sliding_window!r}")
         if hash_fn is not None and not callable(hash_fn):
             raise InvalidArgumentError("hash_fn must be callable as hash_fn(parent_hash_or_None, token_ids)")
         eviction = make_policy(eviction)
@@ -65,6 +76,9 @@ class ManagerState:
         first_block = NULL_BLOCK + 1 if sliding_window is not None else 0
         self._pool = BlockPool(self.num_blocks, eviction, first_block, self._sink)
         self._swap = SwapSpace(num_cpu_blocks)
+        self._tier = make_tier(num_offload_blocks, self._pool.index, offload_policy, offload_admission)
+        if self._tier is not None:
+            self._pool.tier, self._tier.sink = self._tier, self._sink
         self._cross = CrossTables(self.block_size)
         self._usable = self.num_blocks - first_block
         self._watermark_blocks = int(watermark * self.num_blocks)

@@ -70,6 +70,7 @@ class AllocationPlan(NamedTuple):
                        # however the rest is chunked; this step included)
     num_new: int       # blocks allocate takes for the positions after the hits (lookahead aside)
     num_sealed: int    # leading full blocks sealed once allocated: the hits plus those this step writes to the end
+    tier_hits: tuple = ()  # offload-tier slots continuing the hits: promoted into the first new blocks
 
 
 def plan_allocation(pool, seq, hashes, contents, block_size, sliding_window, lookahead,
@@ -81,7 +82,8 @@ def plan_allocation(pool, seq, hashes, contents, block_size, sliding_window, loo
     # Never share the whole prompt: at least one token must be computed to produce logits.
     limit = (n - 1) // block_size
     hits = pool.index.lookup(hashes, contents, limit if max_hits is None else min(limit, max_hits))
-    cached = len(hits) * block_size
+    tier_hits = pool.tier.lookup(hashes, contents, limit, hits, pool.index) if pool.tier is not None else ()
+    cached = (len(hits) + len(tier_hits)) * block_size
     scheduled = cached + new_tokens(seq, num_new_tokens, cached)
     # The step's first query is the first uncached token.
     first_live = first_live_block(cached, sliding_window, block_size)
@@ -91,7 +93,8 @@ def plan_allocation(pool, seq, hashes, contents, block_size, sliding_window, loo
     # A chunk that fits is no use if the rest of the prompt never can: admission looks at the whole prompt.
     peak = max(live_blocks, least_peak_blocks(scheduled, n, block_size, sliding_window, lookahead))
     return AllocationPlan(hashes, contents, hits, first_live, scheduled, live_blocks, live_blocks - hits_in_use,
-                          peak, -(-scheduled // block_size) - len(hits), min(len(hashes), scheduled // block_size))
+                          peak, -(-scheduled // block_size) - len(hits), min(len(hashes), scheduled // block_size),
+                          tier_hits)
 
 
 class StepPlan(NamedTuple):

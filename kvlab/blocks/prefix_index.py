@@ -109,6 +109,15 @@ class PrefixIndex:
         self.ids.next = cid
         return parent
 
+    def put(self, slots, hashes, contents, content_ids, parents) -> None:
+        """Record entries that keep the content ids they had in another tier (a block moved between tiers
+        holds the same bytes after the same prefix); each is registered unless another slot holds its hash."""
+        setdefault, registered = self.cached.setdefault, self.registered
+        for slot, h, content, cid, parent in zip(slots, hashes, contents, content_ids, parents):
+            self.hash[slot], self.content[slot] = h, cid
+            self.parent_content[slot], self.block_bytes[slot] = parent, content
+            registered[slot] = setdefault(h, slot) == slot
+
     def evict(self, slots) -> Optional[Evicted]:
         """The cached ones of ``slots`` stop being hittable (their slots are reused for new content); returns
         what they held, or None if none was cached. Their other fields stay until overwritten or ``clear``."""

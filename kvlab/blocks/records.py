@@ -45,3 +45,27 @@ class PrefixCacheStats:
     def hit_rate(self) -> float:
         """Hit tokens / queried tokens (0.0 before any query)."""
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+@dataclass
+class TierHitStats:
+    """``allocate``'s lookups with an offload tier (``manager.tier_stats``), per tier: each prompt's full blocks
+    hit on the GPU, hit in the tier (promoted: copied, not computed) or missed, and in tokens the same, where
+    the misses are every prompt token not hit (a partial last block is never hittable). ``offloaded_blocks``:
+    blocks the tier took in from GPU evictions."""
+    gpu_hit_blocks: int = 0
+    tier_hit_blocks: int = 0
+    miss_blocks: int = 0
+    gpu_hit_tokens: int = 0
+    tier_hit_tokens: int = 0
+    miss_tokens: int = 0
+    offloaded_blocks: int = 0
+
+    def count_lookup(self, num_tokens: int, num_blocks: int, gpu_hits: int, tier_hits: int, block_size: int) -> None:
+        """One prompt of ``num_tokens`` tokens and ``num_blocks`` full blocks."""
+        self.gpu_hit_blocks += gpu_hits
+        self.tier_hit_blocks += tier_hits
+        self.miss_blocks += num_blocks - gpu_hits - tier_hits
+        self.gpu_hit_tokens += gpu_hits * block_size
+        self.tier_hit_tokens += tier_hits * block_size
+        self.miss_tokens += num_tokens - (gpu_hits + tier_hits) * block_size

@@ -18,6 +18,7 @@ from kvlab.blocks.hybrid_manager import HybridBlockManager
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
 from kvlab.blocks.manager import BlockManager
 from kvlab.engine.config import ModelConfig
+from kvlab.errors import InvalidArgumentError
 
 
 def group_specs(config: ModelConfig) -> tuple[list, list[int]]:
@@ -32,6 +33,11 @@ def make_block_manager(config: ModelConfig, num_blocks: int, block_size: int, **
     specs, _ = group_specs(config)
     if len(specs) == 1:
         return BlockManager(num_blocks, block_size, sliding_window=specs[0].sliding_window, **options)
+    if options.pop("num_offload_blocks", 0):
+        raise InvalidArgumentError("num_offload_blocks: an offload tier is not supported for models with more than "
+                                   "one kind of attention layer yet (full and sliding-window); pass 0")
+    options.pop("offload_policy", None)
+    options.pop("offload_admission", None)
     return EngineHybridManager(num_blocks, block_size, groups=specs, **options)
 
 
@@ -46,6 +52,9 @@ class EngineHybridManager(HybridBlockManager):
     @property
     def num_cached_blocks(self) -> int:
         return len(self._pool.index.cached)  # the groups share one pool
+
+    def take_tier_moves(self) -> list:
+        return []  # no offload tier for hybrid models (make_block_manager refuses one)
 
     @property
     def stats(self):

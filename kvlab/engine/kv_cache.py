@@ -1,5 +1,6 @@
-"""The engine's KV memory: one paged cache per layer on the device, its CPU twin for swapping, and the
-block moves (swap out, copy-on-write, swap in) the scheduler asks for before a step's forward pass."""
+"""The engine's KV memory: one paged cache per layer on the device, its CPU twin for swapping, the offload
+tier's CPU cache, and the block moves (swap out, copy-on-write, swap in, offload, promote) the scheduler asks
+for before a step's forward pass."""
 
 from collections import namedtuple
 
@@ -26,7 +27,7 @@ class BlockMoves:
     single launch unless a block would be written twice, or (copy-on-write, inside one cache) be both read and
     written in that launch."""
 
-    KINDS = ("swap_out", "copy", "swap_in")
+    KINDS = ("swap_out", "copy", "swap_in", "offload", "promote")
 
     def __init__(self):
         self.rounds: list[Round] = []
@@ -57,11 +58,16 @@ class PagedKVCache:
     interpreter mode); ``cpu[layer]``: the same layout with ``num_cpu_blocks`` blocks in host memory.
     ``bytes_per_block`` (from ``engine_layout``) is what one block id takes in those tensors."""
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype, device, num_cpu_blocks: int):
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype, device, num_cpu_blocks: int,
+                 num_offload_blocks: int = 0):
         shape = (config.num_layers, config.num_kv_heads, config.head_dim)
         self.gpu = allocate_kv_cache(*shape, block_size=block_size, dtype=dtype, device=device, num_blocks=num_blocks)
         self.cpu = (allocate_cpu_cache(*shape, block_size=block_size, dtype=dtype, num_blocks=num_cpu_blocks)
                     if num_cpu_blocks else [])
+        # ``tier[layer]``: the offload tier's CPU slots (kvlab.blocks.offload_tier), the same layout again.
+        self.tier = (allocate_cpu_cache(*shape, block_size=block_size, dtype=dtype, num_blocks=num_offload_blocks)
+                     if num_offload_blocks else [])
+        self.num_offload_blocks = num_offload_blocks
         self.layout = engine_layout(config, dtype)
         self.bytes_per_block = self.layout.bytes_per_block(block_size)
         self.num_blocks, self.num_cpu_blocks, self.block_size = num_blocks, num_cpu_blocks, block_size
@@ -75,6 +81,9 @@ class PagedKVCache:
                 f"{layout.bytes_per_token_per_layer:,} x {layout.num_layers} layers) on {self.gpu[0].device}")
         if self.num_cpu_blocks:
             line += f", plus {self.num_cpu_blocks} CPU blocks for swapping ({self.num_cpu_blocks * mib:.1f} MiB)"
+        if self.num_offload_blocks:
+            line += (f", plus {self.num_offload_blocks} CPU blocks of offloaded prefixes "
+                     f"({self.num_offload_blocks * mib:.1f} MiB)")
         return line
 
     def apply(self, moves: BlockMoves) -> None:
@@ -82,8 +91,9 @@ class PagedKVCache:
             if kind == "copy":
                 copy_blocks(self.gpu, pairs)  # every layer in one launch
             else:
-                for gpu, cpu in zip(self.gpu, self.cpu):
-                    src, dst = (gpu, cpu) if kind == "swap_out" else (cpu, gpu)
+                host = self.tier if kind in ("offload", "promote") else self.cpu
+                for gpu, cpu in zip(self.gpu, host):
+                    src, dst = (gpu, cpu) if kind in ("swap_out", "offload") else (cpu, gpu)
                     swap_blocks(src, dst, pairs)
 
 

@@ -11,6 +11,7 @@ import logging
 
 from tqdm.auto import tqdm
 
+from kvlab.blocks.offload_policies import check_offload_options
 from kvlab.engine.chat import render
 from kvlab.engine.config import load_model_config
 from kvlab.engine.errors import ModelFileError, NoTokenizerError, PromptTooLongError
@@ -28,7 +29,7 @@ from kvlab.engine.step_loop import StepLoop
 from kvlab.engine.step_record import records_to_dataframe
 from kvlab.engine.weights import load_model
 from kvlab.errors import InvalidArgumentError
-from kvlab.validation import is_int
+from kvlab.validation import check_int, is_int
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 logger = logging.getLogger(__name__)
@@ -45,6 +46,10 @@ class LLM:
     GPU. ``max_model_len`` defaults to the config's ``max_position_embeddings``. ``attention_backend``: "triton"
     (kvlab's kernels; interpreted on CPU) or "torch" (batched torch ops on the same paged cache); None picks
     "triton" on CUDA and "torch" elsewhere, and ``llm.attention_backend`` says which runs.
+
+    ``num_offload_blocks``: CPU blocks of an offload tier for cached prefixes (0: none; kvlab.blocks.offload_tier):
+    a prefix the pool evicts is kept there (``offload_policy`` "lru" or "arc", ``offload_admission`` "always"
+    or "reused") and copied back when a prompt hits it; full-attention models with prefix caching only.
 
     ``scheduling``: "v1" (the default) or "v0". V1 is vLLM V1's scheduler, what vLLM runs today: each step
     spends one budget of ``max_num_batched_tokens`` on the running sequences' decode tokens first, then on
@@ -67,12 +72,15 @@ class LLM:
                  preemption_mode: str = "recompute", dtype=None, device=None, max_model_len: int | None = None,
                  num_cpu_blocks: int | None = None, gpu_memory_utilization: float = 0.9, seed: int = 0,
                  record_events: bool = False, attention_backend: str | None = None, scheduling: str | None = None,
-                 scheduler=None, record_decisions: bool = False):
+                 scheduler=None, record_decisions: bool = False, num_offload_blocks: int = 0,
+                 offload_policy: str = "lru", offload_admission: str = "always"):
         check_settings(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        preemption_mode=preemption_mode, max_model_len=max_model_len,
                        num_cpu_blocks=num_cpu_blocks, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
                        record_events=record_events, record_decisions=record_decisions)
+        check_int("num_offload_blocks", num_offload_blocks, 0)
+        check_offload_options(offload_policy, offload_admission)
         scheduler_class = resolve_scheduler(scheduler, scheduling)
         self.device = resolve_device(device)
         self.attention_backend = resolve_attention_backend(attention_backend, self.device)
@@ -101,8 +109,10 @@ class LLM:
             num_cpu_blocks = num_blocks if preemption_mode == "swap" else 0
         self.block_manager = make_block_manager(config, num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                                 enable_prefix_caching=enable_prefix_caching,
-                                                record_events=record_events)
-        self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.dtype, self.device, num_cpu_blocks)
+                                                record_events=record_events, num_offload_blocks=num_offload_blocks,
+                                                offload_policy=offload_policy, offload_admission=offload_admission)
+        self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.dtype, self.device, num_cpu_blocks,
+                                     num_offload_blocks)
         logger.info("KV cache: %s (%s)", self.kv_cache.summary(), sized_by)
         self.scheduler = scheduler_class(self.block_manager, max_num_seqs=max_num_seqs,
                                          max_num_batched_tokens=max_num_batched_tokens, preemption_mode=preemption_mode)

@@ -165,7 +165,7 @@ class Scheduler:
         while queue:
             seq = queue.popleft()
             if self._make_room(seq, queue, step, others=bool(step.entries)):
-                step.moves.add("copy", self.manager.append_slots(seq))
+                step.record(self.manager, "copy", self.manager.append_slots(seq))
                 step.add(self.manager, seq, seq.num_tokens - 1, prefill=False)
         self.running = step.seqs  # preempted and aborted sequences are out
         return step
@@ -179,12 +179,12 @@ class Scheduler:
             if (self.manager.can_swap_in(seq) is not AllocStatus.OK
                     or self.manager.num_free_blocks - blocks < len(self.running)):
                 break
-            step.moves.add("swap_in", self.manager.swap_in(seq))
+            step.record(self.manager, "swap_in", self.manager.swap_in(seq))
             self.running.append(self.swapped.popleft())
 
     def _preempt(self, seq: Sequence, step: StepBuilder) -> None:
         if self.preemption_mode == "swap" and self.manager.can_swap_out(seq) is AllocStatus.OK:
-            step.moves.add("swap_out", self.manager.swap_out(seq))
+            step.record(self.manager, "swap_out", self.manager.swap_out(seq))
             self.swapped.appendleft(seq)
         else:  # recompute (also the fallback when the CPU pool is full)
             self.manager.free(seq, preempted=True)

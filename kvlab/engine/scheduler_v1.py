@@ -56,7 +56,7 @@ class V1Scheduler(Scheduler):
             if seq.is_prefilling and not queue and not step.entries:
                 num_new = self._chunk_that_fits(seq, num_new)
             if self._make_room(seq, queue, step, others=bool(step.entries), num_new_tokens=num_new):
-                step.moves.add("copy", self.manager.append_slots(seq, num_new_tokens=num_new))
+                step.record(self.manager, "copy", self.manager.append_slots(seq, num_new_tokens=num_new))
                 budget -= self._count(step, seq, start)
                 kept.append(seq)
         self.running = kept + list(queue)  # preempted and aborted sequences are out; unscheduled ones wait

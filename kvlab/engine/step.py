@@ -92,9 +92,21 @@ class StepBuilder(_EntriesView):
     preempted: list[Sequence] = field(default_factory=list)
     aborted: list = field(default_factory=list)
 
+    def record(self, manager, kind: str, pairs) -> None:
+        """The block moves a manager call returned (``kind``: "copy", "swap_in", "swap_out"), after the offload
+        tier's moves the call made: those come first (kvlab.blocks.offload_tier says why)."""
+        self.take_tier_moves(manager)
+        self.moves.add(kind, pairs)
+
+    def take_tier_moves(self, manager) -> None:
+        """The offload tier's moves since the last manager call, in order (``allocate`` returns none of its own)."""
+        for kind, src, dst in manager.take_tier_moves():
+            self.moves.add(kind, [(src, dst)])
+
     def add(self, manager, seq: Sequence, start: int, *, prefill: bool) -> SeqStep:
         """Put ``seq`` in the step from position ``start`` to its progress counter, its slots already given by
-        the manager, whose records are read here, once."""
+        the manager, whose records are read here, once (with the tier moves its ``allocate`` made)."""
+        self.take_tier_moves(manager)
         end = seq.num_computed_tokens
         entry = SeqStep(seq, start, end, prefill, *_tables_and_slots(manager, seq, start, end))
         self.entries.append(entry)

@@ -1,0 +1,146 @@
+"""The CPU offload tier: a second prefix cache behind the GPU pool (vLLM V1's ``vllm/v1/kv_offload/``).
+
+When the GPU pool reuses a cached block for new content (``BlockPool.fill`` evicts it from the GPU index), the
+block is offered here: if admitted (kvlab.blocks.offload_policies), it is copied to a CPU slot, dropping the
+policy's victim when the tier is full. A prompt whose lookup misses on the GPU goes on looking here, from the
+GPU hits' last content on; each tier hit is *promoted*: ``allocate`` gives it a new GPU block and a CPU -> GPU
+copy. The tier keeps its copy (vLLM's CPU tier is inclusive too), so evicting the promoted block again costs
+no copy.
+
+The verified-hash guarantee holds across tiers: the tier's entries live in a ``PrefixIndex`` sharing the GPU
+index's content ids, and an entry keeps its content id and its parent's in both directions, so a tier hit is
+checked against its bytes (tokens and keys) and the exact prefix before it, like a GPU hit, and the blocks
+sealed after a promoted one chain to it.
+
+Copies are data for the engine: ``moves`` lists ``("offload", gpu_block, cpu_slot)`` and ``("promote", cpu_slot,
+gpu_block)`` in the order made; the manager hands them out with ``take_tier_moves()``. Applying them in that
+order, before the moves the same call returns (copy-on-write, swap-in) and before the step's forward pass, is
+always right: an offload reads a GPU block before anything of the call writes it, and a slot being promoted
+by a call is never the victim of that call's offloads (``pinned``).
+"""
+
+from typing import Optional
+
+from kvlab.blocks.offload_policies import OFFLOAD_POLICIES, ReuseFilter
+from kvlab.blocks.prefix_index import ROOT, ContentIds, Evicted, PrefixIndex
+from kvlab.blocks.records import TierHitStats
+from kvlab.errors import InvariantViolation
+
+#: The reuse filter remembers this many hashes per tier slot (vLLM's default table is 64k entries).
+REUSE_ENTRIES_PER_SLOT = 4
+
+
+class OffloadTier:
+    def __init__(self, num_slots: int, ids: ContentIds, policy: str, admission: str):
+        self.num_slots = num_slots
+        self.index = PrefixIndex(num_slots, ids, name="CPU slot")
+        self.order = OFFLOAD_POLICIES[policy](num_slots)
+        self.filter = ReuseFilter(REUSE_ENTRIES_PER_SLOT * num_slots) if admission == "reused" else None
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out low slots first
+        self.moves: list[tuple[str, int, int]] = []
+        self.pinned: frozenset = frozenset()  # hashes the current call promotes: never its offloads' victims
+        self.sink = None  # the manager's EventSink, None when nobody listens
+        self.stats = TierHitStats()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def lookup(self, hashes, contents, limit: int, gpu_hits: list, gpu_index: PrefixIndex) -> list[int]:
+        """The tier slots continuing the GPU's hits ``gpu_hits`` on the prompt's blocks, verified like a GPU
+        lookup (at most ``limit`` blocks in all). Pure."""
+        start = len(gpu_hits)
+        parent = gpu_index.content[gpu_hits[-1]] if gpu_hits else ROOT
+        return self.index.lookup(hashes[start:], contents[start:], limit - start, parent)
+
+    def looked_up(self, num_tokens: int, hashes, num_gpu_hits: int, num_tier_hits: int, block_size: int) -> None:
+        """``allocate`` looked up the block ``hashes`` of a prompt of ``num_tokens`` tokens: the first
+        ``num_gpu_hits`` hit on the GPU, the next ``num_tier_hits`` here. The reuse filter counts them all;
+        the replacement policy sees those the tier was asked about."""
+        if self.filter is not None:
+            self.filter.record(hashes)
+        self.order.touch(hashes[num_gpu_hits:])
+        self.stats.count_lookup(num_tokens, len(hashes), num_gpu_hits, num_tier_hits, block_size)
+
+    def offer(self, evicted: Evicted) -> None:
+        """Copy the admitted ones of the GPU's ``evicted`` blocks in, in order, dropping victims as needed. A
+        hash the tier holds already is not stored twice (one slot per hash, like the GPU index)."""
+        index, order, sink, admission, free = self.index, self.order, self.sink, self.filter, self._free
+        cached, moves, before = index.cached, self.moves, len(self.moves)
+        # PrefixIndex.put of one entry, inlined: this loop runs for every block the GPU evicts.
+        hash_of, content_of, parent_of, bytes_of = index.hash, index.content, index.parent_content, index.block_bytes
+        registered = index.registered
+        for gpu, h, content, cid, parent in zip(*evicted):
+            if h in cached or (admission is not None and not admission.admits(h)):
+                continue
+            if free:
+                slot = free.pop()
+            else:
+                victim = order.victim(self.pinned)
+                if victim is None:
+                    continue
+                slot = cached.pop(victim)  # registered[slot] stays True: the slot is cached again below
+                if sink is not None:
+                    sink.tier_removed([slot], [victim])
+            hash_of[slot], content_of[slot], parent_of[slot], bytes_of[slot] = h, cid, parent, content
+            cached[h] = slot
+            registered[slot] = True
+            order.insert(h)
+            moves.append(("offload", gpu, slot))
+            if sink is not None:
+                sink.offloaded(gpu, slot, h, content)
+        self.stats.offloaded_blocks += len(moves) - before
+
+    def promote(self, pool, slots: list[int], blocks: list[int]) -> int:
+        """Fill the fresh GPU ``blocks`` (popped by the caller's transaction) with the entries of ``slots``:
+        ref count 1, registered in the GPU index with the entries' content ids, and one CPU -> GPU copy each.
+        Returns the last one's content id (the next block's parent)."""
+        index = self.index
+        hashes = [index.hash[slot] for slot in slots]
+        self.pinned = frozenset(hashes)
+        try:
+            pool.fill(blocks)  # what these blocks held is offered to the tier first: offloads precede promotions
+        finally:
+            self.pinned = frozenset()
+        pool.index.put(blocks, hashes, [index.block_bytes[s] for s in slots], [index.content[s] for s in slots],
+                       [index.parent_content[s] for s in slots])
+        self.moves.extend(("promote", slot, block) for slot, block in zip(slots, blocks))
+        if self.sink is not None:
+            self.sink.promoted(slots, blocks)
+        return index.content[slots[-1]]
+
+    def take_moves(self) -> list[tuple[str, int, int]]:
+        moves, self.moves = self.moves, []
+        return moves
+
+    def clear(self) -> None:
+        """Forget every entry and reset the counters (``reset_prefix_cache``)."""
+        self.index.forget_all()
+        self.order.clear()
+        self.stats = TierHitStats()
+        self._free = list(range(self.num_slots - 1, -1, -1))
+
+    def check(self, gpu_index: PrefixIndex) -> None:
+        """Raise InvariantViolation unless the slots, the index and the policy agree, and one content id means
+        one (parent, bytes) in both tiers."""
+        index = self.index
+        index.check()
+        held = [slot for slot in range(self.num_slots) if index.registered[slot]]
+        if len(self._free) != len(set(self._free)) or sorted(self._free + held) != list(range(self.num_slots)):
+            raise InvariantViolation("a CPU slot of the offload tier is both free and held, or neither")
+        resident = self.order.resident()
+        if len(resident) != len(set(resident)) or set(resident) != set(index.cached):
+            raise InvariantViolation("the offload tier's replacement policy disagrees with its index")
+        self.order.check()
+        sealed = {}
+        for tier_index, name in ((gpu_index, "GPU block"), (index, "CPU slot")):
+            for slot in range(tier_index.num_slots):
+                cid = tier_index.content[slot]
+                what = (tier_index.parent_content[slot], tier_index.block_bytes[slot])
+                if cid > ROOT and sealed.setdefault(cid, what) != what:
+                    raise InvariantViolation(f"{name} {slot} has content id {cid} but not the parent and bytes "
+                                             "it has in the other tier")
+
+
+def make_tier(num_slots: int, gpu_index: PrefixIndex, policy: str, admission: str) -> Optional[OffloadTier]:
+    return OffloadTier(num_slots, gpu_index.ids, policy, admission) if num_slots else None
