@@ -28,7 +28,8 @@ from kvlab.blocks.kv_events import CachedHashes
 from kvlab.blocks.manager import MAX_BLOCKS, BlockManager
 from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError
-from kvlab.studies.overlap import Engine, EngineModel, arrivals
+from kvlab.studies.engine_model import EngineModel
+from kvlab.studies.overlap import Engine, arrivals
 from kvlab.studies.routers import RouterSettings, router_factory
 from kvlab.studies.simulator import policy_factory
 from kvlab.studies.traces import PromptTokens, check_frame
@@ -74,6 +75,7 @@ def replay_fleet(trace: pd.DataFrame, *, block_size: int = 512, capacity: int = 
     bs, capacity, n = check_block_size(block_size), check_capacity(capacity), check_replicas(replicas)
     (router, make_router), settings = router_factory(router), settings or RouterSettings()
     engine, (policy_name, policy_class) = engine or EngineModel(), policy_factory(policy)
+    engine.scheduler_class()  # an unknown scheduler fails before any replay
     start = time.perf_counter()
     prompts, jobs = PromptTokens(trace), arrivals(trace, engine)
     chooser = make_router(settings, bs)
