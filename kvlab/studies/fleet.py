@@ -12,8 +12,8 @@ Metrics: hit_rate_tokens and hit_rate_blocks as in study.csv (prompt tokens serv
 prompt tokens of the trace; full prompt blocks hit / all full prompt blocks), summed over the replicas;
 load_imbalance = max over mean of the replicas' prefill tokens (the uncached prompt tokens each computed,
 recomputations included; 1.0 is perfect balance); ttft_p50_s / ttft_p99_s: arrival to the end of the step
-that prefilled the request (queueing, then a step of ``decode_step_ms`` plus the batch's prefill), over the
-requests admitted; evictions, preemptions and requests summed; makespan_s the last replica's clock.
+that samples the request's first token (queueing, then the steps that compute its prompt, the last chunk's
+step included: each ``decode_step_ms`` plus the prompt tokens it computes), over the requests that got one; evictions, preemptions and requests summed; makespan_s the last replica's clock.
 """
 
 import math

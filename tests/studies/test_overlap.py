@@ -6,7 +6,10 @@ Every expected number is worked out by hand in the comments (block size 4 throug
 """
 
 import math
+import subprocess
+import sys
 from collections import deque
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -202,3 +205,14 @@ def test_the_replay_runs_the_scheduler_it_is_given():
         replay(trace, block_size=4, capacity=24, mode="overlap", engine=EngineModel(scheduler="v2"))
     with pytest.raises(InvalidArgumentError, match="scheduler must be a name"):
         EngineModel(scheduler=3)
+
+
+def test_a_sequential_study_never_imports_the_engine():
+    # The engine package imports torch (seconds per process): a sequential study, `make study`, does not need
+    # it, so only an overlap replay imports kvlab.engine (kvlab.studies.engine_model).
+    code = ("import sys, math; from kvlab.studies import cache_hit_study, EngineModel; from kvlab.studies.cli import main; "
+            "cache_hit_study('synthetic_parallel', limit=8, capacities=[math.inf], policies=['lru'], jobs=1, "
+            "progress=False, engine=EngineModel(scheduler='v0')); print('torch' in sys.modules, 'kvlab.engine' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["False", "False"]
