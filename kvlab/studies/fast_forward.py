@@ -78,7 +78,7 @@ def plain_decode_steps(engine, limit: float) -> int:
         return 0
     steps = math.inf
     for seq in scheduler.running:
-        done = manager.num_scheduled_tokens(seq)  # the next step gives position `done` its slot
+        done = seq.num_computed_tokens  # the next step gives position `done` its slot
         if done % bs == 0:  # it needs a new block
             return 0
         # Steps 1 .. bs - done % bs fill its last block (the last of them seals it); the next needs a new one.
@@ -113,5 +113,5 @@ def run_plain_decode_steps(engine, steps: int) -> None:
             manager.append_slots(seq, num_new_tokens=steps - 1)
         manager.append_slots(seq, num_new_tokens=1)  # the last step's: the records end as after `steps` calls
         seq.append_token(generated_token(job.index, seq.num_tokens))
-        job.computed = manager.num_scheduled_tokens(seq)
+        job.computed = seq.num_computed_tokens
     engine.count_plain_decode_steps(steps, len(running))
