@@ -313,10 +313,11 @@ print(f"Reading: where sharing ends anywhere (few-shot, chat), small blocks keep
 #
 # So far the whole pool was cache. In a server, running requests hold their blocks (prompt and growing
 # output) and only what is left caches. The overlap mode replays arrivals at the trace's timestamps through
-# a simple continuous-batching engine (`kvlab.studies.overlap`; its docstring lists every assumption: a
-# fixed 20 ms decode step, prefill time proportional to the uncached tokens, FIFO admission with
-# `can_allocate`, growth with `append_token` + `append_slots`, preemption by recompute of the youngest
-# request when no block is free).
+# the serving engine's own scheduler (vLLM V1's, as `LLM` runs it: one budget of 8,192 tokens per step shared
+# by decodes and prompt chunks, first come first served admission with `can_allocate`, preemption by
+# recompute of the newest running request when no block is free) with a cost model in place of the model
+# (`kvlab.studies.overlap`; its docstring lists every assumption: a fixed 20 ms step plus a prefill time
+# proportional to the uncached tokens it computes).
 #
 # One assumption matters for hit rates: **generated tokens never hit**. The traces do not record output
 # tokens, so the simulation gives them private ids: decode blocks take cache space but are never reused. A

@@ -139,8 +139,9 @@ print(f"Ceiling (one infinite cache): {ceiling:.1%} of prompt tokens.")
 # - `kv_cost` (Dynamo's KV router, Mooncake's Conductor): the least `prefill_weight` x uncached prompt tokens
 #   + `queue_weight` x prompt tokens already queued there: the prefill work the request would wait for and do.
 #
-# Every replica runs the overlap engine's time model: a step of 20 ms plus 0.02 ms per uncached prompt token
-# admitted in it. TTFT is the time from arrival to the end of the step that prefilled the request. Load
+# Every replica runs the overlap replay: the engine's own V1 scheduler under a cost model, a step of 20 ms plus
+# 0.02 ms per prompt token it computes (a prompt longer than the 8,192-token budget is computed in chunks over
+# several steps). TTFT is the time from arrival to the end of the step that computes the prompt's last token. Load
 # imbalance is the busiest replica's prefill tokens over the mean (1.0 is perfect).
 
 # %%

@@ -7,8 +7,8 @@
 The command line is ``kvlab study`` (``kvlab.studies.cli``).
 """
 
+from kvlab.studies.engine_model import EngineModel
 from kvlab.studies.memory_waste import memory_waste
-from kvlab.studies.overlap import EngineModel
 from kvlab.studies.reuse import reuse_profile
 from kvlab.studies.simulator import replay
 from kvlab.studies.study import cache_hit_study

@@ -17,7 +17,7 @@ from kvlab.blocks.eviction import POLICIES
 from kvlab.errors import KvlabError
 from kvlab.studies.cli_options import (block_size_number, check_out, comma_list, count_of, directory, option,
                                       positive_number, whole_number)
-from kvlab.studies.overlap import EngineModel
+from kvlab.studies.engine_model import EngineModel
 from kvlab.studies.plots import plot_hit_rates
 from kvlab.studies.simulator import MAX_CAPACITY, MODES, check_capacity, policy_factory
 from kvlab.studies.study import cache_hit_study

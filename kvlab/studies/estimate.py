@@ -4,8 +4,9 @@ A study's cost grows with requests x configurations / block size: ``kvlab study 
 Mooncake trace replays 48 M blocks per configuration, for more than ten minutes, and its infinite pool
 would not even fit a block manager. The costs below were measured on a 2-core CPU (the Mooncake conversation
 trace at block sizes 16 to 512, pools of 1,000 blocks to infinite): a sequential replay takes about 20 us
-per request plus 1.2 us per full prompt block, an overlap replay about 200 us per request plus 1.5 us per
-block; preparing a trace (once per block size, in this process) about 0.25 us per block; a block manager
+per request plus 1.2 us per full prompt block; an overlap replay, which runs the engine's scheduler over the
+whole batch in every step where something changes (``kvlab.studies.overlap``), about 4 ms of CPU per request
+plus 15 us per block (measured at block size 512, 3,000 requests, pools of 1,000 and 8,000 blocks); preparing a trace (once per block size, in this process) about 0.25 us per block; a block manager
 holds about 350 bytes per block of its pool. Rough, on a quiet machine (one shared with other jobs takes
 longer): enough to tell a 20-second study from a 20-minute one before it starts.
 """
@@ -16,8 +17,8 @@ import numpy as np
 
 from kvlab.studies.simulator import MAX_CAPACITY
 
-SECONDS_PER_REQUEST = {"sequential": 20e-6, "overlap": 200e-6}
-SECONDS_PER_BLOCK = {"sequential": 1.2e-6, "overlap": 1.5e-6}
+SECONDS_PER_REQUEST = {"sequential": 20e-6, "overlap": 4e-3}
+SECONDS_PER_BLOCK = {"sequential": 1.2e-6, "overlap": 15e-6}
 PREPARE_SECONDS_PER_BLOCK = 0.25e-6
 BYTES_PER_POOL_BLOCK = 350
 #: Worth a word before starting: a minute of waiting, or a pool of 2 GiB.

@@ -12,8 +12,8 @@ Metrics: hit_rate_tokens and hit_rate_blocks as in study.csv (prompt tokens serv
 prompt tokens of the trace; full prompt blocks hit / all full prompt blocks), summed over the replicas;
 load_imbalance = max over mean of the replicas' prefill tokens (the uncached prompt tokens each computed,
 recomputations included; 1.0 is perfect balance); ttft_p50_s / ttft_p99_s: arrival to the end of the step
-that prefilled the request (queueing, then a step of ``decode_step_ms`` plus the batch's prefill), over the
-requests admitted; evictions, preemptions and requests summed; makespan_s the last replica's clock.
+that samples the request's first token (queueing, then the steps that compute its prompt, the last chunk's
+step included: each ``decode_step_ms`` plus the prompt tokens it computes), over the requests that got one; evictions, preemptions and requests summed; makespan_s the last replica's clock.
 """
 
 import math
@@ -28,7 +28,8 @@ from kvlab.blocks.kv_events import CachedHashes
 from kvlab.blocks.manager import MAX_BLOCKS, BlockManager
 from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError
-from kvlab.studies.overlap import Engine, EngineModel, arrivals
+from kvlab.studies.engine_model import EngineModel
+from kvlab.studies.overlap import Engine, arrivals
 from kvlab.studies.routers import RouterSettings, router_factory
 from kvlab.studies.simulator import policy_factory
 from kvlab.studies.traces import PromptTokens, check_frame
@@ -74,6 +75,7 @@ def replay_fleet(trace: pd.DataFrame, *, block_size: int = 512, capacity: int = 
     bs, capacity, n = check_block_size(block_size), check_capacity(capacity), check_replicas(replicas)
     (router, make_router), settings = router_factory(router), settings or RouterSettings()
     engine, (policy_name, policy_class) = engine or EngineModel(), policy_factory(policy)
+    engine.scheduler_class()  # an unknown scheduler fails before any replay
     start = time.perf_counter()
     prompts, jobs = PromptTokens(trace), arrivals(trace, engine)
     chooser = make_router(settings, bs)

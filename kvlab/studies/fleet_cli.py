@@ -16,7 +16,7 @@ from kvlab.studies.cli_options import (block_size_number, check_out, comma_list,
                                       positive_number, whole_number)
 from kvlab.studies.fleet import check_capacity, check_replicas
 from kvlab.studies.fleet_study import fleet_study
-from kvlab.studies.overlap import EngineModel
+from kvlab.studies.engine_model import EngineModel
 from kvlab.studies.routers import ROUTERS, RouterSettings, check_router
 from kvlab.studies.synthetic import WORKLOADS
 from kvlab.studies.traces import BUNDLED

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError
 from kvlab.studies.fleet import check_capacity, check_replicas, replay_fleet
-from kvlab.studies.overlap import EngineModel
+from kvlab.studies.engine_model import EngineModel
 from kvlab.studies.parallel_options import check_jobs, check_timeout
 from kvlab.studies.routers import RouterSettings, router_factory
 from kvlab.studies.study import resolve_trace
@@ -41,6 +41,7 @@ def fleet_study(trace="mooncake_conversation", *, block_sizes=(512,), capacities
     if not (block_sizes and capacities and replicas and routers):
         raise InvalidArgumentError("need at least one block size, capacity, replica count and router")
     settings, engine, jobs = settings or RouterSettings(), engine or EngineModel(), check_jobs(jobs)
+    engine.scheduler_class()  # an unknown scheduler fails before any replay
     dask_timeout = check_timeout(dask_timeout)
     if dask_scheduler is not None:
         from kvlab.studies.dask_client import check_address  # imports distributed: a second

@@ -37,7 +37,7 @@ from kvlab.blocks.eviction import POLICIES, EvictionPolicy
 from kvlab.blocks.manager import MAX_BLOCKS, BlockManager
 from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError
-from kvlab.studies.overlap import EngineModel, replay_overlap
+from kvlab.studies.engine_model import EngineModel
 from kvlab.studies.reuse import block_keys
 from kvlab.studies.sequential import COMPACT_BLOCK_SIZE, CompactTrace, replay_sequential
 from kvlab.studies.traces import check_frame
@@ -152,6 +152,8 @@ def replay_prepared(prepared: PreparedTrace, configs, *, engine: EngineModel | N
     each row's wall_s includes an equal share of building them."""
     configs = [(check_capacity(capacity), *policy_factory(policy)) for capacity, policy in configs]
     engine = engine or EngineModel()
+    if prepared.mode == "overlap":
+        engine.scheduler_class()  # an unknown scheduler fails before any replay
     started = time.perf_counter()
     sequences = prepared.compact.sequences() if prepared.mode == "sequential" else None
     shared_s = (time.perf_counter() - started) / max(len(configs), 1)
@@ -170,6 +172,8 @@ def _replay_one(prepared, capacity, policy_name, policy_class, engine, sequences
         if sequential:
             metrics = replay_sequential(prepared.compact, sequences, manager, bar)
         else:
+            from kvlab.studies.overlap import replay_overlap  # the serving engine's scheduler (and torch)
+
             metrics = replay_overlap(prepared.frame, manager, engine, bar)
     # Rates over the whole trace: a skipped request's prompt counts as computed, so every row of a trace
     # shares one denominator and rows compare across capacities.

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError
 from kvlab.studies.estimate import estimate, slow_notice
-from kvlab.studies.overlap import EngineModel
+from kvlab.studies.engine_model import EngineModel
 from kvlab.studies.parallel_options import check_jobs, check_timeout
 from kvlab.studies.reuse import block_keys, reuse_profile
 from kvlab.studies.simulator import check_capacity, check_mode, infinite_pool_blocks, policy_factory, prepare
@@ -76,6 +76,8 @@ def cache_hit_study(traces=("mooncake_conversation",), *, block_sizes=(16,), cap
     policies, block_sizes = list(policies), [check_block_size(b) for b in block_sizes]
     names = [policy_factory(policy)[0] for policy in policies]  # fail before hours of replay, not after
     mode, engine, jobs = check_mode(mode), engine or EngineModel(), check_jobs(jobs)
+    if mode == "overlap":
+        engine.scheduler_class()  # an unknown scheduler fails now, not in every replay
     dask_timeout = check_timeout(dask_timeout)
     if dask_scheduler is not None:  # a bad address fails before the traces are read, not after
         from kvlab.studies.dask_client import check_address  # imports distributed: a second

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from joblib import Parallel, delayed, effective_n_jobs, parallel_config
 from tqdm.auto import tqdm
 
-from kvlab.studies.overlap import EngineModel
+from kvlab.studies.engine_model import EngineModel
 from kvlab.studies.parallel_options import check_jobs
 from kvlab.studies.simulator import PreparedTrace, replay_prepared
 

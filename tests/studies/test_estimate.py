@@ -32,6 +32,14 @@ class Stop(Exception):
     pass
 
 
+def test_the_main_job_in_overlap_mode_says_it_takes_minutes(mooncake):
+    # It runs the engine's scheduler in every step where something changes (kvlab.studies.overlap): minutes,
+    # where the sequential study takes seconds.
+    seconds, pool = estimate(mooncake, [512], MAIN_CAPACITIES, 3, "overlap", workers=2)
+    assert 5 * 60 < seconds < 30 * 60
+    assert re.search(r"roughly \d+ minutes on 2 workers", slow_notice(seconds, pool, 2))
+
+
 def test_a_slow_study_says_so_before_preparing(monkeypatch, capsys):
     def stop(*args, **kwargs):
         raise Stop

@@ -1,10 +1,15 @@
-"""Continuous-batching replay: what a preempted request keeps, and a sequence that outgrows the whole pool.
+"""Continuous-batching replay under the engine's scheduler: what a preempted request keeps, a sequence that
+outgrows the whole pool, plain decode steps run in one go, and the scheduler chosen.
 
 Every expected number is worked out by hand in the comments (block size 4 throughout; "pos p" is the
 0-based position of the token a step stores; a new block starts at every pos that is a multiple of 4).
 """
 
 import math
+import subprocess
+import sys
+from collections import deque
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -12,9 +17,11 @@ import pytest
 from tqdm.auto import tqdm
 
 from kvlab import BlockManager
+from kvlab.engine.scheduler_v1 import V1Scheduler
 from kvlab.errors import InvalidArgumentError
 from kvlab.studies import EngineModel, replay
-from kvlab.studies.overlap import replay_overlap
+from kvlab.studies.overlap import Engine, arrivals, replay_overlap
+from kvlab.studies.traces import PromptTokens
 
 ENGINE = EngineModel(decode_step_ms=10.0, prefill_ms_per_token=0.5)
 
@@ -51,40 +58,43 @@ def test_a_sequence_that_outgrows_the_whole_pool_is_dropped_mid_decode_not_skipp
 def test_a_request_preempted_before_outgrowing_the_pool_is_dropped_once_it_runs_alone():
     # K: 1-token prompt, 7 more tokens (2 blocks), finishes at step 7, grows at step 4 (pos 4).
     # J: 8-token prompt (2 blocks), grows at step 1 (pos 8: 4 blocks used). Step 4: K needs a block, J is
-    # the youngest: preempted with the 8 + 3 tokens it stored (pos 8..10). J waits for K's blocks,
-    # returns at step 8 hitting 2 blocks (recomputes 3 tokens), grows at step 10 (pos 12, its 4th block)
-    # and at step 14 (pos 16) needs a 5th while alone: dropped.
+    # the newest: preempted with its 12 tokens (pos 8..10 stored, pos 11 sampled). J waits for K's
+    # blocks, returns at step 8 hitting 2 blocks (recomputes pos 8..10, computes pos 11: its 4th block)
+    # and at step 13 (pos 16) needs a 5th while alone: dropped.
     trace = trace_of([[500], list(range(8))], outputs=[8, 100], times_ms=[0, 0])
     metrics = replay_on_a_fresh_pool(trace, 4)
     assert metrics["requests_skipped"] == 0 and metrics["preemptions"] == 1 and metrics["recomputed_tokens"] == 3
     assert metrics["requests"] == 1 and metrics["requests_dropped_mid_decode"] == 1
 
 
-def test_a_self_preempted_sequence_keeps_the_tokens_whose_kv_it_stored():
-    # Pool of 6. A: 4-token prompt, final 12 tokens, grows at steps 1 and 5, finishes at step 8.
-    # B: 6-token prompt, final 24 tokens (6 blocks), grows at steps 3, 7, ... Step 7: B needs its 4th
-    # block, none is free, and B is the youngest: it preempts itself with the 12 tokens it stored (3 full
-    # blocks, all sealed). Step 8: readmitted, hits 2 blocks (its last token is always computed),
-    # recomputes 4, finishes at step 8 + 24 - 12 = 20. Makespan: 21 steps + 14 prefilled tokens.
+def test_a_self_preempted_sequence_keeps_its_tokens_and_hits_its_own_blocks():
+    # Pool of 6, the engine's V1 scheduler. A: 4-token prompt, 9 samples (stores 12 tokens: 3 blocks).
+    # B: 6-token prompt, 19 samples (stores 24: 6 blocks). Step 0 prefills both (3 blocks). Step 7: B's
+    # pos 12 needs its 4th block, none is free, and B is the newest running sequence: it preempts itself,
+    # keeping its 13 tokens (12 with K/V and the one step 6 sampled). Step 8: A decodes its last token;
+    # B would need 4 blocks (its 3 cached ones, then one for pos 12) while A holds 3: it waits. Step 9: it
+    # hits all 3 of its blocks and computes only pos 12, which never had K/V (recomputes nothing), then
+    # samples its 8th token; steps 10 .. 20 sample the other 11. Makespan: 21 steps + 4 + 6 + 1 prefilled.
     trace = trace_of([list(range(4)), list(range(100, 106))], outputs=[9, 19], times_ms=[0, 0])
     metrics = replay_on_a_fresh_pool(trace, 6)
-    assert metrics["preemptions"] == 1 and metrics["recomputed_tokens"] == 4 and metrics["requests"] == 2
-    assert metrics["makespan_s"] == pytest.approx((21 * 10 + (10 + 4) * 0.5) / 1000)
+    assert metrics["preemptions"] == 1 and metrics["recomputed_tokens"] == 0 and metrics["requests"] == 2
+    assert metrics["makespan_s"] == pytest.approx((21 * 10 + (4 + 6 + 1) * 0.5) / 1000)
 
 
 @pytest.mark.parametrize("younger_row_first", [True, False])
-def test_a_preemption_does_not_depend_on_who_grew_first_within_the_step(younger_row_first):
-    # Pool of 4. X (t=0): 4-token prompt, final 9 tokens, grows at steps 1 and 5, finishes at step 5.
-    # Y (t=1 ms, admitted at step 1): 5-token prompt, final 14, grows at step 5 (pos 8). At step 5 both
-    # need a block and none is free; Y is the youngest, so Y goes whether it asks first (preempting
-    # itself) or X does. Either way Y stored 8 tokens, returns at step 6 hitting 1 block, recomputes 4
-    # and finishes at step 6 + 14 - 8 = 12. Makespan: 13 steps + 13 prefilled tokens.
+def test_the_newest_sequence_is_preempted_whatever_the_row_order(younger_row_first):
+    # Pool of 4. X (t=0): 4-token prompt, 6 samples (stores 9). Step 0 prefills it and ends at 12 ms.
+    # Y (t=1 ms): 5-token prompt, 10 samples; step 1 (12 ms) admits it (2 blocks) while X takes its 2nd.
+    # Step 5: X's pos 8 needs a 3rd block, none is free; Y, the newest running sequence, is preempted with
+    # its 9 tokens (8 with K/V), and X takes Y's freed tail block (freed first, so evicted first), then
+    # finishes. Step 6: Y hits its first block, recomputes pos 4..7 and computes pos 8 (5 prefill tokens),
+    # then decodes to its 10th sample at step 11. Makespan: 12 steps + 4 + 5 + 5 prefilled tokens.
     x, y = (list(range(300, 304)), 6, 0.0), (list(range(200, 205)), 10, 1.0)
     rows = [y, x] if younger_row_first else [x, y]
     trace = trace_of(*(list(column) for column in zip(*rows)))
     metrics = replay_on_a_fresh_pool(trace, 4)
     assert metrics["preemptions"] == 1 and metrics["recomputed_tokens"] == 4 and metrics["requests"] == 2
-    assert metrics["makespan_s"] == pytest.approx((13 * 10 + (4 + 5 + 4) * 0.5) / 1000)
+    assert metrics["makespan_s"] == pytest.approx((12 * 10 + (4 + 5 + 5) * 0.5) / 1000)
     assert metrics["mean_queue_s"] == pytest.approx((0 + 0.011) / 2)  # Y waits for step 1, at 12 ms
 
 
@@ -131,3 +141,78 @@ def test_arrival_times_that_overflow_are_refused_not_replayed():
 def test_non_finite_arrival_times_in_a_frame_are_refused(times_ms):
     with pytest.raises(InvalidArgumentError, match="timestamp must hold finite numbers"):
         replay(trace_of([[1, 2, 3], [4, 5, 6]], outputs=[2, 2], times_ms=times_ms), block_size=4, mode="overlap")
+
+
+def random_trace(seed: int, n: int, block_size: int, capacity: int) -> pd.DataFrame:
+    """Prompts up to 1.3 pools long (some never fit), outputs up to a pool (some outgrow it), arrivals
+    spread over 200 ms with idle gaps, and shared prefixes (prefix hits)."""
+    rng = np.random.default_rng(seed)
+    shared = list(rng.integers(0, 30, size=3 * block_size))
+    prompts = [(shared if rng.random() < 0.5 else []) + list(rng.integers(0, 30, size=int(rng.integers(1, capacity * block_size))))
+               for _ in range(n)]
+    return trace_of(prompts, list(rng.integers(0, capacity * block_size, size=n)), np.sort(rng.uniform(0, 2000, size=n)))
+
+
+@pytest.mark.parametrize("scheduler, budget", [("v1", 8192), ("v1", 7), ("v0", 8192)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_plain_decode_steps_run_in_one_go_give_the_same_replay(scheduler, budget, seed):
+    # kvlab.studies.fast_forward: the replay that skips the scheduler in plain decode stretches ends with
+    # the same counters, clock and pool as the one that asks it at every step.
+    block_size, capacity = 4, 24
+    trace = random_trace(seed, 40, block_size, capacity)
+    model = EngineModel(decode_step_ms=10.0, prefill_ms_per_token=0.5, max_num_batched_tokens=budget,
+                        scheduler=scheduler)
+    results, schedules = [], []
+    for fast in (True, False):
+        manager = BlockManager(capacity, block_size)
+        engine = Engine(PromptTokens(trace), arrivals(trace, model), manager, model, tqdm(disable=True),
+                        record_decisions=not fast)
+        calls, schedule = [], engine.scheduler.schedule
+        engine.scheduler.schedule = lambda: calls.append(1) or schedule()
+        engine.advance()
+        manager.check_invariants()
+        results.append({**engine.metrics(), "evictions": manager.num_evictions, "ttft": engine.ttft_ms,
+                        "free": manager.num_free_blocks, "cached": manager.num_cached_blocks})
+        schedules.append(len(calls))
+    assert results[0] == results[1]
+    assert results[0]["preemptions"] and results[0]["requests_skipped"] and results[0]["requests_dropped_mid_decode"]
+    assert schedules[0] < schedules[1]  # it did skip steps
+
+
+class NewestFirst(V1Scheduler):
+    """A learner's policy: the newest waiting request is admitted first."""
+
+    def schedule(self):
+        self.waiting = deque(reversed(self.waiting))
+        try:
+            return super().schedule()
+        finally:
+            self.waiting = deque(reversed(self.waiting))
+
+
+def test_the_replay_runs_the_scheduler_it_is_given():
+    # The same workload under the engine's V1 and V0 schedulers and a learner's subclass: each decides
+    # differently (V0 never mixes prompts into decode steps; NewestFirst admits the newest first), and a
+    # name the registry does not know is refused before anything is replayed.
+    trace = random_trace(3, 30, 4, 24)
+    rows = {name: replay(trace, block_size=4, capacity=24, mode="overlap",
+                         engine=EngineModel(decode_step_ms=10.0, prefill_ms_per_token=0.5, scheduler=scheduler))
+            for name, scheduler in [("v1", "v1"), ("v0", "v0"), ("newest", NewestFirst)]}
+    assert rows["v1"]["mean_queue_s"] != rows["v0"]["mean_queue_s"] != rows["newest"]["mean_queue_s"]
+    assert all(row["requests"] + row["requests_skipped"] + row["requests_dropped_mid_decode"] == 30
+               for row in rows.values())
+    with pytest.raises(InvalidArgumentError, match="unknown scheduler 'v2'"):
+        replay(trace, block_size=4, capacity=24, mode="overlap", engine=EngineModel(scheduler="v2"))
+    with pytest.raises(InvalidArgumentError, match="scheduler must be a name"):
+        EngineModel(scheduler=3)
+
+
+def test_a_sequential_study_never_imports_the_engine():
+    # The engine package imports torch (seconds per process): a sequential study, `make study`, does not need
+    # it, so only an overlap replay imports kvlab.engine (kvlab.studies.engine_model).
+    code = ("import sys, math; from kvlab.studies import cache_hit_study, EngineModel; from kvlab.studies.cli import main; "
+            "cache_hit_study('synthetic_parallel', limit=8, capacities=[math.inf], policies=['lru'], jobs=1, "
+            "progress=False, engine=EngineModel(scheduler='v0')); print('torch' in sys.modules, 'kvlab.engine' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["False", "False"]
