@@ -155,8 +155,8 @@ class PoolRules:
     @rule(data=st.data(), preempted=st.booleans())
     def free(self, data, preempted):
         seq = data.draw(st.sampled_from(self.running + self.swapped))
-        self._forget(seq)
         self.manager.free(seq, preempted=preempted)
+        self._forget(seq)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
