@@ -10,7 +10,7 @@ One module per part, in the manner of vLLM V1's ``vllm/v1/core/``:
     hybrid_manager.py      HybridBlockManager: KV cache groups (full and sliding-window layers) sharing one pool,
                            a coordinator over one GroupManager per group, atomic across groups
     group_manager.py       GroupManager: one group, a BlockManager of its spec on the shared parts, in two phases
-    group_planning.py      what a hybrid call needs from every group (the common hit, pins, step needs)
+    group_planning.py      what a hybrid call needs from every group (the common hit, pins, steps, CPU blocks)
     kv_cache_groups.py     the groups' specs: FullAttentionSpec, SlidingWindowSpec (vLLM's KVCacheSpec family),
                            each with its release rule (the planning asks the spec)
     locking.py             one re-entrant lock held by every public method, so threads may share a manager

@@ -36,3 +36,8 @@ def hit_pins(pool, plans) -> tuple[list, list, int]:
 def step_needs(steps) -> list[int]:
     """Each group's free blocks its planned step ((record, StepPlan, drafts)) takes, less those it releases."""
     return [plan.blocks_needed - len(plan.freed) for _, plan, _ in steps]
+
+
+def cpu_blocks_needed(swap, moving) -> int:
+    """CPU blocks a swap-out takes, every group's ``moving`` ((record, (GPU blocks, None))) together."""
+    return sum(swap.blocks_needed_out(blocks) for _, (blocks, _) in moving)

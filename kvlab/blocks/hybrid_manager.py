@@ -1,15 +1,13 @@
 """HybridBlockManager: KV cache groups (vLLM V1's hybrid allocator, ``HybridKVCacheCoordinator``).
 
 A model mixing layer kinds has one group per kind (``kvlab.blocks.kv_cache_groups``); each group keeps its own
-block table per sequence and all groups draw from ONE pool of equal-size pages.
-
-Design. This manager coordinates one ``GroupManager`` per group (kvlab.blocks.group_manager): a
-``BlockManager`` of the group's attention spec, built on the parts all groups share (``shared_parts``: one
-``BlockPool``, one ``SwapSpace``, one event sink), so every rule of the single-group manager (chunked
-prompts, window release, copy-on-write, sealing, swapping) holds per group. A sequence is allocated here
-once; each group holds a *shadow* of it (``group_shadow``: its id and token array, with the group added to
-block 0's keys), so the same tokens in two groups, different layers' K/V, are different blocks (other hashes
-and bytes): the verified prefix cache never gives one group another's block.
+block table per sequence and all groups draw from ONE pool of equal-size pages. This manager coordinates one
+``GroupManager`` per group (kvlab.blocks.group_manager): a ``BlockManager`` of the group's attention spec, built on
+the parts all groups share (``shared_parts``: one ``BlockPool``, one ``SwapSpace``, one event sink), so every rule
+of the single-group manager (chunked prompts, window release, copy-on-write, sealing, swapping) holds per group. A
+sequence is allocated here once; each group holds a *shadow* of it (``group_shadow``: its id and token array, with
+the group added to block 0's keys), so the same tokens in two groups, different layers' K/V, are different blocks
+(other hashes and bytes): the verified prefix cache never gives one group another's block.
 
 A failed call changes nothing, in any group. Every call plans all groups first (a failing ``hash_fn`` raises
 there), checks room for their sum, makes every group's eviction-policy calls in one transaction (all undone
@@ -21,9 +19,8 @@ each group's records check out on their own, the pools agree with the sum of eve
 the groups of a sequence schedule the same positions.
 
 KV events (``kv_events=True``, kvlab.blocks.kv_events): every group's stores and evictions, tagged with the
-group, in one stream ``kv_events``. The groups report to the shared sink through a ``GroupSink`` that adds
-their group; the queue belongs to this manager alone (the groups show none), so the events of all groups are
-delivered once this manager's outermost call has finished, never by a group's own call.
+group (by its ``GroupSink``), in one stream ``kv_events`` whose queue is this manager's alone: the events of all
+groups are delivered once this manager's outermost call has finished, never by a group's own call.
 """
 
 import threading
@@ -32,7 +29,7 @@ from typing import Optional
 
 from kvlab.blocks.allocations import check_sequence, check_unallocated
 from kvlab.blocks.group_manager import GroupManager
-from kvlab.blocks.group_planning import hit_pins, plan_admissions, step_needs
+from kvlab.blocks.group_planning import cpu_blocks_needed, hit_pins, plan_admissions, step_needs
 from kvlab.blocks.kv_cache_groups import check_group_specs
 from kvlab.blocks.locking import serialized
 from kvlab.blocks.manager_state import admission, shared_parts
@@ -235,15 +232,12 @@ class HybridBlockManager:
 
     # ---- swapping ----------------------------------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> AllocStatus:
-        needed = self._swap_out_needs(self._moving_out(seq))
-        if needed > self._swap.num_blocks:
-            return AllocStatus.NEVER
-        return AllocStatus.OK if needed <= self._swap.num_free else AllocStatus.LATER
+        return self._swap.admission(cpu_blocks_needed(self._swap, self._moving_out(seq)))
 
     def swap_out(self, seq: Sequence) -> list[list[tuple[int, int]]]:
         """Move every group's blocks to the CPU pool; returns each group's (gpu, cpu) copies."""
         moving = self._moving_out(seq)
-        if self._swap_out_needs(moving) > self._swap.num_free:
+        if cpu_blocks_needed(self._swap, moving) > self._swap.num_free:
             raise OutOfBlocksError(f"not enough free CPU blocks to swap out sequence {seq.seq_id}")
         released = [self._pool.freed_by(blocks) for _, (blocks, _) in moving]
         with self._pool.transaction() as txn:
@@ -312,10 +306,6 @@ class HybridBlockManager:
     def _moving_out(self, seq):
         """Each group's (record, (GPU blocks a swap-out moves, None))."""
         return [member.moving_out(shadow) for member, shadow in zip(self._members, self._gpu_shadows(seq))]
-
-    def _swap_out_needs(self, moving) -> int:
-        return sum(self._swap.blocks_needed_out(blocks) for _, (blocks, _) in moving)
-
 
     def _swap_in_needs(self, seq):
         return [member.swap_in_needs(shadow) for member, shadow in zip(self._members, self._shadows(seq))]

@@ -44,7 +44,10 @@ class SwapSpace:
         return alloc.live_blocks() + (cross.blocks if cross else []), cross
 
     def can_move_out(self, alloc) -> AllocStatus:
-        needed = self.blocks_needed_out(self.moving_out(alloc)[0])
+        return self.admission(self.blocks_needed_out(self.moving_out(alloc)[0]))
+
+    def admission(self, needed: int) -> AllocStatus:
+        """Whether a swap-out taking ``needed`` CPU blocks fits now, once others swap in (LATER), or never."""
         if needed > self.num_blocks:
             return AllocStatus.NEVER
         return AllocStatus.OK if needed <= self.num_free else AllocStatus.LATER
