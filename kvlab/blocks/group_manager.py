@@ -13,8 +13,8 @@ it plans every group (hashing every group's blocks, so a ``hash_fn`` that raises
 changed), checks room for all of them, makes EVERY group's policy calls in one transaction (undone whole if
 one raises), and only then has each group do its bookkeeping. So a failed call changes nothing in any group.
 This class offers each call's two halves: its plan (``plan_admission``, ``plan_step`` and
-``hashes_to_seal``, ``plan_release``, ``moving_out``, ``swap_in_needs``) and its bookkeeping (``admit``,
-``apply_step``, ``release``, ``moved_out``, ``moved_in``); the policy calls between them are the
+``hashes_to_seal``, ``plan_accept``, ``plan_release``, ``moving_out``, ``swap_in_needs``) and its bookkeeping
+(``admit``, ``apply_step``, ``accept``, ``release``, ``moved_out``, ``moved_in``); the policy calls between them are the
 coordinator's, made from the plans. (Blocks never move between groups: a group's keys make its blocks'
 bytes its own, so one group's plan never depends on another group's bookkeeping.)
 """
@@ -24,9 +24,9 @@ from kvlab.blocks.invariants import check_records
 from kvlab.blocks.kv_cache_groups import KVCacheSpec
 from kvlab.blocks.manager import BlockManager
 from kvlab.blocks.manager_state import SharedParts
-from kvlab.blocks.sequence import SequenceStatus
+from kvlab.blocks.sequence import SequenceStatus, allocation_record
 
-__all__ = ["GroupManager"]
+__all__ = ["GroupManager", "HybridRecord"]
 
 
 class GroupManager(BlockManager):
@@ -72,6 +72,14 @@ class GroupManager(BlockManager):
         alloc, plan, num_drafts = step
         return self._apply_step(alloc, plan, lookahead, taken, seals, num_drafts)
 
+    def plan_accept(self, shadow, num_accepted: int):
+        """accept_drafts' plan (checked, hashed): (record, verified positions, seals)."""
+        return self._plan_accept(shadow, num_accepted)
+
+    def accept(self, plan) -> None:
+        """accept_drafts' bookkeeping."""
+        self._accept(*plan)
+
     # ---- free ----------------------------------------------------------------------------------------------
     def plan_release(self, shadow):
         """(record, its live blocks tail first, the GPU ones that become free, whether each of those is cached)."""
@@ -115,3 +123,15 @@ class GroupManager(BlockManager):
         """Check this group's records on their own; returns the (GPU, CPU) references they hold (the
         coordinator checks the shared pools against every group's together)."""
         return check_records(self._allocs, self._cross, self._pool, self.block_size, self.enable_prefix_caching)
+
+
+class HybridRecord:
+    """``allocation_record(seq)`` of a sequence a HybridBlockManager allocated: its shadow in each group."""
+    __slots__ = ("manager", "shadows")
+
+    def __init__(self, manager, shadows):
+        self.manager, self.shadows = manager, shadows
+
+    @property
+    def table(self):  # Sequence.block_table shows group 0's; block_tables(seq) has them all
+        return allocation_record(self.shadows[0]).table

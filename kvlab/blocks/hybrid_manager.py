@@ -28,7 +28,7 @@ from collections import Counter
 from typing import Optional
 
 from kvlab.blocks.allocations import check_sequence, check_unallocated
-from kvlab.blocks.group_manager import GroupManager
+from kvlab.blocks.group_manager import GroupManager, HybridRecord
 from kvlab.blocks.group_planning import cpu_blocks_needed, hit_pins, plan_admissions, step_needs
 from kvlab.blocks.kv_cache_groups import check_group_specs
 from kvlab.blocks.locking import serialized
@@ -40,18 +40,6 @@ from kvlab.errors import InvariantViolation, OutOfBlocksError, SequenceStateErro
 from kvlab.validation import check_int
 
 __all__ = ["HybridBlockManager"]
-
-
-class HybridRecord:
-    """``allocation_record(seq)`` of a sequence allocated here: its shadow in each group."""
-    __slots__ = ("manager", "shadows")
-
-    def __init__(self, manager, shadows):
-        self.manager, self.shadows = manager, shadows
-
-    @property
-    def table(self):  # Sequence.block_table shows group 0's; block_tables(seq) has them all
-        return allocation_record(self.shadows[0]).table
 
 
 @serialized
@@ -188,11 +176,12 @@ class HybridBlockManager:
         return pairs
 
     def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
-        """Verify ``seq``'s drafts in every group (see kvlab.blocks.drafts); group 0 refuses bad arguments
+        """Verify ``seq``'s drafts in every group (see kvlab.blocks.drafts): every group checks and hashes
         before any group changes."""
         shadows = self._gpu_shadows(seq)
-        for member, shadow in zip(self._members, shadows):
-            member.accept_drafts(shadow, num_accepted)
+        plans = [member.plan_accept(shadow, num_accepted) for member, shadow in zip(self._members, shadows)]
+        for member, plan in zip(self._members, plans):
+            member.accept(plan)
         seq.num_computed_tokens, seq.num_draft_tokens = shadows[0].num_computed_tokens, 0
 
     def free(self, seq: Sequence, *, preempted: bool = False) -> None:

@@ -1,12 +1,12 @@
 """The block manager's state, created in one place, and the record lookups every part of it shares.
 
-``BlockManager`` (kvlab.blocks.manager) is built from parts that each add public calls over the same state:
-its lifecycle (manager.py), its queries (manager_queries.py), swapping (manager_swap.py), speculative
-drafts (drafts.py) and vLLM V0's interface (vllm_v0.py). Each part derives from ``ManagerState``, so the state a part reads is created by its
-own base class, here, never by a subclass that happens to combine it: the components below and the
-settings, nothing else. The components are built (and the settings checked) by ``shared_parts``; a manager
-joins them as one group of attention ``spec`` (``_join``): a ``BlockManager`` joins parts of its own, each
-group of a hybrid manager the one set its coordinator built (kvlab.blocks.group_manager).
+``BlockManager`` (kvlab.blocks.manager) is built from parts that each add public calls over the same state: its
+lifecycle (manager.py), its queries (manager_queries.py), swapping (manager_swap.py), speculative drafts
+(drafts.py) and vLLM V0's interface (vllm_v0.py). Each part derives from ``ManagerState``, so the state a part
+reads is created by its own base class, here, never by a subclass that happens to combine it: the components
+below and the settings, nothing else. The components are built (and the settings checked) by ``shared_parts``; a
+manager joins them as one group of attention ``spec`` (``_join``): a ``BlockManager`` joins parts of its own,
+each group of a hybrid manager the one set its coordinator built (kvlab.blocks.group_manager).
 
     _pool          BlockPool: the GPU pool and its ref counts (kvlab.blocks.block_pool); ``_pool.index`` its
                    PrefixIndex, the prefix cache (kvlab.blocks.prefix_index)

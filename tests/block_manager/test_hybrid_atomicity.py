@@ -88,6 +88,14 @@ def append_with_release(s):
     return lambda: s.m.append_slots(seq)
 
 
+def accept_drafts(s):
+    seq = s.allocated(range(5))
+    s.m.append_slots(seq, num_draft_tokens=3)   # positions 5..7 are drafts
+    for t in (9, 9, 9):
+        seq.append_token(t)                     # all accepted: blocks 2 and 3 get sealed in each group
+    return lambda: s.m.accept_drafts(seq, 3)
+
+
 def free(s):
     seq = s.allocated(range(7))
     return lambda: s.m.free(seq)
@@ -104,7 +112,8 @@ def swap_in(s):
     return lambda: s.m.swap_in(seq)
 
 
-SCENARIOS = [allocate_with_hits, append_with_copy_and_release, append_with_release, free, swap_out, swap_in]
+SCENARIOS = [allocate_with_hits, append_with_copy_and_release, append_with_release, accept_drafts, free, swap_out,
+             swap_in]
 
 
 def failures():
@@ -133,7 +142,7 @@ def test_the_cases_reach_every_hook_in_every_group():
     assert {scenario for scenario, _, k in CASES if k >= 1} == set(SCENARIOS)
     assert {what for _, what, _ in CASES} == {"remove", "pop", "on_hit", "add", "hash_fn"}
     assert {scenario for scenario, what, _ in CASES if what == "hash_fn"} == {
-        allocate_with_hits, append_with_copy_and_release, append_with_release}
+        allocate_with_hits, append_with_copy_and_release, append_with_release, accept_drafts}
 
 
 @pytest.mark.parametrize("scenario, what, k", CASES, ids=[f"{s.__name__}-{w}-{k}" for s, w, k in CASES])
