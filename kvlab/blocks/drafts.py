@@ -73,6 +73,11 @@ class SpeculativeDrafts(ManagerState):
         accepted (0: all rejected); append those tokens (``seq.append_token``) first. Their K/V stays where the
         pass wrote it, the blocks they complete are sealed (hittable), and ``seq.num_computed_tokens`` rolls
         back past the rejected ones, whose slots the next step overwrites."""
+        self._accept(*self._plan_accept(seq, num_accepted))
+
+    def _plan_accept(self, seq, num_accepted):
+        """(record, verified positions, (hashes, contents) of the blocks to seal or None): checked and hashed
+        before anything changes, so a bad argument or a failing hash_fn leaves no trace."""
         alloc = self._on_gpu(seq)
         drafts = seq.num_draft_tokens
         if not drafts:
@@ -85,9 +90,14 @@ class SpeculativeDrafts(ManagerState):
                                        "accepted tokens first")
         bs = self.block_size
         if self.enable_prefix_caching and verified // bs > alloc.num_sealed:
-            # hashed before anything changes: a failing hash_fn must leave no trace
-            hashes, contents = hashes_to_seal(seq, alloc.num_sealed, verified // bs, bs, self.hash_fn)
-            self._seal_verified(alloc, hashes, contents)
+            return alloc, verified, hashes_to_seal(seq, alloc.num_sealed, verified // bs, bs, self.hash_fn)
+        return alloc, verified, None
+
+    def _accept(self, alloc, verified: int, seals) -> None:
+        """accept_drafts' bookkeeping (cannot fail): seal ``seals``, roll the counter to ``verified``."""
+        seq = alloc.seq
+        if seals is not None:
+            self._seal_verified(alloc, *seals)
             sealed_through(seq, alloc.num_sealed)
         seq.num_computed_tokens, seq.num_draft_tokens = verified, 0
 

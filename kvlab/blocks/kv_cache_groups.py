@@ -10,36 +10,65 @@ which blocks it must keep and which cached blocks a hit needs:
     SlidingWindowSpec(W)    the last W keys: blocks wholly before ``p - W + 1`` are released (to the pool,
                             still cached, as vLLM's SlidingWindowManager frees them)
 
-Chunked-local attention (Llama 4: a query sees only its own chunk of C tokens) would be a third subclass; the
-manager refuses specs it does not know, so adding one is a spec here plus its release rule in
-``kvlab.blocks.planning``.
+A spec is also its group's planner: its release rule (``first_live_block``: which leading blocks no query can
+see any more) and what that rule costs at the peak (``least_peak_blocks``) are its methods, so the block manager
+asks the spec instead of branching on the kind of attention (kvlab.blocks.planning). Its hit rule is the
+release rule at the first query: the prefix lookup is the same for every spec (cached blocks from block 0
+on, each chain verified), and of a hit of h blocks a group keeps those from ``first_live_block(h *
+block_size)`` on; the others prove the chain without being pinned.
+
+Chunked-local attention (Llama 4: a query sees only its own chunk of C tokens) would be a third subclass with
+its own release rule; the manager refuses specs it does not know, so adding one is a spec here and its name
+in ``KNOWN_SPECS``.
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 from kvlab.errors import InvalidArgumentError
 from kvlab.validation import check_int
 
 
 class KVCacheSpec:
-    """What a group's attention sees; subclasses say it with ``sliding_window`` (None: everything)."""
+    """What a group's attention sees: ``sliding_window`` (None: everything), ``kind`` (vLLM's KVCacheSpecKind
+    value), and the rules the block manager plans with."""
+    kind: ClassVar[str]
 
     @property
     def sliding_window(self) -> Optional[int]:
         raise NotImplementedError
 
+    def first_live_block(self, first_query: int, block_size: int) -> int:
+        """The release rule: how many leading blocks no query at position >= ``first_query`` can see."""
+        raise NotImplementedError
+
+    def least_peak_blocks(self, scheduled: int, num_tokens: int, block_size: int, lookahead: int) -> int:
+        """The fewest blocks a sequence must hold at once to give positions ``scheduled .. num_tokens - 1``
+        (``scheduled < num_tokens``) their slots later, however they are chunked: the step that computes
+        position p holds at least blocks ``first_live_block(p) .. ceil((p + 1 + lookahead) / block_size) - 1``,
+        and steps of one token hold exactly that."""
+        raise NotImplementedError
+
 
 @dataclass(frozen=True)
 class FullAttentionSpec(KVCacheSpec):
+    kind: ClassVar[str] = "full_attention"
+
     @property
     def sliding_window(self) -> Optional[int]:
         return None
+
+    def first_live_block(self, first_query: int, block_size: int) -> int:
+        return 0  # every key stays visible
+
+    def least_peak_blocks(self, scheduled: int, num_tokens: int, block_size: int, lookahead: int) -> int:
+        return -(-(num_tokens + lookahead) // block_size)  # the whole sequence, at its last token
 
 
 @dataclass(frozen=True)
 class SlidingWindowSpec(KVCacheSpec):
     window: int
+    kind: ClassVar[str] = "sliding_window"
 
     def __post_init__(self):
         check_int("sliding window", self.window, 1)
@@ -48,8 +77,23 @@ class SlidingWindowSpec(KVCacheSpec):
     def sliding_window(self) -> Optional[int]:
         return self.window
 
+    def first_live_block(self, first_query: int, block_size: int) -> int:
+        # A query at position p sees keys p - W + 1 .. p: blocks wholly before first_query - W + 1 can go.
+        return max(0, first_query - self.window + 1) // block_size
+
+    def least_peak_blocks(self, scheduled: int, num_tokens: int, block_size: int, lookahead: int) -> int:
+        # The count grows until p = W - 1 and is periodic (period block_size) from there on, so the last
+        # block_size positions reach its maximum.
+        return max(-(-(p + 1 + lookahead) // block_size) - self.first_live_block(p, block_size)
+                   for p in range(max(scheduled, num_tokens - block_size), num_tokens))
+
 
 KNOWN_SPECS = (FullAttentionSpec, SlidingWindowSpec)
+
+
+def spec_for(sliding_window: Optional[int]) -> KVCacheSpec:
+    """The spec of a single-group ``BlockManager(sliding_window=...)``."""
+    return FullAttentionSpec() if sliding_window is None else SlidingWindowSpec(sliding_window)
 
 
 def check_group_specs(specs) -> tuple:

@@ -183,8 +183,7 @@ class KVEventPublisher(EventSink):
         self.block_size = block_size
         # The group fields of each group's BlockStored; [{}] (no fields) for a single-group manager.
         self._stored_fields = [{}] if groups is None else [
-            dict(group_idx=g, kv_cache_spec_sliding_window=spec.sliding_window,
-                 kv_cache_spec_kind="full_attention" if spec.sliding_window is None else "sliding_window")
+            dict(group_idx=g, kv_cache_spec_sliding_window=spec.sliding_window, kv_cache_spec_kind=spec.kind)
             for g, spec in enumerate(groups)]
         self._group_of: Optional[dict[int, int]] = None if groups is None else {}  # cached block -> its group
         self._subscriptions: list[Subscription] = []

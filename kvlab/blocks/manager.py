@@ -80,24 +80,13 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface, S
         num_cross = self._cross.blocks_for(seq, encoder_seq)
         plan = self._plan_allocation(seq, 0, num_new_tokens)
         self._check_room(seq, plan, num_cross)
-        new_blocks, cross_blocks = self._take_blocks(plan, num_cross)
-        if self._sink is not None:
-            self._sink.looked_up(seq.seq_id, plan.hits, new_blocks)
-        if self._tier is not None:
-            self._tier.looked_up(seq.num_tokens, plan.hashes, len(plan.hits), len(plan.tier_hits), self.block_size)
-        last_content = self._seal_prompt(plan, new_blocks)
-        if self.enable_prefix_caching:
-            sealed_through(seq, plan.num_sealed)
-            self.stats.count_lookup(seq.num_tokens, len(plan.hashes), len(plan.hits), self.block_size)
-        self._pool.fill(cross_blocks)
-        if self._sink is not None:
-            self._sink.allocated(seq.seq_id)
-        # Hits outside the sliding window prove the chain but are not pinned: the table points at the null block.
-        table = [NULL_BLOCK] * plan.first_live + plan.hits[plan.first_live:] + new_blocks
-        alloc = Allocation.admitted(self, seq, plan, table, last_content)
-        self._cross.attach(alloc, encoder_seq, cross_blocks)
-        seq.num_computed_tokens, seq.prefill_end = plan.scheduled, seq.num_tokens
-        self._adopt(alloc, alloc.num_computed)
+        pool = self._pool
+        revived = [block for block in plan.hits[plan.first_live:] if not pool.ref[block]]
+        with pool.transaction() as txn:  # every policy call first: if one raises, nothing changed
+            txn.revive(revived)
+            taken = txn.pop(plan.num_new + num_cross)
+            txn.hits(plan.hits)
+        self._admit(seq, plan, taken[:plan.num_new], len(revived), encoder_seq, taken[plan.num_new:])
 
     # ---- decode growth and copy-on-write ---------------------------------------------------------------
     def can_append_slots(self, seq: Sequence, num_lookahead_slots: int = 0, *,
@@ -118,71 +107,25 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface, S
         ``copy_blocks``."""
         alloc = self._on_gpu(seq)
         plan = self._plan_step(alloc, num_lookahead_slots, num_new_tokens, num_draft_tokens)
-        pool, table, sink, bs, n = self._pool, alloc.table, self._sink, self.block_size, plan.scheduled
-        verified = n - num_draft_tokens  # only these are sealed: drafts may be rejected
+        pool = self._pool
         if plan.blocks_needed > pool.num_free + len(plan.freed):
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {plan.blocks_needed} free blocks, "
                                    f"{pool.num_free + len(plan.freed)} are free (check can_append_slots first)")
-        sealing = self.enable_prefix_caching and verified // bs > alloc.num_sealed
-        if sealing:  # hashed before anything changes: a failing hash_fn must leave no trace
-            hashes, contents = hashes_to_seal(seq, alloc.num_sealed, verified // bs, bs, self.hash_fn)
+        seals = self._hashes_to_seal(alloc, plan, num_draft_tokens)
         with pool.transaction() as txn:
             txn.add(plan.freed, plan.freed_cached)
             taken = txn.pop(plan.blocks_needed)
-        pool.drop(plan.release, plan.freed)
-        self._swap.forget_gpu(plan.freed)
-        table[alloc.num_released:plan.release_upto] = [NULL_BLOCK] * len(plan.release)
-        alloc.num_released = plan.release_upto
-        pool.fill(taken)
-        if plan.unseal:
-            pool.unseal(plan.unseal)
-        fresh, pairs = iter(taken), []
-        for i in plan.touched:
-            src = table[i]
-            if i in plan.copies:
-                table[i] = dst = next(fresh)
-                pool.drop([src], ())  # shared, so it stays in use
-                pairs.append((src, dst))
-                if sink is not None:
-                    sink.copied(seq.seq_id, dst, src)
-            else:
-                self._swap.forget_gpu([src])  # written in place: its CPU twin goes stale
-        for block in fresh:
-            table.append(block)
-            if sink is not None:
-                sink.appended(seq.seq_id, block)
-        if sealing:
-            sealed = table[alloc.num_sealed:verified // bs]
-            alloc.last_content = pool.seal(sealed, hashes, contents, alloc.last_content)
-            if sink is not None:
-                sink.stored(pool.index, sealed, hashes, contents, alloc.last_hash)
-            alloc.num_sealed, alloc.last_hash = verified // bs, hashes[-1]
-            sealed_through(seq, alloc.num_sealed)
-        alloc.num_computed = max(alloc.num_computed, seq.num_computed_tokens)  # a new step: the last one ran
-        seq.num_computed_tokens, seq.num_draft_tokens = n, num_draft_tokens
-        alloc.num_slots = max(alloc.num_slots, n + num_lookahead_slots)
-        return pairs
+        return self._apply_step(alloc, plan, num_lookahead_slots, taken, seals, num_draft_tokens)
 
     # ---- free and fork ---------------------------------------------------------------------------------
     def free(self, seq: Sequence, *, preempted: bool = False) -> None:
         """Drop the sequence's references, tail block first (so LRU reuses the chain's tail first). Status
         becomes FINISHED, or WAITING with ``preempted=True`` (to be recomputed later). A cross-attention
         table stays with its group until ``free_cross``."""
-        alloc = self._alloc(seq)
-        live = alloc.live_blocks()[::-1]
-        if alloc.on_cpu:
-            self._swap.release(live)
-        else:
-            self._swap.forget_gpu(self._pool.release(live))
-        self._cross.detach(alloc)
-        self._allocs.discard(alloc)
-        set_allocation_record(seq, None)
-        seq.num_computed_tokens = seq.prefill_end = seq.num_draft_tokens = 0  # no slots: recomputed, it starts over
-        seq.status = SequenceStatus.WAITING if preempted else SequenceStatus.FINISHED
-        if preempted:
-            seq.num_cached_tokens = 0
-        if self._sink is not None:
-            self._sink.freed(seq.seq_id)
+        alloc, live, freed, cached = self._plan_release(seq)
+        with self._pool.transaction() as txn:
+            txn.add(freed, cached)
+        self._release(alloc, live, freed, preempted)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give the new ``child`` the parent's tokens (and block size, salt and keys) and share all its blocks:
@@ -251,17 +194,102 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface, S
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {plan.peak_blocks + num_cross} blocks at once to "
                                    f"finish its prompt, the pool has {self._usable} (check can_allocate first)")
 
-    def _take_blocks(self, plan, num_cross: int) -> tuple[list[int], list[int]]:
-        """Pin the plan's live hits (reviving the free ones) and pop its new blocks and the cross-attention
-        ones: (new blocks, cross blocks)."""
-        pool, live_hits = self._pool, plan.hits[plan.first_live:]
-        revived = [block for block in live_hits if not pool.ref[block]]
-        with pool.transaction() as txn:
-            txn.revive(revived)
-            taken = txn.pop(plan.num_new + num_cross)
-            txn.hits(plan.hits)
-        pool.claim(live_hits, len(revived))
-        return taken[:plan.num_new], taken[plan.num_new:]
+    def _admit(self, seq, plan, new_blocks, num_revived: int, encoder_seq=None, cross_blocks=()) -> None:
+        """allocate's bookkeeping, once the policy handed out ``new_blocks`` (and ``cross_blocks``) and took
+        ``num_revived`` of the plan's live hits out of the free set (cannot fail): pin the live hits, seal the
+        prompt's blocks this step writes, and record the sequence."""
+        self._pool.claim(plan.hits[plan.first_live:], num_revived)
+        if self._sink is not None:
+            self._sink.looked_up(seq.seq_id, plan.hits, new_blocks)
+        if self._tier is not None:
+            self._tier.looked_up(seq.num_tokens, plan.hashes, len(plan.hits), len(plan.tier_hits), self.block_size)
+        last_content = self._seal_prompt(plan, new_blocks)
+        if self.enable_prefix_caching:
+            sealed_through(seq, plan.num_sealed)
+            self.stats.count_lookup(seq.num_tokens, len(plan.hashes), len(plan.hits), self.block_size)
+        self._pool.fill(cross_blocks)
+        if self._sink is not None:
+            self._sink.allocated(seq.seq_id)
+        # Hits outside the sliding window prove the chain but are not pinned: the table points at the null block.
+        table = [NULL_BLOCK] * plan.first_live + plan.hits[plan.first_live:] + new_blocks
+        alloc = Allocation.admitted(self, seq, plan, table, last_content)
+        self._cross.attach(alloc, encoder_seq, cross_blocks)
+        seq.num_computed_tokens, seq.prefill_end = plan.scheduled, seq.num_tokens
+        self._adopt(alloc, alloc.num_computed)
+
+    def _hashes_to_seal(self, alloc, plan, num_drafts: int):
+        """(hashes, contents) of the blocks the step ``plan`` seals (drafts aside: they may be rejected), or None:
+        hashed before anything changes, so a failing hash_fn leaves no trace."""
+        bs, stop = self.block_size, (plan.scheduled - num_drafts) // self.block_size
+        if self.enable_prefix_caching and stop > alloc.num_sealed:
+            return hashes_to_seal(alloc.seq, alloc.num_sealed, stop, bs, self.hash_fn)
+        return None
+
+    def _apply_step(self, alloc, plan, lookahead: int, taken, seals, num_drafts: int) -> list[tuple[int, int]]:
+        """append_slots' bookkeeping, once the policy took back ``plan.freed`` and handed out ``taken`` (cannot
+        fail): release what left the window, copy shared blocks about to be written, append new blocks and
+        seal ``seals`` (``_hashes_to_seal``). Returns the copy-on-write pairs."""
+        pool, table, sink, seq, n = self._pool, alloc.table, self._sink, alloc.seq, plan.scheduled
+        pool.drop(plan.release, plan.freed)
+        self._swap.forget_gpu(plan.freed)
+        table[alloc.num_released:plan.release_upto] = [NULL_BLOCK] * len(plan.release)
+        alloc.num_released = plan.release_upto
+        pool.fill(taken)
+        if plan.unseal:
+            pool.unseal(plan.unseal)
+        fresh, pairs = iter(taken), []
+        for i in plan.touched:
+            src = table[i]
+            if i in plan.copies:
+                table[i] = dst = next(fresh)
+                pool.drop([src], ())  # shared, so it stays in use
+                pairs.append((src, dst))
+                if sink is not None:
+                    sink.copied(seq.seq_id, dst, src)
+            else:
+                self._swap.forget_gpu([src])  # written in place: its CPU twin goes stale
+        for block in fresh:
+            table.append(block)
+            if sink is not None:
+                sink.appended(seq.seq_id, block)
+        if seals is not None:
+            hashes, contents = seals
+            stop = alloc.num_sealed + len(hashes)
+            sealed = table[alloc.num_sealed:stop]
+            alloc.last_content = pool.seal(sealed, hashes, contents, alloc.last_content)
+            if sink is not None:
+                sink.stored(pool.index, sealed, hashes, contents, alloc.last_hash)
+            alloc.num_sealed, alloc.last_hash = stop, hashes[-1]
+            sealed_through(seq, alloc.num_sealed)
+        alloc.num_computed = max(alloc.num_computed, seq.num_computed_tokens)  # a new step: the last one ran
+        seq.num_computed_tokens, seq.num_draft_tokens = n, num_drafts
+        alloc.num_slots = max(alloc.num_slots, n + lookahead)
+        return pairs
+
+    def _plan_release(self, seq):
+        """(record, its live blocks tail first, the GPU ones of them that become free, whether each is cached)."""
+        alloc = self._alloc(seq)
+        live = alloc.live_blocks()[::-1]
+        return (alloc, live, *(((), ()) if alloc.on_cpu else self._pool.freed_by(live)))
+
+    def _release(self, alloc, live, freed, preempted: bool) -> None:
+        """free's bookkeeping, once the policy took back ``freed`` (cannot fail): drop the references to
+        ``live`` (GPU or CPU blocks, tail first) and forget the sequence."""
+        if alloc.on_cpu:
+            self._swap.release(live)
+        else:
+            self._pool.drop(live, freed)
+            self._swap.forget_gpu(freed)
+        self._cross.detach(alloc)
+        self._allocs.discard(alloc)
+        seq = alloc.seq
+        set_allocation_record(seq, None)
+        seq.num_computed_tokens = seq.prefill_end = seq.num_draft_tokens = 0  # no slots: recomputed, it starts over
+        seq.status = SequenceStatus.WAITING if preempted else SequenceStatus.FINISHED
+        if preempted:
+            seq.num_cached_tokens = 0
+        if self._sink is not None:
+            self._sink.freed(seq.seq_id)
 
     def _seal_prompt(self, plan, new_blocks: list[int]):
         """Promote the tier hits into the first new blocks, then seal the new blocks this step writes to the end
@@ -288,14 +316,13 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface, S
                               plan.contents[first:first + len(blocks)], plan.hashes[first - 1] if first else None)
         return parent
 
-    def _plan_allocation(self, seq, lookahead, num_new_tokens):
+    def _plan_allocation(self, seq, lookahead, num_new_tokens, max_hits=None):
         hashes, contents = prompt_blocks(seq, self.block_size, self.hash_fn) if self.enable_prefix_caching else ([], [])
-        return plan_allocation(self._pool, seq, hashes, contents, self.block_size, self.sliding_window, lookahead,
-                               num_new_tokens)
+        return plan_allocation(self._pool, seq, hashes, contents, self.block_size, self.spec, lookahead,
+                               num_new_tokens, max_hits)
 
     def _plan_step(self, alloc, lookahead, num_new_tokens, num_drafts=0):
         check_int("num_lookahead_slots", lookahead, 0)
         check_int("num_draft_tokens", num_drafts, 0)
         check_unverified(alloc.seq)
-        return plan_step(self._pool, alloc, self.block_size, self.sliding_window, lookahead, num_new_tokens,
-                         num_drafts)
+        return plan_step(self._pool, alloc, self.block_size, self.spec, lookahead, num_new_tokens, num_drafts)

@@ -63,7 +63,7 @@ class BlockManagerQueries(ManagerState):
         n = check_int("num_tokens", num_tokens, 1)
         first = n if num_new_tokens is None else check_int("num_new_tokens", num_new_tokens, 1, n)
         # plan_allocation's peak_blocks with no hits: the first step's blocks, or the most a later step needs.
-        return max(-(-first // self.block_size), least_peak_blocks(first, n, self.block_size, self.sliding_window, 0))
+        return max(-(-first // self.block_size), least_peak_blocks(first, n, self.block_size, self.spec, 0))
 
     def ref_count(self, block_id: int) -> int:
         return self._pool.ref[check_int("block id", block_id, 0, self.num_blocks - 1)]

@@ -1,10 +1,12 @@
 """The block manager's state, created in one place, and the record lookups every part of it shares.
 
-``BlockManager`` (kvlab.blocks.manager) is built from parts that each add public calls over the same state:
-its lifecycle (manager.py), its queries (manager_queries.py), swapping (manager_swap.py), speculative
-drafts (drafts.py) and vLLM V0's interface (vllm_v0.py). Each part derives from ``ManagerState``, so the state a part reads is created by its
-own base class, here, never by a subclass that happens to combine it: the components below and the
-settings, nothing else.
+``BlockManager`` (kvlab.blocks.manager) is built from parts that each add public calls over the same state: its
+lifecycle (manager.py), its queries (manager_queries.py), swapping (manager_swap.py), speculative drafts
+(drafts.py) and vLLM V0's interface (vllm_v0.py). Each part derives from ``ManagerState``, so the state a part
+reads is created by its own base class, here, never by a subclass that happens to combine it: the components
+below and the settings, nothing else. The components are built (and the settings checked) by ``shared_parts``; a
+manager joins them as one group of attention ``spec`` (``_join``): a ``BlockManager`` joins parts of its own,
+each group of a hybrid manager the one set its coordinator built (kvlab.blocks.group_manager).
 
     _pool          BlockPool: the GPU pool and its ref counts (kvlab.blocks.block_pool); ``_pool.index`` its
                    PrefixIndex, the prefix cache (kvlab.blocks.prefix_index)
@@ -13,20 +15,22 @@ settings, nothing else.
     _cross         CrossTables: encoder-decoder cross-attention tables (kvlab.blocks.cross_attention)
     _allocs        the Allocation of every sequence allocated here (kvlab.blocks.allocations)
     _sink          the EventSink every change is reported to, None when nobody listens (kvlab.blocks.event_sink)
+    spec           the attention spec whose rules the planning follows (kvlab.blocks.kv_cache_groups)
     events, kv_events   its consumers: the teaching Event log's list and vLLM's KV-event stream (None when off)
     stats          PrefixCacheStats of ``allocate``'s lookups
     _lock          the re-entrant lock every public call holds (kvlab.blocks.locking)
 """
 
 import threading
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from kvlab.blocks.allocations import Allocation, allocation_of
 from kvlab.blocks.block_pool import BlockPool
 from kvlab.blocks.cross_attention import CrossTables
-from kvlab.blocks.event_sink import EventLog, make_sink
+from kvlab.blocks.event_sink import EventLog, EventSink, make_sink
 from kvlab.blocks.eviction import make_policy
 from kvlab.blocks.hashing import HashFn
+from kvlab.blocks.kv_cache_groups import KVCacheSpec, spec_for
 from kvlab.blocks.kv_events import KVEventPublisher
 from kvlab.blocks.offload_policies import check_offload_options
 from kvlab.blocks.offload_tier import make_tier
@@ -41,47 +45,97 @@ NULL_BLOCK = 0  # with a sliding window, block 0 is reserved: every released tab
 MAX_BLOCKS = 1 << 24
 
 
+class SharedParts(NamedTuple):
+    """What the KV cache groups of one manager share (``shared_parts`` checks the settings and builds them): a
+    ``BlockManager`` is one group on parts of its own; a hybrid manager's groups (kvlab.blocks.group_manager)
+    all stand on one."""
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool
+    hash_fn: Optional[HashFn]
+    pool: BlockPool
+    swap: SwapSpace
+    usable: int            # blocks one sequence can hold at most: the pool less the null block, if reserved
+    watermark_blocks: int  # kept free at admission
+    sink: Optional[EventSink]  # every change is reported here; None when nobody listens
+    events: Optional[list[Event]]  # the teaching Event log's list (None when off)
+    kv_events: Optional[KVEventPublisher]  # vLLM's KV-event stream (None when off)
+    tier: Optional[object]  # the offload tier for evicted cached blocks (kvlab.blocks.offload_tier), or None
+
+
+def shared_parts(num_blocks: int, block_size: int, *, num_cpu_blocks: int, watermark: float,
+                 enable_prefix_caching: bool, sliding_window: Optional[int], hash_fn: Optional[HashFn], eviction,
+                 record_events: bool, kv_events: bool, groups=None, num_offload_blocks: int = 0,
+                 offload_policy: str = "lru", offload_admission: str = "always") -> SharedParts:
+    """Check a manager's settings (InvalidArgumentError says which is wrong) and build its shared parts. A
+    ``sliding_window`` (any group's) reserves the null block; ``groups`` are a hybrid manager's group specs, which
+    its KV events describe."""
+    block_size = check_block_size(block_size)
+    num_blocks = check_int("num_blocks", num_blocks, 2 if sliding_window is not None else 1, MAX_BLOCKS)
+    check_int("num_cpu_blocks", num_cpu_blocks, 0, MAX_BLOCKS)
+    check_number("watermark", watermark, 0, 1, max_open=True)
+    if sliding_window is not None:
+        check_int("sliding_window", sliding_window, 1)
+    check_int("num_offload_blocks", num_offload_blocks, 0, MAX_BLOCKS)
+    check_offload_options(offload_policy, offload_admission)
+    if num_offload_blocks and (sliding_window is not None or not enable_prefix_caching):
+        raise InvalidArgumentError("num_offload_blocks needs prefix caching on and no sliding_window (the tier "
+                                   "holds cached full-attention blocks); got "
+                                   f"enable_prefix_caching={enable_prefix_caching!r}, "
+                                   f"sliding_window={sliding_window!r}")
+    if hash_fn is not None and not callable(hash_fn):
+        raise InvalidArgumentError("hash_fn must be callable as hash_fn(parent_hash_or_None, token_ids)")
+    eviction = make_policy(eviction)
+    log = EventLog() if record_events else None
+    # What enters and leaves the prefix cache, for routers (vLLM's KV events: kvlab.blocks.kv_events).
+    publisher = KVEventPublisher(block_size, groups) if kv_events else None
+    sink = make_sink(log, publisher)  # the one sink the groups and the pool report to
+    first_block = NULL_BLOCK + 1 if sliding_window is not None else 0
+    pool = BlockPool(num_blocks, eviction, first_block, sink)
+    tier = make_tier(num_offload_blocks, pool.index, offload_policy, offload_admission)
+    if tier is not None:  # the offload tier (kvlab.blocks.offload_tier): a single-group manager's only
+        pool.tier, tier.sink = tier, sink
+    return SharedParts(block_size, num_blocks, bool(enable_prefix_caching), hash_fn, pool, SwapSpace(num_cpu_blocks),
+                       num_blocks - first_block, int(watermark * num_blocks), sink,
+                       log.events if record_events else None, publisher, tier)
+
+
+def admission(pool, usable: int, watermark_blocks: int, live_blocks: int, needed_free: int) -> AllocStatus:
+    """Whether a sequence holding ``live_blocks`` at once, ``needed_free`` of them taken from the free pool now,
+    fits now (OK, keeping the watermark free), once others leave (LATER), or never (NEVER)."""
+    if live_blocks > usable - watermark_blocks:
+        return AllocStatus.NEVER
+    if pool.num_free - needed_free >= watermark_blocks:
+        return AllocStatus.OK
+    return AllocStatus.LATER
+
+
 class ManagerState:
     def __init__(self, num_blocks: int, block_size: int = 16, *, num_cpu_blocks: int = 0,
                  watermark: float = 0.0, enable_prefix_caching: bool = True,
                  sliding_window: Optional[int] = None, hash_fn: Optional[HashFn] = None,
                  eviction="lru", record_events: bool = False, kv_events: bool = False,
                  num_offload_blocks: int = 0, offload_policy: str = "lru", offload_admission: str = "always"):
-        self.block_size = check_block_size(block_size)
-        self.num_blocks = check_int("num_blocks", num_blocks, 2 if sliding_window is not None else 1, MAX_BLOCKS)
-        check_int("num_cpu_blocks", num_cpu_blocks, 0, MAX_BLOCKS)
-        check_number("watermark", watermark, 0, 1, max_open=True)
-        if sliding_window is not None:
-            check_int("sliding_window", sliding_window, 1)
-        check_int("num_offload_blocks", num_offload_blocks, 0, MAX_BLOCKS)
-        check_offload_options(offload_policy, offload_admission)
-        if num_offload_blocks and (sliding_window is not None or not enable_prefix_caching):
-            raise InvalidArgumentError("num_offload_blocks needs prefix caching on and no sliding_window (the tier "
-                                       "holds cached full-attention blocks); got "
-                                       f"enable_prefix_caching={enable_prefix_caching!r}, "
-                                       f"sliding_window={sliding_window!r}")
-        if hash_fn is not None and not callable(hash_fn):
-            raise InvalidArgumentError("hash_fn must be callable as hash_fn(parent_hash_or_None, token_ids)")
-        eviction = make_policy(eviction)
-        self.sliding_window = sliding_window
-        self.enable_prefix_caching = bool(enable_prefix_caching)
-        self.hash_fn = hash_fn
-        log = EventLog() if record_events else None
-        self.events: Optional[list[Event]] = log.events if record_events else None
-        # What enters and leaves the prefix cache, for routers (vLLM's KV events: kvlab.blocks.kv_events).
-        self.kv_events = KVEventPublisher(self.block_size) if kv_events else None
-        self._kv_queue = self.kv_events.queue if kv_events else ()  # delivered after each call (locking.py)
-        # The one sink the lifecycle and the pool report to: None when neither consumer is on.
-        self._sink = make_sink(log, self.kv_events)
-        first_block = NULL_BLOCK + 1 if sliding_window is not None else 0
-        self._pool = BlockPool(self.num_blocks, eviction, first_block, self._sink)
-        self._swap = SwapSpace(num_cpu_blocks)
-        self._tier = make_tier(num_offload_blocks, self._pool.index, offload_policy, offload_admission)
-        if self._tier is not None:
-            self._pool.tier, self._tier.sink = self._tier, self._sink
+        shared = shared_parts(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, watermark=watermark,
+                              enable_prefix_caching=enable_prefix_caching, sliding_window=sliding_window,
+                              hash_fn=hash_fn, eviction=eviction, record_events=record_events, kv_events=kv_events,
+                              num_offload_blocks=num_offload_blocks, offload_policy=offload_policy,
+                              offload_admission=offload_admission)
+        self._join(shared, spec_for(sliding_window), shared.sink, shared.events, shared.kv_events)
+
+    def _join(self, shared: SharedParts, spec: KVCacheSpec, sink: Optional[EventSink], events=None,
+              kv_events=None) -> None:
+        """Become one group of ``shared``, of attention ``spec``, reporting to ``sink``; ``events`` and
+        ``kv_events`` are the consumers this manager shows (a hybrid manager's groups show none: their
+        coordinator holds and delivers them)."""
+        self.block_size, self.num_blocks = shared.block_size, shared.num_blocks
+        self.spec, self.sliding_window = spec, spec.sliding_window
+        self.enable_prefix_caching, self.hash_fn = shared.enable_prefix_caching, shared.hash_fn
+        self.events, self.kv_events = events, kv_events
+        self._kv_queue = kv_events.queue if kv_events is not None else ()  # delivered after each call (locking.py)
+        self._sink, self._pool, self._swap, self._tier = sink, shared.pool, shared.swap, shared.tier
         self._cross = CrossTables(self.block_size)
-        self._usable = self.num_blocks - first_block
-        self._watermark_blocks = int(watermark * self.num_blocks)
+        self._usable, self._watermark_blocks = shared.usable, shared.watermark_blocks
         self._allocs: set[Allocation] = set()
         self._lock = threading.RLock()
         self.stats = PrefixCacheStats()
@@ -104,8 +158,4 @@ class ManagerState:
 
     # ---- admission: ``live_blocks`` held at once, ``needed_free`` of them taken from the free pool now ----
     def _admission(self, live_blocks, needed_free) -> AllocStatus:
-        if live_blocks > self._usable - self._watermark_blocks:
-            return AllocStatus.NEVER
-        if self._pool.num_free - needed_free >= self._watermark_blocks:
-            return AllocStatus.OK
-        return AllocStatus.LATER
+        return admission(self._pool, self._usable, self._watermark_blocks, live_blocks, needed_free)

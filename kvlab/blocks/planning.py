@@ -10,6 +10,9 @@ Chunked prompts (vLLM V1's ``allocate_slots(request, num_new_tokens)``): a step 
 only blocks whose last token they reach are sealed (become hittable): the step that writes a block's last
 token is scheduled, so under the write-before-read rule a request hitting it in the same step reads K/V
 written before its own attention; a block whose tokens are still to be computed is never hittable.
+
+Which blocks a sequence keeps is its group's attention spec's to say (``spec``: kvlab.blocks.kv_cache_groups,
+full attention or a sliding window): its release rule ``first_live_block`` and its ``least_peak_blocks``.
 """
 
 from typing import NamedTuple
@@ -17,14 +20,6 @@ from typing import NamedTuple
 from kvlab.blocks.prefix_index import ROOT
 from kvlab.errors import InvalidArgumentError
 from kvlab.validation import check_int
-
-
-def first_live_block(first_query: int, sliding_window, block_size: int) -> int:
-    """Leading blocks that no query at position >= ``first_query`` can see: with a window of W, a query at
-    position p sees keys p - W + 1 .. p, so blocks wholly before first_query - W + 1 can go."""
-    if sliding_window is None:
-        return 0
-    return max(0, first_query - sliding_window + 1) // block_size
 
 
 def new_tokens(seq, num_new_tokens, num_scheduled: int) -> int:
@@ -43,19 +38,13 @@ def new_tokens(seq, num_new_tokens, num_scheduled: int) -> int:
                                    f"{num_scheduled} cached or scheduled ones; None schedules them all)") from None
 
 
-def least_peak_blocks(scheduled: int, num_tokens: int, block_size: int, sliding_window, lookahead: int) -> int:
+def least_peak_blocks(scheduled: int, num_tokens: int, block_size: int, spec, lookahead: int) -> int:
     """The fewest blocks a sequence must hold at once to give positions ``scheduled .. num_tokens - 1`` their
-    slots later, however they are chunked (0 if there are none): the step that computes position p holds at
-    least blocks ``first_live_block(p) .. ceil((p + 1 + lookahead) / block_size) - 1``, and steps of one
-    token hold exactly that. Without a window that is the whole sequence at its last token. With a window W
-    the count grows until p = W - 1 and is periodic (period block_size) from there on, so the last
-    block_size positions reach its maximum."""
+    slots later, however they are chunked (0 if there are none): ``spec``'s rule
+    (kvlab.blocks.kv_cache_groups: without a window, the whole sequence at its last token)."""
     if scheduled >= num_tokens:
         return 0
-    if sliding_window is None:
-        return -(-(num_tokens + lookahead) // block_size)
-    return max(-(-(p + 1 + lookahead) // block_size) - first_live_block(p, sliding_window, block_size)
-               for p in range(max(scheduled, num_tokens - block_size), num_tokens))
+    return spec.least_peak_blocks(scheduled, num_tokens, block_size, lookahead)
 
 
 class AllocationPlan(NamedTuple):
@@ -73,7 +62,7 @@ class AllocationPlan(NamedTuple):
     tier_hits: tuple = ()  # offload-tier slots continuing the hits: promoted into the first new blocks
 
 
-def plan_allocation(pool, seq, hashes, contents, block_size, sliding_window, lookahead,
+def plan_allocation(pool, seq, hashes, contents, block_size, spec, lookahead,
                     num_new_tokens, max_hits=None) -> AllocationPlan:
     """Prefix hits are looked up once, here at admission (at most ``max_hits`` blocks: the hybrid manager's
     hit every group can serve); the first step computes the first ``num_new_tokens`` tokens after them (None:
@@ -86,12 +75,12 @@ def plan_allocation(pool, seq, hashes, contents, block_size, sliding_window, loo
     cached = (len(hits) + len(tier_hits)) * block_size
     scheduled = cached + new_tokens(seq, num_new_tokens, cached)
     # The step's first query is the first uncached token.
-    first_live = first_live_block(cached, sliding_window, block_size)
+    first_live = spec.first_live_block(cached, block_size)
     live_blocks = -(-(scheduled + lookahead) // block_size) - first_live
     ref = pool.ref
     hits_in_use = sum(1 for block in hits[first_live:] if ref[block])
     # A chunk that fits is no use if the rest of the prompt never can: admission looks at the whole prompt.
-    peak = max(live_blocks, least_peak_blocks(scheduled, n, block_size, sliding_window, lookahead))
+    peak = max(live_blocks, least_peak_blocks(scheduled, n, block_size, spec, lookahead))
     return AllocationPlan(hashes, contents, hits, first_live, scheduled, live_blocks, live_blocks - hits_in_use,
                           peak, -(-scheduled // block_size) - len(hits), min(len(hashes), scheduled // block_size),
                           tier_hits)
@@ -113,7 +102,7 @@ class StepPlan(NamedTuple):
         return len(self.copies) + self.num_new
 
 
-def plan_step(pool, alloc, block_size, sliding_window, lookahead, num_new_tokens, num_drafts=0) -> StepPlan:
+def plan_step(pool, alloc, block_size, spec, lookahead, num_new_tokens, num_drafts=0) -> StepPlan:
     """The step computes positions ``seq.num_computed_tokens .. scheduled - 1`` (its first query is the first
     position not written yet; ``scheduled`` is num_tokens unless ``num_new_tokens`` says fewer, plus
     ``num_drafts`` draft positions after the last token) and reserves ``lookahead`` more slots. A sealed block
@@ -127,7 +116,7 @@ def plan_step(pool, alloc, block_size, sliding_window, lookahead, num_new_tokens
                                    f"schedule all {seq.num_tokens - first_query} tokens of sequence {seq.seq_id} "
                                    "without a slot (num_new_tokens=None)")
     scheduled += num_drafts
-    release_upto = max(alloc.num_released, first_live_block(first_query, sliding_window, block_size))
+    release_upto = max(alloc.num_released, spec.first_live_block(first_query, block_size))
     release = table[alloc.num_released:release_upto][::-1]
     end = scheduled + lookahead
     touched = range(first_query // block_size, min(len(table), -(-end // block_size)))

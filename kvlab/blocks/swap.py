@@ -31,28 +31,39 @@ class SwapSpace:
 
     # ---- moving a sequence ------------------------------------------------------------------------------
     @staticmethod
-    def _moving_out(alloc):
-        """GPU blocks a swap-out moves (the cross table's too if no other group member stays on the GPU)."""
+    def moving_out(alloc):
+        """(GPU blocks a swap-out moves, the cross table moving with them or None): the cross table's blocks
+        come last, if no other group member stays on the GPU."""
         cross = alloc.cross if alloc.cross is not None and alloc.cross.members_on_gpu() == 1 else None
         return alloc.live_blocks() + (cross.blocks if cross else []), cross
 
     @staticmethod
-    def _moving_in(alloc):
+    def moving_in(alloc):
+        """(CPU blocks a swap-in moves, the cross table moving with them or None)."""
         cross = alloc.cross if alloc.cross is not None and alloc.cross.on_cpu else None
         return alloc.live_blocks() + (cross.blocks if cross else []), cross
 
     def can_move_out(self, alloc) -> AllocStatus:
-        needed = self.blocks_needed_out(self._moving_out(alloc)[0])
+        return self.admission(self.blocks_needed_out(self.moving_out(alloc)[0]))
+
+    def admission(self, needed: int) -> AllocStatus:
+        """Whether a swap-out taking ``needed`` CPU blocks fits now, once others swap in (LATER), or never."""
         if needed > self.num_blocks:
             return AllocStatus.NEVER
         return AllocStatus.OK if needed <= self.num_free else AllocStatus.LATER
 
     def move_out(self, alloc, pool) -> list[tuple[int, int]]:
         """Swap ``alloc``'s sequence out; returns the (gpu, cpu) copies. Raises before changing anything."""
-        gpu_blocks, cross = self._moving_out(alloc)
-        if self.blocks_needed_out(gpu_blocks) > self.num_free:
+        moving = self.moving_out(alloc)
+        if self.blocks_needed_out(moving[0]) > self.num_free:
             raise OutOfBlocksError(f"not enough free CPU blocks to swap out sequence {alloc.seq.seq_id}")
-        freed = pool.release(gpu_blocks)  # the only policy call: if it raises, nothing changed
+        freed = pool.release(moving[0])  # the only policy call: if it raises, nothing changed
+        return self.moved_out(alloc, moving, freed)
+
+    def moved_out(self, alloc, moving, freed) -> list[tuple[int, int]]:
+        """move_out's bookkeeping once the pool released the GPU blocks of ``moving`` (``moving_out(alloc)``),
+        ``freed`` of them becoming free; returns the (gpu, cpu) copies. Cannot fail (the caller checked room)."""
+        gpu_blocks, cross = moving
         cpu_blocks, mapping = self.swap_out(gpu_blocks)
         self.forget_gpu(freed)            # after swap_out, which may reuse their twins
         self._place(alloc, cross, cpu_blocks, on_cpu=True)
@@ -60,15 +71,20 @@ class SwapSpace:
 
     def blocks_needed_in(self, alloc) -> tuple[int, int]:
         """(GPU blocks the swapped-in sequence holds, free GPU blocks it takes: those without a twin)."""
-        cpu_blocks, _ = self._moving_in(alloc)
+        cpu_blocks, _ = self.moving_in(alloc)
         return len(cpu_blocks), self.gpu_twins(cpu_blocks).count(None)
 
     def move_in(self, alloc, pool) -> list[tuple[int, int]]:
         """Swap ``alloc``'s sequence in (the caller checked admission); returns the (cpu, gpu) copies."""
-        cpu_blocks, cross = self._moving_in(alloc)
-        twins = self.gpu_twins(cpu_blocks)
         with pool.transaction() as txn:
-            new_blocks = txn.pop(twins.count(None))
+            new_blocks = txn.pop(self.blocks_needed_in(alloc)[1])
+        return self.moved_in(alloc, pool, new_blocks)
+
+    def moved_in(self, alloc, pool, new_blocks) -> list[tuple[int, int]]:
+        """move_in's bookkeeping once the policy handed out ``new_blocks``, one per CPU block without a GPU
+        twin; returns the (cpu, gpu) copies. Cannot fail."""
+        cpu_blocks, cross = self.moving_in(alloc)
+        twins = self.gpu_twins(cpu_blocks)
         pool.fill(new_blocks)
         pool.claim([gpu for gpu in twins if gpu is not None], 0)  # twins are in use: none was free
         gpu_blocks, mapping = self.swap_in(cpu_blocks, twins, new_blocks)
@@ -77,7 +93,7 @@ class SwapSpace:
 
     @staticmethod
     def _place(alloc, cross, blocks, on_cpu) -> None:
-        """Point the table (and cross table) at ``blocks``, given in ``_moving_*`` order."""
+        """Point the table (and cross table) at ``blocks``, given in ``moving_*`` order."""
         num_live = len(alloc.table) - alloc.num_released
         alloc.table[alloc.num_released:] = blocks[:num_live]
         alloc.on_cpu = on_cpu

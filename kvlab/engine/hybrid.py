@@ -45,21 +45,8 @@ class EngineHybridManager(HybridBlockManager):
     """``HybridBlockManager`` answering as one ``BlockManager`` where the engine asks about a sequence as a
     whole; the scheduler reads each group's tables through ``block_tables`` / ``slot_mappings`` into the step."""
 
-    @property
-    def enable_prefix_caching(self) -> bool:
-        return self._base.enable_prefix_caching
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._pool.index.cached)  # the groups share one pool
-
     def take_tier_moves(self) -> list:
         return []  # no offload tier for hybrid models (make_block_manager refuses one)
-
-    @property
-    def stats(self):
-        # Every group counts the same hits (the coordinator cuts them to the hit all groups serve).
-        return self._members[0].stats
 
     def get_block_table(self, seq) -> list[int]:
         """Every block the sequence holds, in any group (the null block 0 where a window released one)."""

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvlab import AllocStatus, BlockManager, InvalidArgumentError, OutOfBlocksError, Sequence
+from kvlab import AllocStatus, BlockManager, InvalidArgumentError, OutOfBlocksError, PrefixCacheStats, Sequence
 from kvlab.blocks.block_keys import MAX_KEY_DEPTH
 from kvlab.blocks.hybrid_manager import HybridBlockManager
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
@@ -180,3 +180,16 @@ def test_blocks_for_prompt_says_when_can_allocate_says_never(manager, usable, nu
         seq = Sequence(range(100, 100 + n), BS)
         never = manager.can_allocate(seq, num_new_tokens=num_new_tokens) is AllocStatus.NEVER
         assert never == (manager.blocks_for_prompt(n, num_new_tokens) > usable), n
+
+
+
+def test_reset_prefix_cache_resets_every_groups_stats():
+    """As BlockManager.reset_prefix_cache does (the groups' stats used to keep counting through a reset)."""
+    m = make()
+    for _ in range(2):
+        seq = Sequence(range(9), BS)
+        m.allocate(seq)
+        m.free(seq)
+    assert all(group.stats.hit_blocks == 2 for group in m._members)
+    assert m.reset_prefix_cache()
+    assert all(group.stats == PrefixCacheStats() for group in m._members)

@@ -118,8 +118,8 @@ class PoolRules:
             try:
                 self.manager.append_slots(seq, lookahead, num_draft_tokens=k)
             except OutOfBlocksError:
-                self._forget(seq)   # the engine would preempt it; we free it
-                self.manager.free(seq, preempted=True)
+                self.manager.free(seq, preempted=True)   # the engine would preempt it; we free it
+                self._forget(seq)
                 return
             raise AssertionError("append_slots succeeded although can_append_slots said no")
         first_query = self.written[seq]
@@ -155,8 +155,8 @@ class PoolRules:
     @rule(data=st.data(), preempted=st.booleans())
     def free(self, data, preempted):
         seq = data.draw(st.sampled_from(self.running + self.swapped))
-        self._forget(seq)
         self.manager.free(seq, preempted=preempted)
+        self._forget(seq)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())

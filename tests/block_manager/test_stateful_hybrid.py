@@ -12,6 +12,11 @@ then verified or rejected (kvlab.blocks.drafts: window groups release blocks by 
 forks, frees (preempted or finished), swaps and prefix-cache resets; weak hashes and a user-written eviction
 policy too. (The hybrid manager has no
 ``access_all_blocks_in_seq``, so there is no ``touch`` rule.)
+
+Failures: in the machines with a faulty user policy or ``hash_fn``, a rule runs another rule with the k-th call
+of that code from now raising, which may be any group's call: the call must fail with nothing changed in any
+group (tables, progress, the shared pools, the stats), and the rules touch the machine's books only after the
+manager's call succeeded, so the program goes on from the state before.
 """
 
 import itertools
@@ -21,12 +26,48 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvlab import AllocStatus, OutOfBlocksError, Sequence
+from kvlab import AllocStatus, EvictionPolicyError, InvalidArgumentError, OutOfBlocksError, Sequence
 from kvlab.blocks.hybrid_manager import HybridBlockManager
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
 from test_stateful import PREFIXES, PoolRules, StackPolicy, kv_values, salts, tokens
 
 _junk = itertools.count()
+
+
+class Faults:
+    """Makes the k-th call from now of a user's eviction policy or ``hash_fn`` raise (0: the next one)."""
+
+    def __init__(self):
+        self.countdown = None
+
+    def call(self):
+        if self.countdown is not None:
+            if self.countdown == 0:
+                self.countdown = None
+                raise RuntimeError("injected fault")
+            self.countdown -= 1
+
+    def weak_hash(self, parent, token_ids):
+        self.call()
+        return hash((parent, token_ids)) % 64
+
+
+class FaultyStackPolicy(StackPolicy):
+    def __init__(self, faults):
+        super().__init__()
+        self.faults = faults
+
+    def add(self, block_id, cached):
+        self.faults.call()
+        super().add(block_id, cached)
+
+    def remove(self, block_id):
+        self.faults.call()
+        super().remove(block_id)
+
+    def pop(self):
+        self.faults.call()
+        return super().pop()
 
 
 class HybridMachine(PoolRules, RuleBasedStateMachine):
@@ -37,6 +78,12 @@ class HybridMachine(PoolRules, RuleBasedStateMachine):
         config = dict(self.config)
         if isinstance(config.get("eviction"), type):   # a policy class: a fresh instance per program
             config["eviction"] = config["eviction"]()
+        faulty = config.pop("faulty", None)            # "policy" or "hash_fn": user code that fails when armed
+        self.faults = Faults() if faulty else None
+        if faulty == "policy":
+            config["eviction"] = FaultyStackPolicy(self.faults)
+        elif faulty == "hash_fn":
+            config["hash_fn"] = self.faults.weak_hash
         self.manager = HybridBlockManager(**config)
         self.windows = [spec.sliding_window for spec in self.manager.groups]
         self.gpu, self.cpu = {}, {}   # slot -> (group, value): every group's K/V in the one shared pool
@@ -146,13 +193,56 @@ class HybridMachine(PoolRules, RuleBasedStateMachine):
             try:
                 self.manager.append_slots(seq, lookahead, num_new_tokens=k)
             except OutOfBlocksError:
-                self._forget(seq)   # the engine would preempt it; we free it
-                self.manager.free(seq, preempted=True)
+                self.manager.free(seq, preempted=True)   # the engine would preempt it; we free it
+                self._forget(seq)
                 return
             raise AssertionError("append_slots succeeded although can_append_slots said no")
         self._copy(self.gpu, self.gpu, self.manager.append_slots(seq, lookahead, num_new_tokens=k))
         self._step(seq, first_query, lookahead, end=None if k is None else first_query + k)
         self.history.append(seq.token_ids)
+
+    @precondition(lambda self: self.faults is not None)
+    @rule(data=st.data(), k=st.integers(0, 7))
+    def a_failing_call_changes_nothing(self, data, k):
+        """Another rule, with the k-th call of the faulty user code from now raising (in any group's part).
+        (Not ``accept_drafts``: the engine appends the accepted tokens before it, so a failed one is not retried
+        as it is.)"""
+        operations = {
+            "allocate": lambda: self.allocate(data, data.draw(st.sampled_from(PREFIXES)),
+                                              data.draw(st.lists(tokens, max_size=9)), data.draw(salts),
+                                              data.draw(st.booleans())),
+            "step": lambda: self.step(data, data.draw(st.lists(tokens, max_size=5)), data.draw(st.integers(0, 3)),
+                                      data.draw(st.booleans())),
+            "propose": lambda: self.propose(data, data.draw(st.lists(tokens, max_size=3)),
+                                            data.draw(st.lists(tokens, min_size=1, max_size=6)),
+                                            data.draw(st.integers(0, 2))),
+            "free": lambda: self.free(data, data.draw(st.booleans())),
+            "swap_out": lambda: self.swap_out(data),
+            "swap_in": lambda: self.swap_in(data),
+        }
+        live = {"step": self._undrafted(), "propose": self._undrafted(), "free": self.running + self.swapped,
+                "swap_out": self.running, "swap_in": self.swapped}
+        operation = data.draw(st.sampled_from([name for name in operations if live.get(name, True)]))
+        before = self._manager_state()
+        self.faults.countdown = k
+        try:
+            operations[operation]()
+        except (EvictionPolicyError, InvalidArgumentError) as error:
+            if "injected fault" not in str(error):
+                raise
+            assert self._manager_state() == before, f"a failed {operation} changed the manager"
+        finally:
+            self.faults.countdown = None
+
+    def _manager_state(self):
+        """Everything a failed call must leave as it was (the free set as a set: its order is the policy's)."""
+        m = self.manager
+        pool, index, swap = m._pool, m._pool.index, m._swap
+        return (list(pool.ref), list(index.hash), list(index.content), list(index.registered), sorted(pool.policy),
+                pool.num_free, pool.evictions, list(swap.ref), swap.num_free, dict(swap._cpu_of),
+                [vars(group.stats).copy() for group in m._members],
+                [(s.status, s.num_cached_tokens, m.block_tables(s), m.num_scheduled_tokens(s))
+                 for s in self.running + self.swapped])
 
     # ---- invariants ------------------------------------------------------------------------------------
     @invariant()
@@ -173,6 +263,8 @@ MACHINES = [
     _machine("HybridConstantHash", FULL, W3, num_blocks=32, block_size=2, num_cpu_blocks=16,
              hash_fn=lambda parent, ids: 7),
     _machine("HybridUserPolicy", FULL, W2, num_blocks=24, block_size=2, num_cpu_blocks=8, eviction=StackPolicy),
+    _machine("HybridFailingPolicy", W2, FULL, num_blocks=24, block_size=2, num_cpu_blocks=8, faulty="policy"),
+    _machine("HybridFailingHash", FULL, W3, num_blocks=24, block_size=2, num_cpu_blocks=8, faulty="hash_fn"),
 ]
 
 STEPS = int(os.environ.get("KVLAB_STATEFUL_STEPS", "40"))
