@@ -7,10 +7,13 @@ import torch
 import kvlab.device
 from kvlab.engine.config import DTYPES, ModelConfig
 from kvlab.engine.sampling_params import MAX_SEED
-from kvlab.errors import InvalidArgumentError
+from kvlab.errors import InvalidArgumentError, UnsupportedError
+from kvlab.sizing.kv_dtypes import ENGINE_KV_CACHE_DTYPES
 from kvlab.validation import check_int, check_number
 
 PREEMPTION_MODES = ("recompute", "swap")
+#: A quantized cache's fp8 scales: one per layer for K and one for V ("tensor", vLLM's), or one per KV head.
+SCALE_GRANULARITIES = ("tensor", "head")
 #: How attention reads and writes the paged cache: kvlab's Triton kernels (compiled on CUDA, interpreted on
 #: CPU) or the batched torch path of ``kvlab.kernels.torch_paged`` (same cache, tables and slots).
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -44,6 +47,45 @@ def resolve_attention_backend(backend, device: torch.device) -> str:
     if not isinstance(backend, str) or backend not in ATTENTION_BACKENDS:
         raise InvalidArgumentError(f"attention_backend must be None (the default for the device) or one of "
                                    f"{', '.join(map(repr, ATTENTION_BACKENDS))}, got {backend!r}")
+    return backend
+
+
+def check_kv_cache_options(kv_cache_dtype, kv_scale_granularity, kv_calibration_prompts) -> None:
+    """``kv_cache_dtype``: one of ``ENGINE_KV_CACHE_DTYPES`` (vLLM's names and kvlab's); the scales' granularity
+    ("tensor" or "head"); calibration prompts None or a non-empty list of prompts (checked when encoded)."""
+    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in ENGINE_KV_CACHE_DTYPES:
+        raise InvalidArgumentError(f"kv_cache_dtype must be one of {', '.join(map(repr, ENGINE_KV_CACHE_DTYPES))}, "
+                                   f"got {kv_cache_dtype!r}")
+    if kv_scale_granularity not in SCALE_GRANULARITIES:
+        raise InvalidArgumentError(f"kv_scale_granularity must be one of {SCALE_GRANULARITIES} (one scale per "
+                                   f"layer, or per KV head), got {kv_scale_granularity!r}")
+    if kv_calibration_prompts is not None and (not isinstance(kv_calibration_prompts, (list, tuple))
+                                               or not kv_calibration_prompts):
+        raise InvalidArgumentError("kv_calibration_prompts must be None (unit scales) or a non-empty list of "
+                                   f"prompts (strings or token-id lists), got {kv_calibration_prompts!r}")
+    if kv_calibration_prompts is not None and kv_cache_dtype == "auto":
+        raise InvalidArgumentError("kv_calibration_prompts sets the scales of a quantized cache; with "
+                                   "kv_cache_dtype='auto' there is nothing to calibrate")
+
+
+def resolve_quantized_backend(backend, kv_cache_dtype: str, device: torch.device) -> str:
+    """The attention backend for a quantized cache. Triton runs the fp8 formats compiled on GPUs with fp8
+    (sm_89+); the interpreter cannot (it rounds float -> fp8 wrongly when rounding carries into the exponent:
+    31.1 becomes 16, not 32), nor any GPU the integer and asymmetric formats. There the torch path serves:
+    chosen when ``backend`` is None, an ``UnsupportedError`` when "triton" was asked for."""
+    if kv_cache_dtype == "auto":
+        return resolve_attention_backend(backend, device)
+    fp8 = kv_cache_dtype.startswith("fp8")
+    compiled_fp8 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    if backend is None:
+        return "triton" if fp8 and compiled_fp8 else "torch"
+    backend = resolve_attention_backend(backend, device)
+    if backend == "triton" and not (fp8 and compiled_fp8):
+        where = ("the Triton interpreter rounds float -> fp8 wrongly (kvlab.kernels.reshape_and_cache)"
+                 if fp8 else f"kvlab's Triton kernels read float and fp8 caches only, not {kv_cache_dtype}")
+        raise UnsupportedError(f"kv_cache_dtype={kv_cache_dtype!r} cannot run on the triton backend here: {where}; "
+                               "fp8 caches run compiled on GPUs with fp8 (sm_89+). Use attention_backend='torch' "
+                               "or None")
     return backend
 
 

@@ -116,11 +116,15 @@ def check_cache_dtype(dtype, name, *, arithmetic=True):
 
 
 def check_kv_cache(kv_cache, name="kv_cache", *, arithmetic=True, block_sizes=SUPPORTED_BLOCK_SIZES,
-                   head_dims=SUPPORTED_HEAD_DIMS):
+                   head_dims=SUPPORTED_HEAD_DIMS, storage_dtypes=None):
     """Validate one layer's cache ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (any strides, last
-    dim contiguous). Returns ``(num_blocks, block_size, num_kv_heads, head_dim)``."""
+    dim contiguous). ``storage_dtypes``: the dtypes a quantized cache may have instead of ``CACHE_DTYPES``
+    (``kvlab.kernels.kv_quant``). Returns ``(num_blocks, block_size, num_kv_heads, head_dim)``."""
     check_tensor(kv_cache, name, ndim=5)
-    check_cache_dtype(kv_cache.dtype, name, arithmetic=arithmetic)
+    if storage_dtypes is None:
+        check_cache_dtype(kv_cache.dtype, name, arithmetic=arithmetic)
+    elif kv_cache.dtype not in storage_dtypes:
+        _fail(f"{name} has dtype {_dtype_name(kv_cache.dtype)}; allowed: {_dtype_names(storage_dtypes)}")
     check_kernel_device(kv_cache, name)
     num_blocks, two, block_size, num_kv_heads, head_dim = kv_cache.shape
     if two != 2:
