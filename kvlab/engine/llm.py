@@ -68,8 +68,8 @@ class LLM:
     read, and the pool holds more blocks in the same bytes (``kvlab.sizing.kv_dtypes``). fp8 scales are 1.0
     (vLLM's default) unless ``kv_calibration_prompts`` (prompts run once through the model before serving)
     set them from the K/V ranges seen, per layer (``kv_scale_granularity="tensor"``) or per KV head ("head");
-    int4_kivi needs calibration (``kvlab.engine.kv_calibration``). The fp8 formats run on the Triton backend
-    compiled on sm_89+ GPUs; every format runs on the torch backend, which None picks where Triton cannot.
+    int4_kivi needs calibration (``kvlab.engine.kv_calibration``). Quantized caches run on the torch attention
+    backend (None picks it; see ``settings.resolve_quantized_backend`` for the Triton kernels' share).
 
     ``record_decisions=True`` keeps each step's scheduling decision in ``llm.decisions`` (one
     ``kvlab.engine.decisions.StepDecision`` per step record: who ran and as what, who was preempted or

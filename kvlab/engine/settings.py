@@ -69,23 +69,21 @@ def check_kv_cache_options(kv_cache_dtype, kv_scale_granularity, kv_calibration_
 
 
 def resolve_quantized_backend(backend, kv_cache_dtype: str, device: torch.device) -> str:
-    """The attention backend for a quantized cache. Triton runs the fp8 formats compiled on GPUs with fp8
-    (sm_89+); the interpreter cannot (it rounds float -> fp8 wrongly when rounding carries into the exponent:
-    31.1 becomes 16, not 32), nor any GPU the integer and asymmetric formats. There the torch path serves:
-    chosen when ``backend`` is None, an ``UnsupportedError`` when "triton" was asked for."""
+    """The attention backend for ``kv_cache_dtype``. A quantized cache is served by the torch path (chosen when
+    ``backend`` is None, on any device): kvlab's Triton ``reshape_and_cache`` and ``paged_attention_decode``
+    take fp8 caches, but ``paged_prefill`` does not yet, and no Triton kernel reads the integer or asymmetric
+    formats; asking for "triton" raises UnsupportedError saying so."""
     if kv_cache_dtype == "auto":
         return resolve_attention_backend(backend, device)
-    fp8 = kv_cache_dtype.startswith("fp8")
-    compiled_fp8 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
     if backend is None:
-        return "triton" if fp8 and compiled_fp8 else "torch"
+        return "torch"
     backend = resolve_attention_backend(backend, device)
-    if backend == "triton" and not (fp8 and compiled_fp8):
-        where = ("the Triton interpreter rounds float -> fp8 wrongly (kvlab.kernels.reshape_and_cache)"
-                 if fp8 else f"kvlab's Triton kernels read float and fp8 caches only, not {kv_cache_dtype}")
-        raise UnsupportedError(f"kv_cache_dtype={kv_cache_dtype!r} cannot run on the triton backend here: {where}; "
-                               "fp8 caches run compiled on GPUs with fp8 (sm_89+). Use attention_backend='torch' "
-                               "or None")
+    if backend == "triton":
+        raise UnsupportedError(
+            f"kv_cache_dtype={kv_cache_dtype!r} cannot run on the triton backend: kvlab's Triton reshape_and_cache "
+            "and paged_attention_decode take fp8 caches (the write compiled on sm_89+ only: the interpreter "
+            "rounds float -> fp8 wrongly), but paged_prefill does not, nor does any kernel read the integer or "
+            "asymmetric formats. Use attention_backend='torch' or None")
     return backend
 
 

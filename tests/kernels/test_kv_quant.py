@@ -1,12 +1,15 @@
 """Quantized KV caches (kvlab.kernels.kv_quant, torch_paged_quant): every format's round trip stays within its
 codec's error bound, and attention on a quantized cache equals the reference attention (kvlab.kernels.reference)
 on the same K/V decoded, on caches whose unused bytes are poisoned (0xFF: NaN in fp8 and fp16, NaN scales in
-int4 rows), so a read of an unwritten slot would show."""
+int4 rows), so a read of an unwritten slot would show. The Triton decode kernel reads fp8 caches as the torch
+twin does (in the interpreter too); its fp8 write runs compiled only."""
 
 import pytest
 import torch
 
-from kvlab.errors import InvalidArgumentError
+from kvlab.device import DEVICE, ON_GPU
+from kvlab.errors import InvalidArgumentError, UnsupportedError
+from kvlab.kernels import paged_attention_decode, reshape_and_cache
 from kvlab.kernels.kv_quant import FP8_CODECS, INT4_LEVELS, KVQuantizer
 from kvlab.kernels.reference import paged_attention_decode_ref, paged_prefill_ref, reshape_and_cache_ref
 from kvlab.kernels.torch_paged import plan_paged_attention
@@ -139,3 +142,42 @@ def test_bad_scales_and_a_mismatched_cache_are_refused():
     other = calibrated("int4_kivi", key, value)
     with pytest.raises(InvalidArgumentError, match="int4_kivi cache"):
         reshape_and_cache_quantized(key, value, poisoned_cache(q), torch.tensor([0, 1]), other)
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.float16])
+def test_the_triton_decode_kernel_reads_fp8_caches_as_the_torch_twin(name, query_dtype):
+    """The interpreter (TRITON_INTERPRET on CPU) converts fp8 -> float exactly, so the kernel's read runs here."""
+    seq_lens = [13, 5, 20]
+    tables, lens, slots = paged_batch(seq_lens)
+    key, value = kv_sample(len(slots))
+    q = calibrated(name, key, value)
+    cache = reshape_and_cache_quantized(key, value, poisoned_cache(q), slots, q)
+    query = torch.randn(len(seq_lens), NUM_HEADS, HEAD_DIM).to(query_dtype)
+    out = paged_attention_decode(query.to(DEVICE), cache.to(DEVICE), tables.to(DEVICE), lens.to(DEVICE),
+                                 k_scale=q.k_scale.to(DEVICE), v_scale=q.v_scale.to(DEVICE))
+    expected = paged_attention_decode_torch_quantized(query, cache, tables, lens, q)
+    tolerance = 1e-5 if query_dtype == torch.float32 else 1e-2  # fp16: the kernel rounds K and V to the query dtype
+    torch.testing.assert_close(out.cpu().float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's refusal; compiled, the write runs")
+def test_reshape_and_cache_into_fp8_says_the_interpreter_cannot():
+    key, value = kv_sample(2)
+    q = calibrated("fp8_e4m3", key, value)
+    cache = poisoned_cache(q)
+    with pytest.raises(UnsupportedError, match="interpreter rounds float -> fp8 wrongly"):
+        reshape_and_cache(key, value, cache, torch.tensor([0, 1]), k_scale=q.k_scale, v_scale=q.v_scale)
+    assert bool((cache.view(torch.uint8) == 0xFF).all())
+
+
+def test_fp8_kernels_refuse_missing_or_stray_scales():
+    key, value = kv_sample(2)
+    q = calibrated("fp8_e4m3", key, value)
+    tables, lens, _ = paged_batch([3])
+    query = torch.randn(1, NUM_HEADS, HEAD_DIM)
+    with pytest.raises(InvalidArgumentError, match="k_scale must be a torch.Tensor"):
+        paged_attention_decode(query, poisoned_cache(q), tables, lens)
+    with pytest.raises(InvalidArgumentError, match="k_scale and v_scale are for fp8 caches"):
+        paged_attention_decode(query, torch.zeros(NUM_BLOCKS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), tables, lens,
+                               k_scale=q.k_scale, v_scale=q.v_scale)
