@@ -104,3 +104,18 @@ def test_per_head_scales_differ_per_head_and_unit_scales_are_vllms_default(llama
 def test_bad_kv_cache_settings_are_refused(llama, options, error, message):
     with pytest.raises(error, match=message):
         make_llm(llama[0], **options)
+
+
+@pytest.mark.parametrize("name", ["auto", "fp8_e4m3"])
+def test_the_accuracy_studys_prefill_reads_the_cache_as_the_engine(llama, name):
+    """kvlab.studies.kv_accuracy's teacher-forced prefill gives the engine's first greedy token."""
+    from kvlab.studies.kv_accuracy import compare_logits, prefill_hidden
+
+    path, _ = llama
+    llm = make_llm(path, kv_cache_dtype=name, kv_calibration_prompts=None if name == "auto" else CALIBRATION)
+    prompt = prompts(3, (20,))[0]
+    hidden = prefill_hidden(llm, prompt)
+    first = int(llm.model.compute_logits(hidden[-1:]).argmax())
+    assert first == tokens(llm, [prompt], max_tokens=1)[0][0][0]
+    kl, nll_ref, nll, top1 = compare_logits(llm, hidden[:-1], hidden[:-1], torch.tensor(prompt[1:]))
+    assert bool((kl.abs() < 1e-6).all() and top1.all() and (nll_ref == nll).all())
