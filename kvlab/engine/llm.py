@@ -109,7 +109,8 @@ class LLM:
         self.model = load_model(config, self.dtype, self.device)
         self.model.init_rope(self.dtype, self.device)
         self.kv_cache_dtype = kv_cache_dtype
-        calibration = kv_calibration_prompts and [self._token_ids(p, self.max_model_len) for p in kv_calibration_prompts]
+        calibration = kv_calibration_prompts and [self._token_ids(prompt, self.max_model_len)
+                                                  for prompt in kv_calibration_prompts]
         self.kv_quantizers = quantize_kv_cache(self.model, kv_cache_dtype, kv_scale_granularity, calibration,
                                                self.dtype, self.device)
         sized_by = f"num_blocks={num_blocks}"

@@ -176,7 +176,8 @@ def run_study(path, *, num_prompts=50, max_tokens=16, windows=1, context=1024):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvlab.studies.kv_accuracy", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="a SmolLM2-like model directory (default: kvlab.models.smollm2())")
+    parser.add_argument("--model", default=None,
+                        help="a SmolLM2-like model directory (default: kvlab.models.smollm2())")
     parser.add_argument("--prompts", type=int, default=50, help="greedy prompts (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt (default: %(default)s)")
     parser.add_argument("--windows", type=int, default=1, help="teacher-forced passages (default: %(default)s)")
