@@ -194,7 +194,8 @@ check(errors.loc["fp8_e4m3", "K"] < errors.loc["fp8_e5m2", "K"] < errors.loc["in
 #
 # * **accuracy**, on SmolLM2-135M-Instruct on CPU against its fp32 cache: next-token KL divergence,
 #   teacher-forced over a passage of Python's own help text (`pydoc_data.topics`, PSF licence), and how many
-#   greedy tokens come out identical before the first divergence, over 50 prompts;
+#   greedy tokens come out identical before the first divergence (the committed run is small: 8 prompts of 8
+#   tokens and a 256-token passage, see `data/README.md`; the module's defaults are larger);
 # * **capacity**: the Mooncake conversation trace's prefix-cache hit rate when the KV memory of Llama-3-8B on
 #   an 80 GB GPU (48 GiB) holds each format's blocks.
 
