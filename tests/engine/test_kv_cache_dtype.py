@@ -119,3 +119,19 @@ def test_the_accuracy_studys_prefill_reads_the_cache_as_the_engine(llama, name):
     assert first == tokens(llm, [prompt], max_tokens=1)[0][0][0]
     kl, nll_ref, nll, top1 = compare_logits(llm, hidden[:-1], hidden[:-1], torch.tensor(prompt[1:]))
     assert bool((kl.abs() < 1e-6).all() and top1.all() and (nll_ref == nll).all())
+
+
+def test_offloaded_and_promoted_blocks_keep_their_quantized_bytes(llama):
+    """The offload tier holds the format's bytes: a system prompt evicted to it and promoted back gives the
+    tokens of a pool that never evicted it."""
+    path, _ = llama
+    rng = random.Random(3)
+    system = [rng.randrange(1, 128) for _ in range(24)]
+    second, evictor = system + [7, 8, 9], [rng.randrange(1, 128) for _ in range(60)]
+    options = dict(kv_cache_dtype="fp8_e4m3", kv_calibration_prompts=CALIBRATION)
+    roomy = make_llm(path, num_blocks=64, **options)
+    expected = tokens(roomy, [system + [1, 2]], max_tokens=4) + tokens(roomy, [second], max_tokens=4)
+    tiered = make_llm(path, num_blocks=8, num_offload_blocks=16, **options)
+    got = [tokens(tiered, [prompt], max_tokens=4)[0] for prompt in (system + [1, 2], evictor, second)]
+    assert tiered.kv_cache.tier[0].dtype == torch.float8_e4m3fn
+    assert [got[0], got[2]] == expected and tiered.block_manager.tier_stats.tier_hit_blocks == 3
