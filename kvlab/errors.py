@@ -34,6 +34,11 @@ class NeedsGPUError(KvlabError, RuntimeError):
     """A GPU-only feature (e.g. the kernel benchmark) was called on a machine without CUDA."""
 
 
+class UnsupportedError(KvlabError, NotImplementedError):
+    """The feature exists, but not on this device or backend (e.g. an fp8 KV cache in the Triton interpreter);
+    the message says where it runs and what to use here."""
+
+
 class EvictionPolicyError(KvlabError, RuntimeError):
     """A user-supplied eviction policy raised or broke its contract; the manager's state is unchanged."""
 

@@ -7,13 +7,22 @@ import torch
 
 PREFILL_QUERY_LEN = 512
 COPY_LAYERS = 32
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+#: A case's dtype name -> the cache's dtype. fp8 cases (decode and reshape_and_cache only) keep the cache in
+#: fp8 with unit scales per KV head and the query, new K/V and output in ``IO_DTYPES`` (fp16).
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
+          "fp8_e5m2": torch.float8_e5m2}
+FP8 = ("fp8_e4m3", "fp8_e5m2")
+
+
+def io_dtype(dtype: str) -> torch.dtype:
+    """The dtype of a case's query, new K/V and output: the cache's, or fp16 for an fp8 cache."""
+    return torch.float16 if dtype in FP8 else DTYPES[dtype]
 
 
 @dataclass(frozen=True)
 class Case:
     kernel: str  # "decode", "prefill", "reshape_and_cache", "copy_blocks", "swap_out" or "swap_in"
-    dtype: str   # key of DTYPES
+    dtype: str   # key of DTYPES (the cache's dtype)
     batch: int
     context: int
     num_heads: int

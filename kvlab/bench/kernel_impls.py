@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from kvlab.bench.kernel_cases import COPY_LAYERS, DTYPES
+from kvlab.bench.kernel_cases import COPY_LAYERS, DTYPES, FP8, io_dtype
 
 #: FlexAttention's query tile (rows of the block mask); its default sparse block size.
 FLEX_Q_BLOCK = 128
@@ -16,10 +16,11 @@ FLEX_Q_BLOCK = 128
 def paged_inputs(case, device="cuda"):
     """A cache holding ``batch`` sequences of ``context`` tokens in shuffled blocks, its block tables and
     seq_lens, the queries (``case.query_len`` per sequence) and cu_query_lens."""
-    dtype, q_len = DTYPES[case.dtype], case.query_len
+    dtype, q_len = io_dtype(case.dtype), case.query_len
     blocks_per_seq = -(-case.context // case.block_size)
     num_blocks = case.batch * blocks_per_seq
-    kv_cache = torch.randn(num_blocks, 2, case.block_size, case.num_kv_heads, case.head_dim, dtype=dtype, device=device)
+    kv_cache = torch.randn(num_blocks, 2, case.block_size, case.num_kv_heads, case.head_dim, dtype=dtype,
+                           device=device).to(DTYPES[case.dtype])
     block_tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(case.batch, blocks_per_seq)
     seq_lens = torch.full((case.batch,), case.context, dtype=torch.int32, device=device)
     query = torch.randn(case.batch * q_len, case.num_heads, case.head_dim, dtype=dtype, device=device)
@@ -125,9 +126,12 @@ def attention_impls(case, device="cuda"):
     impls = {}
     if case.kernel == "decode":
         from kvlab.kernels.paged_attention_decode import paged_attention_decode
+        scales = fp8_unit_scales(case, device)
         for impl, split_k in (("kvlab", None), ("kvlab_split_k", True), ("kvlab_no_split", False)):
             impls[impl] = (lambda s: lambda: paged_attention_decode(query, kv_cache, block_tables, seq_lens,
-                                                                    split_k=s))(split_k)
+                                                                    split_k=s, **scales))(split_k)
+        if case.dtype in FP8:  # no peer here reads an fp8 paged cache: compare with the fp16 rows' peers
+            return impls
     else:
         from kvlab.kernels.paged_prefill import paged_prefill
         impls["kvlab"] = lambda: paged_prefill(query, kv_cache, block_tables, seq_lens, cu_query_lens)
@@ -163,9 +167,16 @@ def flashinfer_impl(case, query, kv_cache, block_tables, cu_query_lens):
     return lambda: wrapper.run(query, kv_cache)
 
 
+def fp8_unit_scales(case, device) -> dict:
+    """An fp8 case's ``k_scale`` / ``v_scale`` keyword arguments (1.0 per KV head, vLLM's default); none else."""
+    if case.dtype not in FP8:
+        return {}
+    return {name: torch.ones(case.num_kv_heads, device=device) for name in ("k_scale", "v_scale")}
+
+
 def cache_op_impls(case, device="cuda"):
     """{impl name: callable} for reshape_and_cache, copy_blocks, swap_out or swap_in: the kernel and a plain
-    torch peer."""
+    torch peer (none for an fp8 cache: the peer would be a different computation, a cast)."""
     dtype = DTYPES[case.dtype]
     from kvlab.kernels.cache import allocate_kv_cache
     if case.kernel == "reshape_and_cache":
@@ -173,10 +184,13 @@ def cache_op_impls(case, device="cuda"):
         num_blocks = 2 * (-(-case.batch // case.block_size))
         (kv_cache,) = allocate_kv_cache(1, case.num_kv_heads, case.head_dim, block_size=case.block_size, dtype=dtype,
                                         device=device, num_blocks=num_blocks)
-        key, value = (torch.randn(case.batch, case.num_kv_heads, case.head_dim, dtype=dtype, device=device)
-                      for _ in range(2))
+        key, value = (torch.randn(case.batch, case.num_kv_heads, case.head_dim, dtype=io_dtype(case.dtype),
+                                  device=device) for _ in range(2))
         slots = torch.randperm(num_blocks * case.block_size, device=device)[:case.batch]
         blocks, offsets = slots // case.block_size, slots % case.block_size
+        scales = fp8_unit_scales(case, device)
+        if scales:
+            return {"kvlab": lambda: reshape_and_cache(key, value, kv_cache, slots, **scales)}
 
         def torch_scatter():
             kv_cache[blocks, 0, offsets] = key

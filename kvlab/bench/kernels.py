@@ -7,7 +7,10 @@ memory-bound, so its fraction says how close the kernel gets to the hardware; pr
 its fraction is low by nature.
 
 CSV columns (``data/bench/<gpu-name-slug>.csv``): kernel, impl, dtype, batch, context, num_heads,
-num_kv_heads, head_dim, block_size, query_len, median_us, gbps, frac_of_copy_bw, gpu. ``batch`` is the number of
+num_kv_heads, head_dim, block_size, query_len, median_us, gbps, frac_of_copy_bw, gpu. ``dtype`` is the cache's:
+fp8_e4m3 / fp8_e5m2 rows (decode and reshape_and_cache) read or write an fp8 cache with fp16 queries and new
+K/V, their bytes counted at 1 byte per cached element: set them beside the fp16 rows of the same case to see
+what the smaller cache buys in time (the same bandwidth would halve the time). ``batch`` is the number of
 sequences for attention, of tokens written for reshape_and_cache, of (src, dst) pairs for copy_blocks
 (always ``COPY_LAYERS`` layers) and of blocks moved for swap_out / swap_in (one layer, device <-> host);
 ``context`` is each sequence's length (0 for the cache kernels). Prefill cases append ``query_len`` new
@@ -27,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from kvlab.bench.kernel_cases import COPY_LAYERS, DTYPES, PREFILL_QUERY_LEN, Case
+from kvlab.bench.kernel_cases import COPY_LAYERS, DTYPES, FP8, PREFILL_QUERY_LEN, Case, io_dtype
 from kvlab.device import ON_GPU
 from kvlab.errors import NeedsGPUError
 
@@ -46,7 +49,12 @@ def build_grid(quick=False):
     cases = [Case("decode", dt, b, c, h, kvh) for dt in dtypes for h, kvh in heads for b in batches for c in contexts]
     cases += [Case("prefill", dt, b, p + PREFILL_QUERY_LEN, h, kvh)
               for dt in dtypes for h, kvh in heads for b in ([1, 8] if quick else [1, 16]) for p in prefixes]
-    cases += [Case("reshape_and_cache", dt, n, 0, 32, 8) for dt in dtypes for n in ([256] if quick else [1, 256, 8192])]
+    # fp8 caches beside the fp16 cases of the same shapes (quick: e4m3 at the largest batch and context only)
+    fp8, fp8_shapes = (FP8[:1], [(batches[-1], contexts[-1])]) if quick else (FP8, [(b, c) for b in batches
+                                                                                   for c in contexts])
+    cases += [Case("decode", dt, b, c, 32, 8) for dt in fp8 for b, c in fp8_shapes]
+    cases += [Case("reshape_and_cache", dt, n, 0, 32, 8) for dt in dtypes + list(fp8)
+              for n in ([256] if quick else [1, 256, 8192])]
     cases += [Case("copy_blocks", dt, n, 0, 32, 8) for dt in dtypes for n in ([16] if quick else [1, 16, 256])]
     cases += [Case(swap, dt, n, 0, 32, 8) for swap in ("swap_out", "swap_in") for dt in dtypes
               for n in ([64] if quick else [16, 1024])]
@@ -54,10 +62,11 @@ def build_grid(quick=False):
 
 
 def decode_bytes(case, itemsize):
-    """K and V read once over every sequence's real length, plus the query read and the output written."""
+    """K and V read once over every sequence's real length (``itemsize``: the cache's), plus the query read and
+    the output written (in ``io_dtype``)."""
     kv = 2 * case.batch * case.context * case.num_kv_heads * case.head_dim
     q_and_out = 2 * case.batch * case.num_heads * case.head_dim
-    return (kv + q_and_out) * itemsize
+    return kv * itemsize + q_and_out * io_dtype(case.dtype).itemsize
 
 
 def prefill_bytes(case, itemsize):
@@ -68,8 +77,8 @@ def prefill_bytes(case, itemsize):
 
 
 def reshape_and_cache_bytes(case, itemsize):
-    """Each token's K and V read from the inputs and written into its slot."""
-    return 2 * 2 * case.batch * case.num_kv_heads * case.head_dim * itemsize
+    """Each token's K and V read from the inputs (in ``io_dtype``) and written into its slot (``itemsize``)."""
+    return 2 * case.batch * case.num_kv_heads * case.head_dim * (itemsize + io_dtype(case.dtype).itemsize)
 
 
 def copy_blocks_bytes(case, itemsize):

@@ -13,6 +13,11 @@ same cache, block tables and slot mappings:
   calls the public, checked launchers again (``kvlab.engine.settings.check_every_layer_from_env``).
 * "torch": ``kvlab.kernels.torch_paged``, batched torch ops; its plans (where to store, what to gather and
   mask) are checked and made once per step by ``AttentionBatch.for_backend`` and shared by every layer.
+
+A quantized cache (``LLM(kv_cache_dtype=...)``): each layer's ``kv_quantizer`` (its format and scales,
+``kvlab.kernels.kv_quant``) encodes K/V on write and decodes them on read, with the same plans
+(``kvlab.kernels.torch_paged_quant``); None ("auto") runs exactly the unquantized code. ``kv_observer``, set
+only during a calibration pass (``kvlab.engine.kv_calibration``), sees every K/V the layer writes.
 """
 
 from dataclasses import dataclass
@@ -26,9 +31,11 @@ from kvlab.kernels import paged_attention_decode, paged_prefill, reshape_and_cac
 from kvlab.kernels.paged_attention_decode import paged_attention_decode_unchecked
 from kvlab.kernels.paged_prefill import paged_prefill_unchecked
 from kvlab.kernels.reshape_and_cache import reshape_and_cache_unchecked
+from kvlab.kernels.kv_quant import KVQuantizer
 from kvlab.kernels.step_checks import CheckedStep, check_paged_step
 from kvlab.kernels.torch_paged import (CacheWrite, PagedPlan, paged_attention_torch, plan_cache_write,
                                        plan_paged_attention, write_cache)
+from kvlab.kernels.torch_paged_quant import paged_attention_torch_quantized, write_cache_quantized
 
 
 @dataclass
@@ -90,6 +97,8 @@ class PagedSelfAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
         self.scale = self.head_dim ** -0.5
+        self.kv_quantizer: KVQuantizer | None = None  # None: the cache holds K/V in the model's dtype
+        self.kv_observer = None                        # calibration only: called with (k, v) [T, KH, D]
 
     def forward(self, x: torch.Tensor, rotation: Rotation, kv_cache: torch.Tensor,
                 batch: AttentionBatch) -> torch.Tensor:
@@ -103,7 +112,12 @@ class PagedSelfAttention(nn.Module):
         q, k = rotation.apply(q, k)
         # The ordering rule: this step's K/V are in the cache before any query reads it (a sequence that hit
         # a prefix another sequence is computing in this very step reads it here).
-        if batch.plan is not None:  # the torch backend
+        if self.kv_observer is not None:
+            self.kv_observer(k, v)
+        if batch.plan is not None and self.kv_quantizer is not None:  # the torch backend, quantized cache
+            write_cache_quantized(k, v, kv_cache, batch.cache_write, self.kv_quantizer)
+            out = paged_attention_torch_quantized(q, kv_cache, batch.plan, self.kv_quantizer, scale=self.scale)
+        elif batch.plan is not None:  # the torch backend
             write_cache(k, v, kv_cache, batch.cache_write)
             out = paged_attention_torch(q, kv_cache, batch.plan, scale=self.scale)
         elif batch.check_every_layer:

@@ -11,6 +11,7 @@ from kvlab.engine.errors import UnsupportedModelError
 from kvlab.errors import InvalidArgumentError
 from kvlab.kernels import (allocate_cpu_cache, allocate_kv_cache, copy_blocks, paged_attention_decode,
                            paged_attention_decode_torch, swap_blocks)
+from kvlab.kernels.kv_quant import STORAGE_DTYPES, KVQuantizer
 from kvlab.sizing import KVLayout, activation_bytes, kv_blocks, kv_memory
 
 #: KV budget on a machine without a GPU when ``num_blocks`` is not given: small enough for any laptop, and the
@@ -46,29 +47,43 @@ class BlockMoves:
             self.counts[kind] += 1
 
 
-def engine_layout(config: ModelConfig, dtype) -> KVLayout:
+def engine_layout(config: ModelConfig, dtype, kv_cache_dtype: str = "auto") -> KVLayout:
     """The model's KV layout (``kvlab.sizing``) as the engine stores it: every layer, windowed or not, keeps a
-    cache tensor with a page for every block id, so a block id costs ``layout.bytes_per_block``."""
-    return KVLayout(config.num_kv_heads, config.head_dim, str(dtype).removeprefix("torch."),
-                    config.layer_windows or (None,) * config.num_layers)
+    cache tensor with a page for every block id, so a block id costs ``layout.bytes_per_block``. "auto": K
+    and V in the model's ``dtype``; else a quantized format (``kvlab.sizing.kv_dtypes``)."""
+    name = str(dtype).removeprefix("torch.") if kv_cache_dtype == "auto" else kv_cache_dtype
+    return KVLayout(config.num_kv_heads, config.head_dim, name, config.layer_windows or (None,) * config.num_layers)
+
+
+def cache_storage(config: ModelConfig, dtype, kv_cache_dtype: str) -> tuple:
+    """(torch dtype, last dim) of each layer's cache tensor: the model's dtype and head_dim for "auto", else
+    the format's storage (``kvlab.kernels.kv_quant``: fp8, or uint8 bytes of K/V records)."""
+    if kv_cache_dtype == "auto":
+        return dtype, config.head_dim
+    storage = KVQuantizer(kv_cache_dtype, config.head_dim)
+    return storage.storage_dtype, storage.storage_width
 
 
 class PagedKVCache:
     """``gpu[layer]``: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` on the engine's device (CPU in
-    interpreter mode); ``cpu[layer]``: the same layout with ``num_cpu_blocks`` blocks in host memory.
-    ``bytes_per_block`` (from ``engine_layout``) is what one block id takes in those tensors."""
+    interpreter mode); ``cpu[layer]``: the same layout with ``num_cpu_blocks`` blocks in host memory. A
+    quantized ``kv_cache_dtype`` stores its bytes instead (last dim: ``cache_storage``). ``bytes_per_block``
+    (from ``engine_layout``) is what one block id takes in those tensors."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype, device, num_cpu_blocks: int,
-                 num_offload_blocks: int = 0):
-        shape = (config.num_layers, config.num_kv_heads, config.head_dim)
-        self.gpu = allocate_kv_cache(*shape, block_size=block_size, dtype=dtype, device=device, num_blocks=num_blocks)
-        self.cpu = (allocate_cpu_cache(*shape, block_size=block_size, dtype=dtype, num_blocks=num_cpu_blocks)
+                 num_offload_blocks: int = 0, kv_cache_dtype: str = "auto"):
+        storage_dtype, width = cache_storage(config, dtype, kv_cache_dtype)
+        shape = (config.num_layers, config.num_kv_heads, width)
+        self.gpu = allocate_kv_cache(*shape, block_size=block_size, dtype=storage_dtype, device=device,
+                                     num_blocks=num_blocks)
+        self.cpu = (allocate_cpu_cache(*shape, block_size=block_size, dtype=storage_dtype, num_blocks=num_cpu_blocks)
                     if num_cpu_blocks else [])
         # ``tier[layer]``: the offload tier's CPU slots (kvlab.blocks.offload_tier), the same layout again.
-        self.tier = (allocate_cpu_cache(*shape, block_size=block_size, dtype=dtype, num_blocks=num_offload_blocks)
-                     if num_offload_blocks else [])
+        self.tier = (allocate_cpu_cache(*shape, block_size=block_size, dtype=storage_dtype,
+                                        num_blocks=num_offload_blocks) if num_offload_blocks else [])
         self.num_offload_blocks = num_offload_blocks
-        self.layout = engine_layout(config, dtype)
+        self.layout = engine_layout(config, dtype, kv_cache_dtype)
+        self._format = "" if kv_cache_dtype == "auto" else f" in {kv_cache_dtype}"
         self.bytes_per_block = self.layout.bytes_per_block(block_size)
         self.num_blocks, self.num_cpu_blocks, self.block_size = num_blocks, num_cpu_blocks, block_size
 
@@ -77,7 +92,7 @@ class PagedKVCache:
         mib = self.bytes_per_block / 2**20
         layout = self.layout
         line = (f"{self.num_blocks} blocks of {self.block_size} tokens ({self.num_blocks * self.block_size} "
-                f"tokens, {self.num_blocks * mib:.1f} MiB; {layout.bytes_per_token:,} bytes per token = "
+                f"tokens, {self.num_blocks * mib:.1f} MiB; {layout.bytes_per_token:,} bytes per token{self._format} = "
                 f"{layout.bytes_per_token_per_layer:,} x {layout.num_layers} layers) on {self.gpu[0].device}")
         if self.num_cpu_blocks:
             line += f", plus {self.num_cpu_blocks} CPU blocks for swapping ({self.num_cpu_blocks * mib:.1f} MiB)"
@@ -87,6 +102,8 @@ class PagedKVCache:
         return line
 
     def apply(self, moves: BlockMoves) -> None:
+        if self.gpu[0].dtype in STORAGE_DTYPES:
+            return self._apply_bytes(moves)
         for kind, pairs, _, _ in moves.rounds:
             if kind == "copy":
                 copy_blocks(self.gpu, pairs)  # every layer in one launch
@@ -95,6 +112,17 @@ class PagedKVCache:
                 for gpu, cpu in zip(self.gpu, host):
                     src, dst = (gpu, cpu) if kind in ("swap_out", "offload") else (cpu, gpu)
                     swap_blocks(src, dst, pairs)
+
+    def _apply_bytes(self, moves: BlockMoves) -> None:
+        """A quantized cache's moves, as whole blocks of bytes with torch indexing (the copy kernels take float
+        caches only). A round never reads a block it writes (``BlockMoves``), so one indexed copy per layer is
+        the same as copying the pairs one by one."""
+        caches = {"copy": (self.gpu, self.gpu), "swap_out": (self.gpu, self.cpu), "swap_in": (self.cpu, self.gpu),
+                  "offload": (self.gpu, self.tier), "promote": (self.tier, self.gpu)}  # kind -> (sources, targets)
+        for kind, pairs, _, _ in moves.rounds:
+            src_ids, dst_ids = (torch.tensor(ids, dtype=torch.int64) for ids in zip(*pairs))
+            for src, dst in zip(*caches[kind]):
+                dst[dst_ids.to(dst.device)] = src[src_ids.to(src.device)].to(dst.device)
 
 
 def check_kernel_support(config: ModelConfig, block_size: int, dtype, device, attention_backend: str) -> None:
@@ -115,12 +143,13 @@ def check_kernel_support(config: ModelConfig, block_size: int, dtype, device, at
 
 
 def blocks_for_memory(config: ModelConfig, block_size: int, dtype, device, *, gpu_memory_utilization: float,
-                      max_num_batched_tokens: int, max_num_seqs: int, max_useful_blocks: int) -> int:
+                      max_num_batched_tokens: int, max_num_seqs: int, max_useful_blocks: int,
+                      kv_cache_dtype: str = "auto") -> int:
     """``num_blocks=None``: on a GPU, what is left of ``gpu_memory_utilization`` of its memory once the
     weights are loaded and a step's activations are set aside (``kvlab.sizing.budget``, as ``kvlab size``
     estimates it); on CPU, ``CPU_KV_CACHE_BYTES``. Never more than ``max_useful_blocks`` (every sequence at
-    full context length)."""
-    per_block = engine_layout(config, dtype).bytes_per_block(block_size)
+    full context length). A smaller ``kv_cache_dtype`` fits more blocks in the same bytes."""
+    per_block = engine_layout(config, dtype, kv_cache_dtype).bytes_per_block(block_size)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         activations = activation_bytes(

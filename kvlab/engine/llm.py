@@ -16,6 +16,7 @@ from kvlab.engine.chat import render
 from kvlab.engine.config import load_model_config
 from kvlab.engine.errors import ModelFileError, NoTokenizerError, PromptTooLongError
 from kvlab.engine.hybrid import make_block_manager
+from kvlab.engine.kv_calibration import quantize_kv_cache
 from kvlab.engine.kv_cache import CPU_KV_CACHE_BYTES, PagedKVCache, blocks_for_memory, check_kernel_support
 from kvlab.engine.request import Request, RequestOutput
 from kvlab.engine.runner import ModelRunner
@@ -23,8 +24,8 @@ from kvlab.engine.sampler import Sampler
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler import too_long_for_the_pool
 from kvlab.engine.schedulers import resolve_scheduler
-from kvlab.engine.settings import (check_every_layer_from_env, check_settings, resolve_attention_backend, resolve_device,
-                                   resolve_dtype)
+from kvlab.engine.settings import (check_every_layer_from_env, check_kv_cache_options, check_settings,
+                                   resolve_device, resolve_dtype, resolve_quantized_backend)
 from kvlab.engine.step_loop import StepLoop
 from kvlab.engine.step_record import records_to_dataframe
 from kvlab.engine.weights import load_model
@@ -61,6 +62,15 @@ class LLM:
     ``Scheduler`` subclass; ``scheduling`` names only the built-ins, and given both they must agree
     (``kvlab.engine.schedulers``). ``llm.scheduling`` is the family of the scheduler that runs.
 
+    ``kv_cache_dtype``: "auto" (K/V in the model's dtype) or a quantized cache, vLLM's "fp8" (= "fp8_e4m3"),
+    "fp8_e4m3", "fp8_e5m2", or kvlab's "int4_kivi" (KIVI-style 4-bit: keys per channel, values per token) and
+    "k_fp16_v_fp8" (K in fp16, V in fp8): ``reshape_and_cache`` quantizes on write, attention dequantizes on
+    read, and the pool holds more blocks in the same bytes (``kvlab.sizing.kv_dtypes``). fp8 scales are 1.0
+    (vLLM's default) unless ``kv_calibration_prompts`` (prompts run once through the model before serving)
+    set them from the K/V ranges seen, per layer (``kv_scale_granularity="tensor"``) or per KV head ("head");
+    int4_kivi needs calibration (``kvlab.engine.kv_calibration``). Quantized caches run on the torch attention
+    backend (None picks it; see ``settings.resolve_quantized_backend`` for the Triton kernels' share).
+
     ``record_decisions=True`` keeps each step's scheduling decision in ``llm.decisions`` (one
     ``kvlab.engine.decisions.StepDecision`` per step record: who ran and as what, who was preempted or
     aborted, the queues), by request id; it grows by one per step. Off (the default) nothing is built and
@@ -73,7 +83,8 @@ class LLM:
                  num_cpu_blocks: int | None = None, gpu_memory_utilization: float = 0.9, seed: int = 0,
                  record_events: bool = False, attention_backend: str | None = None, scheduling: str | None = None,
                  scheduler=None, record_decisions: bool = False, num_offload_blocks: int = 0,
-                 offload_policy: str = "lru", offload_admission: str = "always"):
+                 offload_policy: str = "lru", offload_admission: str = "always", kv_cache_dtype: str = "auto",
+                 kv_scale_granularity: str = "tensor", kv_calibration_prompts=None):
         check_settings(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        preemption_mode=preemption_mode, max_model_len=max_model_len,
@@ -81,9 +92,10 @@ class LLM:
                        record_events=record_events, record_decisions=record_decisions)
         check_int("num_offload_blocks", num_offload_blocks, 0)
         check_offload_options(offload_policy, offload_admission)
+        check_kv_cache_options(kv_cache_dtype, kv_scale_granularity, kv_calibration_prompts)
         scheduler_class = resolve_scheduler(scheduler, scheduling)
         self.device = resolve_device(device)
-        self.attention_backend = resolve_attention_backend(attention_backend, self.device)
+        self.attention_backend = resolve_quantized_backend(attention_backend, kv_cache_dtype, self.device)
         check_every_layer = check_every_layer_from_env()
         self.model_config = config = load_model_config(model)
         self.tokenizer = self._load_tokenizer(config.path)  # before the weights and the cache: fails fast
@@ -96,6 +108,11 @@ class LLM:
         check_kernel_support(config, block_size, self.dtype, self.device, self.attention_backend)
         self.model = load_model(config, self.dtype, self.device)
         self.model.init_rope(self.dtype, self.device)
+        self.kv_cache_dtype = kv_cache_dtype
+        calibration = kv_calibration_prompts and [self._token_ids(prompt, self.max_model_len)
+                                                  for prompt in kv_calibration_prompts]
+        self.kv_quantizers = quantize_kv_cache(self.model, kv_cache_dtype, kv_scale_granularity, calibration,
+                                               self.dtype, self.device)
         sized_by = f"num_blocks={num_blocks}"
         if num_blocks is None:
             sized_by = ("num_blocks=None: gpu_memory_utilization less weights and activations"
@@ -104,7 +121,7 @@ class LLM:
             num_blocks = blocks_for_memory(
                 config, block_size, self.dtype, self.device, gpu_memory_utilization=gpu_memory_utilization,
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                max_useful_blocks=max_num_seqs * -(-self.max_model_len // block_size))
+                max_useful_blocks=max_num_seqs * -(-self.max_model_len // block_size), kv_cache_dtype=kv_cache_dtype)
         if num_cpu_blocks is None:
             num_cpu_blocks = num_blocks if preemption_mode == "swap" else 0
         self.block_manager = make_block_manager(config, num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
@@ -112,7 +129,7 @@ class LLM:
                                                 record_events=record_events, num_offload_blocks=num_offload_blocks,
                                                 offload_policy=offload_policy, offload_admission=offload_admission)
         self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.dtype, self.device, num_cpu_blocks,
-                                     num_offload_blocks)
+                                     num_offload_blocks, kv_cache_dtype)
         logger.info("KV cache: %s (%s)", self.kv_cache.summary(), sized_by)
         self.scheduler = scheduler_class(self.block_manager, max_num_seqs=max_num_seqs,
                                          max_num_batched_tokens=max_num_batched_tokens, preemption_mode=preemption_mode)
@@ -288,7 +305,8 @@ class LLM:
                                        f"{[t for t in params.stop_token_ids if t >= vocab][:8]} among them")
         return params
 
-    def _encode(self, prompt) -> list[int]:
+    def _token_ids(self, prompt, max_len: int | None = None) -> list[int]:
+        """A prompt's token ids, each checked to be in the vocabulary (and, given ``max_len``, at most that many)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise NoTokenizerError(f"{self.model_config.path} has no tokenizer: pass prompts as token-id lists")
@@ -305,6 +323,12 @@ class LLM:
         if not token_ids or not all(0 <= t < vocab for t in token_ids):
             raise InvalidArgumentError(f"a prompt needs at least one token, each an id in [0, {vocab}); got "
                                        f"{token_ids[:8]}{'...' if len(token_ids) > 8 else ''}")
+        if max_len is not None and len(token_ids) > max_len:
+            raise PromptTooLongError(f"the prompt has {len(token_ids)} tokens, more than {max_len}")
+        return token_ids
+
+    def _encode(self, prompt) -> list[int]:
+        token_ids = self._token_ids(prompt)
         n = len(token_ids)
         if n >= self.max_model_len:
             raise PromptTooLongError(f"the prompt has {n} tokens; the model's context is {self.max_model_len}, "

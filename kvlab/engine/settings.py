@@ -7,10 +7,13 @@ import torch
 import kvlab.device
 from kvlab.engine.config import DTYPES, ModelConfig
 from kvlab.engine.sampling_params import MAX_SEED
-from kvlab.errors import InvalidArgumentError
+from kvlab.errors import InvalidArgumentError, UnsupportedError
+from kvlab.sizing.kv_dtypes import ENGINE_KV_CACHE_DTYPES
 from kvlab.validation import check_int, check_number
 
 PREEMPTION_MODES = ("recompute", "swap")
+#: A quantized cache's fp8 scales: one per layer for K and one for V ("tensor", vLLM's), or one per KV head.
+SCALE_GRANULARITIES = ("tensor", "head")
 #: How attention reads and writes the paged cache: kvlab's Triton kernels (compiled on CUDA, interpreted on
 #: CPU) or the batched torch path of ``kvlab.kernels.torch_paged`` (same cache, tables and slots).
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -44,6 +47,43 @@ def resolve_attention_backend(backend, device: torch.device) -> str:
     if not isinstance(backend, str) or backend not in ATTENTION_BACKENDS:
         raise InvalidArgumentError(f"attention_backend must be None (the default for the device) or one of "
                                    f"{', '.join(map(repr, ATTENTION_BACKENDS))}, got {backend!r}")
+    return backend
+
+
+def check_kv_cache_options(kv_cache_dtype, kv_scale_granularity, kv_calibration_prompts) -> None:
+    """``kv_cache_dtype``: one of ``ENGINE_KV_CACHE_DTYPES`` (vLLM's names and kvlab's); the scales' granularity
+    ("tensor" or "head"); calibration prompts None or a non-empty list of prompts (checked when encoded)."""
+    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in ENGINE_KV_CACHE_DTYPES:
+        raise InvalidArgumentError(f"kv_cache_dtype must be one of {', '.join(map(repr, ENGINE_KV_CACHE_DTYPES))}, "
+                                   f"got {kv_cache_dtype!r}")
+    if kv_scale_granularity not in SCALE_GRANULARITIES:
+        raise InvalidArgumentError(f"kv_scale_granularity must be one of {SCALE_GRANULARITIES} (one scale per "
+                                   f"layer, or per KV head), got {kv_scale_granularity!r}")
+    if kv_calibration_prompts is not None and (not isinstance(kv_calibration_prompts, (list, tuple))
+                                               or not kv_calibration_prompts):
+        raise InvalidArgumentError("kv_calibration_prompts must be None (unit scales) or a non-empty list of "
+                                   f"prompts (strings or token-id lists), got {kv_calibration_prompts!r}")
+    if kv_calibration_prompts is not None and kv_cache_dtype == "auto":
+        raise InvalidArgumentError("kv_calibration_prompts sets the scales of a quantized cache; with "
+                                   "kv_cache_dtype='auto' there is nothing to calibrate")
+
+
+def resolve_quantized_backend(backend, kv_cache_dtype: str, device: torch.device) -> str:
+    """The attention backend for ``kv_cache_dtype``. A quantized cache is served by the torch path (chosen when
+    ``backend`` is None, on any device): kvlab's Triton ``reshape_and_cache`` and ``paged_attention_decode``
+    take fp8 caches, but ``paged_prefill`` does not yet, and no Triton kernel reads the integer or asymmetric
+    formats; asking for "triton" raises UnsupportedError saying so."""
+    if kv_cache_dtype == "auto":
+        return resolve_attention_backend(backend, device)
+    if backend is None:
+        return "torch"
+    backend = resolve_attention_backend(backend, device)
+    if backend == "triton":
+        raise UnsupportedError(
+            f"kv_cache_dtype={kv_cache_dtype!r} cannot run on the triton backend: kvlab's Triton reshape_and_cache "
+            "and paged_attention_decode take fp8 caches (the write compiled on sm_89+ only: the interpreter "
+            "rounds float -> fp8 wrongly), but paged_prefill does not, nor does any kernel read the integer or "
+            "asymmetric formats. Use attention_backend='torch' or None")
     return backend
 
 

@@ -15,6 +15,9 @@ from kvlab.validation import check_number, check_optional_int, is_int
 
 #: Cache dtypes the kernels accept (bf16 only where it works, see ``check_cache_dtype``).
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: fp8 caches (vLLM's kv_cache_dtype fp8_e4m3 / fp8_e5m2): reshape_and_cache quantizes into them and
+#: paged_attention_decode dequantizes from them, with fp32 scales per KV head.
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: Tokens per block the kernels accept: every power of two from 1 to 128 (vLLM, FlashInfer and SGLang use 1
 #: and 128 too). Kernels find each token's block by division (slot // block_size), so no tile depends on it.
 SUPPORTED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -116,11 +119,15 @@ def check_cache_dtype(dtype, name, *, arithmetic=True):
 
 
 def check_kv_cache(kv_cache, name="kv_cache", *, arithmetic=True, block_sizes=SUPPORTED_BLOCK_SIZES,
-                   head_dims=SUPPORTED_HEAD_DIMS):
+                   head_dims=SUPPORTED_HEAD_DIMS, storage_dtypes=None):
     """Validate one layer's cache ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (any strides, last
-    dim contiguous). Returns ``(num_blocks, block_size, num_kv_heads, head_dim)``."""
+    dim contiguous). ``storage_dtypes``: the dtypes a quantized cache may have instead of ``CACHE_DTYPES``
+    (``kvlab.kernels.kv_quant``). Returns ``(num_blocks, block_size, num_kv_heads, head_dim)``."""
     check_tensor(kv_cache, name, ndim=5)
-    check_cache_dtype(kv_cache.dtype, name, arithmetic=arithmetic)
+    if storage_dtypes is None:
+        check_cache_dtype(kv_cache.dtype, name, arithmetic=arithmetic)
+    elif kv_cache.dtype not in storage_dtypes:
+        _fail(f"{name} has dtype {_dtype_name(kv_cache.dtype)}; allowed: {_dtype_names(storage_dtypes)}")
     check_kernel_device(kv_cache, name)
     num_blocks, two, block_size, num_kv_heads, head_dim = kv_cache.shape
     if two != 2:
@@ -203,10 +210,24 @@ def check_cu_query_lens(cu_query_lens, num_seqs, num_query_tokens, seq_lens):
               f"{int(seq_lens[seq])}; the cache must hold every query token too (q_len <= seq_len)")
 
 
+def check_kv_scales(k_scale, v_scale, num_kv_heads, kv_cache, fp8: bool):
+    """An fp8 cache needs ``k_scale`` and ``v_scale``: fp32 ``[num_kv_heads]`` on the cache's device, finite and
+    > 0; a float cache takes none."""
+    if not fp8:
+        if k_scale is not None or v_scale is not None:
+            _fail(f"k_scale and v_scale are for fp8 caches; this cache is {_dtype_name(kv_cache.dtype)}: pass None")
+        return
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        check_tensor(scale, name, ndim=1, dtypes=(torch.float32,), device=kv_cache.device)
+        if scale.shape[0] != num_kv_heads or not bool((torch.isfinite(scale) & (scale > 0)).all()):
+            _fail(f"{name} must hold {num_kv_heads} finite scales > 0 (one per KV head), got {scale.tolist()}")
+
+
 def check_query(query, kv_cache, name="query"):
-    """``[num_query_tokens, num_heads, head_dim]`` in the cache's dtype and on its device, with num_heads a
-    multiple of num_kv_heads (grouped-query attention). Returns num_heads."""
-    check_tensor(query, name, ndim=3, dtypes=(kv_cache.dtype,), device=kv_cache.device)
+    """``[num_query_tokens, num_heads, head_dim]`` in the cache's dtype (any float cache dtype for an fp8 cache)
+    and on its device, with num_heads a multiple of num_kv_heads (grouped-query attention). Returns num_heads."""
+    dtypes = CACHE_DTYPES if kv_cache.dtype in FP8_CACHE_DTYPES else (kv_cache.dtype,)
+    check_tensor(query, name, ndim=3, dtypes=dtypes, device=kv_cache.device)
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     num_heads = query.shape[1]
     if query.shape[2] != head_dim:

@@ -11,6 +11,7 @@ import torch
 
 from kvlab.errors import InvalidArgumentError
 from kvlab.kernels._checks import CACHE_DTYPES
+from kvlab.kernels.kv_quant import STORAGE_DTYPES
 from kvlab.validation import check_int
 
 
@@ -20,8 +21,9 @@ def _positive_ints(**values):
 
 
 def _check_dtype(dtype):
-    if dtype not in CACHE_DTYPES:
-        names = ", ".join(str(d).replace("torch.", "") for d in CACHE_DTYPES)
+    """A float cache dtype, or a quantized cache's storage (uint8, fp8: ``kvlab.kernels.kv_quant``)."""
+    if dtype not in CACHE_DTYPES + STORAGE_DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in CACHE_DTYPES + STORAGE_DTYPES)
         raise InvalidArgumentError(f"dtype {dtype} is not a cache dtype; allowed: {names}")
 
 

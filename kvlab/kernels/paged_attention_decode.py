@@ -25,8 +25,8 @@ import triton.language as tl
 
 from kvlab.device import ON_GPU  # first: selects the interpreter before any @triton.jit runs
 from kvlab.errors import InvalidArgumentError
-from kvlab.kernels._checks import (check_attention_options, check_block_tables, check_kv_cache, check_query,
-                                   check_seq_lens)
+from kvlab.kernels._checks import (FP8_CACHE_DTYPES, check_attention_options, check_block_tables, check_kv_cache,
+                                   check_kv_scales, check_query, check_seq_lens)
 from kvlab.kernels.attention_tiles import NEG_BIG, attention_scores, load_kv_tile, online_softmax_step
 from kvlab.kernels.split_k_reduce import split_k_reduce
 from kvlab.validation import is_int
@@ -52,6 +52,7 @@ def paged_attention_decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    k_scale_ptr=None, v_scale_ptr=None, FP8: tl.constexpr = False,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -87,6 +88,9 @@ def paged_attention_decode_kernel(
         pos_ok = (pos >= kv_lo) & (pos < seq_len)
         k, v = load_kv_tile(kv_cache_ptr, table_row, stride_bt_col, head_offset, pos, pos_ok, d, d_ok,
                             stride_c_block, stride_c_kv, stride_c_slot, BLOCK_SIZE)
+        if FP8:  # dequantize: code * the KV head's scale, in the query's dtype
+            k = (k.to(tl.float32) * tl.load(k_scale_ptr + kv_head)).to(q.dtype)
+            v = (v.to(tl.float32) * tl.load(v_scale_ptr + kv_head)).to(q.dtype)
         s = attention_scores(q, k, scale, soft_cap, USE_SOFT_CAP, DOT_PRECISION)
         s = tl.where(pos_ok[None, :], s, float("-inf"))
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
@@ -165,7 +169,7 @@ def decode_launch_config(num_seqs, num_heads, num_kv_heads, head_dim, block_size
 
 
 def paged_attention_decode(query, kv_cache, block_tables, seq_lens, scale=None, sliding_window=None,
-                           soft_cap=None, split_k=None):
+                           soft_cap=None, split_k=None, k_scale=None, v_scale=None):
     """Attention of one new token per sequence over its paged context.
 
     query ``[num_seqs, num_heads, head_dim]`` (token of sequence s at position seq_lens[s] - 1), kv_cache
@@ -174,19 +178,26 @@ def paged_attention_decode(query, kv_cache, block_tables, seq_lens, scale=None, 
     contiguous last dim. ``scale`` defaults to 1/sqrt(head_dim); ``sliding_window=W`` keeps the last W keys;
     ``soft_cap=c`` maps scores to c*tanh(s/c); ``split_k`` see ``_resolve_split_k``. Returns a new
     contiguous ``[num_seqs, num_heads, head_dim]`` tensor.
+
+    An fp8 cache (float8_e4m3fn / float8_e5m2, written by ``reshape_and_cache`` with the same scales) is
+    dequantized on read, ``code * k_scale[kv_head]`` (``k_scale``, ``v_scale``: fp32 ``[num_kv_heads]``), with
+    query in a float dtype; this runs in the interpreter too (its fp8 -> float conversion is exact).
     """
-    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
+    fp8 = isinstance(kv_cache, torch.Tensor) and kv_cache.dtype in FP8_CACHE_DTYPES
+    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(
+        kv_cache, storage_dtypes=FP8_CACHE_DTYPES if fp8 else None)
     num_heads = check_query(query, kv_cache)
+    check_kv_scales(k_scale, v_scale, num_kv_heads, kv_cache, fp8)
     scale, sliding_window, soft_cap = check_attention_options(scale, sliding_window, soft_cap)
     num_seqs = query.shape[0]
     max_seq_len = check_seq_lens(seq_lens, num_seqs, device=kv_cache.device, min_len=1)
     check_block_tables(block_tables, num_seqs, num_blocks, seq_lens, block_size)
     return paged_attention_decode_unchecked(query, kv_cache, block_tables, seq_lens, max_seq_len, scale,
-                                            sliding_window, soft_cap, split_k)
+                                            sliding_window, soft_cap, split_k, k_scale, v_scale)
 
 
 def paged_attention_decode_unchecked(query, kv_cache, block_tables, seq_lens, max_seq_len: int, scale=None,
-                                     sliding_window=None, soft_cap=None, split_k=None):
+                                     sliding_window=None, soft_cap=None, split_k=None, k_scale=None, v_scale=None):
     """``paged_attention_decode`` without its checks, for a caller that checked the step's tables once and
     attends many layers with them (the engine, ``kvlab.kernels.step_checks``): no tensor -> host read.
     ``max_seq_len``: the longest ``seq_lens`` entry, known on the host (it sizes split-K). Nothing is
@@ -213,7 +224,7 @@ def paged_attention_decode_unchecked(query, kv_cache, block_tables, seq_lens, ma
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), block_tables.stride(1),
-        **config,
+        **config, **({} if k_scale is None else dict(k_scale_ptr=k_scale, v_scale_ptr=v_scale, FP8=True)),
     )
     if config["SPLIT"]:
         split_k_reduce(out, *partials)

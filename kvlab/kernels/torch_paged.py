@@ -30,12 +30,17 @@ import torch.nn.functional as F
 from kvlab.errors import InvalidArgumentError
 from kvlab.kernels._checks import (check_attention_options, check_block_tables, check_cu_query_lens, check_kv_cache,
                                    check_query, check_seq_lens, check_slot_mapping, check_tensor)
+from kvlab.kernels.kv_quant import STORAGE_DTYPES
 
 
 def check_cache(kv_cache, name="kv_cache"):
     """``check_kv_cache`` as the kernels apply it, except bf16 on CPU: torch computes it correctly, only the
     Triton interpreter does not. The block sizes and head dims stay the kernels', so a model served here is
-    served by the GPU kernels too. Returns ``(num_blocks, block_size, num_kv_heads, head_dim)``."""
+    served by the GPU kernels too. A quantized cache (uint8 or fp8, ``kvlab.kernels.kv_quant``) is checked
+    for its layout only: its last dim holds bytes of records. Returns ``(num_blocks, block_size, num_kv_heads,
+    last dim)``."""
+    if isinstance(kv_cache, torch.Tensor) and kv_cache.dtype in STORAGE_DTYPES:
+        return check_kv_cache(kv_cache, name, storage_dtypes=STORAGE_DTYPES, head_dims=range(1, 2**31))
     return check_kv_cache(kv_cache, name, arithmetic=False)
 
 
@@ -165,9 +170,17 @@ def paged_attention_torch(query, kv_cache, plan: PagedPlan, scale=None, soft_cap
             f"got {query.shape[0]} rows and strides {kv_cache.stride()}")
     if plan.num_tokens == 0:
         return torch.empty_like(query, memory_format=torch.contiguous_format)
-    S, Q, L = plan.num_seqs, plan.query_len, plan.context_len
+    S, L = plan.num_seqs, plan.context_len
     kv = row_view(kv_cache).index_select(0, plan.kv_rows).view(2, S, L, num_kv_heads, head_dim)
     k, v = kv.transpose(2, 3).float()                                 # each [S, H_kv, L, D]
+    return attend(query, k, v, plan, scale, soft_cap)
+
+
+def attend(query, k, v, plan: PagedPlan, scale=None, soft_cap=None):
+    """The attention of ``paged_attention_torch`` once K and V ``[S, H_kv, L, D]`` (fp32) are gathered; also
+    the quantized path's, after decoding (``kvlab.kernels.torch_paged_quant``)."""
+    num_heads, head_dim, num_kv_heads = query.shape[1], query.shape[2], k.shape[1]
+    S, Q = plan.num_seqs, plan.query_len
     q = query if plan.query_rows is None else query.index_select(0, plan.query_rows)
     q = q.reshape(S, Q, num_heads, head_dim).transpose(1, 2).float()  # [S, H, Q, D]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale

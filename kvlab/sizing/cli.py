@@ -12,12 +12,12 @@ from kvlab.cli_options import option, whole_number
 from kvlab.errors import InvalidArgumentError, KvlabError
 from kvlab.sizing.budget import GPU_MEMORY_UTILIZATION, parse_memory
 from kvlab.sizing.hf_config import read_model_shape
-from kvlab.sizing.layout import DTYPE_BYTES
+from kvlab.sizing.kv_dtypes import KV_FORMATS
 from kvlab.sizing.plan import size_model
 from kvlab.sizing.report import format_sizing
 from kvlab.validation import check_int, check_number
 
-KV_CACHE_DTYPES = ("auto", *DTYPE_BYTES)
+KV_CACHE_DTYPES = ("auto", *KV_FORMATS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "the weights and activations (from its Hugging Face config.json).")
     parser.add_argument("--model", required=True, help="a model directory or its config.json")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                        help="the cache's element type, vLLM's names (auto: the model's dtype; default: %(default)s)")
+                        help="the cache's format: vLLM's names, or kvlab's int4_kivi and k_fp16_v_fp8 (auto: the "
+                             "model's dtype; default: %(default)s)")
     parser.add_argument("--gpu-memory", type=option(parse_memory), default="80GiB",
                         help="the GPU's memory, e.g. 80GiB, 80GB, 24e9 (default: %(default)s)")
     parser.add_argument("--gpu-memory-utilization", default=GPU_MEMORY_UTILIZATION,

@@ -14,18 +14,14 @@ size``, the engine's ``blocks_for_memory`` and its cache's ``bytes_per_block``).
 from dataclasses import dataclass
 
 from kvlab.errors import InvalidArgumentError
+from kvlab.sizing.kv_dtypes import CODEC_BITS, KV_FORMATS, check_kv_format, row_bytes
 from kvlab.validation import check_int, is_int
 
-#: Cache dtype names (vLLM's ``--kv-cache-dtype`` spellings and torch's) -> bytes per element. fp8 caches
-#: also keep one scale per layer for K and one for V (vLLM's k_scale / v_scale), a few bytes in all.
+#: Float dtype names (vLLM's ``--kv-cache-dtype`` spellings and torch's) -> bytes per element. fp8 caches
+#: also keep scales per layer and KV head for K and V (vLLM's k_scale / v_scale), a few bytes in all, outside
+#: the pool. Every cache format, integer ones included, is in ``kvlab.sizing.kv_dtypes.KV_FORMATS``.
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2,
                "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
-
-
-def dtype_bytes(name: str) -> int:
-    if name not in DTYPE_BYTES:
-        raise InvalidArgumentError(f"unknown KV cache dtype {name!r}; known: {', '.join(DTYPE_BYTES)}")
-    return DTYPE_BYTES[name]
 
 
 @dataclass(frozen=True)
@@ -36,16 +32,19 @@ class KVLayout:
 
     num_kv_heads: int
     head_dim: int
-    dtype: str                 # a DTYPE_BYTES name
+    dtype: str                 # a cache format: a KV_FORMATS name
     layer_windows: tuple
     mla_latent_dim: int | None = None
 
     def __post_init__(self):
-        dtype_bytes(self.dtype)
+        check_kv_format(self.dtype)
         check_int("num_kv_heads", self.num_kv_heads, 1)
         check_int("head_dim", self.head_dim, 1)
         if self.mla_latent_dim is not None:
             check_int("mla_latent_dim", self.mla_latent_dim, 1)
+        if self.row_elements % 2 and any(CODEC_BITS[codec] == 4 for codec in self.codecs):
+            raise InvalidArgumentError(f"the {self.dtype} cache packs two 4-bit codes a byte, so rows need an even "
+                                       f"number of elements; got {self.row_elements}")
         if not isinstance(self.layer_windows, tuple) or not self.layer_windows or not all(
                 window is None or (is_int(window) and window >= 1) for window in self.layer_windows):
             raise InvalidArgumentError(f"layer_windows must be a non-empty tuple with each layer's window (an int "
@@ -56,8 +55,19 @@ class KVLayout:
         return len(self.layer_windows)
 
     @property
-    def element_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+    def codecs(self) -> tuple:
+        """(K codec, V codec) of the format (``kvlab.sizing.kv_dtypes``)."""
+        return KV_FORMATS[self.dtype]
+
+    @property
+    def row_elements(self) -> int:
+        """Elements of one stored row: a KV head's K or V, or MLA's one latent."""
+        return self.head_dim if self.mla_latent_dim is None else self.mla_latent_dim
+
+    @property
+    def element_bytes(self) -> float:
+        """Bytes per element where K and V share one codec without scales in the rows, else the average."""
+        return self.bytes_per_token_per_layer / self.elements_per_token_per_layer
 
     @property
     def full_layers(self) -> int:
@@ -85,16 +95,25 @@ class KVLayout:
 
     @property
     def bytes_per_token_per_layer(self) -> int:
-        return self.elements_per_token_per_layer * self.element_bytes
+        """K and V rows of every KV head in their codecs; MLA: one latent row in the K codec."""
+        key, value = self.codecs
+        if self.mla_latent_dim is not None:
+            return row_bytes(key, self.mla_latent_dim)
+        return self.num_kv_heads * (row_bytes(key, self.head_dim) + row_bytes(value, self.head_dim))
 
     def per_layer_formula(self) -> str:
         """The arithmetic of ``bytes_per_token_per_layer``, e.g. ``2 (K and V) x 8 kv heads x 128 head_dim x 2
-        bytes (bfloat16) = 4,096 B``."""
-        element = f"{self.element_bytes} bytes ({self.dtype})"
+        bytes (bfloat16) = 4,096 B``; a format whose K and V rows differ or hold scales shows each row's bytes."""
+        key, value = self.codecs
+        uniform = key == value and key != "int4_token"
+        element = f"{CODEC_BITS[key] / 8:g} bytes ({self.dtype})"
         if self.mla_latent_dim is not None:
             terms = f"{self.mla_latent_dim} latent (kv_lora_rank + qk_rope_head_dim, one for K and V) x {element}"
-        else:
+        elif uniform:
             terms = f"2 (K and V) x {self.num_kv_heads} kv heads x {self.head_dim} head_dim x {element}"
+        else:
+            terms = (f"{self.num_kv_heads} kv heads x (K {row_bytes(key, self.head_dim)} B ({key}) + V "
+                     f"{row_bytes(value, self.head_dim)} B ({value}) per {self.head_dim}-element row)")
         return f"{terms} = {self.bytes_per_token_per_layer:,} B"
 
     @property

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from kvlab.sizing.budget import activation_bytes, kv_blocks, kv_memory
 from kvlab.sizing.groups import GroupLayout, engine_groups, vllm_groups
 from kvlab.sizing.hf_config import DEFAULT_DTYPE, ModelShape
-from kvlab.sizing.layout import DTYPE_BYTES, KVLayout, dtype_bytes
+from kvlab.sizing.kv_dtypes import check_kv_format
+from kvlab.sizing.layout import DTYPE_BYTES, KVLayout
 from kvlab.validation import check_int, check_number, check_optional_int
 
 
@@ -22,8 +23,7 @@ def resolve_kv_cache_dtype(name: str, shape: ModelShape) -> str:
     """vLLM's ``--kv-cache-dtype``: ``auto`` is the model's dtype (``DEFAULT_DTYPE`` if its config states none)."""
     if name == "auto":
         return shape.dtype if shape.dtype in DTYPE_BYTES else DEFAULT_DTYPE
-    dtype_bytes(name)
-    return name
+    return check_kv_format(name)
 
 
 @dataclass(frozen=True)

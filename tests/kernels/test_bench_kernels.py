@@ -34,19 +34,31 @@ def test_cache_kernel_bytes():
     assert bench.copy_blocks_bytes(copy, 2) == 3 * bench.COPY_LAYERS * block * 2
 
 
+def test_fp8_bytes_count_the_cache_at_one_byte_and_the_rest_in_fp16():
+    case = bench.Case("decode", "fp8_e4m3", batch=4, context=1000, num_heads=32, num_kv_heads=8)
+    assert bench.decode_bytes(case, 1) == 2 * 4 * 1000 * 8 * 128 * 1 + 2 * 4 * 32 * 128 * 2
+    write = bench.Case("reshape_and_cache", "fp8_e5m2", batch=100, context=0, num_heads=32, num_kv_heads=8)
+    assert bench.reshape_and_cache_bytes(write, 1) == 100 * 2 * 8 * 128 * (2 + 1)  # read fp16, write fp8
+    gbps = bench.decode_bytes(case, 1) / 1e-3 / 1e9
+    assert bench.make_row(case, "kvlab", 1000.0, gbps, "gpu")["gbps"] == pytest.approx(gbps, abs=0.1)
+
+
 def test_grid_covers_the_brief_and_quick_is_small():
     full = bench.build_grid()
     decode = [c for c in full if c.kernel == "decode"]
     assert {c.batch for c in decode} == {1, 4, 16, 64, 256}
     assert {c.context for c in decode} == {512, 2048, 8192, 32768}
     assert {(c.num_heads, c.num_kv_heads) for c in decode} == {(32, 8), (32, 32)}
-    assert {c.dtype for c in full} == {"fp16", "bf16"}
+    assert {c.dtype for c in full} == {"fp16", "bf16", "fp8_e4m3", "fp8_e5m2"}
+    fp8 = {(c.kernel, c.batch, c.context) for c in full if c.dtype == "fp8_e5m2"}  # each beside its fp16 case
+    assert fp8 <= {(c.kernel, c.batch, c.context) for c in full if c.dtype == "fp16"}
+    assert {kernel for kernel, _, _ in fp8} == {"decode", "reshape_and_cache"}
     assert {c.head_dim for c in full} == {128} and {c.block_size for c in full} == {16}
     assert {c.kernel for c in full} == {"decode", "prefill", "reshape_and_cache", "copy_blocks", "swap_out", "swap_in"}
     assert {c.context - c.query_len for c in full if c.kernel == "prefill"} == {0, 1024, 4096, 16384}
     assert len(set(full)) == len(full)
     quick = bench.build_grid(quick=True)
-    assert {c.kernel for c in quick} == {c.kernel for c in full} and len(quick) <= 10
+    assert {c.kernel for c in quick} == {c.kernel for c in full} and len(quick) <= 12
 
 
 def test_row_and_csv(tmp_path):

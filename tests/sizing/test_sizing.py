@@ -223,6 +223,19 @@ def test_kvlab_size_prints_both_layouts_for_a_hybrid_model(capsys):
     assert f"per block id, vLLM V1: {2 * 8 * 64 * 32:,} B x 12" in out and "hybrid model:" in out
 
 
+@pytest.mark.parametrize("dtype, row_bytes, formula", [
+    # KIVI int4: keys 128 / 2 packed bytes; values the same plus an fp16 scale and zero per 32 channels
+    ("int4_kivi", 128 // 2 + 128 // 2 + 4 * 128 // 32,
+     "8 kv heads x (K 64 B (int4_channel) + V 80 B (int4_token) per 128-element row) = 1,152 B"),
+    ("k_fp16_v_fp8", 128 * 2 + 128, "8 kv heads x (K 256 B (float16) + V 128 B (fp8_e4m3) per 128-element row)"),
+])
+def test_kvlab_size_counts_integer_and_asymmetric_formats_by_their_rows(capsys, dtype, row_bytes, formula):
+    sizing = size_model(shape("Meta-Llama-3-8B"), kv_cache_dtype=dtype, gpu_memory=80 * GiB, gpu_memory_utilization=0.9)
+    assert sizing.layout.bytes_per_token == 8 * row_bytes * 32
+    assert main(["size", "--model", str(CONFIGS / "Meta-Llama-3-8B"), "--kv-cache-dtype", dtype]) == 0
+    assert f"per token and layer: {formula}" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model", "/nonexistent"], "neither a config.json file nor a directory"),
     (["--model", str(CONFIGS / "SmolLM2-135M"), "--max-model-len", "9000"], "longer than the model's context"),

@@ -1,0 +1,206 @@
+"""What a quantized KV cache costs in accuracy, on SmolLM2-135M-Instruct on CPU (issue 26 §2).
+
+Against the unquantized cache ("auto": fp32 on CPU), for every format and scale setting of ``CONFIGS``:
+
+* **greedy agreement**: ``num_prompts`` prompts (32-token passages of the text below, one per topic) are
+  continued greedily for ``max_tokens`` tokens by the engine, on each cache; per prompt, the tokens generated
+  before the first difference (``max_tokens`` when none).
+* **next-token KL and perplexity**, teacher-forced: ``windows`` passages of ``context`` tokens each go through
+  one prefill on each cache (the torch path writes every token's K/V to the cache, quantized, before any query
+  reads it, so token t attends to the quantized K/V of tokens 0..t); KL(auto || format) of every position's
+  next-token distribution, and both caches' perplexity on the passage's real next tokens.
+* **error against position**: that KL, averaged over the windows, in position buckets (``POSITION_BUCKETS``).
+
+Text: the topics of Python's own help (``pydoc_data.topics``, shipped with CPython; Python Software Foundation
+License Version 2), read at run time, nothing downloaded. Evaluation passages come from the topics in sorted
+order; the fp8 / int4 scales are calibrated on ``CALIBRATION_PROMPTS`` passages from the last topics, which no
+evaluation passage uses.
+
+Defaults: 50 prompts x 16 tokens and one 1,024-token passage. Measured on two CPU cores shared with other jobs
+(load ~11): 7.5 minutes for the fp32 reference and the first setting, then 6 to 16 minutes per setting, so a
+whole run takes about an hour there (minutes on an idle machine); ``--context 2048 --windows 2`` reaches 2k
+positions in about twice the time.
+``python -m kvlab.studies.kv_accuracy [--out data/kv_quant]`` writes ``smollm2_kv_accuracy.csv`` (one row per
+setting) and ``smollm2_kv_error_by_position.csv``.
+"""
+
+import argparse
+import gc
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from kvlab.engine import LLM, SamplingParams
+from kvlab.engine.attention import AttentionBatch
+from kvlab.engine.hybrid import group_specs
+from kvlab.engine.kv_cache import cache_storage, engine_layout
+from kvlab.kernels import allocate_kv_cache
+
+#: (label, kv_cache_dtype, kv_scale_granularity, calibrated): the settings compared with "auto".
+CONFIGS = [("fp8_e4m3 unit scales", "fp8_e4m3", "tensor", False),
+           ("fp8_e4m3 per-tensor", "fp8_e4m3", "tensor", True),
+           ("fp8_e4m3 per-head", "fp8_e4m3", "head", True),
+           ("fp8_e5m2 unit scales", "fp8_e5m2", "tensor", False),
+           ("k_fp16_v_fp8 per-head", "k_fp16_v_fp8", "head", True),
+           ("int4_kivi", "int4_kivi", "head", True)]
+POSITION_BUCKETS = (0, 16, 64, 256, 512, 1024, 1536, 2048)
+PROMPT_TOKENS = 32
+CALIBRATION_PROMPTS = 4
+CALIBRATION_TOKENS = 128
+BLOCK_SIZE = 16
+
+
+def pydoc_text() -> list[str]:
+    """The help topics' texts, in sorted topic order."""
+    from pydoc_data.topics import topics
+
+    return [topics[name] for name in sorted(topics)]
+
+
+@dataclass
+class Corpus:
+    prompts: list        # [num_prompts] token-id lists
+    windows: list        # [windows] token-id lists of ``context`` tokens
+    calibration: list    # token-id lists
+
+
+def build_corpus(tokenizer, num_prompts: int, windows: int, context: int) -> Corpus:
+    topics = [tokenizer.encode(text) for text in pydoc_text()]
+    long_enough = [ids for ids in topics[:-CALIBRATION_PROMPTS] if len(ids) >= PROMPT_TOKENS]
+    if len(long_enough) < num_prompts:
+        raise SystemExit(f"only {len(long_enough)} help topics have {PROMPT_TOKENS} tokens; ask for fewer prompts")
+    prompts = [ids[:PROMPT_TOKENS] for ids in long_enough[:num_prompts]]
+    stream = [t for ids in topics[:-CALIBRATION_PROMPTS] for t in ids]
+    stride = max(context, (len(stream) - context) // max(windows - 1, 1))
+    spans = [stream[i * stride:i * stride + context] for i in range(windows)]
+    calibration = [ids[:CALIBRATION_TOKENS] for ids in topics[-CALIBRATION_PROMPTS:]]
+    return Corpus(prompts, [s for s in spans if len(s) == context], calibration)
+
+
+def make_llm(path, kv_cache_dtype="auto", granularity="tensor", calibration=None, num_blocks=512) -> LLM:
+    return LLM(path, block_size=BLOCK_SIZE, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype,
+               kv_scale_granularity=granularity, kv_calibration_prompts=calibration, attention_backend="torch")
+
+
+@torch.inference_mode()
+def prefill_hidden(llm: LLM, token_ids: list[int]) -> torch.Tensor:
+    """Final hidden states ``[T, hidden]`` of one prefill over ``token_ids`` on a fresh cache in ``llm``'s
+    format (its layers hold their quantizers), read back from the cache as the engine reads it."""
+    config, device = llm.model_config, llm.device
+    n = len(token_ids)
+    num_blocks = -(-n // BLOCK_SIZE)
+    storage, width = cache_storage(config, llm.dtype, llm.kv_cache_dtype)
+    caches = allocate_kv_cache(config.num_layers, config.num_kv_heads, width, block_size=BLOCK_SIZE,
+                               dtype=storage, device=device, num_blocks=num_blocks)
+    specs, layer_groups = group_specs(config)
+    batches = [AttentionBatch.for_backend(
+        "torch", caches[0], is_prefill=True, slot_mapping=torch.arange(n, device=device),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+        cu_query_lens=torch.tensor([0, n], dtype=torch.int32, device=device), max_seq_len=n,
+        num_heads=config.num_heads, sliding_window=spec.sliding_window) for spec in specs]
+    return llm.model(torch.tensor(token_ids, device=device), torch.arange(n, device=device),
+                     [batches[g] for g in layer_groups], caches)
+
+
+@torch.inference_mode()
+def compare_logits(llm: LLM, reference: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor, chunk=256):
+    """Per position: KL(reference || this cache) of the next-token distributions, both caches' NLL of the real
+    next token (``targets [T - 1]``) and whether their top choices agree. Logits are made ``chunk`` rows at a
+    time (vocab 49,152)."""
+    kl, nll_ref, nll, top1 = [], [], [], []
+    for start in range(0, len(targets), chunk):
+        rows = slice(start, min(start + chunk, len(targets)))
+        ref = llm.model.compute_logits(reference[rows]).log_softmax(-1)
+        out = llm.model.compute_logits(hidden[rows]).log_softmax(-1)
+        kl.append((ref.exp() * (ref - out)).sum(-1))
+        nll_ref.append(-ref.gather(1, targets[rows, None])[:, 0])
+        nll.append(-out.gather(1, targets[rows, None])[:, 0])
+        top1.append(ref.argmax(-1) == out.argmax(-1))
+    return torch.cat(kl), torch.cat(nll_ref), torch.cat(nll), torch.cat(top1)
+
+
+def greedy(llm: LLM, prompts, max_tokens: int) -> list[list[int]]:
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                        use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def tokens_to_divergence(reference: list[int], tokens: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), len(reference))
+
+
+def run_study(path, *, num_prompts=50, max_tokens=16, windows=1, context=1024):
+    """Returns (one row per setting, KL by position bucket per setting), both DataFrames."""
+    started = time.perf_counter()
+    auto = make_llm(path)
+    corpus = build_corpus(auto.tokenizer, num_prompts, windows, context)
+    reference_tokens = greedy(auto, corpus.prompts, max_tokens)
+    reference_hidden = [prefill_hidden(auto, window) for window in corpus.windows]
+    targets = [torch.tensor(window[1:]) for window in corpus.windows]
+    bytes_auto = engine_layout(auto.model_config, auto.dtype).bytes_per_token
+    bytes_bf16 = engine_layout(auto.model_config, torch.bfloat16).bytes_per_token
+    rows, by_position = [], []
+    for label, name, granularity, calibrated in CONFIGS:
+        llm = make_llm(path, name, granularity, corpus.calibration if calibrated else None)
+        agreement = [tokens_to_divergence(r, t) for r, t in zip(reference_tokens, greedy(llm, corpus.prompts,
+                                                                                          max_tokens))]
+        compared = zip(*(compare_logits(llm, ref[:-1], prefill_hidden(llm, window)[:-1], target)
+                         for ref, window, target in zip(reference_hidden, corpus.windows, targets)))
+        kl, nll_ref, nll, top1 = (torch.stack(x) for x in compared)  # each [windows, context - 1]
+        bytes_per_token = engine_layout(llm.model_config, llm.dtype, name).bytes_per_token
+        rows.append(dict(
+            setting=label, kv_cache_dtype=name, scales=granularity if calibrated else "unit (1.0)",
+            bytes_per_token=bytes_per_token, vs_bf16=round(bytes_bf16 / bytes_per_token, 2),
+            vs_fp32=round(bytes_auto / bytes_per_token, 2), prompts=len(agreement),
+            mean_tokens_to_divergence=round(float(np.mean(agreement)), 2),
+            median_tokens_to_divergence=float(np.median(agreement)),
+            share_identical=round(float(np.mean([a == max_tokens for a in agreement])), 3),
+            kl_mean=float(kl.mean()), kl_p99=float(kl.flatten().quantile(0.99)),
+            top1_agreement=round(float(top1.float().mean()), 4), ppl=float(nll.mean().exp()),
+            ppl_auto=float(nll_ref.mean().exp())))
+        for lo, hi in zip(POSITION_BUCKETS, POSITION_BUCKETS[1:]):
+            if lo < kl.shape[1]:
+                by_position.append(dict(setting=label, positions=f"{lo}-{min(hi, kl.shape[1]) - 1}",
+                                        kl_mean=float(kl[:, lo:hi].mean())))
+        print(f"{label:>24}: {rows[-1]['mean_tokens_to_divergence']:5.1f} tokens to divergence, "
+              f"KL {rows[-1]['kl_mean']:.2e}, ppl {rows[-1]['ppl']:.3f} (auto {rows[-1]['ppl_auto']:.3f}) "
+              f"[{time.perf_counter() - started:.0f} s]", file=sys.stderr)
+        del llm
+        gc.collect()
+    return pd.DataFrame(rows), pd.DataFrame(by_position)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvlab.studies.kv_accuracy", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None,
+                        help="a SmolLM2-like model directory (default: kvlab.models.smollm2())")
+    parser.add_argument("--prompts", type=int, default=50, help="greedy prompts (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt (default: %(default)s)")
+    parser.add_argument("--windows", type=int, default=1, help="teacher-forced passages (default: %(default)s)")
+    parser.add_argument("--context", type=int, default=1024, help="tokens per passage (default: %(default)s)")
+    parser.add_argument("--out", default="data/kv_quant", help="output directory (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if args.model is None:
+        from kvlab.models import smollm2
+        args.model = smollm2()
+    torch.manual_seed(0)
+    summary, by_position = run_study(args.model, num_prompts=args.prompts, max_tokens=args.max_tokens,
+                                     windows=args.windows, context=args.context)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary.to_csv(out / "smollm2_kv_accuracy.csv", index=False, float_format="%.6g")
+    by_position.to_csv(out / "smollm2_kv_error_by_position.csv", index=False, float_format="%.6g")
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        print(summary.drop(columns=["kv_cache_dtype"]).to_string(index=False))
+        print(by_position.pivot(index="positions", columns="setting", values="kl_mean").to_string())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+# %% [markdown]
+# # 15 · What a token costs: KV-cache sizing and quantized KV caches
+#
+# Every token a model keeps in context costs KV-cache memory, and that memory decides how many requests fit on
+# a GPU and how many prefixes stay cached. This notebook works out the cost for real models from their
+# `config.json`, then makes the cache smaller by quantizing it and measures what that costs in accuracy and
+# buys in prefix-cache hits.
+#
+# **Objectives.** After this notebook you can:
+# 1. compute a model's KV bytes per token from its config (GQA: KV heads, not query heads; hybrid layers
+#    bounded by their window; MLA's one latent), and turn a GPU's memory into blocks and concurrent requests;
+# 2. say what each KV format stores (fp8 with scales per tensor or KV head, KIVI-style int4 with keys per
+#    channel and values per token, K in fp16 with V in fp8) and how large its round-trip error is;
+# 3. read the trade-off: bytes per token against accuracy loss (SmolLM2-135M) and prefix-cache hit rate
+#    (the Mooncake conversation trace), from the committed study results.
+
+# %%
+# Setup (generated from scripts/sync_notebooks.py: edit it there, then `make notebooks`). In a checkout, or in
+# CI, this uses the checkout's kvlab. On Colab it clones the repository (code and bundled traces) and installs
+# kvlab's missing dependencies; Colab's torch and Triton are kept as they are. `%matplotlib inline` keeps
+# figures in the notebook however it runs (Jupyter, Colab, nbconvert with MPLBACKEND=Agg).
+# %matplotlib inline
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# The repository to clone when kvlab is not installed: for a fork, change it here or set $KVLAB_REPO.
+KVLAB_REPO = os.environ.get("KVLAB_REPO", "https://github.com/kvlab/kvlab")
+if importlib.util.find_spec("kvlab") is None:
+    checkout = Path.cwd().parent
+    if not (checkout / "kvlab" / "__init__.py").is_file():  # not run from notebooks/ in a checkout
+        checkout = Path.cwd() / "kvlab-repo"
+        if not checkout.is_dir():
+            clone = subprocess.run(["git", "clone", "-q", "--depth", "1", KVLAB_REPO, str(checkout)],
+                                   capture_output=True, text=True)
+            if clone.returncode != 0:
+                raise RuntimeError(
+                    f"Could not clone kvlab from {KVLAB_REPO}: {clone.stderr.strip() or 'git failed'}\n"
+                    "If your copy of kvlab lives elsewhere, set KVLAB_REPO in this cell to its address (or the "
+                    "KVLAB_REPO environment variable), then run the cell again.") from None
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", str(checkout)])
+    sys.path.insert(0, str(checkout))
+
+# %%
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import torch
+
+from kvlab.kernels.kv_quant import FP8_CODECS, INT4_LEVELS, KVQuantizer
+from kvlab.sizing.hf_config import read_model_shape
+from kvlab.sizing.kv_dtypes import ENGINE_KV_CACHE_DTYPES
+from kvlab.sizing.plan import size_model
+from kvlab.viz import check
+
+# Knobs: change them and run the notebook again. Checks that hold only for the defaults explain what changed.
+GPU_MEMORY = 80e9           # bytes of GPU memory (an 80 GB card)
+CONTEXT = 8192              # tokens per request for "how many fit"
+KV_CACHE_DTYPE = "fp8"      # the format of section 2's engine run: one of ENGINE_KV_CACHE_DTYPES
+SEED = 0
+
+DEFAULTS = (GPU_MEMORY, CONTEXT, KV_CACHE_DTYPE, SEED) == (80e9, 8192, "fp8", 0)
+CONFIGS = Path("..") / "tests" / "sizing" / "configs"   # published config.json files (see its README)
+RESULTS = Path("..") / "data" / "kv_quant"              # the studies' committed CSVs
+MODELS = ["SmolLM2-135M", "Qwen3-0.6B", "Meta-Llama-3-8B", "gemma-3-4b-it", "gpt-oss-20b", "DeepSeek-V3"]
+torch.manual_seed(SEED)
+
+# %% [markdown]
+# ## 1. Sizing: bytes per token, per block, per GPU
+#
+# Per layer a token keeps a key and a value for every **KV head**: `2 x kv_heads x head_dim x dtype bytes`.
+# Query heads do not count: with grouped-query attention several share one KV head (forgetting it is
+# vLLM #22291's 4x overestimate). An MLA layer (DeepSeek-V3) keeps one latent of `kv_lora_rank +
+# qk_rope_head_dim` elements for both K and V. A sliding-window layer keeps the same per token, but only for
+# its last `window` tokens. `kvlab size --model DIR` prints all of this with the arithmetic; here is the table.
+
+# %%
+rows = []
+for name in MODELS:
+    shape = read_model_shape(CONFIGS / name)
+    sizing = size_model(shape, gpu_memory=int(GPU_MEMORY), gpu_memory_utilization=0.9, max_model_len=CONTEXT)
+    layout, pool = sizing.layout, sizing.pools[0]
+    rows.append(dict(model=name, layers=layout.num_layers, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                     dtype=layout.dtype, per_layer=layout.per_layer_formula(),
+                     KiB_per_token=layout.bytes_per_token / 1024,
+                     GiB_weights=sizing.weights / 2**30, GiB_for_kv=max(sizing.kv_memory, 0) / 2**30,
+                     requests_at_context=round(pool.max_concurrency, 1)))
+table = pd.DataFrame(rows).set_index("model")
+with pd.option_context("display.max_colwidth", 90, "display.width", 200):
+    display(table)  # noqa: F821 - IPython's display
+llama = table.loc["Meta-Llama-3-8B"]
+check(llama.KiB_per_token == 128, "Llama-3-8B keeps 2 x 8 x 128 x 2 B x 32 layers = 128 KiB per token", defaults=True)
+
+# %% [markdown]
+# A hybrid model's cost per token falls once its windows are full (only the full-attention layers keep
+# growing), and MLA's latent is a fraction of what the same model would keep with per-head K and V. The
+# figure counts, token-exact, what one request of n tokens holds.
+
+# %%
+lengths = np.unique(np.logspace(1, np.log10(131072), 60).astype(int))
+fig, ax = plt.subplots(figsize=(8, 4.5))
+for name in MODELS:
+    layout = read_model_shape(CONFIGS / name).layout("bfloat16")
+    ax.plot(lengths, [layout.bytes_for_tokens(int(n)) / 2**30 for n in lengths], label=name)
+ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="KV cache of one request (GiB, bf16)",
+       title="KV bytes against context: hybrid models bend once their windows fill")
+ax.legend(fontsize=8)
+ax.grid(alpha=0.3)
+plt.show()
+
+# %% [markdown]
+# **How many requests fit?** What is left of 90% of the GPU after the weights and a step's activations,
+# divided by what one request of `CONTEXT` tokens holds (vLLM logs this as "Maximum concurrency"). A smaller
+# KV format multiplies it:
+
+# %%
+fit = {}
+for name in MODELS:
+    shape = read_model_shape(CONFIGS / name)
+    fit[name] = {dtype: size_model(shape, kv_cache_dtype=dtype, gpu_memory=int(GPU_MEMORY),
+                                   gpu_memory_utilization=0.9, max_model_len=CONTEXT).pools[0].max_concurrency
+                 for dtype in ("bfloat16", "fp8", "int4_kivi")}
+fit = pd.DataFrame(fit).T.round(1)
+display(fit)  # noqa: F821
+check(fit.loc["DeepSeek-V3", "bfloat16"] == 0, "DeepSeek-V3's 671B parameters do not fit in 80 GB at all",
+      defaults=DEFAULTS)
+
+# %% [markdown]
+# ## 2. Quantized KV caches: what each format stores
+#
+# `LLM(model, kv_cache_dtype=...)` takes vLLM's names and two of kvlab's (`kvlab.sizing.kv_dtypes`):
+#
+# | format | K | V | bytes per KV head and token (head_dim 128) |
+# |---|---|---|---|
+# | `auto` | model dtype | model dtype | 512 (bf16) |
+# | `fp8`, `fp8_e4m3` | e4m3 (3 mantissa bits), scale per tensor or KV head | same | 256 |
+# | `fp8_e5m2` | e5m2 (2 mantissa bits, wider range) | same | 256 |
+# | `k_fp16_v_fp8` | fp16 | fp8 e4m3 | 384 |
+# | `int4_kivi` | 4-bit per channel, calibrated zero and scale beside the cache | 4-bit per token, fp16 scale and zero per 32 channels in the row | 64 + 80 = 144 |
+#
+# `reshape_and_cache` quantizes on write and attention dequantizes on read; the block manager does not change,
+# the pool just holds more blocks in the same bytes. int4 codes are stored **packed**, two per byte, so the
+# saving is real (3.6x against bf16 with the value scales counted, not 4x). Keys are quantized **per
+# channel** because a few key channels carry large outliers (KIVI's observation): one scale per token would be
+# set by the outlier and crush the other channels. Below, keys with outlier channels go through each format.
+
+# %%
+tokens, heads, dim = 256, 2, 128
+outliers = (torch.rand(heads, dim) < 0.05) * 15 + 1        # 5% of channels about 15x larger
+key, value = torch.randn(tokens, heads, dim) * outliers, torch.randn(tokens, heads, dim)
+
+
+def calibrated(name):
+    """A quantizer with scales from this very data (vLLM's calibration does the same on sample prompts)."""
+    q = KVQuantizer(name, dim)
+    for codec, x, attr in zip(q.codecs, (key, value), ("k_scale", "v_scale")):
+        if codec in FP8_CODECS:
+            setattr(q, attr, x.abs().amax((0, 2)) / torch.finfo(FP8_CODECS[codec]).max)
+    if q.codecs[0] == "int4_channel":
+        q.k_zero, q.k_scale = key.amin(0), (key.amax(0) - key.amin(0)) / INT4_LEVELS
+    return q
+
+
+errors = {}
+for name in [n for n in ENGINE_KV_CACHE_DTYPES if n not in ("auto", "fp8")]:
+    q = calibrated(name)
+    k_back, v_back = q.decode(q.encode(key, value))
+    errors[name] = {"K": float((k_back - key).norm() / key.norm()), "V": float((v_back - value).norm() / value.norm())}
+errors = pd.DataFrame(errors).T
+ax = errors.plot.bar(figsize=(7, 3.5), logy=True, rot=0, title="Round-trip error, ||x' - x|| / ||x||")
+ax.set_ylabel("relative error")
+plt.show()
+check(errors.loc["fp8_e4m3", "K"] < errors.loc["fp8_e5m2", "K"] < errors.loc["int4_kivi", "K"],
+      "more mantissa bits, less error: e4m3 < e5m2 < int4", defaults=DEFAULTS)
+
+# %% [markdown]
+# ## 3. The price and the prize
+#
+# Two studies, run once and committed (`python -m kvlab.studies.kv_accuracy` and `python -m
+# kvlab.studies.kv_capacity`; each module's docstring says what it measures and on which text or trace):
+#
+# * **accuracy**, on SmolLM2-135M-Instruct on CPU against its fp32 cache: next-token KL divergence,
+#   teacher-forced over a passage of Python's own help text (`pydoc_data.topics`, PSF licence), and how many
+#   greedy tokens come out identical before the first divergence (the committed run is small: 8 prompts of 8
+#   tokens and a 256-token passage, see `data/README.md`; the module's defaults are larger);
+# * **capacity**: the Mooncake conversation trace's prefix-cache hit rate when the KV memory of Llama-3-8B on
+#   an 80 GB GPU (48 GiB) holds each format's blocks.
+
+# %%
+accuracy = pd.read_csv(RESULTS / "smollm2_kv_accuracy.csv")
+capacity = pd.read_csv(RESULTS / "mooncake_kv_capacity.csv")
+display(accuracy[["setting", "vs_bf16", "kl_mean", "top1_agreement", "mean_tokens_to_divergence", "ppl",  # noqa: F821
+                  "ppl_auto"]])
+display(capacity[["format", "blocks_vs_bf16", "pool_blocks", "hit_rate_tokens",  # noqa: F821
+                  "ceiling_hit_rate_tokens"]])
+
+# %%
+fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
+for _, row in accuracy.iterrows():
+    left.scatter(row.vs_bf16, row.kl_mean, s=40)
+    left.annotate(row.setting, (row.vs_bf16, row.kl_mean), fontsize=7, xytext=(4, 2), textcoords="offset points")
+left.set(yscale="log", xlabel="blocks in the same bytes (x bf16)", ylabel="next-token KL vs fp32 cache",
+         title="the price: accuracy (SmolLM2-135M)")
+right.plot(capacity.blocks_vs_bf16, capacity.hit_rate_tokens, "o-")
+for _, row in capacity.iterrows():
+    right.annotate(row.format, (row.blocks_vs_bf16, row.hit_rate_tokens), fontsize=7, xytext=(4, -8),
+                   textcoords="offset points")
+right.axhline(capacity.ceiling_hit_rate_tokens.iloc[0], ls="--", color="grey", label="infinite cache")
+right.set(xlabel="blocks in the same bytes (x bf16)", ylabel="prefix hit rate (tokens)",
+          title="the prize: prefix hits (Mooncake, 48 GiB)")
+right.legend()
+for ax in (left, right):
+    ax.grid(alpha=0.3)
+plt.show()
+
+# %% [markdown]
+# ## 4. Try it: a quantized cache in the engine
+#
+# The engine on a tiny random model (nothing to download): `num_blocks=None` sizes the pool from the same
+# bytes (on CPU a fixed 256 MiB), so a smaller format gets more blocks. **Try it:** set `KV_CACHE_DTYPE =
+# "int4_kivi"` (it needs calibration prompts: the cell passes some) and predict the pool's growth before you
+# run it; then `"k_fp16_v_fp8"`.
+
+# %%
+import tempfile
+
+from kvlab.engine import LLM, SamplingParams
+from kvlab.engine.random_model import save_random_model
+
+model_dir = save_random_model(Path(tempfile.mkdtemp()) / "tiny", "tiny")
+calibration = [list(range(1, 100)), list(range(100, 300))]
+pools = {}
+for dtype in ("auto", KV_CACHE_DTYPE):
+    llm = LLM(model_dir, kv_cache_dtype=dtype, max_num_seqs=2048,  # room for every block the budget holds
+              kv_calibration_prompts=None if dtype == "auto" else calibration)
+    out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    pools[dtype] = llm.kv_cache.num_blocks
+    print(f"{dtype:>12}: {llm.kv_cache.summary()}\n{'':>14}tokens {out[0].outputs[0].token_ids}")
+check(pools[KV_CACHE_DTYPE] == 4 * pools["auto"], "fp8 holds 4x the fp32 blocks in the same bytes",
+      defaults=DEFAULTS)

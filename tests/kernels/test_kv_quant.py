@@ -1,0 +1,183 @@
+"""Quantized KV caches (kvlab.kernels.kv_quant, torch_paged_quant): every format's round trip stays within its
+codec's error bound, and attention on a quantized cache equals the reference attention (kvlab.kernels.reference)
+on the same K/V decoded, on caches whose unused bytes are poisoned (0xFF: NaN in fp8 and fp16, NaN scales in
+int4 rows), so a read of an unwritten slot would show. The Triton decode kernel reads fp8 caches as the torch
+twin does (in the interpreter too); its fp8 write runs compiled only."""
+
+import pytest
+import torch
+
+from kvlab.device import DEVICE, ON_GPU
+from kvlab.errors import InvalidArgumentError, UnsupportedError
+from kvlab.kernels import paged_attention_decode, reshape_and_cache
+from kvlab.kernels.kv_quant import FP8_CODECS, INT4_LEVELS, KVQuantizer
+from kvlab.kernels.reference import paged_attention_decode_ref, paged_prefill_ref, reshape_and_cache_ref
+from kvlab.kernels.torch_paged import plan_paged_attention
+from kvlab.kernels.torch_paged_quant import (paged_attention_decode_torch_quantized,
+                                             paged_attention_torch_quantized, reshape_and_cache_quantized)
+from kvlab.sizing.kv_dtypes import ENGINE_KV_CACHE_DTYPES, row_bytes, value_group
+
+FORMATS = [name for name in ENGINE_KV_CACHE_DTYPES if name != "auto"]
+NUM_KV_HEADS, NUM_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 4, 32, 8, 12
+
+
+def kv_sample(tokens=40):
+    """K with a few outlier channels (as real keys have), V plain; ``[tokens, H_kv, D]`` fp32."""
+    key = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM) * (1 + 9 * (torch.rand(NUM_KV_HEADS, HEAD_DIM) < 0.1))
+    return key, torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM) * 2
+
+
+def calibrated(name, key, value, granularity="head"):
+    """A quantizer with scales from ``key`` / ``value``'s own ranges, as kvlab.engine.kv_calibration sets them."""
+    q = KVQuantizer(name, HEAD_DIM)
+    k_codec, v_codec = q.codecs
+    for codec, x, attr in ((k_codec, key, "k_scale"), (v_codec, value, "v_scale")):
+        if codec in FP8_CODECS:
+            absmax = x.abs().amax((0, 2))
+            if granularity == "tensor":
+                absmax = absmax.max().expand(NUM_KV_HEADS).contiguous()
+            setattr(q, attr, absmax / torch.finfo(FP8_CODECS[codec]).max)
+    if k_codec == "int4_channel":
+        q.k_zero, q.k_scale = key.amin(0), (key.amax(0) - key.amin(0)) / INT4_LEVELS
+    q.check(NUM_KV_HEADS)
+    return q
+
+
+def codec_bound(codec, x, scale):
+    """The largest error ``codec`` may make on each element of x ``[T, H, D]`` (round to nearest)."""
+    if codec == "float16":
+        return x.abs() * 2**-11
+    if codec in ("fp8_e4m3", "fp8_e5m2"):  # half a unit in the last place, or of the subnormal spacing
+        mantissa, subnormal = (3, 2**-9) if codec == "fp8_e4m3" else (2, 2**-16)
+        return x.abs() * 2**-(mantissa + 1) + scale[:, None] * subnormal / 2
+    if codec == "int4_channel":
+        return scale / 2 * (1 + 1e-5) + 1e-6
+    groups = x.unflatten(-1, (-1, value_group(HEAD_DIM)))  # int4_token: half a step, plus fp16 scale and zero
+    span, largest = groups.amax(-1) - groups.amin(-1), groups.abs().amax(-1)
+    bound = span / (2 * INT4_LEVELS) * (1 + 2**-9) + largest * 2**-10
+    return bound[..., None].expand_as(groups).flatten(-2)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("granularity", ["head", "tensor"])
+def test_round_trip_error_is_within_each_codecs_bound(name, granularity):
+    key, value = kv_sample()
+    q = calibrated(name, key, value, granularity)
+    records = q.encode(key, value)
+    assert records.dtype == torch.uint8 and records.shape == (40, NUM_KV_HEADS, sum(q.record_bytes))
+    assert list(q.record_bytes) == [row_bytes(codec, HEAD_DIM) for codec in q.codecs]
+    k_back, v_back = q.decode(records)
+    for codec, x, back, scale in ((q.codecs[0], key, k_back, q.k_scale), (q.codecs[1], value, v_back, q.v_scale)):
+        error = (back - x).abs()
+        assert bool((error <= codec_bound(codec, x, scale)).all()), f"{codec}: worst {error.max():.3g}"
+        assert bool((error > 0).any())  # it is a lossy format: the test would see no error if nothing was encoded
+
+
+def test_fp8_values_past_the_scale_saturate_instead_of_becoming_nan():
+    q = KVQuantizer("fp8_e4m3", HEAD_DIM, k_scale=torch.ones(NUM_KV_HEADS), v_scale=torch.ones(NUM_KV_HEADS))
+    big = torch.full((1, NUM_KV_HEADS, HEAD_DIM), 1e6)
+    k_back, v_back = q.decode(q.encode(big, -big))
+    assert bool((k_back == 448).all() and (v_back == -448).all())
+
+
+def poisoned_cache(q: KVQuantizer):
+    shape = (NUM_BLOCKS, 2, BLOCK_SIZE, NUM_KV_HEADS, q.storage_width)
+    return torch.full(shape, 0xFF, dtype=torch.uint8).view(q.storage_dtype)
+
+
+def decoded_twin(q, key, value, slot_mapping):
+    """A NaN-poisoned fp32 cache holding what the quantized cache decodes to, in the same slots."""
+    cache = torch.full((NUM_BLOCKS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), float("nan"))
+    return reshape_and_cache_ref(*q.decode(q.encode(key, value)), cache, slot_mapping)
+
+
+def paged_batch(seq_lens):
+    """Block tables over distinct random blocks and the slot of every token of every sequence."""
+    needed = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    blocks = torch.randperm(NUM_BLOCKS)[:sum(needed)].split(needed)
+    width = max(needed)
+    tables = torch.stack([torch.cat([b, torch.zeros(width - len(b), dtype=torch.int64)]) for b in blocks]).int()
+    slots = torch.cat([b.repeat_interleave(BLOCK_SIZE)[:n] * BLOCK_SIZE + torch.arange(n) % BLOCK_SIZE
+                       for b, n in zip(blocks, seq_lens)])
+    return tables, torch.tensor(seq_lens, dtype=torch.int32), slots
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_attention_on_a_quantized_cache_is_the_reference_on_the_decoded_kv(name):
+    seq_lens = [13, 5, 20]
+    tables, lens, slots = paged_batch(seq_lens)
+    key, value = kv_sample(len(slots))
+    q = calibrated(name, key, value)
+    cache = reshape_and_cache_quantized(key, value, poisoned_cache(q), slots, q)
+    twin = decoded_twin(q, key, value, slots)
+
+    query = torch.randn(len(seq_lens), NUM_HEADS, HEAD_DIM)
+    out = paged_attention_decode_torch_quantized(query, cache, tables, lens, q)
+    assert bool(out.isfinite().all())
+    torch.testing.assert_close(out, paged_attention_decode_ref(query, twin, tables, lens), atol=1e-5, rtol=1e-5)
+
+    q_lens = [4, 5, 1]  # prefill rows: each sequence's newest tokens over its whole context
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    queries = torch.randn(sum(q_lens), NUM_HEADS, HEAD_DIM)
+    plan = plan_paged_attention(cache, tables, lens, cu, sum(q_lens))
+    out = paged_attention_torch_quantized(queries, cache, plan, q)
+    torch.testing.assert_close(out, paged_prefill_ref(queries, twin, tables, lens, cu), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_write_touches_only_its_slots(name):
+    key, value = kv_sample(3)
+    q = calibrated(name, key, value)
+    cache = reshape_and_cache_quantized(key, value, poisoned_cache(q), torch.tensor([5, -1, 17]), q)
+    touched = (cache.view(torch.uint8) != 0xFF).flatten(1).any(1).nonzero().flatten().tolist()
+    assert touched == [0, 2]  # the blocks of slots 5 and 17; the skipped token writes nothing
+
+
+def test_bad_scales_and_a_mismatched_cache_are_refused():
+    key, value = kv_sample(2)
+    q = calibrated("fp8_e4m3", key, value)
+    with pytest.raises(InvalidArgumentError, match="k_scale"):
+        bad = KVQuantizer("fp8_e4m3", HEAD_DIM, k_scale=torch.zeros(NUM_KV_HEADS), v_scale=q.v_scale)
+        reshape_and_cache_quantized(key, value, poisoned_cache(q), torch.tensor([0, 1]), bad)
+    other = calibrated("int4_kivi", key, value)
+    with pytest.raises(InvalidArgumentError, match="int4_kivi cache"):
+        reshape_and_cache_quantized(key, value, poisoned_cache(q), torch.tensor([0, 1]), other)
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.float16])
+def test_the_triton_decode_kernel_reads_fp8_caches_as_the_torch_twin(name, query_dtype):
+    """The interpreter (TRITON_INTERPRET on CPU) converts fp8 -> float exactly, so the kernel's read runs here."""
+    seq_lens = [13, 5, 20]
+    tables, lens, slots = paged_batch(seq_lens)
+    key, value = kv_sample(len(slots))
+    q = calibrated(name, key, value)
+    cache = reshape_and_cache_quantized(key, value, poisoned_cache(q), slots, q)
+    query = torch.randn(len(seq_lens), NUM_HEADS, HEAD_DIM).to(query_dtype)
+    out = paged_attention_decode(query.to(DEVICE), cache.to(DEVICE), tables.to(DEVICE), lens.to(DEVICE),
+                                 k_scale=q.k_scale.to(DEVICE), v_scale=q.v_scale.to(DEVICE))
+    expected = paged_attention_decode_torch_quantized(query, cache, tables, lens, q)
+    tolerance = 1e-5 if query_dtype == torch.float32 else 1e-2  # fp16: the kernel rounds K and V to the query dtype
+    torch.testing.assert_close(out.cpu().float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's refusal; compiled, the write runs")
+def test_reshape_and_cache_into_fp8_says_the_interpreter_cannot():
+    key, value = kv_sample(2)
+    q = calibrated("fp8_e4m3", key, value)
+    cache = poisoned_cache(q)
+    with pytest.raises(UnsupportedError, match="interpreter rounds float -> fp8 wrongly"):
+        reshape_and_cache(key, value, cache, torch.tensor([0, 1]), k_scale=q.k_scale, v_scale=q.v_scale)
+    assert bool((cache.view(torch.uint8) == 0xFF).all())
+
+
+def test_fp8_kernels_refuse_missing_or_stray_scales():
+    key, value = kv_sample(2)
+    q = calibrated("fp8_e4m3", key, value)
+    tables, lens, _ = paged_batch([3])
+    query = torch.randn(1, NUM_HEADS, HEAD_DIM)
+    with pytest.raises(InvalidArgumentError, match="k_scale must be a torch.Tensor"):
+        paged_attention_decode(query, poisoned_cache(q), tables, lens)
+    with pytest.raises(InvalidArgumentError, match="k_scale and v_scale are for fp8 caches"):
+        paged_attention_decode(query, torch.zeros(NUM_BLOCKS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), tables, lens,
+                               k_scale=q.k_scale, v_scale=q.v_scale)

@@ -1,0 +1,27 @@
+"""The KV-format studies' CPU-cheap parts: the capacity study's pools (bytes from kvlab.sizing, replays of the
+Mooncake trace's first requests) and the accuracy study's divergence count."""
+
+from kvlab.studies import kv_capacity
+from kvlab.studies.kv_accuracy import tokens_to_divergence
+
+
+def test_capacity_pools_come_from_each_formats_bytes_per_token():
+    # Llama-3-8B: 32 layers x 8 kv heads; per head and token bf16 2 x 256 B, fp8 2 x 128, K fp16 256 + V fp8 128,
+    # int4_kivi K 64 + V 64 + 4 x 128 / 32
+    assert dict(kv_capacity.formats()) == {
+        "bfloat16": 32 * 8 * 512, "k_fp16_v_fp8": 32 * 8 * 384, "fp8": 32 * 8 * 256, "int4_kivi": 32 * 8 * 144,
+        "ideal 4-bit (4x)": 32 * 8 * 512 // 4, "ideal 2-bit (8x)": 32 * 8 * 512 // 8}
+
+
+def test_more_blocks_in_the_budget_never_lower_the_hit_rate():
+    table = kv_capacity.run_study(budget_bytes=8 << 30, limit=300)
+    table = table.sort_values("pool_blocks")
+    assert list(table["pool_blocks"]) == sorted((8 << 30) // (b * 512) for b in table["bytes_per_token"])
+    assert table["hit_rate_tokens"].is_monotonic_increasing and table["requests"].max() == 300
+    assert (table["hit_rate_tokens"] <= table["ceiling_hit_rate_tokens"] + 1e-9).all()
+
+
+def test_tokens_to_divergence():
+    assert tokens_to_divergence([1, 2, 3], [1, 2, 3]) == 3
+    assert tokens_to_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert tokens_to_divergence([1, 2, 3], [4, 2, 3]) == 0
