@@ -29,6 +29,9 @@ class StepRecord:
     waiting: int           # queue lengths after the step
     running: int
     swapped: int
+    draft_tokens: int = 0          # speculative decoding: drafts verified in this step (in decode_tokens too)
+    accepted_tokens: int = 0       # ...of which the target accepted
+    rejected_draft_slots: int = 0  # KV slots written for the rejected ones (overwritten by later steps)
 
 
 def records_to_dataframe(records: list[StepRecord]) -> pd.DataFrame:
