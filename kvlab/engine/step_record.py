@@ -15,7 +15,7 @@ class StepRecord:
     num_seqs: int          # sequences in the batch
     num_tokens: int        # tokens computed: prefill_tokens + decode_tokens
     prefill_tokens: int    # prompt tokens (or chunks of them) computed, after prefix hits
-    decode_tokens: int     # one per sequence past its prefill
+    decode_tokens: int     # one per sequence past its prefill, plus its draft tokens
     cached_tokens: int     # prompt tokens read from the prefix cache instead of computed
     blocks_used: int       # device pool while the step ran (after scheduling)
     blocks_free: int       # includes free blocks that still hold a cached prefix...
