@@ -11,6 +11,9 @@ paging) on the same requests, with the device's default attention backend.
 --suite scheduling: V0 against V1 scheduling (throughput, TTFT and inter-token latency percentiles) on
 nano-vllm's workload, scaled down on CPU, HF as the peer; see ``kvlab.bench.scheduling``.
 
+--suite speculative: n-gram speculative decoding (k = 2, 4, 8) against none on a copy-heavy and a plain chat
+workload, at batch 1 and 8, on SmolLM2-135M-Instruct (or --model); see ``kvlab.bench.speculative``.
+
 Workloads (random token ids from ``--seed``, every request runs to its own output length, EOS ignored):
   random         nano-vllm's benchmark: many requests, prompt and output lengths uniform at random;
   shared-prefix  every prompt starts with the same long system prompt, then a short random suffix.
@@ -113,7 +116,7 @@ def main(argv=None) -> int:
     intro, details = __doc__.split("\n\n", 1)
     parser = argparse.ArgumentParser(prog="python -m kvlab.bench engine", description=intro, epilog=details,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=("serving", "throughput", "scheduling"), help="default: throughput on a GPU, "
+    parser.add_argument("--suite", choices=("serving", "throughput", "scheduling", "speculative"), help="default: throughput on a GPU, "
                         "serving without one")
     parser.add_argument("--model", help="local HF model directory; default: a random model (see above)")
     parser.add_argument("--seed", type=int, default=0)
@@ -140,6 +143,8 @@ def main(argv=None) -> int:
     suite = args.suite or ("throughput" if ON_GPU else "serving")
     from kvlab.engine.random_model import save_random_model
 
+    if suite == "speculative":
+        return _speculative(args)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model:
             model_dir, model_name = Path(args.model), Path(args.model).name
@@ -167,6 +172,20 @@ def main(argv=None) -> int:
     print(f"\n{model_name} ({base['params_m']}M parameters) on {device_name()}, engine: {frame['kernels'].iloc[0]}")
     print(frame[shown].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     print(f"wrote {out}")
+    return 0
+
+
+def _speculative(args) -> int:
+    from kvlab.bench.speculative import run_speculative, show
+    from kvlab.models import smollm2
+
+    model_dir = Path(args.model) if args.model else smollm2()
+    base = dict(device=device_name(), model=model_dir.name)
+    frame = run_speculative(model_dir, base)
+    out = Path(args.out_dir or "data/bench/speculative") / f"{device_name()}.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    frame.round(4).to_csv(out, index=False)
+    show(frame, out)
     return 0
 
 

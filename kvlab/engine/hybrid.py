@@ -56,9 +56,11 @@ class EngineHybridManager(HybridBlockManager):
         """Every group's slots for positions start..end-1, one group after another."""
         return [slot for slots in self.slot_mappings(seq, start, end) for slot in slots]
 
-    def append_slots(self, seq, num_lookahead_slots: int = 0, *, num_new_tokens=None) -> list[tuple[int, int]]:
+    def append_slots(self, seq, num_lookahead_slots: int = 0, *, num_new_tokens=None,
+                     num_draft_tokens: int = 0) -> list[tuple[int, int]]:
         """Copy-on-write pairs of every group in one list (see the module docstring)."""
-        return _flat(super().append_slots(seq, num_lookahead_slots, num_new_tokens=num_new_tokens))
+        return _flat(super().append_slots(seq, num_lookahead_slots, num_new_tokens=num_new_tokens,
+                                          num_draft_tokens=num_draft_tokens))
 
     def swap_out(self, seq) -> list[tuple[int, int]]:
         """Every group's (gpu, cpu) copies in one list."""

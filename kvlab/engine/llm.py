@@ -23,9 +23,11 @@ from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampler import Sampler
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler import too_long_for_the_pool
+from kvlab.engine.scheduler_v1 import V1Scheduler
 from kvlab.engine.schedulers import resolve_scheduler
 from kvlab.engine.settings import (check_every_layer_from_env, check_kv_cache_options, check_settings,
                                    resolve_device, resolve_dtype, resolve_quantized_backend)
+from kvlab.engine.speculative import resolve_speculative_config
 from kvlab.engine.step_loop import StepLoop
 from kvlab.engine.step_record import records_to_dataframe
 from kvlab.engine.weights import load_model
@@ -75,6 +77,12 @@ class LLM:
     ``kvlab.engine.decisions.StepDecision`` per step record: who ran and as what, who was preempted or
     aborted, the queues), by request id; it grows by one per step. Off (the default) nothing is built and
     ``llm.decisions`` is None.
+
+    ``speculative_config``: None (the default), or vLLM's dictionary for a model-free proposer, e.g.
+    ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}``:
+    each decoding sequence gets up to k proposed tokens per step, verified in the step's one forward pass;
+    greedy output is unchanged, sampled output keeps its distribution (``kvlab.engine.speculative``). V1
+    scheduling only. ``RequestOutput.metrics`` and the step records count drafts proposed and accepted.
     """
 
     def __init__(self, model, *, block_size: int = 16, num_blocks: int | None = None,
@@ -84,7 +92,8 @@ class LLM:
                  record_events: bool = False, attention_backend: str | None = None, scheduling: str | None = None,
                  scheduler=None, record_decisions: bool = False, num_offload_blocks: int = 0,
                  offload_policy: str = "lru", offload_admission: str = "always", kv_cache_dtype: str = "auto",
-                 kv_scale_granularity: str = "tensor", kv_calibration_prompts=None):
+                 kv_scale_granularity: str = "tensor", kv_calibration_prompts=None,
+                 speculative_config: dict | None = None):
         check_settings(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        preemption_mode=preemption_mode, max_model_len=max_model_len,
@@ -94,6 +103,10 @@ class LLM:
         check_offload_options(offload_policy, offload_admission)
         check_kv_cache_options(kv_cache_dtype, kv_scale_granularity, kv_calibration_prompts)
         scheduler_class = resolve_scheduler(scheduler, scheduling)
+        self.speculation = resolve_speculative_config(speculative_config)
+        if self.speculation is not None and not issubclass(scheduler_class, V1Scheduler):
+            raise InvalidArgumentError(f"speculative_config needs V1 scheduling (a step that mixes decodes with "
+                                       f"drafts), got scheduler {scheduler_class.__name__}: use scheduling='v1'")
         self.device = resolve_device(device)
         self.attention_backend = resolve_quantized_backend(attention_backend, kv_cache_dtype, self.device)
         check_every_layer = check_every_layer_from_env()
@@ -133,6 +146,8 @@ class LLM:
         logger.info("KV cache: %s (%s)", self.kv_cache.summary(), sized_by)
         self.scheduler = scheduler_class(self.block_manager, max_num_seqs=max_num_seqs,
                                          max_num_batched_tokens=max_num_batched_tokens, preemption_mode=preemption_mode)
+        if self.speculation is not None:
+            self.scheduler.drafter, self.scheduler.max_model_len = self.speculation, self.max_model_len
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.attention_backend,
                                   check_every_layer=check_every_layer)
         self._loop = StepLoop(self.scheduler, self.runner, Sampler(seed, self.device), config.eos_token_ids,

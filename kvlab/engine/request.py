@@ -20,6 +20,32 @@ class RequestMetrics:
     num_cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache on admission
     num_generated_tokens: int = 0      # over all samples
     num_preemptions: int = 0           # times one of its sequences was preempted (recompute or swap)
+    # Speculative decoding, over all samples (vLLM's spec-decode counters):
+    num_draft_tokens: int = 0          # drafts proposed and verified
+    num_accepted_tokens: int = 0       # drafts the target accepted (a stop inside the run keeps fewer)
+    num_drafting_steps: int = 0        # verifications: steps in which one of its sequences had drafts
+
+    def count_drafts(self, proposed: int, accepted: int) -> None:
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        self.num_drafting_steps += 1
+
+    @property
+    def num_rejected_draft_slots(self) -> int:
+        """KV slots written for drafts the target rejected: what speculation cost in cache writes."""
+        return self.num_draft_tokens - self.num_accepted_tokens
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted drafts over proposed ones; None before any draft."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a verification yields on average: 1 (the target's own token) + the drafts it accepted, as
+        vLLM's "mean acceptance length"; None before any verification."""
+        steps = self.num_drafting_steps
+        return 1 + self.num_accepted_tokens / steps if steps else None
 
     @property
     def time_to_first_token(self) -> float | None:

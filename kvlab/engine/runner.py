@@ -32,15 +32,17 @@ class ModelRunner:
         self.kv_cache.apply(moves)
 
     def forward(self, step: ScheduledStep, entries: Sequence[SeqStep]) -> torch.Tensor:
-        """fp32 logits ``[len(entries), vocab]``: each sequence's distribution after the last token this step
-        computes for it (``entries``: some or all of ``step.entries``, after ``apply_moves``). Prompt chunks
-        and decode tokens go through one forward pass: a decode row is query length 1 over its cached
-        context. Running some of them again is harmless: each new token's K/V is written again, the same,
-        into the same slot. Reads only the step, never the block manager."""
+        """fp32 logits ``[sum(1 + entry.num_draft_tokens), vocab]``, entry by entry: each sequence's
+        distribution after the last token this step computes for it, and with d drafts, d + 1 rows: after its
+        last token and after each draft (``entries``: some or all of ``step.entries``, after ``apply_moves``).
+        Prompt chunks, decode tokens and drafts go through one forward pass: a decode row is query length 1
+        over its cached context, a decode with d drafts query length d + 1 (as a prompt chunk is). Running
+        some of them again is harmless: each new token's K/V is written again, the same, into the same slot.
+        Reads only the step, never the block manager."""
         input_ids, positions, query_lens, context_lens = [], [], [], []
         slots = [[] for _ in self.windows]  # [groups][T]
         for entry in entries:
-            input_ids += entry.seq.token_slice(entry.start, entry.end)
+            input_ids += entry.input_ids()
             positions += range(entry.start, entry.end)
             for group, group_slots in zip(slots, entry.slots):
                 group += group_slots
@@ -58,12 +60,23 @@ class ModelRunner:
         cu_query_lens = tensor([0] + query_lens, torch.int32).cumsum(0, dtype=torch.int32)
         seq_lens = tensor(context_lens, torch.int32)
         longest = max(context_lens)  # known here, so no layer reads it back from seq_lens
+        # a decode step with drafts has several query rows per sequence: the prefill path's layout
+        multi_row = step.kind != "decode" or any(entry.num_draft_tokens for entry in entries)
         batches = [AttentionBatch.for_backend(
-            self.attention_backend, self.kv_cache.gpu[0], is_prefill=step.kind != "decode",
+            self.attention_backend, self.kv_cache.gpu[0], is_prefill=multi_row,
             slot_mapping=tensor(group_slots, torch.int64), block_tables=padded(group_tables), seq_lens=seq_lens,
             cu_query_lens=cu_query_lens, max_seq_len=longest, num_heads=self.model.config.num_heads,
             sliding_window=window, check_every_layer=self.check_every_layer)
             for group_slots, group_tables, window in zip(slots, tables, self.windows)]
         hidden = self.model(tensor(input_ids, torch.int64), tensor(positions, torch.int64),
                             [batches[g] for g in self.layer_groups], self.kv_cache.gpu)
-        return self.model.compute_logits(hidden[cu_query_lens[1:].long() - 1])  # each sequence's last row
+        return self.model.compute_logits(hidden[_sampled_rows(entries, query_lens)])
+
+
+def _sampled_rows(entries: Sequence[SeqStep], query_lens: list[int]) -> list[int]:
+    """The query rows whose logits the step needs: each sequence's last row, and with d drafts its last d + 1."""
+    rows, end = [], 0
+    for entry, length in zip(entries, query_lens):
+        end += length
+        rows += range(end - 1 - entry.num_draft_tokens, end)
+    return rows

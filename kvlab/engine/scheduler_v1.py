@@ -13,6 +13,11 @@ So a prompt longer than the budget is prefilled over several steps, and decodes 
 step is one forward pass over prompt chunks and decode tokens together (``ModelRunner.forward``). A sequence
 is sampled only at the step that computes its last token; a chunk short of the end produces nothing.
 
+Speculative decoding (``drafter`` set: ``kvlab.engine.speculative``): a decoding sequence also takes up to k
+proposed tokens, as draft positions (``append_slots(seq, num_draft_tokens=d)``), within the budget, within what
+its ``max_tokens`` and the context leave (a step keeps at most d + 1 tokens), and only when the pool has room
+for them as it is: drafts never preempt anyone.
+
 Queues, preemption, swapping and the prefix-cache reset after a failure are the V0 scheduler's
 (``kvlab.engine.scheduler``); only ``schedule`` differs.
 """
@@ -27,6 +32,8 @@ from kvlab.engine.step import ScheduledStep, StepBuilder
 
 class V1Scheduler(Scheduler):
     scheduling = "v1"  # prompts in chunks: any prompt the pool holds is served
+    drafter = None     # a kvlab.engine.speculative.Speculation (LLM sets it), or None: no speculation
+    max_model_len = None  # set with the drafter: no draft goes past the context
 
     def schedule(self) -> ScheduledStep:
         if self.prefix_reset_pending and not self.running and not self.swapped:
@@ -40,11 +47,21 @@ class V1Scheduler(Scheduler):
         decode = not all(entry.prefill for entry in step.entries)
         return step.freeze("mixed" if prefill and decode else "decode" if decode else "prefill")
 
-    def _count(self, step: StepBuilder, seq: Sequence, start: int) -> int:
+    def _count(self, step: StepBuilder, seq: Sequence, start: int, drafts: tuple[int, ...] = ()) -> int:
         """Put ``seq`` in the step from position ``start`` (its slots are given: its progress counter is past
         ``start`` now); returns its token count. It prefills while ``start`` is before the end of what it had
         when allocated (``seq.prefill_end``)."""
-        return step.add(self.manager, seq, start, prefill=start < seq.prefill_end).num_tokens
+        return step.add(self.manager, seq, start, prefill=start < seq.prefill_end, drafts=drafts).num_tokens
+
+    def _drafts(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """Draft tokens for a decoding ``seq`` this step: none past what the budget, its ``max_tokens`` or the
+        context leave (a step keeps at most drafts + 1 tokens), none the pool has no room for as it is."""
+        params = self.owner[seq.seq_id].params
+        left = min(params.max_tokens - seq.num_completion_tokens, self.max_model_len - seq.num_tokens)
+        drafts = self.drafter.drafts(seq, min(budget, left) - 1)
+        if drafts and not self.manager.can_append_slots(seq, num_new_tokens=1, num_draft_tokens=len(drafts)):
+            return ()
+        return drafts
 
     def _schedule_running(self, step: StepBuilder, budget: int) -> int:
         """Give running sequences their next tokens while the budget lasts; returns the budget left."""
@@ -55,9 +72,12 @@ class V1Scheduler(Scheduler):
             num_new = min(seq.num_tokens - start, budget)  # 1 when decoding; a chunk of a partial prompt
             if seq.is_prefilling and not queue and not step.entries:
                 num_new = self._chunk_that_fits(seq, num_new)
+            decoding = self.drafter is not None and not seq.is_prefilling
+            drafts = self._drafts(seq, budget) if decoding else ()
             if self._make_room(seq, queue, step, others=bool(step.entries), num_new_tokens=num_new):
-                step.record(self.manager, "copy", self.manager.append_slots(seq, num_new_tokens=num_new))
-                budget -= self._count(step, seq, start)
+                step.record(self.manager, "copy", self.manager.append_slots(seq, num_new_tokens=num_new,
+                                                                            num_draft_tokens=len(drafts)))
+                budget -= self._count(step, seq, start, drafts)
                 kept.append(seq)
         self.running = kept + list(queue)  # preempted and aborted sequences are out; unscheduled ones wait
         return budget

@@ -9,8 +9,9 @@ manager after scheduling can no longer change what runs (they used to ask the ma
 Invariant: entries are in scheduling order, one per sequence; ``start < end``; ``end`` is the sequence's
 ``num_computed_tokens`` once scheduled (the progress counter lives on the sequence: kvlab.blocks.sequence);
 ``slots[g]`` has ``end - start`` entries (-1 where a sliding window released the block); the last
-``num_draft_tokens`` of the positions are draft tokens to verify (0 until speculative decoding lands); a
-step's block moves are applied before its forward pass.
+``num_draft_tokens`` of the positions are draft tokens to verify (``draft_token_ids``, proposed by
+speculative decoding: kvlab.engine.speculative), which are not in the sequence's tokens yet; a step's block
+moves are applied before its forward pass.
 """
 
 from dataclasses import dataclass, field
@@ -30,6 +31,11 @@ class SeqStep:
     tables: tuple[tuple[int, ...], ...]  # [groups][blocks]: each KV cache group's block table
     slots: tuple[tuple[int, ...], ...]   # [groups][end - start]: where each new token's K/V goes
     num_draft_tokens: int = 0        # of those positions, the last ones hold proposed tokens to verify
+    draft_token_ids: tuple[int, ...] = ()  # those tokens (num_draft_tokens of them when the scheduler drafts)
+
+    def input_ids(self) -> list[int]:
+        """The token of every position the step computes: the sequence's, then the drafts."""
+        return self.seq.token_slice(self.start, self.end - self.num_draft_tokens) + list(self.draft_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -103,12 +109,15 @@ class StepBuilder(_EntriesView):
         for kind, src, dst in manager.take_tier_moves():
             self.moves.add(kind, [(src, dst)])
 
-    def add(self, manager, seq: Sequence, start: int, *, prefill: bool) -> SeqStep:
+    def add(self, manager, seq: Sequence, start: int, *, prefill: bool, drafts: tuple[int, ...] = ()) -> SeqStep:
         """Put ``seq`` in the step from position ``start`` to its progress counter, its slots already given by
-        the manager, whose records are read here, once (with the tier moves its ``allocate`` made)."""
+        the manager, whose records are read here, once (with the tier moves its ``allocate`` made); ``drafts``:
+        the tokens of its last positions, proposed (``append_slots(seq, num_draft_tokens=len(drafts))`` gave
+        them slots)."""
         self.take_tier_moves(manager)
         end = seq.num_computed_tokens
-        entry = SeqStep(seq, start, end, prefill, *_tables_and_slots(manager, seq, start, end))
+        entry = SeqStep(seq, start, end, prefill, *_tables_and_slots(manager, seq, start, end), len(drafts),
+                        tuple(drafts))
         self.entries.append(entry)
         return entry
 

@@ -21,7 +21,8 @@ from kvlab.engine.request import Finish, Request
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampler import Sampler
 from kvlab.engine.scheduler import Scheduler
-from kvlab.engine.step import ScheduledStep
+from kvlab.engine.speculative import accept
+from kvlab.engine.step import ScheduledStep, SeqStep
 from kvlab.engine.step_record import StepRecord
 
 
@@ -38,6 +39,7 @@ class StepLoop:
         self.decisions: list[StepDecision] | None = [] if record_decisions else None
         self.created = time.perf_counter()
         self._finished_samples = 0  # in the current step
+        self._drafts_proposed = self._drafts_accepted = 0  # in the current step (speculative decoding)
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -54,7 +56,7 @@ class StepLoop:
     def step(self) -> list[Request]:
         """Returns the requests finished since the last step (aborted), then those that finished in this one."""
         start = time.perf_counter()
-        self._finished_samples = 0
+        self._finished_samples = self._drafts_proposed = self._drafts_accepted = 0
         earlier, self.finished_between = self.finished_between, []
         try:
             step = self.scheduler.schedule()
@@ -92,10 +94,47 @@ class StepLoop:
                 metrics.first_scheduled_time = now
                 metrics.num_cached_prompt_tokens = entry.seq.num_cached_tokens
         # Only a sequence whose every token now has K/V samples: a prompt chunk short of the end produces none.
-        ready = [(row, entry.seq) for row, entry in enumerate(result.entries) if entry.samples]
+        # Its logits start at row `first` (a sequence with d drafts has d + 1 rows: runner.forward).
+        ready, drafted, first = [], [], 0
+        for entry in result.entries:
+            if entry.num_draft_tokens:
+                drafted.append((first, entry))
+            elif entry.samples:
+                ready.append((first, entry.seq))
+            first += 1 + entry.num_draft_tokens
         if ready:
             touched += self._append_samples(ready, result.logits)
+        for first, entry in drafted:
+            touched += self._verify(entry, result.logits[first:first + 1 + entry.num_draft_tokens])
         return touched
+
+    def _verify(self, entry: SeqStep, logits) -> list[Request]:
+        """Keep the run of ``entry``'s drafts the target accepts and its own next token
+        (``kvlab.engine.speculative.accept``), appended one by one with the stop check after each, so a stop
+        inside the run ends it there; then the block manager keeps the kept drafts' K/V and rolls back past the
+        others (``accept_drafts``). Returns the request if the sample finished."""
+        seq, drafts = entry.seq, entry.draft_token_ids
+        request = self.scheduler.owner[seq.seq_id]
+        generator = request.generators[request.seqs.index(seq)] or self.sampler.generator
+        try:
+            tokens = accept(logits, drafts, request.params, generator)
+        except Exception as error:  # noqa: BLE001 - this sequence's failure, kept as its abort reason
+            return [self._fail(seq, "sampling", error)]
+        finish, appended = None, 0
+        try:
+            for token in tokens:
+                appended += 1
+                finish = self._append(request, seq, token)
+                if finish is not None:
+                    break
+        except Exception as error:  # noqa: BLE001 - this sample's failure, kept as its abort reason
+            return [self._fail(seq, "the stop check", error)]
+        kept = min(appended, len(tokens) - 1)  # drafts kept: the last token appended may be the target's own
+        self.manager.accept_drafts(seq, kept)
+        request.metrics.count_drafts(len(drafts), len(tokens) - 1)
+        self._drafts_proposed += len(drafts)
+        self._drafts_accepted += len(tokens) - 1
+        return [] if finish is None else [self._finish(seq, finish)]
 
     def _append_samples(self, ready: list[tuple[int, Sequence]], logits) -> list[Request]:
         """Sample the next token of every ``(logits row, sequence)`` in ``ready`` (a prompt with n > 1 samples
@@ -192,4 +231,6 @@ class StepLoop:
             cached_tokens=step.num_cached_tokens, **pool, preempted=step.num_preempted,
             blocks_swapped_out=moves["swap_out"], blocks_swapped_in=moves["swap_in"], cow_copies=moves["copy"],
             finished=self._finished_samples, aborted=len(step.aborted), waiting=len(self.scheduler.waiting),
-            running=len(self.scheduler.running), swapped=len(self.scheduler.swapped)))
+            running=len(self.scheduler.running), swapped=len(self.scheduler.swapped),
+            draft_tokens=self._drafts_proposed, accepted_tokens=self._drafts_accepted,
+            rejected_draft_slots=self._drafts_proposed - self._drafts_accepted))

@@ -15,7 +15,7 @@ class StepRecord:
     num_seqs: int          # sequences in the batch
     num_tokens: int        # tokens computed: prefill_tokens + decode_tokens
     prefill_tokens: int    # prompt tokens (or chunks of them) computed, after prefix hits
-    decode_tokens: int     # one per sequence past its prefill
+    decode_tokens: int     # one per sequence past its prefill, plus its draft tokens
     cached_tokens: int     # prompt tokens read from the prefix cache instead of computed
     blocks_used: int       # device pool while the step ran (after scheduling)
     blocks_free: int       # includes free blocks that still hold a cached prefix...
@@ -29,6 +29,9 @@ class StepRecord:
     waiting: int           # queue lengths after the step
     running: int
     swapped: int
+    draft_tokens: int = 0          # speculative decoding: drafts verified in this step (in decode_tokens too)
+    accepted_tokens: int = 0       # ...of which the target accepted
+    rejected_draft_slots: int = 0  # KV slots written for the rejected ones (overwritten by later steps)
 
 
 def records_to_dataframe(records: list[StepRecord]) -> pd.DataFrame:

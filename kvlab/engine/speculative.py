@@ -1,0 +1,97 @@
+"""Speculative decoding with model-free proposers: guess a sequence's next k tokens, verify them all in one forward
+pass, keep the longest run the target model agrees with, plus one token of its own.
+
+``LLM(speculative_config={"method": "ngram", "num_speculative_tokens": k, ...})`` takes vLLM's dictionary
+(``method`` names a proposer in ``kvlab.engine.proposers.PROPOSERS``; the other keys are the proposer's own).
+A step of V1 scheduling gives a decoding sequence with d <= k drafts a query of d + 1 rows over its paged
+context: its last token (no K/V yet) and the drafts, whose slots the block manager hands out without sealing
+them (``kvlab.blocks.drafts``). Logit row i is the target's distribution p_i for the token after row i's
+token, so row i verifies draft i + 1 and the row after the last accepted draft gives the bonus token.
+
+Acceptance (``accept``): greedy, draft i is accepted while it is row i's argmax, so the tokens kept are
+exactly those plain decoding would have produced. Sampling: exact speculative sampling accepts a draft x
+drawn from q with probability min(1, p(x) / q(x)) and otherwise samples from the residual max(0, p - q),
+renormalised; the kept token is then distributed as p. A model-free proposer's q is a point mass on its
+draft d (q(d) = 1), so the rule reduces to: **accept d with probability p(d); else sample from p with d
+removed and renormalised** (the residual p - q is 0 at d and p elsewhere). The first rejection ends the run;
+after a run of accepted drafts the bonus token is sampled from p as usual. p is the sampler's own
+distribution (temperature, top-k, top-p: ``kvlab.engine.sampler.probabilities``), so every token is
+distributed as without speculation.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.blocks.sequence import Sequence
+from kvlab.engine.proposers import PROPOSERS, Proposer
+from kvlab.engine.sampler import probabilities
+from kvlab.engine.sampling_params import SamplingParams
+from kvlab.errors import InvalidArgumentError
+from kvlab.validation import check_int
+
+_COMMON_KEYS = ("method", "num_speculative_tokens")
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """The engine's drafter: ``proposer`` proposes up to ``num_speculative_tokens`` drafts per sequence and step."""
+    method: str
+    num_speculative_tokens: int
+    proposer: Proposer
+
+    def drafts(self, seq: Sequence, limit: int) -> tuple[int, ...]:
+        """At most ``min(num_speculative_tokens, limit)`` draft tokens to follow ``seq``'s last token."""
+        room = min(self.num_speculative_tokens, limit)
+        if room <= 0:
+            return ()
+        return tuple(self.proposer.propose(seq.token_slice(0, seq.num_tokens), room)[:room])
+
+
+def resolve_speculative_config(config) -> Speculation | None:
+    """``LLM``'s ``speculative_config``: None (no speculation) or a dict as vLLM takes it."""
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise InvalidArgumentError(f"speculative_config must be None or a dict such as {{'method': 'ngram', "
+                                   f"'num_speculative_tokens': 4}}, got {config!r}")
+    method = config.get("method")
+    if method not in PROPOSERS:
+        raise InvalidArgumentError(f"speculative_config['method'] must be one of {sorted(PROPOSERS)} (model-free "
+                                   f"proposers; kvlab.engine.proposers.PROPOSERS), got {method!r}")
+    cls = PROPOSERS[method]
+    unknown = sorted(set(config) - set(_COMMON_KEYS) - set(cls.options))
+    if unknown:
+        raise InvalidArgumentError(f"speculative_config has unknown keys {unknown} for method {method!r}; allowed: "
+                                   f"{list(_COMMON_KEYS + cls.options)}")
+    if "num_speculative_tokens" not in config:
+        raise InvalidArgumentError("speculative_config needs 'num_speculative_tokens' (drafts per step, >= 1)")
+    k = check_int("speculative_config['num_speculative_tokens']", config["num_speculative_tokens"], 1)
+    return Speculation(method, k, cls(**{key: config[key] for key in cls.options if key in config}))
+
+
+def accept(logits: torch.Tensor, drafts: tuple[int, ...], params: SamplingParams,
+           generator: torch.Generator) -> list[int]:
+    """The tokens one verification keeps: the accepted drafts, then the target's own token (the correction of
+    the first rejected draft, or the bonus token after them all). ``logits`` fp32 ``[len(drafts) + 1, vocab]``,
+    row i the target's logits after the context and drafts ``[:i]``. Raises FloatingPointError on unusable
+    logits, as the sampler does."""
+    if not bool((logits.isfinite() | (logits == float("-inf"))).all() and (logits > float("-inf")).any(-1).all()):
+        raise FloatingPointError("the model's logits hold NaN or +inf, or are all -inf: no token can be chosen")
+    if params.greedy:
+        choice = logits.argmax(dim=-1).tolist()
+        kept = 0
+        while kept < len(drafts) and drafts[kept] == choice[kept]:
+            kept += 1
+        return list(drafts[:kept]) + [choice[kept]]
+    probs = probabilities(logits, [params] * len(logits))  # [d + 1, vocab], the sampler's distribution
+    device = probs.device
+    for i, draft in enumerate(drafts):
+        u = torch.rand((), generator=generator, device=device)
+        if bool(u < probs[i, draft]):
+            continue
+        residual = probs[i].clone()
+        residual[draft] = 0.0  # p(d) < 1 here (u < 1), so some mass is left
+        token = torch.multinomial(residual, 1, generator=generator)  # renormalises
+        return list(drafts[:i]) + [int(token)]
+    return list(drafts) + [int(torch.multinomial(probs[-1], 1, generator=generator))]
