@@ -82,6 +82,9 @@ class HybridBlockManager:
         """``allocate``'s lookups: every group counts the same hits (cut to the hit all groups serve)."""
         return self._members[0].stats
 
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        return self._members[0].make_prefix_cache_stats()
+
     def blocks_for_prompt(self, num_tokens: int, num_new_tokens: Optional[int] = None) -> int:
         """Every group's blocks together (see BlockManager.blocks_for_prompt): ``can_allocate`` sums them."""
         return sum(member.blocks_for_prompt(num_tokens, num_new_tokens) for member in self._members)
@@ -196,6 +199,7 @@ class HybridBlockManager:
         seq.status = SequenceStatus.WAITING if preempted else SequenceStatus.FINISHED
         if preempted:
             seq.num_cached_tokens = 0
+            seq.num_preemptions += 1
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share every group's blocks with the new ``child`` (see BlockManager.fork)."""

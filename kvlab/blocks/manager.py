@@ -74,8 +74,9 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface, S
         encoder-decoder request) also a cross-attention table for the encoder's tokens, shared by the
         sequence's future forks. With ``num_new_tokens=k`` only the hits and the next k prompt tokens get
         slots (the first chunk; ``get_num_cached_tokens`` tells the hits beforehand), and ``append_slots``
-        schedules the rest later. Atomic: raises before changing anything if the blocks are not there, or
-        if the prompt could never be finished in this pool."""
+        schedules the rest later. Only full blocks are hittable, never the one holding the last prompt token
+        (always computed): at most (n - 1) // block_size of an n-token prompt's blocks. Atomic: raises before
+        changing anything if the blocks are not there, or if the prompt could never be finished in this pool."""
         check_unallocated(self, seq)
         num_cross = self._cross.blocks_for(seq, encoder_seq)
         plan = self._plan_allocation(seq, 0, num_new_tokens)
@@ -162,6 +163,7 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface, S
             self._sink.cleared()
         pool.evictions = 0
         self.stats = PrefixCacheStats()
+        self._stats_mark = PrefixCacheStats()
         return True
 
     def check_invariants(self) -> None:
@@ -201,12 +203,14 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface, S
         self._pool.claim(plan.hits[plan.first_live:], num_revived)
         if self._sink is not None:
             self._sink.looked_up(seq.seq_id, plan.hits, new_blocks)
+        recomputing = seq.num_preemptions > 0  # its own blocks again: not prefix hits (PrefixCacheStats)
         if self._tier is not None:
-            self._tier.looked_up(seq.num_tokens, plan.hashes, len(plan.hits), len(plan.tier_hits), self.block_size)
+            self._tier.looked_up(seq.num_tokens, plan.hashes, len(plan.hits), len(plan.tier_hits), self.block_size,
+                                 counted=not recomputing)
         last_content = self._seal_prompt(plan, new_blocks)
         if self.enable_prefix_caching:
             sealed_through(seq, plan.num_sealed)
-            self.stats.count_lookup(seq.num_tokens, len(plan.hashes), len(plan.hits), self.block_size)
+            self.stats.count_lookup(seq.num_tokens, len(plan.hashes), len(plan.hits), self.block_size, recomputing)
         self._pool.fill(cross_blocks)
         if self._sink is not None:
             self._sink.allocated(seq.seq_id)
@@ -288,6 +292,7 @@ class BlockManager(BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface, S
         seq.status = SequenceStatus.WAITING if preempted else SequenceStatus.FINISHED
         if preempted:
             seq.num_cached_tokens = 0
+            seq.num_preemptions += 1
         if self._sink is not None:
             self._sink.freed(seq.seq_id)
 

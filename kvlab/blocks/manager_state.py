@@ -17,7 +17,8 @@ each group of a hybrid manager the one set its coordinator built (kvlab.blocks.g
     _sink          the EventSink every change is reported to, None when nobody listens (kvlab.blocks.event_sink)
     spec           the attention spec whose rules the planning follows (kvlab.blocks.kv_cache_groups)
     events, kv_events   its consumers: the teaching Event log's list and vLLM's KV-event stream (None when off)
-    stats          PrefixCacheStats of ``allocate``'s lookups
+    stats          PrefixCacheStats of ``allocate``'s lookups, cumulative (``_stats_mark``: where the current run
+                   began, for ``make_prefix_cache_stats``)
     _lock          the re-entrant lock every public call holds (kvlab.blocks.locking)
 """
 
@@ -139,6 +140,7 @@ class ManagerState:
         self._allocs: set[Allocation] = set()
         self._lock = threading.RLock()
         self.stats = PrefixCacheStats()
+        self._stats_mark = PrefixCacheStats()  # a copy of ``stats`` at the last make_prefix_cache_stats()
 
     # ---- a sequence's record, checked against where its blocks are ------------------------------------
     def _alloc(self, seq) -> Allocation:

@@ -53,14 +53,17 @@ class OffloadTier:
         parent = gpu_index.content[gpu_hits[-1]] if gpu_hits else ROOT
         return self.index.lookup(hashes[start:], contents[start:], limit - start, parent)
 
-    def looked_up(self, num_tokens: int, hashes, num_gpu_hits: int, num_tier_hits: int, block_size: int) -> None:
+    def looked_up(self, num_tokens: int, hashes, num_gpu_hits: int, num_tier_hits: int, block_size: int,
+                  counted: bool = True) -> None:
         """``allocate`` looked up the block ``hashes`` of a prompt of ``num_tokens`` tokens: the first
         ``num_gpu_hits`` hit on the GPU, the next ``num_tier_hits`` here. The reuse filter counts them all;
-        the replacement policy sees those the tier was asked about."""
+        the replacement policy sees those the tier was asked about; ``stats`` only a ``counted`` lookup (not
+        a recomputation after preemption)."""
         if self.filter is not None:
             self.filter.record(hashes)
         self.order.touch(hashes[num_gpu_hits:])
-        self.stats.count_lookup(num_tokens, len(hashes), num_gpu_hits, num_tier_hits, block_size)
+        if counted:
+            self.stats.count_lookup(num_tokens, len(hashes), num_gpu_hits, num_tier_hits, block_size)
 
     def offer(self, evicted: Evicted) -> None:
         """Copy the admitted ones of the GPU's ``evicted`` blocks in, in order, dropping victims as needed. A

@@ -1,7 +1,7 @@
 """Small value types the block manager hands out: admission answers, events and prefix-cache counters."""
 
 import enum
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import NamedTuple, Optional
 
 
@@ -28,22 +28,50 @@ class Event(NamedTuple):
 
 @dataclass
 class PrefixCacheStats:
-    """Counters of ``allocate``'s prefix-cache lookups (a prompt's full blocks are queried)."""
+    """Counters of ``allocate``'s prefix-cache lookups, cumulative since the manager was made (or
+    ``reset_prefix_cache``); ``make_prefix_cache_stats()`` gives those since its last call (a run's).
+
+    What is hittable: only full blocks, and never the block holding the prompt's last token, which is
+    always computed (its logits are needed). A prompt of n tokens queries all n tokens and its n // block_size
+    full blocks, and hits at most (n - 1) // block_size blocks: a prompt of exactly N blocks at most N - 1,
+    one of N blocks plus a partial block all N. So a shared prefix shorter than a block hits nothing, and
+    even a repeated prompt stays below 100%.
+
+    A sequence re-admitted after a preemption by recompute finds its own blocks again: that lookup is not a
+    prefix hit (vLLM #25780) and goes to ``recomputed_*`` instead (vLLM's ``preempted_queries`` /
+    ``preempted_hits``): ``recomputed_queried_*`` what it asked for, ``recomputed_*`` what it found again.
+    ``hit_rate`` counts neither."""
     queried_tokens: int = 0
     hit_tokens: int = 0
     queried_blocks: int = 0
     hit_blocks: int = 0
+    recomputed_queried_tokens: int = 0
+    recomputed_queried_blocks: int = 0
+    recomputed_tokens: int = 0
+    recomputed_blocks: int = 0
 
-    def count_lookup(self, num_tokens: int, num_blocks: int, num_hits: int, block_size: int) -> None:
-        """One prompt of ``num_tokens`` tokens and ``num_blocks`` full blocks, ``num_hits`` of them cached."""
+    def count_lookup(self, num_tokens: int, num_blocks: int, num_hits: int, block_size: int,
+                     preempted: bool = False) -> None:
+        """One prompt of ``num_tokens`` tokens and ``num_blocks`` full blocks, ``num_hits`` of them cached;
+        ``preempted``: the prompt of a sequence preempted by recompute (its recomputation)."""
+        if preempted:
+            self.recomputed_queried_tokens += num_tokens
+            self.recomputed_queried_blocks += num_blocks
+            self.recomputed_tokens += num_hits * block_size
+            self.recomputed_blocks += num_hits
+            return
         self.queried_tokens += num_tokens
         self.hit_tokens += num_hits * block_size
         self.queried_blocks += num_blocks
         self.hit_blocks += num_hits
 
+    def since(self, earlier: "PrefixCacheStats") -> "PrefixCacheStats":
+        """The counts added after ``earlier`` (a copy of these counters taken then)."""
+        return PrefixCacheStats(*(now - then for now, then in zip(astuple(self), astuple(earlier))))
+
     @property
     def hit_rate(self) -> float:
-        """Hit tokens / queried tokens (0.0 before any query)."""
+        """Hit tokens / queried tokens (0.0 before any query); recomputations after preemption excluded."""
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
@@ -52,7 +80,8 @@ class TierHitStats:
     """``allocate``'s lookups with an offload tier (``manager.tier_stats``), per tier: each prompt's full blocks
     hit on the GPU, hit in the tier (promoted: copied, not computed) or missed, and in tokens the same, where
     the misses are every prompt token not hit (a partial last block is never hittable). ``offloaded_blocks``:
-    blocks the tier took in from GPU evictions."""
+    blocks the tier took in from GPU evictions. A sequence re-admitted after a preemption by recompute is not
+    counted (its lookup is a recomputation: ``PrefixCacheStats.recomputed_*``)."""
     gpu_hit_blocks: int = 0
     tier_hit_blocks: int = 0
     miss_blocks: int = 0

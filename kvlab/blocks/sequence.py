@@ -108,6 +108,9 @@ class Sequence:
         self.num_tokens = len(self._tokens)
         self.num_prompt_tokens = self.num_tokens
         self.num_cached_tokens = 0      # prompt tokens whose K/V came from the prefix cache
+        # Times the manager freed it to be recomputed (free(seq, preempted=True)): once it is > 0, its lookups
+        # find its own blocks again and count as recomputed, not as prefix hits (PrefixCacheStats).
+        self.num_preemptions = 0
         # How far it got (vLLM V1's request.num_computed_tokens). Invariant: positions < num_computed_tokens
         # have slots in its block table and their K/V is written by now or by the step just scheduled; the
         # tokens after them still need a step. 0 while it holds no blocks. The block manager advances it when
@@ -267,7 +270,7 @@ def group_shadow(seq: Sequence, group: int) -> Sequence:
     shadow = Sequence((), seq.block_size)
     shadow._keys = group_keys(seq._keys, group)
     shadow._hash_cache, shadow._hash_slot = seq._hash_cache, group
-    shadow.seq_id = seq.seq_id
+    shadow.seq_id, shadow.num_preemptions = seq.seq_id, seq.num_preemptions
     sync_shadow(seq, shadow)
     return shadow
 

@@ -4,11 +4,14 @@ runner make that kvlab's lifecycle does not need, and the encoder-decoder cross-
 ``VLLMV0Interface`` is one of the parts ``BlockManager`` is built from (it reads only the state its base,
 ``kvlab.blocks.manager_state.ManagerState``, creates), so code written against V0's
 ``BlockSpaceManager`` calls them on a ``BlockManager``. Nothing here allocates a decoder block: the V0 calls
-note which steps ran and when blocks were used, and report hit rates; the cross-attention calls read and
+note which steps ran and when blocks were used, and report hit rates (with V1's per-run counters,
+``make_prefix_cache_stats``); the cross-attention calls read and
 free a request group's table. The table itself (kvlab.blocks.cross_attention) is made by
 ``allocate(seq, encoder_seq)``: its blocks are taken in the same atomic step as the decoder's, so the
 lifecycle keeps that hook.
 """
+
+import dataclasses
 
 from kvlab.blocks.locking import serialized
 from kvlab.blocks.manager_state import ManagerState
@@ -50,14 +53,30 @@ class VLLMV0Interface(ManagerState):
         return list(common or [])
 
     def get_prefix_cache_hit_rate(self, device="gpu") -> float:
-        """Block hit rate of ``allocate``'s lookups on ``device`` ("gpu" or "cpu", or an enum named so);
-        -1.0 where there is no prefix cache (the CPU pool, or prefix caching off), as in vLLM."""
+        """Block hit rate of ``allocate``'s lookups on ``device`` ("gpu" or "cpu", or an enum named so), 0.0
+        before any lookup reached it: on "gpu" GPU hits / full blocks queried; on "cpu" the offload tier's
+        hits / the full blocks that missed on the GPU. -1.0 where there is no prefix
+        cache (prefix caching off, or "cpu" without an offload tier: the swap pool caches nothing), as in
+        vLLM. Recomputations after preemption are not lookups here (``PrefixCacheStats``); neither rate can
+        reach 1.0, since a prompt's last token is always computed."""
         name = str(getattr(device, "name", device)).lower()
         if name not in ("gpu", "cpu"):
             raise InvalidArgumentError(f"device must be 'gpu' or 'cpu', got {device!r}")
-        if name == "cpu" or not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or (name == "cpu" and self._tier is None):
             return -1.0
+        if name == "cpu":
+            tier = self._tier.stats
+            asked = tier.tier_hit_blocks + tier.miss_blocks
+            return tier.tier_hit_blocks / asked if asked else 0.0
         return self.stats.hit_blocks / self.stats.queried_blocks if self.stats.queried_blocks else 0.0
+
+    def make_prefix_cache_stats(self):
+        """The prefix-cache counters of this run: a ``PrefixCacheStats`` of the lookups since the last call
+        (or since the manager was made or ``reset_prefix_cache``), then a new run starts. vLLM V1's
+        ``KVCacheManager.make_prefix_cache_stats()`` ("get (and reset)"); ``stats`` stays cumulative."""
+        run = self.stats.since(self._stats_mark)
+        self._stats_mark = dataclasses.replace(self.stats)
+        return run
 
     # ---- encoder-decoder: the group's cross-attention table ----------------------------------------------
     def get_cross_block_table(self, seq: Sequence) -> tuple:

@@ -277,9 +277,14 @@ class LLM:
     # ---- what happened ------------------------------------------------------------------------------------
     @property
     def prefix_cache_stats(self):
-        """Overall prefix-cache counters (hit and queried tokens and blocks, ``hit_rate``); per request, see
-        ``RequestOutput.metrics.num_cached_prompt_tokens``."""
+        """Overall prefix-cache counters (hit and queried tokens and blocks, ``hit_rate``; a request
+        preempted by recompute finds its own blocks again under ``recomputed_*``, never as hits), cumulative;
+        per run, ``make_prefix_cache_stats()``; per request, ``RequestOutput.metrics.num_cached_prompt_tokens``."""
         return self.block_manager.stats
+
+    def make_prefix_cache_stats(self):
+        """The prefix-cache counters since the last call (a run's; vLLM V1's name), then a new run starts."""
+        return self.block_manager.make_prefix_cache_stats()
 
     @property
     def step_records(self) -> list:
