@@ -158,16 +158,21 @@ def plan_paged_attention(kv_cache, block_tables, seq_lens, cu_query_lens, num_to
                      context_len, num_tokens)
 
 
+def check_plan(query, kv_cache, plan: PagedPlan) -> None:
+    """``plan`` must be the one made for this many query rows and this cache's strides."""
+    if query.shape[0] != plan.num_tokens or kv_cache.stride() != plan.cache_strides:
+        raise InvalidArgumentError(
+            f"the plan was made for {plan.num_tokens} query rows and a cache with strides {plan.cache_strides}; "
+            f"got {query.shape[0]} rows and strides {kv_cache.stride()}")
+
+
 def paged_attention_torch(query, kv_cache, plan: PagedPlan, scale=None, soft_cap=None):
     """Attention of ``query [T, H, D]`` over the contexts ``plan`` describes, read from ``kv_cache``.
     Returns a new ``[T, H, D]`` tensor in query's dtype (computed in fp32)."""
     _, _, num_kv_heads, head_dim = check_cache(kv_cache)
     num_heads = check_query(query, kv_cache)
     scale, _, soft_cap = check_attention_options(scale=scale, soft_cap=soft_cap)
-    if query.shape[0] != plan.num_tokens or kv_cache.stride() != plan.cache_strides:
-        raise InvalidArgumentError(
-            f"the plan was made for {plan.num_tokens} query rows and a cache with strides {plan.cache_strides}; "
-            f"got {query.shape[0]} rows and strides {kv_cache.stride()}")
+    check_plan(query, kv_cache, plan)
     if plan.num_tokens == 0:
         return torch.empty_like(query, memory_format=torch.contiguous_format)
     S, L = plan.num_seqs, plan.context_len

@@ -12,7 +12,7 @@ import torch
 from kvlab.errors import InvalidArgumentError
 from kvlab.kernels._checks import check_attention_options, check_tensor
 from kvlab.kernels.kv_quant import KVQuantizer
-from kvlab.kernels.torch_paged import (CacheWrite, PagedPlan, attend, check_cache, plan_cache_write,
+from kvlab.kernels.torch_paged import (CacheWrite, PagedPlan, attend, check_cache, check_plan, plan_cache_write,
                                        plan_paged_attention, row_view)
 
 
@@ -62,10 +62,7 @@ def paged_attention_torch_quantized(query, kv_cache, plan: PagedPlan, quantizer:
         raise InvalidArgumentError(f"query must be a float tensor [tokens, a multiple of {num_kv_heads} heads, "
                                    f"{quantizer.head_dim}], got {query.dtype} {tuple(query.shape)}")
     scale, _, soft_cap = check_attention_options(scale=scale, soft_cap=soft_cap)
-    if query.shape[0] != plan.num_tokens or kv_cache.stride() != plan.cache_strides:
-        raise InvalidArgumentError(
-            f"the plan was made for {plan.num_tokens} query rows and a cache with strides {plan.cache_strides}; "
-            f"got {query.shape[0]} rows and strides {kv_cache.stride()}")
+    check_plan(query, kv_cache, plan)
     if plan.num_tokens == 0:
         return torch.empty_like(query, memory_format=torch.contiguous_format)
     S, L = plan.num_seqs, plan.context_len
