@@ -101,9 +101,9 @@ def test_a_scheduler_without_workers_is_one_line(tmp_path, capsys):
     distributed = pytest.importorskip("distributed")
     with distributed.LocalCluster(n_workers=0, dashboard_address=None) as cluster:
         address = cluster.scheduler_address
-        assert main([*SMALL, "--out", str(tmp_path), "--dask-scheduler", address, "--dask-timeout", "0.5"]) == 2
+        assert main([*SMALL, "--out", str(tmp_path), "--dask-scheduler", address, "--dask-timeout", "3"]) == 2
     assert capsys.readouterr().err == (f"kvlab study: error: the Dask scheduler at '{address}' has no worker (waited "
-                                       "0.5 s); start some with `dask worker ADDRESS`\n")
+                                       "3 s); start some with `dask worker ADDRESS`\n")
 
 
 def test_a_bad_address_fails_before_the_traces_are_read():
