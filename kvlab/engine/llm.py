@@ -73,6 +73,13 @@ class LLM:
     int4_kivi needs calibration (``kvlab.engine.kv_calibration``). Quantized caches run on the torch attention
     backend (None picks it; see ``settings.resolve_quantized_backend`` for the Triton kernels' share).
 
+    ``kv_events=True`` publishes vLLM's KV cache events (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``:
+    what enters and leaves the prefix cache, for a router) on ``llm.kv_events``, the block manager's stream
+    (kvlab.blocks.kv_events), with its subscription API: ``llm.kv_events.subscribe(callback)``,
+    ``llm.kv_events.subscribe()`` to iterate, ``llm.kv_events.write_jsonl(path)``. A hybrid model's events carry
+    their KV cache group (``group_idx``, ``kv_cache_spec_*``). A subscriber that raises is dropped with a
+    ``KVEventSubscriberWarning``; no request loses its output to it. Off (the default), ``llm.kv_events`` is None.
+
     ``record_decisions=True`` keeps each step's scheduling decision in ``llm.decisions`` (one
     ``kvlab.engine.decisions.StepDecision`` per step record: who ran and as what, who was preempted or
     aborted, the queues), by request id; it grows by one per step. Off (the default) nothing is built and
@@ -89,7 +96,7 @@ class LLM:
                  enable_prefix_caching: bool = True, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  preemption_mode: str = "recompute", dtype=None, device=None, max_model_len: int | None = None,
                  num_cpu_blocks: int | None = None, gpu_memory_utilization: float = 0.9, seed: int = 0,
-                 record_events: bool = False, attention_backend: str | None = None, scheduling: str | None = None,
+                 record_events: bool = False, kv_events: bool = False, attention_backend: str | None = None, scheduling: str | None = None,
                  scheduler=None, record_decisions: bool = False, num_offload_blocks: int = 0,
                  offload_policy: str = "lru", offload_admission: str = "always", kv_cache_dtype: str = "auto",
                  kv_scale_granularity: str = "tensor", kv_calibration_prompts=None,
@@ -98,7 +105,7 @@ class LLM:
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        preemption_mode=preemption_mode, max_model_len=max_model_len,
                        num_cpu_blocks=num_cpu_blocks, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-                       record_events=record_events, record_decisions=record_decisions)
+                       record_events=record_events, kv_events=kv_events, record_decisions=record_decisions)
         check_int("num_offload_blocks", num_offload_blocks, 0)
         check_offload_options(offload_policy, offload_admission)
         check_kv_cache_options(kv_cache_dtype, kv_scale_granularity, kv_calibration_prompts)
@@ -139,8 +146,10 @@ class LLM:
             num_cpu_blocks = num_blocks if preemption_mode == "swap" else 0
         self.block_manager = make_block_manager(config, num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                                 enable_prefix_caching=enable_prefix_caching,
-                                                record_events=record_events, num_offload_blocks=num_offload_blocks,
+                                                record_events=record_events, kv_events=kv_events,
+                                                num_offload_blocks=num_offload_blocks,
                                                 offload_policy=offload_policy, offload_admission=offload_admission)
+        self.kv_events = self.block_manager.kv_events  # vLLM's KV cache events, None unless kv_events=True
         self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.dtype, self.device, num_cpu_blocks,
                                      num_offload_blocks, kv_cache_dtype)
         logger.info("KV cache: %s (%s)", self.kv_cache.summary(), sized_by)
