@@ -18,6 +18,12 @@ Hits: the longest prefix every group serves (kvlab.blocks.group_planning plans e
 each group's records check out on their own, the pools agree with the sum of every group's references, and
 the groups of a sequence schedule the same positions.
 
+One API with ``BlockManager`` (the one-group case): the engine drives either through the same calls. Tables
+are per group (``block_tables``, ``slot_mappings``: a group's layers read its own); block moves are one list
+(``append_slots``' copy-on-write pairs, ``swap_out`` / ``swap_in`` mappings, group after group): page ids are
+unique across groups (one pool, one CPU pool), and a move copies its page in every layer's cache tensor, where
+the other groups' layers never read that page, so every group's K/V arrives where its layers look.
+
 KV events (``kv_events=True``, kvlab.blocks.kv_events): every group's stores and evictions, tagged with the
 group (by its ``GroupSink``), in one stream ``kv_events`` whose queue is this manager's alone: the events of all
 groups are delivered once this manager's outermost call has finished, never by a group's own call.
@@ -103,6 +109,14 @@ class HybridBlockManager:
         """Each group's slots for positions start..end-1 (-1 where its window released the block)."""
         return [member.slot_mapping(shadow, start, end) for member, shadow in zip(self._members, self._shadows(seq))]
 
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        """Every group's table, group after group: each block the sequence holds (and a window's null blocks)."""
+        return [block for table in self.block_tables(seq) for block in table]
+
+    def take_tier_moves(self) -> list:
+        """[]: a hybrid manager has no offload tier (see BlockManager.take_tier_moves)."""
+        return []
+
     def num_scheduled_tokens(self, seq: Sequence) -> int:
         self._shadows(seq)  # allocated here
         return seq.num_computed_tokens
@@ -154,9 +168,9 @@ class HybridBlockManager:
         return sum(step_needs(steps)) <= self._pool.num_free
 
     def append_slots(self, seq: Sequence, num_lookahead_slots: int = 0, *,
-                     num_new_tokens: Optional[int] = None, num_draft_tokens: int = 0) -> list[list[tuple[int, int]]]:
-        """Schedule a step in every group (drafts: kvlab.blocks.drafts); returns each group's copy-on-write
-        (src, dst) pairs."""
+                     num_new_tokens: Optional[int] = None, num_draft_tokens: int = 0) -> list[tuple[int, int]]:
+        """Schedule a step in every group (drafts: kvlab.blocks.drafts); returns every group's copy-on-write
+        (src, dst) pairs in one list, group after group (see "Block moves" above)."""
         steps = self._steps(seq, num_lookahead_slots, num_new_tokens, num_draft_tokens)
         needs, pool = step_needs(steps), self._pool
         if sum(needs) > pool.num_free:
@@ -176,7 +190,7 @@ class HybridBlockManager:
             pairs[g] = self._members[g].apply_step(steps[g], num_lookahead_slots, taken[g], seals[g])
         seq.num_computed_tokens = steps[0][0].seq.num_computed_tokens  # every group scheduled the same positions
         seq.num_draft_tokens = num_draft_tokens
-        return pairs
+        return _flat(pairs)
 
     def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
         """Verify ``seq``'s drafts in every group (see kvlab.blocks.drafts): every group checks and hashes
@@ -227,8 +241,8 @@ class HybridBlockManager:
     def can_swap_out(self, seq: Sequence) -> AllocStatus:
         return self._swap.admission(cpu_blocks_needed(self._swap, self._moving_out(seq)))
 
-    def swap_out(self, seq: Sequence) -> list[list[tuple[int, int]]]:
-        """Move every group's blocks to the CPU pool; returns each group's (gpu, cpu) copies."""
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move every group's blocks to the CPU pool; returns every group's (gpu, cpu) copies in one list."""
         moving = self._moving_out(seq)
         if cpu_blocks_needed(self._swap, moving) > self._swap.num_free:
             raise OutOfBlocksError(f"not enough free CPU blocks to swap out sequence {seq.seq_id}")
@@ -240,13 +254,13 @@ class HybridBlockManager:
                     for member, shadow, (alloc, group_moving), (freed, _)
                     in zip(self._members, self._shadows(seq), moving, released)]
         seq.status = SequenceStatus.SWAPPED
-        return mappings
+        return _flat(mappings)
 
     def can_swap_in(self, seq: Sequence) -> AllocStatus:
         return self._admission(*map(sum, zip(*self._swap_in_needs(seq))))
 
-    def swap_in(self, seq: Sequence) -> list[list[tuple[int, int]]]:
-        """Bring every group's blocks back; returns each group's (cpu, gpu) copies."""
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Bring every group's blocks back; returns every group's (cpu, gpu) copies in one list."""
         needs = self._swap_in_needs(seq)
         if self._admission(*map(sum, zip(*needs))) is not AllocStatus.OK:
             raise OutOfBlocksError(f"not enough free GPU blocks to swap in sequence {seq.seq_id}")
@@ -255,7 +269,7 @@ class HybridBlockManager:
         mappings = [member.moved_in(shadow, blocks)
                     for member, shadow, blocks in zip(self._members, self._shadows(seq), new_blocks)]
         seq.status = SequenceStatus.RUNNING
-        return mappings
+        return _flat(mappings)
 
     def check_invariants(self) -> None:
         """Every group's records, then the shared pools against all groups' references (O(pool); for tests)."""
@@ -302,3 +316,7 @@ class HybridBlockManager:
 
     def _swap_in_needs(self, seq):
         return [member.swap_in_needs(shadow) for member, shadow in zip(self._members, self._shadows(seq))]
+
+
+def _flat(per_group: list[list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    return [pair for pairs in per_group for pair in pairs]
