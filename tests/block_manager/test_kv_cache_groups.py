@@ -194,3 +194,20 @@ def test_reset_prefix_cache_resets_every_groups_stats():
     assert all(group.stats.hit_blocks == 2 for group in m._members)
     assert m.reset_prefix_cache()
     assert all(group.stats == PrefixCacheStats() for group in m._members)
+
+
+def test_a_group_offers_its_two_halves_and_queries_not_the_single_group_managers_calls():
+    """The coordinator drives each group through its plan / bookkeeping halves; a group used to be a whole
+    BlockManager, so allocating, freeing or vLLM V0's calls on one group (which would skip the other groups
+    and the policy transaction across them) were one attribute away."""
+    m = make(num_cpu_blocks=8)
+    seq = Sequence(range(10), BS)
+    m.allocate(seq)
+    for group, shadow in zip(m._members, (group_shadow(seq, g) for g in range(len(GROUPS)))):
+        assert not isinstance(group, BlockManager)
+        for call in ("allocate", "can_allocate", "append_slots", "free", "swap_out", "swap_in", "accept_drafts",
+                     "mark_blocks_as_computed", "get_common_computed_block_ids", "access_all_blocks_in_seq",
+                     "get_cross_block_table", "free_cross", "take_tier_moves"):
+            assert not hasattr(group, call), call
+    assert [g.get_block_table(s) for g, s in zip(m._members, m._shadows(seq))] == m.block_tables(seq)
+    assert all(g.num_free_blocks == m.num_free_blocks and g.stats == m.stats for g in m._members)
