@@ -12,11 +12,17 @@ the group added to block 0's keys), so the same tokens in two groups, different 
 A failed call changes nothing, in any group. Every call plans all groups first (a failing ``hash_fn`` raises
 there), checks room for their sum, makes every group's eviction-policy calls in one transaction (all undone
 if one raises: kvlab.blocks.policy_transaction), and only then has each group do its bookkeeping, which
-cannot fail. ``fork`` makes no policy call at all.
+cannot fail. ``fork`` makes no policy call at all. Swapping is this manager's part kvlab.blocks.hybrid_swap.
 
 Hits: the longest prefix every group serves (kvlab.blocks.group_planning plans every group's part). Invariants:
 each group's records check out on their own, the pools agree with the sum of every group's references, and
 the groups of a sequence schedule the same positions.
+
+One API with ``BlockManager`` (the one-group case): the engine drives either through the same calls. Tables
+are per group (``block_tables``, ``slot_mappings``: a group's layers read its own); block moves are one list
+(``append_slots``' copy-on-write pairs, ``swap_out`` / ``swap_in`` mappings, group after group): page ids are
+unique across groups (one pool, one CPU pool), and a move copies its page in every layer's cache tensor, where
+the other groups' layers never read that page, so every group's K/V arrives where its layers look.
 
 KV events (``kv_events=True``, kvlab.blocks.kv_events): every group's stores and evictions, tagged with the
 group (by its ``GroupSink``), in one stream ``kv_events`` whose queue is this manager's alone: the events of all
@@ -29,7 +35,8 @@ from typing import Optional
 
 from kvlab.blocks.allocations import check_sequence, check_unallocated
 from kvlab.blocks.group_manager import GroupManager, HybridRecord
-from kvlab.blocks.group_planning import cpu_blocks_needed, hit_pins, plan_admissions, step_needs
+from kvlab.blocks.group_planning import hit_pins, plan_admissions, step_needs
+from kvlab.blocks.hybrid_swap import HybridSwapping, flat_moves
 from kvlab.blocks.kv_cache_groups import check_group_specs
 from kvlab.blocks.locking import serialized
 from kvlab.blocks.manager_state import admission, shared_parts
@@ -43,7 +50,7 @@ __all__ = ["HybridBlockManager"]
 
 
 @serialized
-class HybridBlockManager:
+class HybridBlockManager(HybridSwapping):
     def __init__(self, num_blocks: int, block_size: int = 16, *, groups, num_cpu_blocks: int = 0,
                  watermark: float = 0.0, enable_prefix_caching: bool = True, hash_fn=None, eviction="lru",
                  record_events: bool = False, kv_events: bool = False):
@@ -103,6 +110,14 @@ class HybridBlockManager:
         """Each group's slots for positions start..end-1 (-1 where its window released the block)."""
         return [member.slot_mapping(shadow, start, end) for member, shadow in zip(self._members, self._shadows(seq))]
 
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        """Every group's table, group after group: each block the sequence holds (and a window's null blocks)."""
+        return [block for table in self.block_tables(seq) for block in table]
+
+    def take_tier_moves(self) -> list:
+        """[]: a hybrid manager has no offload tier (see BlockManager.take_tier_moves)."""
+        return []
+
     def num_scheduled_tokens(self, seq: Sequence) -> int:
         self._shadows(seq)  # allocated here
         return seq.num_computed_tokens
@@ -154,9 +169,9 @@ class HybridBlockManager:
         return sum(step_needs(steps)) <= self._pool.num_free
 
     def append_slots(self, seq: Sequence, num_lookahead_slots: int = 0, *,
-                     num_new_tokens: Optional[int] = None, num_draft_tokens: int = 0) -> list[list[tuple[int, int]]]:
-        """Schedule a step in every group (drafts: kvlab.blocks.drafts); returns each group's copy-on-write
-        (src, dst) pairs."""
+                     num_new_tokens: Optional[int] = None, num_draft_tokens: int = 0) -> list[tuple[int, int]]:
+        """Schedule a step in every group (drafts: kvlab.blocks.drafts); returns every group's copy-on-write
+        (src, dst) pairs in one list, group after group (see "Block moves" above)."""
         steps = self._steps(seq, num_lookahead_slots, num_new_tokens, num_draft_tokens)
         needs, pool = step_needs(steps), self._pool
         if sum(needs) > pool.num_free:
@@ -176,7 +191,7 @@ class HybridBlockManager:
             pairs[g] = self._members[g].apply_step(steps[g], num_lookahead_slots, taken[g], seals[g])
         seq.num_computed_tokens = steps[0][0].seq.num_computed_tokens  # every group scheduled the same positions
         seq.num_draft_tokens = num_draft_tokens
-        return pairs
+        return flat_moves(pairs)
 
     def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
         """Verify ``seq``'s drafts in every group (see kvlab.blocks.drafts): every group checks and hashes
@@ -223,40 +238,6 @@ class HybridBlockManager:
             member.stats = PrefixCacheStats()
         return True
 
-    # ---- swapping ----------------------------------------------------------------------------------------
-    def can_swap_out(self, seq: Sequence) -> AllocStatus:
-        return self._swap.admission(cpu_blocks_needed(self._swap, self._moving_out(seq)))
-
-    def swap_out(self, seq: Sequence) -> list[list[tuple[int, int]]]:
-        """Move every group's blocks to the CPU pool; returns each group's (gpu, cpu) copies."""
-        moving = self._moving_out(seq)
-        if cpu_blocks_needed(self._swap, moving) > self._swap.num_free:
-            raise OutOfBlocksError(f"not enough free CPU blocks to swap out sequence {seq.seq_id}")
-        released = [self._pool.freed_by(blocks) for _, (blocks, _) in moving]
-        with self._pool.transaction() as txn:
-            for freed, cached in released:
-                txn.add(freed, cached)
-        mappings = [member.moved_out(shadow, alloc, group_moving, freed)
-                    for member, shadow, (alloc, group_moving), (freed, _)
-                    in zip(self._members, self._shadows(seq), moving, released)]
-        seq.status = SequenceStatus.SWAPPED
-        return mappings
-
-    def can_swap_in(self, seq: Sequence) -> AllocStatus:
-        return self._admission(*map(sum, zip(*self._swap_in_needs(seq))))
-
-    def swap_in(self, seq: Sequence) -> list[list[tuple[int, int]]]:
-        """Bring every group's blocks back; returns each group's (cpu, gpu) copies."""
-        needs = self._swap_in_needs(seq)
-        if self._admission(*map(sum, zip(*needs))) is not AllocStatus.OK:
-            raise OutOfBlocksError(f"not enough free GPU blocks to swap in sequence {seq.seq_id}")
-        with self._pool.transaction() as txn:
-            new_blocks = [txn.pop(fresh) for _, fresh in needs]
-        mappings = [member.moved_in(shadow, blocks)
-                    for member, shadow, blocks in zip(self._members, self._shadows(seq), new_blocks)]
-        seq.status = SequenceStatus.RUNNING
-        return mappings
-
     def check_invariants(self) -> None:
         """Every group's records, then the shared pools against all groups' references (O(pool); for tests)."""
         gpu_refs, cpu_refs = Counter(), Counter()
@@ -295,10 +276,3 @@ class HybridBlockManager:
         """Each group's planned step: (record, StepPlan, num_drafts)."""
         return [member.plan_step(shadow, lookahead, num_new_tokens, num_drafts)
                 for member, shadow in zip(self._members, self._gpu_shadows(seq))]
-
-    def _moving_out(self, seq):
-        """Each group's (record, (GPU blocks a swap-out moves, None))."""
-        return [member.moving_out(shadow) for member, shadow in zip(self._members, self._gpu_shadows(seq))]
-
-    def _swap_in_needs(self, seq):
-        return [member.swap_in_needs(shadow) for member, shadow in zip(self._members, self._shadows(seq))]

@@ -116,6 +116,11 @@ class BlockManagerQueries(ManagerState):
         return [-1 if p // bs < released else table[p // bs] * bs + p % bs for p in range(start, end)]
 
     # The hybrid manager's per-group API, for one group: the engine reads every manager through it.
+    @property
+    def groups(self) -> tuple:
+        """Each KV cache group's attention spec (kvlab.blocks.kv_cache_groups): this manager's one."""
+        return (self.spec,)
+
     def block_tables(self, seq: Sequence) -> list[list[int]]:
         """``[get_block_table(seq)]``: one KV cache group."""
         return [self.get_block_table(seq)]

@@ -124,6 +124,13 @@ class ManagerState:
                               offload_admission=offload_admission)
         self._join(shared, spec_for(sliding_window), shared.sink, shared.events, shared.kv_events)
 
+    @classmethod
+    def joined(cls, shared: SharedParts, spec: KVCacheSpec, sink: Optional[EventSink]):
+        """A manager that is one group of ``shared`` (see ``_join``), its settings checked by ``shared_parts``."""
+        manager = cls.__new__(cls)
+        manager._join(shared, spec, sink)
+        return manager
+
     def _join(self, shared: SharedParts, spec: KVCacheSpec, sink: Optional[EventSink], events=None,
               kv_events=None) -> None:
         """Become one group of ``shared``, of attention ``spec``, reporting to ``sink``; ``events`` and

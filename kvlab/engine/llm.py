@@ -14,15 +14,14 @@ from tqdm.auto import tqdm
 from kvlab.blocks.offload_policies import check_offload_options
 from kvlab.engine.chat import render
 from kvlab.engine.config import load_model_config
-from kvlab.engine.errors import ModelFileError, NoTokenizerError, PromptTooLongError
 from kvlab.engine.hybrid import make_block_manager
+from kvlab.engine.intake import RequestIntake, load_tokenizer, prompt_token_ids
 from kvlab.engine.kv_calibration import quantize_kv_cache
 from kvlab.engine.kv_cache import CPU_KV_CACHE_BYTES, PagedKVCache, blocks_for_memory, check_kernel_support
 from kvlab.engine.request import Request, RequestOutput
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampler import Sampler
 from kvlab.engine.sampling_params import SamplingParams
-from kvlab.engine.scheduler import too_long_for_the_pool
 from kvlab.engine.scheduler_v1 import V1Scheduler
 from kvlab.engine.schedulers import resolve_scheduler
 from kvlab.engine.settings import (check_every_layer_from_env, check_kv_cache_options, check_settings,
@@ -34,7 +33,6 @@ from kvlab.engine.weights import load_model
 from kvlab.errors import InvalidArgumentError
 from kvlab.validation import check_int, is_int
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 logger = logging.getLogger(__name__)
 
 
@@ -73,6 +71,13 @@ class LLM:
     int4_kivi needs calibration (``kvlab.engine.kv_calibration``). Quantized caches run on the torch attention
     backend (None picks it; see ``settings.resolve_quantized_backend`` for the Triton kernels' share).
 
+    ``kv_events=True`` publishes vLLM's KV cache events (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``:
+    what enters and leaves the prefix cache, for a router) on ``llm.kv_events``, the block manager's stream
+    (kvlab.blocks.kv_events), with its subscription API: ``llm.kv_events.subscribe(callback)``,
+    ``llm.kv_events.subscribe()`` to iterate, ``llm.kv_events.write_jsonl(path)``. A hybrid model's events carry
+    their KV cache group (``group_idx``, ``kv_cache_spec_*``). A subscriber that raises is dropped with a
+    ``KVEventSubscriberWarning``; no request loses its output to it. Off (the default), ``llm.kv_events`` is None.
+
     ``record_decisions=True`` keeps each step's scheduling decision in ``llm.decisions`` (one
     ``kvlab.engine.decisions.StepDecision`` per step record: who ran and as what, who was preempted or
     aborted, the queues), by request id; it grows by one per step. Off (the default) nothing is built and
@@ -90,7 +95,7 @@ class LLM:
                  preemption_mode: str = "recompute", dtype=None, device=None, max_model_len: int | None = None,
                  num_cpu_blocks: int | None = None, gpu_memory_utilization: float = 0.9, seed: int = 0,
                  record_events: bool = False, attention_backend: str | None = None, scheduling: str | None = None,
-                 scheduler=None, record_decisions: bool = False, num_offload_blocks: int = 0,
+                 scheduler=None, record_decisions: bool = False, kv_events: bool = False, num_offload_blocks: int = 0,
                  offload_policy: str = "lru", offload_admission: str = "always", kv_cache_dtype: str = "auto",
                  kv_scale_granularity: str = "tensor", kv_calibration_prompts=None,
                  speculative_config: dict | None = None):
@@ -98,7 +103,7 @@ class LLM:
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        preemption_mode=preemption_mode, max_model_len=max_model_len,
                        num_cpu_blocks=num_cpu_blocks, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-                       record_events=record_events, record_decisions=record_decisions)
+                       record_events=record_events, kv_events=kv_events, record_decisions=record_decisions)
         check_int("num_offload_blocks", num_offload_blocks, 0)
         check_offload_options(offload_policy, offload_admission)
         check_kv_cache_options(kv_cache_dtype, kv_scale_granularity, kv_calibration_prompts)
@@ -111,7 +116,7 @@ class LLM:
         self.attention_backend = resolve_quantized_backend(attention_backend, kv_cache_dtype, self.device)
         check_every_layer = check_every_layer_from_env()
         self.model_config = config = load_model_config(model)
-        self.tokenizer = self._load_tokenizer(config.path)  # before the weights and the cache: fails fast
+        self.tokenizer = load_tokenizer(config.path)  # before the weights and the cache: fails fast
         self.dtype = resolve_dtype(dtype, config, self.device)
         if max_model_len is not None and max_model_len > config.max_position_embeddings:
             raise InvalidArgumentError(f"max_model_len={max_model_len} is longer than the model's context "
@@ -122,8 +127,8 @@ class LLM:
         self.model = load_model(config, self.dtype, self.device)
         self.model.init_rope(self.dtype, self.device)
         self.kv_cache_dtype = kv_cache_dtype
-        calibration = kv_calibration_prompts and [self._token_ids(prompt, self.max_model_len)
-                                                  for prompt in kv_calibration_prompts]
+        calibration = kv_calibration_prompts and [
+            prompt_token_ids(self.tokenizer, config, prompt, self.max_model_len) for prompt in kv_calibration_prompts]
         self.kv_quantizers = quantize_kv_cache(self.model, kv_cache_dtype, kv_scale_granularity, calibration,
                                                self.dtype, self.device)
         sized_by = f"num_blocks={num_blocks}"
@@ -139,8 +144,10 @@ class LLM:
             num_cpu_blocks = num_blocks if preemption_mode == "swap" else 0
         self.block_manager = make_block_manager(config, num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                                 enable_prefix_caching=enable_prefix_caching,
-                                                record_events=record_events, num_offload_blocks=num_offload_blocks,
+                                                record_events=record_events, kv_events=kv_events,
+                                                num_offload_blocks=num_offload_blocks,
                                                 offload_policy=offload_policy, offload_admission=offload_admission)
+        self.kv_events = self.block_manager.kv_events  # vLLM's KV cache events, None unless kv_events=True
         self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.dtype, self.device, num_cpu_blocks,
                                      num_offload_blocks, kv_cache_dtype)
         logger.info("KV cache: %s (%s)", self.kv_cache.summary(), sized_by)
@@ -152,29 +159,17 @@ class LLM:
                                   check_every_layer=check_every_layer)
         self._loop = StepLoop(self.scheduler, self.runner, Sampler(seed, self.device), config.eos_token_ids,
                               self.max_model_len, record_decisions)
+        self._intake = RequestIntake(config, self.tokenizer, self.max_model_len, self.scheduler, max_num_batched_tokens)
         self._request_ids = itertools.count()
         self._unreturned: list[RequestOutput] = []  # outputs generate() saw for requests it did not add
-
-    @staticmethod
-    def _load_tokenizer(path):
-        present = [name for name in TOKENIZER_FILES if (path / name).is_file()]
-        if not present:
-            return None
-        from transformers import AutoTokenizer
-
-        try:
-            return AutoTokenizer.from_pretrained(path)
-        except Exception as e:  # noqa: BLE001 - tokenizer backends raise many types; each means unusable files
-            raise ModelFileError(f"{path}: cannot load the tokenizer from {', '.join(present)}: "
-                                 f"{type(e).__name__}: {e}") from None
 
     # ---- the step-level API ------------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue one prompt (a string, or a list of token ids); it joins the batch at a coming step (``params``
         None: ``default_sampling_params()``). Returns its id. Raises before queueing anything if the prompt or
         the parameters cannot be served."""
-        params = self._check_params(params)
-        token_ids = self._encode(prompt)
+        params = self._intake.params(params)
+        token_ids = self._intake.encode(prompt)
         if request_id is not None and (not isinstance(request_id, str) or request_id in self._ids_in_use()):
             raise InvalidArgumentError(f"request_id must be a new string (not the id of a request that is "
                                        f"unfinished or whose output step() has not returned yet), got {request_id!r}")
@@ -233,8 +228,8 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or any(is_int(p) for p in prompts):
             raise InvalidArgumentError("prompts must be a list of strings or of token-id lists (e.g. [[1, 2, 3]])")
-        params = self._params_for(sampling_params, len(prompts))
-        token_ids = [self._encode(prompt) for prompt in prompts]  # all checked before any is queued
+        params = self._intake.params_for(sampling_params, len(prompts))
+        token_ids = [self._intake.encode(prompt) for prompt in prompts]  # all checked before any is queued
         return self._run(prompts, token_ids, params, use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
@@ -245,8 +240,8 @@ class LLM:
         ``prompt`` is the rendered text. Raises NoTokenizerError or NoChatTemplateError when the model cannot
         chat, InvalidArgumentError for a malformed conversation, before anything is queued."""
         rendered = render(self.tokenizer, self.model_config.path, messages)
-        params = self._params_for(sampling_params, len(rendered))
-        token_ids = [self._encode(ids) for _, ids in rendered]  # the length checks; all before any is queued
+        params = self._intake.params_for(sampling_params, len(rendered))
+        token_ids = [self._intake.encode(ids) for _, ids in rendered]  # the length checks; all before any is queued
         return self._run([text for text, _ in rendered], token_ids, params, use_tqdm)
 
     def _run(self, prompts, token_ids, params, use_tqdm: bool) -> list[RequestOutput]:
@@ -272,7 +267,7 @@ class LLM:
         ``generation_config.json`` temperature, top_p, top_k and max_new_tokens (as max_tokens; ``do_sample:
         false`` is greedy), SamplingParams' defaults for what it does not set. A SamplingParams passed
         explicitly replaces all of it: its unset fields take SamplingParams' defaults, not the file's."""
-        return SamplingParams(**self.model_config.sampling_defaults)
+        return self._intake.default_params()
 
     # ---- what happened ------------------------------------------------------------------------------------
     @property
@@ -299,68 +294,3 @@ class LLM:
     def step_dataframe(self):
         """One row per step (see ``kvlab.engine.step_record.StepRecord``), for ``kvlab.viz.draw_engine_timeline``."""
         return records_to_dataframe(self._loop.records)
-
-    # ---- input checks -------------------------------------------------------------------------------------
-    def _params_for(self, sampling_params, count: int) -> list[SamplingParams]:
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != count:
-                raise InvalidArgumentError(f"{len(sampling_params)} sampling_params for {count} prompts")
-            return [self._check_params(p) for p in sampling_params]
-        return [self._check_params(sampling_params)] * count
-
-    def _check_params(self, params) -> SamplingParams:
-        if params is None:
-            return self.default_sampling_params()
-        if not isinstance(params, SamplingParams):
-            raise InvalidArgumentError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if params.n > self.scheduler.max_num_seqs:
-            raise InvalidArgumentError(f"n={params.n} samples can never run together: max_num_seqs is "
-                                       f"{self.scheduler.max_num_seqs}")
-        vocab = self.model_config.vocab_size
-        if params.top_k > vocab:
-            raise InvalidArgumentError(f"top_k={params.top_k} is more than the model's {vocab} tokens: use 1 to "
-                                       f"{vocab}, or 0 or -1 for no cut")
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise InvalidArgumentError(f"stop_token_ids must be token ids in [0, {vocab}), got "
-                                       f"{[t for t in params.stop_token_ids if t >= vocab][:8]} among them")
-        return params
-
-    def _token_ids(self, prompt, max_len: int | None = None) -> list[int]:
-        """A prompt's token ids, each checked to be in the vocabulary (and, given ``max_len``, at most that many)."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise NoTokenizerError(f"{self.model_config.path} has no tokenizer: pass prompts as token-id lists")
-            try:
-                token_ids = self.tokenizer.encode(prompt)
-            except Exception as e:  # noqa: BLE001 - e.g. a lone surrogate, which the Rust tokenizers refuse
-                raise InvalidArgumentError(f"the tokenizer cannot encode this prompt ({prompt[:40]!r}): "
-                                           f"{type(e).__name__}: {e}") from None
-        elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
-            token_ids = [int(t) for t in prompt]
-        else:
-            raise InvalidArgumentError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        vocab = self.model_config.vocab_size
-        if not token_ids or not all(0 <= t < vocab for t in token_ids):
-            raise InvalidArgumentError(f"a prompt needs at least one token, each an id in [0, {vocab}); got "
-                                       f"{token_ids[:8]}{'...' if len(token_ids) > 8 else ''}")
-        if max_len is not None and len(token_ids) > max_len:
-            raise PromptTooLongError(f"the prompt has {len(token_ids)} tokens, more than {max_len}")
-        return token_ids
-
-    def _encode(self, prompt) -> list[int]:
-        token_ids = self._token_ids(prompt)
-        n = len(token_ids)
-        if n >= self.max_model_len:
-            raise PromptTooLongError(f"the prompt has {n} tokens; the model's context is {self.max_model_len}, "
-                                     "and at least one position must be left to generate")
-        # What the scheduler would abort at admission even in an idle pool: V0 prefills the whole prompt in one
-        # step, V1 as much as its token budget takes.
-        first_step = None if self.scheduling == "v0" else min(n, self.max_num_batched_tokens)
-        too_long = too_long_for_the_pool(self.block_manager, n, first_step)
-        if too_long:
-            raise PromptTooLongError(too_long)
-        if self.scheduling == "v0" and n > self.max_num_batched_tokens:
-            raise PromptTooLongError(f"the prompt has {n} tokens, more than max_num_batched_tokens="
-                                     f"{self.max_num_batched_tokens} (V0 scheduling does not chunk prefill): raise it "
-                                     "or use scheduling='v1'")
-        return token_ids

@@ -43,7 +43,7 @@ def too_long_for_the_pool(manager, num_tokens: int, num_new_tokens: int | None) 
     needed = manager.blocks_for_prompt(num_tokens, num_new_tokens)
     if needed <= manager.usable_blocks:
         return None
-    groups = len(getattr(manager, "groups", ()))  # a HybridBlockManager's group specs
+    groups = len(manager.groups)
     across = f" across the model's {groups} KV cache groups" if groups > 1 else ""
     return (f"the prompt has {num_tokens} tokens, which need {needed} blocks of {manager.block_size} at once"
             f"{across}; the KV pool holds only {pool_text(manager)}")

@@ -117,13 +117,13 @@ def resolve_dtype(dtype, config: ModelConfig, device: torch.device) -> torch.dty
 
 def check_settings(*, block_size, num_blocks, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
                    preemption_mode, max_model_len, num_cpu_blocks, gpu_memory_utilization, seed,
-                   record_events, record_decisions):
+                   record_events, kv_events, record_decisions):
     """Validate the plain-value settings (each error names the argument and what is allowed)."""
     check_int("block_size", block_size, minimum=1)
     if num_blocks is not None:
         check_int("num_blocks", num_blocks, minimum=1)
     for name, value in (("enable_prefix_caching", enable_prefix_caching), ("record_events", record_events),
-                        ("record_decisions", record_decisions)):
+                        ("kv_events", kv_events), ("record_decisions", record_decisions)):
         if not isinstance(value, bool):
             raise InvalidArgumentError(f"{name} must be a bool, got {value!r}")
     check_int("max_num_seqs", max_num_seqs, minimum=1)

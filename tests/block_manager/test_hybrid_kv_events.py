@@ -59,7 +59,7 @@ class Consistent:
     def __call__(self, event):
         manager = self.manager
         assert not manager._lock._is_owned(), "an event was delivered during a hybrid manager call"
-        assert not any(m._lock._is_owned() for m in manager._members)
+        assert not any(m._core._lock._is_owned() for m in manager._members)
         manager.check_invariants()
         self.index(event)
 

@@ -81,11 +81,12 @@ def test_fork_cow_and_swap_per_group():
     m.fork(parent, child)
     assert m.block_tables(child) == m.block_tables(parent)
     child.append_token(7)
-    pairs = m.append_slots(child)
-    assert len(pairs) == 2 and all(len(p) == 1 for p in pairs)  # each group copies its shared last block
+    last = [table[-1] for table in m.block_tables(child)]
+    pairs = m.append_slots(child)  # one list, group after group: each group copies its shared last block
+    assert [src for src, _ in pairs] == last and [dst for _, dst in pairs] == [t[-1] for t in m.block_tables(child)]
     assert m.can_swap_out(child) is AllocStatus.OK
     out = m.swap_out(child)
-    assert len(out) == 2
+    assert len(out) == sum(map(len, m.block_tables(parent)))  # the child holds as many blocks as its parent
     m.check_invariants()
     assert m.swap_in(child) and m.block_tables(child)[0][-1] != 0
     m.check_invariants()
@@ -193,3 +194,20 @@ def test_reset_prefix_cache_resets_every_groups_stats():
     assert all(group.stats.hit_blocks == 2 for group in m._members)
     assert m.reset_prefix_cache()
     assert all(group.stats == PrefixCacheStats() for group in m._members)
+
+
+def test_a_group_offers_its_two_halves_and_queries_not_the_single_group_managers_calls():
+    """The coordinator drives each group through its plan / bookkeeping halves; a group used to be a whole
+    BlockManager, so allocating, freeing or vLLM V0's calls on one group (which would skip the other groups
+    and the policy transaction across them) were one attribute away."""
+    m = make(num_cpu_blocks=8)
+    seq = Sequence(range(10), BS)
+    m.allocate(seq)
+    for group, shadow in zip(m._members, (group_shadow(seq, g) for g in range(len(GROUPS)))):
+        assert not isinstance(group, BlockManager)
+        for call in ("allocate", "can_allocate", "append_slots", "free", "swap_out", "swap_in", "accept_drafts",
+                     "mark_blocks_as_computed", "get_common_computed_block_ids", "access_all_blocks_in_seq",
+                     "get_cross_block_table", "free_cross", "take_tier_moves"):
+            assert not hasattr(group, call), call
+    assert [g.get_block_table(s) for g, s in zip(m._members, m._shadows(seq))] == m.block_tables(seq)
+    assert all(g.num_free_blocks == m.num_free_blocks and g.stats == m.stats for g in m._members)
