@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from kvlab.engine.config import ModelConfig
-from kvlab.engine.layers import RMSNorm, Rotation
+from kvlab.engine.layers import MergedLinear, RMSNorm, Rotation
 from kvlab.kernels import paged_attention_decode, paged_prefill, reshape_and_cache
 from kvlab.kernels.paged_attention_decode import paged_attention_decode_unchecked
 from kvlab.kernels.paged_prefill import paged_prefill_unchecked
@@ -88,9 +88,9 @@ class PagedSelfAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(hidden, {"q_proj": self.num_heads * self.head_dim, "k_proj": kv_size,
+                                              "v_proj": kv_size}, bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -104,9 +104,10 @@ class PagedSelfAttention(nn.Module):
                 batch: AttentionBatch) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]``; kv_cache ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``."""
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotation.apply(q, k)
