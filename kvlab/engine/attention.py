@@ -12,7 +12,8 @@ same cache, block tables and slot mappings:
   Debug switch: with ``KVLAB_CHECK_EVERY_LAYER=1`` in the environment when the ``LLM`` is made, every layer
   calls the public, checked launchers again (``kvlab.engine.settings.check_every_layer_from_env``).
 * "torch": ``kvlab.kernels.torch_paged``, batched torch ops; its plans (where to store, what to gather and
-  mask) are checked and made once per step by ``AttentionBatch.for_backend`` and shared by every layer.
+  mask) are checked and made once per step by ``AttentionBatch.for_backend`` and shared by every layer, which
+  writes and attends unchecked.
 
 A quantized cache (``LLM(kv_cache_dtype=...)``): each layer's ``kv_quantizer`` (its format and scales,
 ``kvlab.kernels.kv_quant``) encodes K/V on write and decodes them on read, with the same plans
@@ -33,7 +34,7 @@ from kvlab.kernels.paged_prefill import paged_prefill_unchecked
 from kvlab.kernels.reshape_and_cache import reshape_and_cache_unchecked
 from kvlab.kernels.kv_quant import KVQuantizer
 from kvlab.kernels.step_checks import CheckedStep, check_paged_step
-from kvlab.kernels.torch_paged import (CacheWrite, PagedPlan, paged_attention_torch, plan_cache_write,
+from kvlab.kernels.torch_paged import (CacheWrite, PagedPlan, paged_attention_torch_unchecked, plan_cache_write,
                                        plan_paged_attention, write_cache)
 from kvlab.kernels.torch_paged_quant import paged_attention_torch_quantized, write_cache_quantized
 
@@ -120,7 +121,7 @@ class PagedSelfAttention(nn.Module):
             out = paged_attention_torch_quantized(q, kv_cache, batch.plan, self.kv_quantizer, scale=self.scale)
         elif batch.plan is not None:  # the torch backend
             write_cache(k, v, kv_cache, batch.cache_write)
-            out = paged_attention_torch(q, kv_cache, batch.plan, scale=self.scale)
+            out = paged_attention_torch_unchecked(q, kv_cache, batch.plan, scale=self.scale)
         elif batch.check_every_layer:
             out = self._triton_checked(q, k, v, kv_cache, batch)
         else:  # checked once for the step by for_backend
