@@ -26,7 +26,8 @@ import torch
 SYSTEM = ("You are a helpful, patient assistant for a small software team. Answer in plain English and keep "
           "answers short: two or three sentences unless asked for more. Use an example when it helps, say so "
           "when you are unsure, prefer the standard library to new dependencies, explain trade-offs briefly, "
-          "and never invent functions or options that do not exist.")
+          "and never invent functions or options that do not exist. If a question is ambiguous, answer the most "
+          "likely reading and say which one you chose.")
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "Why is the sky blue?",
              "Give me a tip for learning Python.", "What does a compiler do?", "How many legs does a spider have?",
              "What is photosynthesis?", "Suggest a name for a cat."]
@@ -126,11 +127,16 @@ def engine_end_to_end(llm, prompts, repeats: int) -> list[float]:
     return times
 
 
-def run_decode(model_dir, base: dict, *, repeats: int, decode_steps: int) -> pd.DataFrame:
+def run_decode(model_dir, base: dict, *, repeats: int, decode_steps: int, threads: int | None = None) -> pd.DataFrame:
+    """Every measurement, one row each: the decode step beside its floor, then end to end. ``threads``: torch's
+    intra-op threads for the whole run (None: torch's default); on a CPU shared with other busy processes, one
+    thread each avoids waiting at every op for a second thread that is not scheduled."""
     from kvlab.bench.hf_static import run_hf
     from kvlab.bench.serving import hf_end_to_end
     from kvlab.engine import LLM
 
+    if threads is not None:
+        torch.set_num_threads(threads)
     llm = LLM(model_dir, block_size=16, max_num_seqs=8)
     prompts = chat_prompts(llm.tokenizer)
     base = dict(base, dtype=str(llm.dtype).replace("torch.", ""), threads=torch.get_num_threads(),

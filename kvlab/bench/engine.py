@@ -134,6 +134,7 @@ def main(argv=None) -> int:
                          "24 rounds beside the floor for decode)")
     serving.add_argument("--interpreter-end-to-end", action="store_true",
                          help="also run the end-to-end measurement in the Triton interpreter (many minutes)")
+    serving.add_argument("--threads", type=int, help="decode: torch threads for the whole run (default: torch's)")
     serving.add_argument("--profile", action="store_true", help="print where a torch-backend step spends its time")
     throughput = parser.add_argument_group("throughput suite")
     throughput.add_argument("--quick", action="store_true", help="a quarter of the requests")
@@ -202,7 +203,7 @@ def _decode(args) -> int:
 
     model_dir = Path(args.model) if args.model else smollm2()
     frame = run_decode(model_dir, dict(device=device_name(), model=model_dir.name), repeats=args.repeats,
-                       decode_steps=args.decode_steps or 24)
+                       decode_steps=args.decode_steps or 24, threads=args.threads)
     out = Path(args.out_dir or "data/bench/decode") / f"{device_name()}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
     frame.round(4).to_csv(out, index=False)
