@@ -31,7 +31,7 @@ class MergedLinear(nn.Linear):
     checkpoint's module name of each, beside this one, -> its output size). ``kvlab.engine.weights`` loads each
     part's tensor into its rows. One GEMM reads the same weights as the separate ones, with fewer calls and
     fewer threads woken; on CPU (MKL) each output column is the same dot product, so the result is bitwise
-    that of the separate projections. ``[T, in] -> ``[T, out_1]``, ``[T, out_2]`` ..."""
+    that of the separate projections. ``[T, in]`` -> ``[T, out_1]``, ``[T, out_2]`` ..."""
 
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool):
         super().__init__(in_features, sum(parts.values()), bias=bias)
