@@ -11,6 +11,10 @@ paging) on the same requests, with the device's default attention backend.
 --suite scheduling: V0 against V1 scheduling (throughput, TTFT and inter-token latency percentiles) on
 nano-vllm's workload, scaled down on CPU, HF as the peer; see ``kvlab.bench.scheduling``.
 
+--suite decode: the plain decode step of 8 SmolLM2 chat prompts (or --model) against its floor (streaming the
+weights once, a GEMM of the step's FLOPs) measured beside it, and kvlab against HF's padded batch and HF one
+prompt at a time on that workload; see ``kvlab.bench.decode``.
+
 --suite speculative: n-gram speculative decoding (k = 2, 4, 8) against none on a copy-heavy and a plain chat
 workload, at batch 1 and 8, on SmolLM2-135M-Instruct (or --model); see ``kvlab.bench.speculative``.
 
@@ -116,19 +120,21 @@ def main(argv=None) -> int:
     intro, details = __doc__.split("\n\n", 1)
     parser = argparse.ArgumentParser(prog="python -m kvlab.bench engine", description=intro, epilog=details,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=("serving", "throughput", "scheduling", "speculative"), help="default: throughput on a GPU, "
+    parser.add_argument("--suite", choices=("serving", "throughput", "scheduling", "speculative", "decode"), help="default: throughput on a GPU, "
                         "serving without one")
     parser.add_argument("--model", help="local HF model directory; default: a random model (see above)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", help="where to write <device>.csv (default: data/bench/<suite>/, "
                         "data/bench/engine/ for throughput)")
     parser.add_argument("--requests", type=int, help="number of requests per workload (throughput, scheduling)")
-    serving = parser.add_argument_group("serving suite")
-    serving.add_argument("--backends", default="torch,triton", help="comma-separated attention backends")
+    serving = parser.add_argument_group("serving and decode suites")
+    serving.add_argument("--backends", default="torch,triton", help="comma-separated attention backends (serving)")
     serving.add_argument("--repeats", type=int, default=3, help="runs per measurement (medians reported)")
-    serving.add_argument("--decode-steps", type=int, default=5, help="decode steps timed per backend")
+    serving.add_argument("--decode-steps", type=int, help="decode steps timed (default: 5 per backend for serving, "
+                         "24 rounds beside the floor for decode)")
     serving.add_argument("--interpreter-end-to-end", action="store_true",
                          help="also run the end-to-end measurement in the Triton interpreter (many minutes)")
+    serving.add_argument("--threads", type=int, help="decode: torch threads for the whole run (default: torch's)")
     serving.add_argument("--profile", action="store_true", help="print where a torch-backend step spends its time")
     throughput = parser.add_argument_group("throughput suite")
     throughput.add_argument("--quick", action="store_true", help="a quarter of the requests")
@@ -145,6 +151,8 @@ def main(argv=None) -> int:
 
     if suite == "speculative":
         return _speculative(args)
+    if suite == "decode":
+        return _decode(args)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model:
             model_dir, model_name = Path(args.model), Path(args.model).name
@@ -157,7 +165,7 @@ def main(argv=None) -> int:
             from kvlab.bench.serving import run_serving, write_and_show
 
             frame = run_serving(model_dir, model_name, backends=args.backends.split(","), repeats=args.repeats,
-                                decode_steps=args.decode_steps, seed=args.seed,
+                                decode_steps=args.decode_steps or 5, seed=args.seed,
                                 interpreter_end_to_end=args.interpreter_end_to_end, profile=args.profile, base=base)
             write_and_show(frame, args.out_dir or "data/bench/serving", device_name())
             return 0
@@ -183,6 +191,20 @@ def _speculative(args) -> int:
     base = dict(device=device_name(), model=model_dir.name)
     frame = run_speculative(model_dir, base)
     out = Path(args.out_dir or "data/bench/speculative") / f"{device_name()}.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    frame.round(4).to_csv(out, index=False)
+    show(frame, out)
+    return 0
+
+
+def _decode(args) -> int:
+    from kvlab.bench.decode import run_decode, show
+    from kvlab.models import smollm2
+
+    model_dir = Path(args.model) if args.model else smollm2()
+    frame = run_decode(model_dir, dict(device=device_name(), model=model_dir.name), repeats=args.repeats,
+                       decode_steps=args.decode_steps or 24, threads=args.threads)
+    out = Path(args.out_dir or "data/bench/decode") / f"{device_name()}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
     frame.round(4).to_csv(out, index=False)
     show(frame, out)

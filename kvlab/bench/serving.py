@@ -78,13 +78,13 @@ def engine_decode_steps(model_dir, backend: str, prompts, steps: int) -> list[fl
 
 
 @torch.inference_mode()
-def hf_end_to_end(model_dir, prompts, dtype, repeats: int) -> list[float]:
-    """Seconds to ``generate`` every prompt, one after another (no padding, no batching)."""
+def hf_end_to_end(model_dir, prompts, dtype, repeats: int, new_tokens: int = NEW_TOKENS) -> list[float]:
+    """Seconds to ``generate`` ``new_tokens`` for every prompt, one after another (no padding, no batching)."""
     from transformers import AutoModelForCausalLM
 
     device = "cuda" if ON_GPU else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    model.generation_config.eos_token_id = None  # every prompt gets exactly NEW_TOKENS
+    model.generation_config.eos_token_id = None  # every prompt gets exactly new_tokens
     model.generation_config.pad_token_id = 0
 
     def run(prompt, n):
@@ -96,7 +96,7 @@ def hf_end_to_end(model_dir, prompts, dtype, repeats: int) -> list[float]:
         sync()
         start = time.perf_counter()
         for prompt in prompts:
-            run(prompt, NEW_TOKENS)
+            run(prompt, new_tokens)
         sync()
         times.append(time.perf_counter() - start)
     return times

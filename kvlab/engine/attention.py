@@ -12,7 +12,8 @@ same cache, block tables and slot mappings:
   Debug switch: with ``KVLAB_CHECK_EVERY_LAYER=1`` in the environment when the ``LLM`` is made, every layer
   calls the public, checked launchers again (``kvlab.engine.settings.check_every_layer_from_env``).
 * "torch": ``kvlab.kernels.torch_paged``, batched torch ops; its plans (where to store, what to gather and
-  mask) are checked and made once per step by ``AttentionBatch.for_backend`` and shared by every layer.
+  mask) are checked and made once per step by ``AttentionBatch.for_backend`` and shared by every layer, which
+  writes and attends unchecked.
 
 A quantized cache (``LLM(kv_cache_dtype=...)``): each layer's ``kv_quantizer`` (its format and scales,
 ``kvlab.kernels.kv_quant``) encodes K/V on write and decodes them on read, with the same plans
@@ -26,14 +27,14 @@ import torch
 from torch import nn
 
 from kvlab.engine.config import ModelConfig
-from kvlab.engine.layers import RMSNorm, Rotation
+from kvlab.engine.layers import MergedLinear, RMSNorm, Rotation
 from kvlab.kernels import paged_attention_decode, paged_prefill, reshape_and_cache
 from kvlab.kernels.paged_attention_decode import paged_attention_decode_unchecked
 from kvlab.kernels.paged_prefill import paged_prefill_unchecked
 from kvlab.kernels.reshape_and_cache import reshape_and_cache_unchecked
 from kvlab.kernels.kv_quant import KVQuantizer
 from kvlab.kernels.step_checks import CheckedStep, check_paged_step
-from kvlab.kernels.torch_paged import (CacheWrite, PagedPlan, paged_attention_torch, plan_cache_write,
+from kvlab.kernels.torch_paged import (CacheWrite, PagedPlan, paged_attention_torch_unchecked, plan_cache_write,
                                        plan_paged_attention, write_cache)
 from kvlab.kernels.torch_paged_quant import paged_attention_torch_quantized, write_cache_quantized
 
@@ -88,9 +89,9 @@ class PagedSelfAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(hidden, {"q_proj": self.num_heads * self.head_dim, "k_proj": kv_size,
+                                              "v_proj": kv_size}, bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -104,9 +105,10 @@ class PagedSelfAttention(nn.Module):
                 batch: AttentionBatch) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]``; kv_cache ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``."""
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotation.apply(q, k)
@@ -119,7 +121,7 @@ class PagedSelfAttention(nn.Module):
             out = paged_attention_torch_quantized(q, kv_cache, batch.plan, self.kv_quantizer, scale=self.scale)
         elif batch.plan is not None:  # the torch backend
             write_cache(k, v, kv_cache, batch.cache_write)
-            out = paged_attention_torch(q, kv_cache, batch.plan, scale=self.scale)
+            out = paged_attention_torch_unchecked(q, kv_cache, batch.plan, scale=self.scale)
         elif batch.check_every_layer:
             out = self._triton_checked(q, k, v, kv_cache, batch)
         else:  # checked once for the step by for_backend

@@ -1,4 +1,5 @@
-"""The parts of a Llama/Qwen3 decoder layer that are not attention: RMSNorm, rotary embeddings, SwiGLU.
+"""The parts of a Llama/Qwen3 decoder layer that are not attention: RMSNorm, rotary embeddings, SwiGLU, and the
+merged projections both use.
 
 Each computes exactly what ``transformers`` computes (same dtypes at the same places), so that fp32 logits
 match Hugging Face's to rounding.
@@ -24,18 +25,34 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class MergedLinear(nn.Linear):
+    """Several projections of the same input as one GEMM (vLLM's ``QKVParallelLinear`` and
+    ``MergedColumnParallelLinear``): their matrices stacked by output rows, in the order of ``parts`` (the
+    checkpoint's module name of each, beside this one, -> its output size). ``kvlab.engine.weights`` loads each
+    part's tensor into its rows. One GEMM reads the same weights as the separate ones, with fewer calls and
+    fewer threads woken; on CPU (MKL) each output column is the same dot product, so the result is bitwise
+    that of the separate projections. ``[T, in]`` -> ``[T, out_1]``, ``[T, out_2]`` ..."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = parts
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return super().forward(x).split(list(self.parts.values()), dim=-1)
+
+
 class SwiGLU(nn.Module):
-    """The MLP: down(silu(gate(x)) * up(x)); [T, hidden] -> [T, hidden]."""
+    """The MLP: down(silu(gate(x)) * up(x)); [T, hidden] -> [T, hidden]. gate and up are one GEMM."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
-        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.gate_up_proj = MergedLinear(hidden, {"gate_proj": inner, "up_proj": inner}, bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:

@@ -1,5 +1,7 @@
 """Llama / Qwen3 decoder-only models in plain torch. Module names follow Hugging Face's
-(``model.layers.0.self_attn.q_proj.weight`` ...), so a checkpoint's tensors load by name."""
+(``model.layers.0.self_attn.o_proj.weight`` ...), so a checkpoint's tensors load by name, except the merged
+projections (``qkv_proj``, ``gate_up_proj``: ``kvlab.engine.layers.MergedLinear``), which load their parts'
+tensors (``q_proj``, ``k_proj``, ``v_proj``; ``gate_proj``, ``up_proj``) into their rows."""
 
 import torch
 from torch import nn

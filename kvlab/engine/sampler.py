@@ -67,15 +67,17 @@ class Sampler:
         """logits fp32 ``[B, V]``; row b uses ``params[b]`` and ``generators[b]`` (None: the engine's). Raises
         FloatingPointError if a row's logits hold NaN or +inf or are all -inf (a broken model or an overflow):
         no token can be chosen from it."""
-        usable = ~(logits.isnan() | (logits == float("inf"))).any(dim=-1) & (logits > float("-inf")).any(dim=-1)
+        # One pass over [B, V] gives both the check and the greedy choice: a row's max (which propagates NaN)
+        # is finite exactly when the row has no NaN, no +inf and not only -inf; its index is the argmax.
+        best, argmax = logits.max(dim=-1)
+        usable = best.isfinite()
         if not bool(usable.all()):
             rows = (~usable).nonzero().flatten().tolist()
             raise FloatingPointError(f"the model's logits hold NaN or +inf, or are all -inf (rows {rows} of the "
                                      "batch): no token can be chosen")
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        argmax = logits.argmax(dim=-1)
-        if bool(greedy.all()):
+        if all(p.greedy for p in params):
             return argmax.tolist()
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         probs = probabilities(logits, params)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, generator in enumerate(generators):

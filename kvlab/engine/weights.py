@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from kvlab.engine.config import ModelConfig
 from kvlab.engine.errors import WeightsError
+from kvlab.engine.layers import MergedLinear
 from kvlab.engine.model import CausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -98,12 +99,33 @@ def check_checkpoint(files: list[Path], config: ModelConfig, expected: dict) -> 
     return where
 
 
+def checkpoint_layout(model: CausalLM) -> dict[str, tuple[str, slice]]:
+    """Each checkpoint tensor's name -> the model parameter holding it and which of its rows: a merged
+    projection (``MergedLinear``) holds its parts' tensors one after another, by output rows
+    (``...self_attn.k_proj.weight`` -> ``("...self_attn.qkv_proj.weight", slice(q_size, q_size + kv_size))``);
+    every other parameter is one tensor of the same name, whole."""
+    merged = {name: module for name, module in model.named_modules() if isinstance(module, MergedLinear)}
+    layout = {}
+    for name, _ in model.named_parameters(remove_duplicate=False):  # a tied output matrix has its own name
+        module, _, kind = name.rpartition(".")  # kind: "weight" or "bias"
+        if module not in merged:
+            layout[name] = (name, slice(None))
+            continue
+        parent, start = module.rpartition(".")[0], 0
+        for part, size in merged[module].parts.items():
+            layout[f"{parent}.{part}.{kind}"] = (name, slice(start, start + size))
+            start += size
+    return layout
+
+
 def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
     """The model with its weights in ``dtype`` on ``device`` (built on the meta device first, so no memory is
     spent on random initial weights)."""
     with torch.device("meta"):
         model = CausalLM(config)
-    expected = {name: p.shape for name, p in model.named_parameters()}
+    params = dict(model.named_parameters())
+    layout = checkpoint_layout(model)
+    expected = {name: params[param][rows].shape for name, (param, rows) in layout.items()}
     if config.tie_word_embeddings:
         del expected["lm_head.weight"]  # tied: the output matrix is the embedding, not read from the files
     where = check_checkpoint(weight_files(config.path), config, expected)
@@ -117,6 +139,10 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) ->
             raise WeightsError(f"cannot read {file}: {e}") from None
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    merged = {}  # a merged parameter's parts, in layout order (which is its rows' order)
+    for name, (param, _) in layout.items():
+        merged.setdefault(param, []).append(state.pop(name))
+    state = {param: parts[0] if len(parts) == 1 else torch.cat(parts) for param, parts in merged.items()}
     model.load_state_dict(state, strict=True, assign=True)
     if config.tie_word_embeddings:
         model.tie_weights()

@@ -169,13 +169,21 @@ def check_plan(query, kv_cache, plan: PagedPlan) -> None:
 def paged_attention_torch(query, kv_cache, plan: PagedPlan, scale=None, soft_cap=None):
     """Attention of ``query [T, H, D]`` over the contexts ``plan`` describes, read from ``kv_cache``.
     Returns a new ``[T, H, D]`` tensor in query's dtype (computed in fp32)."""
-    _, _, num_kv_heads, head_dim = check_cache(kv_cache)
-    num_heads = check_query(query, kv_cache)
+    check_cache(kv_cache)
+    check_query(query, kv_cache)
     scale, _, soft_cap = check_attention_options(scale=scale, soft_cap=soft_cap)
     check_plan(query, kv_cache, plan)
+    return paged_attention_torch_unchecked(query, kv_cache, plan, scale, soft_cap)
+
+
+def paged_attention_torch_unchecked(query, kv_cache, plan: PagedPlan, scale=None, soft_cap=None):
+    """``paged_attention_torch`` without its checks, for a model's layers: ``plan_paged_attention`` checked the
+    step once (a cache of every layer's layout), and the layer made ``query`` and its options itself, so
+    repeating the same checks in every layer would only cost Python time (tens of microseconds a layer)."""
     if plan.num_tokens == 0:
         return torch.empty_like(query, memory_format=torch.contiguous_format)
     S, L = plan.num_seqs, plan.context_len
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     kv = row_view(kv_cache).index_select(0, plan.kv_rows).view(2, S, L, num_kv_heads, head_dim)
     k, v = kv.transpose(2, 3).float()                                 # each [S, H_kv, L, D]
     return attend(query, k, v, plan, scale, soft_cap)

@@ -10,6 +10,7 @@ from engine_helpers import make_llm, save_tiny_model
 from kvlab.blocks.sequence import Sequence
 from kvlab.engine import SamplingParams
 from kvlab.errors import InvalidArgumentError
+from kvlab.kernels import torch_paged
 
 #: The Tensor methods that read a tensor's values back to the host (a GPU sync each).
 HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
@@ -58,6 +59,24 @@ def host_reads_per_step(path, backend="triton") -> dict:
 def test_a_steps_host_reads_do_not_grow_with_the_layers(model_dirs, monkeypatch, backend):
     monkeypatch.delenv("KVLAB_CHECK_EVERY_LAYER", raising=False)
     assert host_reads_per_step(model_dirs[LAYERS], backend) == host_reads_per_step(model_dirs[2 * LAYERS], backend)
+
+
+def test_the_torch_layers_do_not_check_the_cache_again(model_dirs, monkeypatch):
+    """The torch backend checks the cache's layout when it plans the step, not again in every layer (Python
+    checks of tens of microseconds, 30 times a SmolLM2 step)."""
+    checks = []
+    check_cache = torch_paged.check_cache
+    monkeypatch.setattr(torch_paged, "check_cache", lambda *args, **kwargs: checks.append(1) or check_cache(*args,
+                                                                                                         **kwargs))
+    per_model = []
+    for path in model_dirs.values():
+        llm = make_llm(path, attention_backend="torch")
+        for prompt in PROMPTS:
+            llm.add_request(prompt, GREEDY)
+        checks.clear()
+        llm.step(), llm.step()  # a prefill, then a decode
+        per_model.append(len(checks))
+    assert per_model[0] == per_model[1] > 0
 
 
 def test_the_debug_switch_checks_every_layer_again(model_dirs, monkeypatch):

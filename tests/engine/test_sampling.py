@@ -45,6 +45,40 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows():
     assert tokens[::2] == logits[::2].argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), None])
+def test_a_greedy_batch_reads_its_logits_once_and_still_refuses_unusable_rows(bad):
+    """The check (NaN, +inf, all -inf) and the argmax are one pass over ``[B, V]``, not one pass each."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2))
+    logits[1, 7] = logits[1].max() + 1  # row 1's argmax, ahead of a -inf
+    logits[1, 9] = float("-inf")
+    params, sampler = [SamplingParams(temperature=0.0)] * 4, Sampler(0, "cpu")
+    with CountCalls() as calls:
+        tokens = sampler(logits, params, [None] * 4)
+    assert tokens == logits.argmax(-1).tolist() and tokens[1] == 7 and calls.on_logits(logits) == 1
+    if bad is None:
+        logits[2] = float("-inf")
+    else:
+        logits[2, 3] = bad
+    with pytest.raises(FloatingPointError, match=r"rows \[2\]"):
+        sampler(logits, params, [None] * 4)
+
+
+class CountCalls(torch.overrides.TorchFunctionMode):
+    """Counts the torch functions called with a given tensor as their first argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.first_args = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if args:
+            self.first_args.append(args[0])
+        return func(*args, **(kwargs or {}))
+
+    def on_logits(self, logits) -> int:
+        return sum(arg is logits for arg in self.first_args)
+
+
 def test_a_seeded_row_draws_the_same_token_whatever_the_batch():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=1.0, seed=7)] * 6

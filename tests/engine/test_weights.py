@@ -7,7 +7,7 @@ import torch
 
 from engine_helpers import save_tiny_model
 from kvlab.engine.config import load_model_config
-from kvlab.engine.weights import load_model
+from kvlab.engine.weights import checkpoint_layout, load_model
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -19,9 +19,11 @@ def test_sharded_checkpoint_loads_every_tensor(arch, tmp_path):
     assert len(set(index["weight_map"].values())) > 1
     config = load_model_config(tmp_path)
     model = load_model(config, torch.float32, torch.device("cpu"))
-    ours = dict(model.named_parameters(remove_duplicate=False))
+    ours, layout = dict(model.named_parameters(remove_duplicate=False)), checkpoint_layout(model)
+    assert set(layout) == set(hf.state_dict())
     for name, tensor in hf.state_dict().items():
-        torch.testing.assert_close(ours[name], tensor, rtol=0, atol=0)
+        param, rows = layout[name]
+        torch.testing.assert_close(ours[param][rows], tensor, rtol=0, atol=0)
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     assert tied == (arch == "qwen3") == config.tie_word_embeddings and config.qk_norm == (arch == "qwen3")
 
