@@ -26,11 +26,15 @@ DEFAULT_PROMPT_LOOKUP = 5
 
 class Proposer:
     """Base class: ``propose(tokens, max_tokens)`` returns at most ``max_tokens`` draft token ids that may
-    follow ``tokens`` (a sequence's whole context, prompt and output); ``options``: the config keys it takes."""
+    follow ``tokens`` (a sequence's whole context, prompt and output); ``options``: the config keys it takes.
+    ``finished`` is told every sequence that finishes, for proposers that learn from earlier outputs."""
     options: tuple[str, ...] = ()
 
     def propose(self, tokens: list[int], max_tokens: int) -> list[int]:
         raise NotImplementedError
+
+    def finished(self, tokens: list[int], num_prompt_tokens: int) -> None:
+        """A sequence finished with ``tokens`` (its prompt, the first ``num_prompt_tokens``, then its output)."""
 
 
 class NgramProposer(Proposer):
