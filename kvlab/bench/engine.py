@@ -11,8 +11,9 @@ paging) on the same requests, with the device's default attention backend.
 --suite scheduling: V0 against V1 scheduling (throughput, TTFT and inter-token latency percentiles) on
 nano-vllm's workload, scaled down on CPU, HF as the peer; see ``kvlab.bench.scheduling``.
 
---suite speculative: n-gram speculative decoding (k = 2, 4, 8) against none on a copy-heavy and a plain chat
-workload, at batch 1 and 8, on SmolLM2-135M-Instruct (or --model); see ``kvlab.bench.speculative``.
+--suite speculative: n-gram speculative decoding (k = 2, 4, 8), with the acceptance rule, and suffix decoding
+against none on a copy-heavy and a plain chat workload, at batch 1 and 8, on SmolLM2-135M-Instruct (or
+--model); see ``kvlab.bench.speculative``.
 
 Workloads (random token ids from ``--seed``, every request runs to its own output length, EOS ignored):
   random         nano-vllm's benchmark: many requests, prompt and output lengths uniform at random;
@@ -135,6 +136,13 @@ def main(argv=None) -> int:
     throughput.add_argument("--block-size", type=int, default=16)
     throughput.add_argument("--max-num-seqs", type=int, help="default: 256 (scheduling: 64 on a GPU, 4 on CPU)")
     throughput.add_argument("--hf-batch-size", type=int, default=None, help="default: 64 on a GPU, 16 on CPU")
+    speculative = parser.add_argument_group("speculative suite (also --requests: prompts per workload, default 8; "
+                                            "--profile: also where the time goes, under cProfile)")
+    speculative.add_argument("--max-tokens", type=int, default=48, help="tokens generated per request")
+    speculative.add_argument("--threads", type=int, help="torch CPU threads (default: torch's). On a shared CPU "
+                             "whose load exceeds its cores, 1 thread was 18x faster than 2 at batch 8")
+    speculative.add_argument("--profile-only", action="store_true", help="only the profile (writes "
+                             "<device>-profile.csv)")
     scheduling = parser.add_argument_group("scheduling suite")
     scheduling.add_argument("--scale", type=float, help="workload lengths x this (default: 1 on a GPU, 1/16 on CPU)")
     scheduling.add_argument("--max-num-batched-tokens", type=int, help="token budget per step (default: 2048 x "
@@ -176,16 +184,27 @@ def main(argv=None) -> int:
 
 
 def _speculative(args) -> int:
-    from kvlab.bench.speculative import run_speculative, show
+    from kvlab.bench.speculative import profile_speculative, run_speculative, show
     from kvlab.models import smollm2
 
     model_dir = Path(args.model) if args.model else smollm2()
-    base = dict(device=device_name(), model=model_dir.name)
-    frame = run_speculative(model_dir, base)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    base = dict(device=device_name(), model=model_dir.name, threads=torch.get_num_threads())
+    sizes = dict(requests=args.requests or 8, max_tokens=args.max_tokens)
     out = Path(args.out_dir or "data/bench/speculative") / f"{device_name()}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
-    frame.round(4).to_csv(out, index=False)
-    show(frame, out)
+    if not args.profile_only:
+        frame = run_speculative(model_dir, base, **sizes)
+        frame.round(4).to_csv(out, index=False)
+        show(frame, out)
+    if args.profile or args.profile_only:
+        profile = profile_speculative(model_dir, base, **sizes)
+        profile_out = out.with_name(f"{out.stem}-profile.csv")
+        profile.round(4).to_csv(profile_out, index=False)
+        print(profile.pivot_table(index=["workload", "config"], columns="part", values="share", sort=False)
+              .to_string(float_format=lambda v: f"{v:.2f}"))
+        print(f"wrote {profile_out}")
     return 0
 
 
