@@ -15,8 +15,9 @@ nano-vllm's workload, scaled down on CPU, HF as the peer; see ``kvlab.bench.sche
 weights once, a GEMM of the step's FLOPs) measured beside it, and kvlab against HF's padded batch and HF one
 prompt at a time on that workload; see ``kvlab.bench.decode``.
 
---suite speculative: n-gram speculative decoding (k = 2, 4, 8) against none on a copy-heavy and a plain chat
-workload, at batch 1 and 8, on SmolLM2-135M-Instruct (or --model); see ``kvlab.bench.speculative``.
+--suite speculative: n-gram speculative decoding (k = 2, 4, 8), with the acceptance rule, and suffix decoding
+against none on a copy-heavy and a plain chat workload, at batch 1 and 8, on SmolLM2-135M-Instruct (or
+--model); see ``kvlab.bench.speculative``.
 
 Workloads (random token ids from ``--seed``, every request runs to its own output length, EOS ignored):
   random         nano-vllm's benchmark: many requests, prompt and output lengths uniform at random;
@@ -126,6 +127,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", help="where to write <device>.csv (default: data/bench/<suite>/, "
                         "data/bench/engine/ for throughput)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads for the run (decode, speculative; default: "
+                        "torch's). On a shared CPU whose load exceeds its cores, 1 thread was 18x faster than 2")
     parser.add_argument("--requests", type=int, help="number of requests per workload (throughput, scheduling)")
     serving = parser.add_argument_group("serving and decode suites")
     serving.add_argument("--backends", default="torch,triton", help="comma-separated attention backends (serving)")
@@ -134,13 +137,17 @@ def main(argv=None) -> int:
                          "24 rounds beside the floor for decode)")
     serving.add_argument("--interpreter-end-to-end", action="store_true",
                          help="also run the end-to-end measurement in the Triton interpreter (many minutes)")
-    serving.add_argument("--threads", type=int, help="decode: torch threads for the whole run (default: torch's)")
     serving.add_argument("--profile", action="store_true", help="print where a torch-backend step spends its time")
     throughput = parser.add_argument_group("throughput suite")
     throughput.add_argument("--quick", action="store_true", help="a quarter of the requests")
     throughput.add_argument("--block-size", type=int, default=16)
     throughput.add_argument("--max-num-seqs", type=int, help="default: 256 (scheduling: 64 on a GPU, 4 on CPU)")
     throughput.add_argument("--hf-batch-size", type=int, default=None, help="default: 64 on a GPU, 16 on CPU")
+    speculative = parser.add_argument_group("speculative suite (also --requests: prompts per workload, default 8; "
+                                            "--profile: also where the time goes, under cProfile)")
+    speculative.add_argument("--max-tokens", type=int, default=48, help="tokens generated per request")
+    speculative.add_argument("--profile-only", action="store_true", help="only the profile (writes "
+                             "<device>-profile.csv)")
     scheduling = parser.add_argument_group("scheduling suite")
     scheduling.add_argument("--scale", type=float, help="workload lengths x this (default: 1 on a GPU, 1/16 on CPU)")
     scheduling.add_argument("--max-num-batched-tokens", type=int, help="token budget per step (default: 2048 x "
@@ -184,16 +191,27 @@ def main(argv=None) -> int:
 
 
 def _speculative(args) -> int:
-    from kvlab.bench.speculative import run_speculative, show
+    from kvlab.bench.speculative import profile_speculative, run_speculative, show
     from kvlab.models import smollm2
 
     model_dir = Path(args.model) if args.model else smollm2()
-    base = dict(device=device_name(), model=model_dir.name)
-    frame = run_speculative(model_dir, base)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    base = dict(device=device_name(), model=model_dir.name, threads=torch.get_num_threads())
+    sizes = dict(requests=args.requests or 8, max_tokens=args.max_tokens)
     out = Path(args.out_dir or "data/bench/speculative") / f"{device_name()}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
-    frame.round(4).to_csv(out, index=False)
-    show(frame, out)
+    if not args.profile_only:
+        frame = run_speculative(model_dir, base, **sizes)
+        frame.round(4).to_csv(out, index=False)
+        show(frame, out)
+    if args.profile or args.profile_only:
+        profile = profile_speculative(model_dir, base, **sizes)
+        profile_out = out.with_name(f"{out.stem}-profile.csv")
+        profile.round(4).to_csv(profile_out, index=False)
+        print(profile.pivot_table(index=["workload", "config"], columns="part", values="share", sort=False)
+              .to_string(float_format=lambda v: f"{v:.2f}"))
+        print(f"wrote {profile_out}")
     return 0
 
 

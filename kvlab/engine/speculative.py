@@ -2,7 +2,9 @@
 pass, keep the longest run the target model agrees with, plus one token of its own.
 
 ``LLM(speculative_config={"method": "ngram", "num_speculative_tokens": k, ...})`` takes vLLM's dictionary
-(``method`` names a proposer in ``kvlab.engine.proposers.PROPOSERS``; the other keys are the proposer's own).
+(``method`` names a proposer in ``kvlab.engine.proposers.PROPOSERS``; the other keys are the proposer's own,
+except kvlab's ``draft_acceptance_floor`` and ``draft_acceptance_ema_weight``, which give fewer drafts, or
+none, to a sequence whose drafts are mostly rejected: ``kvlab.engine.draft_control``).
 A step of V1 scheduling gives a decoding sequence with d <= k drafts a query of d + 1 rows over its paged
 context: its last token (no K/V yet) and the drafts, whose slots the block manager hands out without sealing
 them (``kvlab.blocks.drafts``). Logit row i is the target's distribution p_i for the token after row i's
@@ -24,28 +26,45 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.blocks.sequence import Sequence
+from kvlab.engine.draft_control import DraftControl
 from kvlab.engine.proposers import PROPOSERS, Proposer
 from kvlab.engine.sampler import probabilities
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.errors import InvalidArgumentError
 from kvlab.validation import check_int
 
-_COMMON_KEYS = ("method", "num_speculative_tokens")
+_COMMON_KEYS = ("method", "num_speculative_tokens", "draft_acceptance_floor", "draft_acceptance_ema_weight")
 
 
 @dataclass(frozen=True)
 class Speculation:
-    """The engine's drafter: ``proposer`` proposes up to ``num_speculative_tokens`` drafts per sequence and step."""
+    """The engine's drafter: ``proposer`` proposes up to ``num_speculative_tokens`` drafts per sequence and step;
+    ``control`` (None: every draft proposed is verified) cuts them where they are mostly rejected."""
     method: str
     num_speculative_tokens: int
     proposer: Proposer
+    control: DraftControl | None = None
 
     def drafts(self, seq: Sequence, limit: int) -> tuple[int, ...]:
-        """At most ``min(num_speculative_tokens, limit)`` draft tokens to follow ``seq``'s last token."""
+        """At most ``min(num_speculative_tokens, limit)`` draft tokens to follow ``seq``'s last token. Called
+        once per step for each decoding sequence (the control scores the previous step's guess here)."""
+        if self.control is not None:
+            self.control.observe(seq)
         room = min(self.num_speculative_tokens, limit)
         if room <= 0:
             return ()
-        return tuple(self.proposer.propose(seq.token_slice(0, seq.num_tokens), room)[:room])
+        proposal = self.proposer.propose(seq.token_slice(0, seq.num_tokens), room)[:room]
+        if self.control is None:
+            return tuple(proposal)
+        allowed = self.control.allowed(seq, room)
+        self.control.remember(seq, proposal[:max(allowed, 1)])  # off (0 allowed): its first guess still scored
+        return tuple(proposal[:allowed])
+
+    def finished(self, seq: Sequence) -> None:
+        """``seq`` finished (any reason): the proposer may learn from its output, the control forgets it."""
+        self.proposer.finished(seq.token_slice(0, seq.num_tokens), seq.num_prompt_tokens)
+        if self.control is not None:
+            self.control.forget(seq)
 
 
 def resolve_speculative_config(config) -> Speculation | None:
@@ -67,7 +86,14 @@ def resolve_speculative_config(config) -> Speculation | None:
     if "num_speculative_tokens" not in config:
         raise InvalidArgumentError("speculative_config needs 'num_speculative_tokens' (drafts per step, >= 1)")
     k = check_int("speculative_config['num_speculative_tokens']", config["num_speculative_tokens"], 1)
-    return Speculation(method, k, cls(**{key: config[key] for key in cls.options if key in config}))
+    if "draft_acceptance_floor" in config:
+        control = DraftControl(config["draft_acceptance_floor"], config.get("draft_acceptance_ema_weight"))
+    elif "draft_acceptance_ema_weight" in config:
+        raise InvalidArgumentError("speculative_config['draft_acceptance_ema_weight'] needs 'draft_acceptance_floor' "
+                                   "(the rule it weights; e.g. 0.3)")
+    else:
+        control = None
+    return Speculation(method, k, cls(**{key: config[key] for key in cls.options if key in config}), control)
 
 
 def accept(logits: torch.Tensor, drafts: tuple[int, ...], params: SamplingParams,

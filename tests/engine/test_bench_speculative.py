@@ -1,9 +1,11 @@
-"""The speculative suite's summary row (the suite itself runs SmolLM2: a benchmark, not a test)."""
+"""The speculative suite's summary row and configs (the suite itself runs SmolLM2: a benchmark, not a test)."""
 
+import math
 from types import SimpleNamespace
 
-from kvlab.bench.speculative import CONFIGS, _summary
+from kvlab.bench.speculative import CONFIGS, _label, _summary
 from kvlab.engine.request import RequestMetrics
+from kvlab.engine.speculative import resolve_speculative_config
 
 
 def test_a_row_sums_drafts_over_requests_as_vllm_reports_them():
@@ -19,3 +21,11 @@ def test_a_row_sums_drafts_over_requests_as_vllm_reports_them():
     assert row["acceptance_rate"] == 0.5 and row["mean_accepted_length"] == 1 + 6 / 3
     assert row["itl_ms_p50"] == 100.0  # 1 s of decode over 10 gaps
     assert _summary(None, metrics, wall=2.0)["k"] == 0
+    assert math.isnan(row["draft_acceptance_floor"]) and _summary(CONFIGS[4], metrics, 2.0)["draft_acceptance_floor"] == 0.3
+
+
+def test_the_suite_runs_every_config_the_issue_asks_for_each_valid():
+    assert [_label(c) for c in CONFIGS] == ["none", "ngram k=2", "ngram k=4", "ngram k=8", "ngram k=8 floor=0.3",
+                                            "suffix k=8", "suffix k=8 floor=0.3"]
+    for config in CONFIGS[1:]:
+        resolve_speculative_config(config)

@@ -66,6 +66,24 @@ def test_greedy_output_equals_hf_and_plain_decoding_for_every_k(llama, expected,
     assert_pool_clean(llm)
 
 
+@pytest.mark.parametrize("k", [2, 8])
+def test_suffix_decoding_keeps_greedy_output_and_learns_from_earlier_requests(llama, expected, k):
+    """The same prompts twice on one engine: the second time, the first run's outputs (cached when their
+    sequences finished) are proposed as well, and more drafts are accepted; output equal to HF's both times."""
+    path, _ = llama
+    prompts, outputs = expected
+    llm = make_llm(path, speculative_config={"method": "suffix", "num_speculative_tokens": k})
+    first = generate(llm, prompts, 16)
+    assert tokens(first) == outputs
+    assert len(llm.speculation.proposer.cached_outputs) == len(prompts)
+    again = generate(llm, prompts, 16)
+    assert tokens(again) == outputs
+    accepted = [sum(o.metrics.num_accepted_tokens for o in outs) for outs in (first, again)]
+    assert 0 < accepted[0] < accepted[1]
+    assert llm.step_dataframe()["draft_tokens"].max() <= k * len(prompts)
+    assert_pool_clean(llm)
+
+
 def test_metrics_are_vllms(llama):
     path, _ = llama
     out, = generate(make_llm(path, speculative_config=ngram(4)), copy_heavy_prompts(3, 1), 20)

@@ -6,7 +6,7 @@ import torch
 from scipy.stats import chisquare
 
 from engine_helpers import hf_greedy, make_llm
-from kvlab.engine.proposers import PROPOSERS, NgramProposer, Proposer
+from kvlab.engine.proposers import PROPOSERS, NgramProposer, Proposer, SuffixProposer
 from kvlab.engine.sampler import probabilities
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.speculative import accept, resolve_speculative_config
@@ -15,7 +15,7 @@ from kvlab.errors import InvalidArgumentError
 
 @pytest.mark.parametrize("config, match", [
     ("ngram", "must be None or a dict"),
-    ({"method": "eagle", "num_speculative_tokens": 2}, r"method.*\['ngram'\].*'eagle'"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, r"method.*\['ngram', 'suffix'\].*'eagle'"),
     ({"num_speculative_tokens": 2}, r"method.*got None"),
     ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
     ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens.*>= 1, got 0"),
@@ -130,3 +130,46 @@ def _check_fits(counts: torch.Tensor, probs: torch.Tensor) -> None:
     expected = probs[allowed].double().numpy()
     expected *= observed.sum() / expected.sum()
     assert chisquare(observed, expected).pvalue > 1e-3
+
+
+def suffix(**options) -> SuffixProposer:
+    return resolve_speculative_config({"method": "suffix", "num_speculative_tokens": 8, **options}).proposer
+
+
+def test_suffix_proposes_what_followed_the_best_match_in_the_context():
+    # "1 2 3" matched: 1 token per token of match (max_spec_factor 1), so 3 tokens
+    assert suffix().propose([1, 2, 3, 4, 9, 1, 2, 3], 8) == [4, 9, 1]
+    assert suffix().propose([1, 2, 3, 4, 9, 1, 2, 3], 2) == [4, 9]
+    assert suffix(suffix_decoding_max_spec_factor=0.5).propose([1, 2, 3, 4, 9, 1, 2, 3], 8) == [4]
+    assert suffix(suffix_decoding_max_tree_depth=3).propose([1, 2, 3, 4, 9, 1, 2, 3], 8) == [4]  # match + draft <= 3
+    assert suffix().propose([1, 2, 3], 8) == []
+
+
+def test_suffix_proposes_the_most_frequent_continuation_while_it_is_likely_enough():
+    context = [5, 1, 5, 1, 5, 2, 5]  # 5 was followed by 1 twice and by 2 once
+    assert suffix().propose(context, 8) == [1]
+    assert suffix(suffix_decoding_min_token_prob=0.7).propose(context, 8) == []  # 2/3 < 0.7
+
+
+def test_suffix_learns_from_earlier_outputs_first_in_first_out():
+    proposer = suffix(suffix_decoding_max_cached_requests=1)
+    proposer.finished([0, 0, 10, 11, 12, 13], 2)
+    assert proposer.propose([7, 8, 10, 11], 8) == [12, 13]  # nothing in the context; the earlier output
+    proposer.finished([0, 20, 21], 1)  # evicts the first output
+    assert [o.tolist() for o in proposer.cached_outputs] == [[20, 21]]
+    assert proposer.propose([7, 8, 10, 11], 8) == []
+    off = suffix(suffix_decoding_max_cached_requests=0)
+    off.finished([0, 0, 10, 11, 12, 13], 2)
+    assert len(off.cached_outputs) == 0 and off.propose([7, 8, 10, 11], 8) == []
+
+
+@pytest.mark.parametrize("option, value, match", [
+    ("suffix_decoding_max_tree_depth", 1, r"max_tree_depth.*>= 2"),
+    ("suffix_decoding_max_cached_requests", -1, r"max_cached_requests.*>= 0"),
+    ("suffix_decoding_max_spec_factor", 0, r"max_spec_factor.*> 0"),
+    ("suffix_decoding_min_token_prob", 1.5, r"min_token_prob.*<= 1"),
+    ("prompt_lookup_min", 2, r"unknown keys \['prompt_lookup_min'\]"),
+])
+def test_a_bad_suffix_option_is_refused(option, value, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        suffix(**{option: value})
