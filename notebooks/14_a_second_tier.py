@@ -96,7 +96,7 @@ OFFLOAD, PROMOTE = "#e15759", "#59a14f"                 # arrow colours: GPU -> 
 # %% [markdown]
 # ## 1. Two tiers, block by block
 #
-# A GPU pool of 4 blocks of `BS` tokens with a CPU tier of `TIER_SLOTS` blocks behind it. Four requests run
+# A GPU pool of 4 blocks of `BS` tokens with a CPU tier of `TIER_SLOTS` blocks behind it. Five requests run
 # one after the other (each allocated, then freed, so its full blocks stay cached, "warm"):
 #
 # * **A**: a system prompt of two blocks plus a question;
@@ -135,9 +135,8 @@ for name, tokens in PROMPTS.items():
         if m.block_hash(block) is not None:
             content.setdefault(m.block_hash(block), f"{name[0]}{i}")
     gpu = [content.get(m.block_hash(b), "") for b in range(m.num_blocks)]
-    hits = seq.num_cached_tokens // BS
     steps.append(dict(name=name, view=viz.snapshot(m, [seq]), gpu=gpu, tier=list(tier), moves=moves,
-                      hits=hits, stats=replace(m.tier_stats)))
+                      stats=replace(m.tier_stats)))
     m.free(seq)
     m.check_invariants()
 
@@ -165,7 +164,7 @@ def draw_two_tiers(step, ax):
         shift = 0.12 if kind == "offload" else -0.12   # an offload and a promote of one block stay apart
         ax.add_patch(FancyArrow(x0 + shift, y0, x1 - x0, y1 - y0, width=0.03, head_width=0.14, head_length=0.16,
                                 length_includes_head=True, color=OFFLOAD if kind == "offload" else PROMOTE))
-    ax.set_xlim(-1.6, max(m.num_blocks, TIER_SLOTS) + 0.1)
+    ax.set_xlim(-1.6, max(step["view"].num_blocks, TIER_SLOTS) + 0.1)
     ax.set_ylim(tier_y - 0.2, 1.5)
 
 
@@ -185,13 +184,17 @@ fig.tight_layout()
 plt.show()
 
 # %%
-table = pd.DataFrame([dict(request=s["name"], gpu_hits=s["hits"] - (s["stats"].tier_hit_blocks - p.tier_hit_blocks),
+# Each request's lookup, from the tier's counters before and after it (they count every prompt, GPU hits too).
+table = pd.DataFrame([dict(request=s["name"], gpu_hits=s["stats"].gpu_hit_blocks - p.gpu_hit_blocks,
                            tier_hits=s["stats"].tier_hit_blocks - p.tier_hit_blocks,
+                           missed_blocks=s["stats"].miss_blocks - p.miss_blocks,
                            moves=", ".join(f"{k} {a}->{b}" for k, a, b in s["moves"]) or "none")
                       for s, p in zip(steps, [TierHitStats()] + [s["stats"] for s in steps])]).set_index("request")
-display(table)  # noqa: F821 - IPython's display
+with pd.option_context("display.max_colwidth", 100):
+    display(table)  # noqa: F821 - IPython's display
 print(m.tier_stats)
 events = [e for e in m.events if e.kind in ("offload", "promote", "tier_evict")]
+print("the event log's tier events:", ", ".join(viz.event_label(e) + f" {e.kind}" for e in events))
 by_name = {s["name"]: s for s in steps}
 viz.check([k for k, _, _ in by_name["B"]["moves"]] == ["offload"] * 2 and sorted(filter(None, by_name["B"]["tier"]))
           == ["A0", "A1"],
@@ -211,7 +214,9 @@ viz.check(any(e.kind == "tier_evict" for e in events) and sum(k == "offload" for
 # either tier. **The tier is inclusive**: a promoted block keeps its CPU copy, so evicting it from the GPU again
 # costs no copy (D offloads one block, not three). **Every copy is data**: the manager moves no bytes; it says
 # which block goes where, and the engine (`LLM(num_offload_blocks=...)`) applies the moves with `swap_blocks`
-# before the forward pass, offloads first, since an offload must read a GPU block before anything overwrites it.
+# before the forward pass, in the order given (C's list mixes both kinds): an offload always comes before any
+# move of the same call that overwrites its GPU block. The teaching event log (`record_events=True`) records the
+# same moves as `offload`, `promote` and `tier_evict` events.
 #
 # > **In vLLM.** vLLM V1's native offloading is a KV connector (`OffloadingConnector`, turned on by
 # > `--kv-offloading-size` in GiB: `kv_offloading_size` in `vllm/config/cache.py`). `CPUOffloadingSpec`
@@ -222,8 +227,9 @@ viz.check(any(e.kind == "tier_evict" for e in events) and sum(k == "offload" for
 # > eviction needs no copy; kvlab copies at eviction, which moves only blocks the GPU is about to lose. **How it
 # > copies**: asynchronously, `ops.swap_blocks` on a CUDA stream of its own into pinned CPU tensors
 # > (`SingleDirectionOffloadingHandler.transfer_async` in `vllm/v1/kv_offload/worker/cpu_gpu.py`), a store
-# > waiting for the step's compute; kvlab's engine copies synchronously before the forward pass. Its routers
-# > see both tiers: KV events carry `medium` ("GPU"/"CPU"), as kvlab's do.
+# > waiting for the step's compute; kvlab's engine copies synchronously before the forward pass. Its offloading
+# > managers report stores and removals with the tier's `medium` (`OffloadingEvent` in `lru_manager.py` and
+# > `arc_manager.py`), which reach routers as KV events; kvlab's tier events carry `medium="CPU"` too.
 
 # %% [markdown]
 # ## 2. Per-tier hit rates on a real trace
@@ -254,7 +260,8 @@ print(f"{MODEL}: {bytes_per_token // 1024} KiB of bf16 KV per token, {block_byte
       f"{TRACE_BS}-token block; {GPU_KV_GIB} GiB of GPU KV = {GPU_BLOCKS} blocks.")
 print(f"{len(prompts):,} requests ({trace['timestamp'].iloc[-1] / 60_000:.0f} minutes), "
       f"{trace['input_length'].sum() / 1e6:.1f} M prompt tokens, {profile['distinct_blocks']:,} distinct blocks; "
-      f"a cache that never evicts serves {ceiling:.1%} of prompt tokens.")
+      f"{profile['never_reused']:.0%} of them used by one request only; a cache that never evicts serves "
+      f"{ceiling:.1%} of prompt tokens.")
 
 TIERS = {"LRU": ("lru", "always"), "ARC": ("arc", "always"), "LRU + reuse filter": ("lru", "reused")}
 TIER_BLOCKS = [1000, 2000, 4000, 8000, 16000, 32000, 64000]   # the largest holds every distinct block
@@ -285,7 +292,6 @@ assert (runs.gpu_hit_tokens + runs.tier_hit_tokens + runs.miss_tokens == prompt_
 for part in ("gpu_hit", "tier_hit", "miss"):
     runs[part] = runs[f"{part}_tokens"] / prompt_tokens
 runs["total_hit"] = runs.gpu_hit + runs.tier_hit
-runs["tier_GiB"] = runs.blocks * block_bytes / 2**30
 
 # %%
 fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.2))
@@ -332,16 +338,17 @@ viz.check(abs(at["LRU", large] - ceiling) < 1e-3 and abs(at["ARC", large] - ceil
 # %% [markdown]
 # Reading the curves:
 #
-# * **The tier multiplies the cache**: the GPU pool alone serves a few percent of prompt tokens, because this
-#   trace's conversations come back minutes later, after the pool has turned over many times. A tier tens of
-#   times the pool's size recovers most of the ceiling. Behind `hit_rate` lies a price, though: each tier hit is
-#   a copy (section 3).
+# * **The tier multiplies the cache**: the GPU pool alone serves a few percent of prompt tokens. It holds about
+#   30 requests' worth of blocks (requests average some 26 blocks), so by the time a conversation's next turn
+#   arrives its prefix has usually been evicted. A tier tens of times the pool's size recovers most of the
+#   ceiling. Behind `hit_rate` lies a price, though: each tier hit is a copy (section 3).
 # * **ARC beats LRU on small tiers**: blocks hit a second time move to T2 and outlive the stream of blocks
 #   stored once, and its ghost lists tune that split. On a large tier both keep nearly everything.
-# * **The reuse filter is a bet on small tiers**: most distinct blocks of this trace are used once, and keeping
-#   them out leaves room for the rest, so it wins when slots are scarce. But a block is admitted only at its
-#   second lookup, so the *first* reuse of every block (a conversation's next turn) is always a miss: its curve
-#   flattens far below the ceiling however large the tier.
+# * **The reuse filter is a bet on small tiers**: most distinct blocks of this trace are used by one request
+#   only, and keeping them out leaves room for the rest, so it wins when slots are scarce. But a block is
+#   admitted only once it has been looked up twice, so a block evicted from the GPU before its first reuse
+#   never enters the tier, and that reuse (often a conversation's next turn) misses: the curve flattens far
+#   below the ceiling however large the tier.
 # * A tier that holds every distinct block (the last point) loses nothing: the pool and the tier together hit
 #   exactly what a cache that never evicts would.
 #
@@ -364,8 +371,8 @@ viz.check(abs(at["LRU", large] - ceiling) < 1e-3 and abs(at["ARC", large] - ceil
 # * **recompute**: `TRACE_BS / prefill throughput`, with prefill throughput = `GPU_PEAK_FLOPS x MFU / (2 x
 #   non-embedding parameters)` tokens/s (2 FLOPs per weight per token; attention over the context is left
 #   out, which flatters recomputation on long prompts);
-# * **transfer**: `bytes per block / host-to-device bandwidth` (copies not overlapped with compute, as in
-#   kvlab's engine; vLLM overlaps some).
+# * **transfer**: `bytes per block / host-to-device bandwidth`: the request waits for its copy (in vLLM the
+#   copy runs asynchronously, so other requests compute meanwhile, a gain this model does not credit).
 #
 # The tier wins when the bandwidth exceeds **bytes per token x prefill tokens/s**: a break-even bandwidth that
 # depends on the model (and the GPU) alone. A big model with grouped-query attention computes a lot per byte of
@@ -444,13 +451,15 @@ viz.check(smol.break_even_GB_per_s * 1e9 > H2D_BANDWIDTH, "at this MFU, SmolLM2-
 # %%
 llama_tok_s = prefill_tokens_per_s(shape)
 lru_runs = runs[runs.tier.isin(["none", "LRU"])].copy()
-for label, bw in [("fast", H2D_BANDWIDTH), ("slow", SLOW_BANDWIDTH)]:
-    seconds = lru_runs.miss_tokens / llama_tok_s + lru_runs.tier_hit_blocks * transfer_s(block_bytes, bw)
-    lru_runs[f"prefill_ms_{label}"] = 1e3 * seconds / len(prompts)
+links = {"fast": (H2D_BANDWIDTH, PROMOTE), "slow": (SLOW_BANDWIDTH, OFFLOAD)}
+if measured:
+    links["measured"] = (measured, "#4e79a7")
 fig, ax = plt.subplots(figsize=(8, 3.8))
 x = lru_runs.blocks.replace(0, TIER_BLOCKS[0] / 2)       # "no tier" drawn left of the smallest tier
-ax.plot(x, lru_runs.prefill_ms_fast, "o-", color=PROMOTE, label=f"tier at {H2D_BANDWIDTH / 1e9:g} GB/s")
-ax.plot(x, lru_runs.prefill_ms_slow, "o-", color=OFFLOAD, label=f"tier at {SLOW_BANDWIDTH / 1e9:g} GB/s")
+for label, (bw, color) in links.items():
+    seconds = lru_runs.miss_tokens / llama_tok_s + lru_runs.tier_hit_blocks * transfer_s(block_bytes, bw)
+    lru_runs[f"prefill_ms_{label}"] = 1e3 * seconds / len(prompts)
+    ax.plot(x, lru_runs[f"prefill_ms_{label}"], "o-", color=color, label=f"tier at {bw / 1e9:.3g} GB/s ({label})")
 ax.set_xscale("log")
 ax.set_xticks(list(x), ["none"] + [f"{b // 1000}k" for b in TIER_BLOCKS])
 ax.set(xlabel="LRU tier size (blocks)", ylabel="mean prefill time per request (ms)",
@@ -458,7 +467,7 @@ ax.set(xlabel="LRU tier size (blocks)", ylabel="mean prefill time per request (m
 ax.legend(fontsize=8)
 ax.grid(alpha=0.3)
 plt.show()
-display(lru_runs[["blocks", "total_hit", "prefill_ms_fast", "prefill_ms_slow"]].round(3))  # noqa: F821
+display(lru_runs[["blocks", "total_hit", *(f"prefill_ms_{label}" for label in links)]].round(3))  # noqa: F821
 first, last = lru_runs.iloc[0], lru_runs.iloc[-1]
 viz.check(last.prefill_ms_fast < first.prefill_ms_fast and last.prefill_ms_slow > first.prefill_ms_slow,
           "the largest tier lowers mean prefill time over PCIe and raises it over the slow link", defaults=DEFAULTS)
@@ -565,8 +574,9 @@ print(f"this run's tier counters: {tier_run}")
 
 # %% [markdown]
 # > **In vLLM.** `PrefixCacheStats.record(num_tokens, num_hits, preempted)` (`vllm/v1/metrics/stats.py`) files a
-# > re-admitted request's lookup under `preempted_requests` / `preempted_queries` / `preempted_hits`, and the
-# > exported hit rate reads `queries` and `hits` only. The connector's hits (the CPU tier) are counted apart, in
+# > re-admitted request's lookup under `preempted_requests` / `preempted_queries` / `preempted_hits`; the
+# > counters its metric loggers export (`vllm:prefix_cache_queries`, `vllm:prefix_cache_hits`) add `queries` and
+# > `hits` only. The connector's hits (the CPU tier) are counted apart, in `SchedulerStats`'
 # > `connector_prefix_cache_stats`. kvlab's names: `recomputed_queried_tokens` / `recomputed_tokens` in
 # > `PrefixCacheStats`, per-tier counters in `tier_stats`, `get_prefix_cache_hit_rate("gpu" | "cpu")`.
 #
@@ -575,7 +585,8 @@ print(f"this run's tier counters: {tier_run}")
 # * A second tier keeps what the GPU pool evicts; a GPU miss that hits it costs a copy instead of a prefill.
 #   Lookups chain across tiers and stay verified; the tier keeps promoted blocks (inclusive).
 # * On Mooncake, a tier tens of times the pool recovers most of the infinite-cache ceiling. ARC helps small
-#   tiers; the reuse filter helps them more but caps the hit rate, since every block's first reuse is lost.
+#   tiers; the reuse filter helps them more but caps the hit rate: a block evicted before its first reuse
+#   never enters the tier.
 # * Whether a tier hit pays is one comparison: bandwidth against bytes per token x prefill tokens/s. Over PCIe
 #   it wins easily for Llama-3-8B (break-even near 5 GB/s) and, at the same MFU, not at all for a 135M or
 #   0.6B model; over a slow link even Llama-3-8B loses, and a higher hit rate means a slower prefill.
