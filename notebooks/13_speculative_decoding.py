@@ -242,7 +242,7 @@ plt.show()
 # > `request.num_tokens`. After the pass, `Scheduler.update_from_output` (`vllm/v1/core/sched/scheduler.py`)
 # > subtracts the rejected drafts from `request.num_computed_tokens`, the roll-back shown here. kvlab does the
 # > same with explicit calls, `append_slots(seq, num_draft_tokens=k)` and `accept_drafts(seq, num_accepted)`
-# > (`kvlab/blocks/drafts.py` compares the two line by line).
+# > (the docstring of `kvlab/blocks/drafts.py` compares the two step by step).
 
 # %% [markdown]
 # ## 2. Why an unverified block must not be hashed: the wrong hit
@@ -483,7 +483,7 @@ check(copy.loc[KS[-1], "steps"] < copy.loc[1, "steps"] and chat.loc[K, "steps_sa
 # match at all: it proposes little (so its acceptance rate, over a handful of drafts, says little), wastes
 # little, and saves nothing. The cost that the plot cannot
 # show is time: a step that verifies k drafts computes k + 1 query rows per sequence. On a GPU in the
-# memory-bound decode regime that is nearly free; on this notebook's CPU each row costs real arithmetic, which is
+# memory-bound decode regime the extra rows cost little; on this notebook's CPU each row costs real arithmetic, which is
 # why `python -m kvlab.bench engine --suite speculative` measures tokens per second rather than steps.
 #
 # **Per step**, the n-gram engine run's step records (`llm.step_dataframe()`): drafts verified in each step, how
