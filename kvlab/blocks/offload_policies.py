@@ -122,6 +122,7 @@ class ARCOrder:
 
 
 OFFLOAD_POLICIES = {"lru": LRUOrder, "arc": ARCOrder}
+OFFLOAD_ADMISSIONS = ("always", "reused")
 
 
 class ReuseFilter:
@@ -149,5 +150,5 @@ class ReuseFilter:
 def check_offload_options(policy: str, admission: str) -> None:
     if policy not in OFFLOAD_POLICIES:
         raise InvalidArgumentError(f"offload_policy must be one of {sorted(OFFLOAD_POLICIES)}, got {policy!r}")
-    if admission not in ("always", "reused"):
+    if admission not in OFFLOAD_ADMISSIONS:
         raise InvalidArgumentError(f"offload_admission must be 'always' or 'reused', got {admission!r}")
