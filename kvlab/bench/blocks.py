@@ -5,7 +5,10 @@ Each request, one at a time: build a ``Sequence`` from its token list, ``can_all
 The whole loop is timed (sequence construction and hashing included; turning the trace into token lists is
 not) and reported per block a prompt occupies, in process CPU time (trust it over wall time on a shared
 machine). With ``--vs-nano PATH`` nano-vllm's own BlockManager runs through the same driver in the same
-process, on the same token lists (once per pool: it is slow), and the ratio is printed.
+process, on the same token lists (once per pool: it is slow), and the ratio is printed. With ``--offload-blocks N``
+each pool is also replayed with an offload tier of N CPU blocks (``--offload-policy lru,arc``, ``--offload-admission
+always,reused``; its copies are taken after each request, as the engine does), and each tier's cost per block is
+printed against the single tier's of the same run.
 """
 
 import argparse
@@ -21,8 +24,10 @@ from kvlab import AllocStatus, BlockManager, Sequence
 from kvlab.studies.traces import PromptTokens, load_trace
 
 
-def replay_kvlab(token_lists, num_blocks: int, block_size: int) -> dict:
-    manager = BlockManager(num_blocks, block_size)
+def replay_kvlab(token_lists, num_blocks: int, block_size: int, **tier) -> dict:
+    """``tier``: BlockManager's offload-tier options (none: a single tier)."""
+    manager = BlockManager(num_blocks, block_size, **tier)
+    take_moves = manager.take_tier_moves if tier else None
     blocks = skipped = 0
     cpu_start = time.process_time()
     for tokens in token_lists:
@@ -32,6 +37,8 @@ def replay_kvlab(token_lists, num_blocks: int, block_size: int) -> dict:
             continue
         manager.allocate(seq)
         manager.free(seq)
+        if take_moves is not None:
+            take_moves()
         blocks += seq.num_blocks
     cpu = time.process_time() - cpu_start
     return dict(blocks=blocks, skipped=skipped, us_per_block=cpu / blocks * 1e6, hit_rate=manager.stats.hit_rate)
@@ -81,7 +88,13 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement; the fastest is kept")
     parser.add_argument("--vs-nano", type=Path, metavar="PATH",
                         help="a nano-vllm checkout (e.g. ../shared/anchors/nano-vllm) to run side by side")
+    parser.add_argument("--offload-blocks", type=int, default=0, help="an offload tier of N CPU blocks too (0: none)")
+    parser.add_argument("--offload-policy", default="lru,arc", help="the tier's policies, comma-separated")
+    parser.add_argument("--offload-admission", default="always,reused", help="the tier's admissions, comma-separated")
     args = parser.parse_args(argv)
+    tiers = [dict(num_offload_blocks=args.offload_blocks, offload_policy=p, offload_admission=a)
+             for p in args.offload_policy.split(",") for a in args.offload_admission.split(",")
+             ] if args.offload_blocks else []
     token_lists = [prompt.tolist() for prompt in PromptTokens(load_trace(args.trace, limit=args.limit))]
     nano = load_nano(args.vs_nano) if args.vs_nano else None
     print(f"{args.trace}: {len(token_lists)} requests, block size {args.block_size}, best of {args.repeat}, "
@@ -98,4 +111,10 @@ def main(argv=None) -> int:
             theirs = replay_nano(nano, token_lists, pool, args.block_size)
             line += f" {theirs['us_per_block']:>14.3f} {theirs['us_per_block'] / ours['us_per_block']:>10.1f}x"
         print(line)
+        for tier in tiers:  # same run, same pool: the ratio to the single tier above
+            gc.collect()
+            run = min((replay_kvlab(token_lists, pool, args.block_size, **tier) for _ in range(args.repeat)),
+                      key=lambda r: r["us_per_block"])
+            print(f"{'':>12} {'+ tier ' + tier['offload_policy'] + '/' + tier['offload_admission']:>22} "
+                  f"{run['us_per_block']:>8.3f} us/block: {run['us_per_block'] / ours['us_per_block']:.2f}x the single tier")
     return 0

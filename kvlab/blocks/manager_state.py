@@ -17,6 +17,7 @@ each group of a hybrid manager the one set its coordinator built (kvlab.blocks.g
     _sink          the EventSink every change is reported to, None when nobody listens (kvlab.blocks.event_sink)
     spec           the attention spec whose rules the planning follows (kvlab.blocks.kv_cache_groups)
     events, kv_events   its consumers: the teaching Event log's list and vLLM's KV-event stream (None when off)
+    kv_cache_metrics    a third consumer: sampled residency metrics (kvlab.blocks.kv_cache_metrics), None when off
     stats          PrefixCacheStats of ``allocate``'s lookups, cumulative (``_stats_mark``: where the current run
                    began, for ``make_prefix_cache_stats``)
     _lock          the re-entrant lock every public call holds (kvlab.blocks.locking)
@@ -32,6 +33,7 @@ from kvlab.blocks.event_sink import EventLog, EventSink, make_sink
 from kvlab.blocks.eviction import make_policy
 from kvlab.blocks.hashing import HashFn
 from kvlab.blocks.kv_cache_groups import KVCacheSpec, spec_for
+from kvlab.blocks.kv_cache_metrics import KVCacheMetricsCollector
 from kvlab.blocks.kv_events import KVEventPublisher
 from kvlab.blocks.offload_policies import check_offload_options
 from kvlab.blocks.offload_tier import make_tier
@@ -67,7 +69,8 @@ class SharedParts(NamedTuple):
 def shared_parts(num_blocks: int, block_size: int, *, num_cpu_blocks: int, watermark: float,
                  enable_prefix_caching: bool, sliding_window: Optional[int], hash_fn: Optional[HashFn], eviction,
                  record_events: bool, kv_events: bool, groups=None, num_offload_blocks: int = 0,
-                 offload_policy: str = "lru", offload_admission: str = "always") -> SharedParts:
+                 offload_policy: str = "lru", offload_admission: str = "always",
+                 kv_cache_metrics: Optional[KVCacheMetricsCollector] = None) -> SharedParts:
     """Check a manager's settings (InvalidArgumentError says which is wrong) and build its shared parts. A
     ``sliding_window`` (any group's) reserves the null block; ``groups`` are a hybrid manager's group specs, which
     its KV events describe."""
@@ -84,13 +87,16 @@ def shared_parts(num_blocks: int, block_size: int, *, num_cpu_blocks: int, water
                                    "holds cached full-attention blocks); got "
                                    f"enable_prefix_caching={enable_prefix_caching!r}, "
                                    f"sliding_window={sliding_window!r}")
+    if kv_cache_metrics is not None and not isinstance(kv_cache_metrics, KVCacheMetricsCollector):
+        raise InvalidArgumentError("kv_cache_metrics must be a KVCacheMetricsCollector (kvlab.blocks.kv_cache_metrics) "
+                                   f"or None, got {type(kv_cache_metrics).__name__}")
     if hash_fn is not None and not callable(hash_fn):
         raise InvalidArgumentError("hash_fn must be callable as hash_fn(parent_hash_or_None, token_ids)")
     eviction = make_policy(eviction)
     log = EventLog() if record_events else None
     # What enters and leaves the prefix cache, for routers (vLLM's KV events: kvlab.blocks.kv_events).
     publisher = KVEventPublisher(block_size, groups) if kv_events else None
-    sink = make_sink(log, publisher)  # the one sink the groups and the pool report to
+    sink = make_sink(log, publisher, kv_cache_metrics)  # the one sink the groups and the pool report to
     first_block = NULL_BLOCK + 1 if sliding_window is not None else 0
     pool = BlockPool(num_blocks, eviction, first_block, sink)
     tier = make_tier(num_offload_blocks, pool.index, offload_policy, offload_admission)
@@ -116,13 +122,15 @@ class ManagerState:
                  watermark: float = 0.0, enable_prefix_caching: bool = True,
                  sliding_window: Optional[int] = None, hash_fn: Optional[HashFn] = None,
                  eviction="lru", record_events: bool = False, kv_events: bool = False,
-                 num_offload_blocks: int = 0, offload_policy: str = "lru", offload_admission: str = "always"):
+                 num_offload_blocks: int = 0, offload_policy: str = "lru", offload_admission: str = "always",
+                 kv_cache_metrics: Optional[KVCacheMetricsCollector] = None):
         shared = shared_parts(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, watermark=watermark,
                               enable_prefix_caching=enable_prefix_caching, sliding_window=sliding_window,
                               hash_fn=hash_fn, eviction=eviction, record_events=record_events, kv_events=kv_events,
                               num_offload_blocks=num_offload_blocks, offload_policy=offload_policy,
-                              offload_admission=offload_admission)
+                              offload_admission=offload_admission, kv_cache_metrics=kv_cache_metrics)
         self._join(shared, spec_for(sliding_window), shared.sink, shared.events, shared.kv_events)
+        self.kv_cache_metrics = kv_cache_metrics  # residency metrics (kvlab.blocks.kv_cache_metrics), or None
 
     @classmethod
     def joined(cls, shared: SharedParts, spec: KVCacheSpec, sink: Optional[EventSink]):

@@ -15,11 +15,13 @@ Admission (``offload_admission``):
               at GPU eviction, so it counts every full block of every prompt ``allocate`` looks up (a block
               hit on the GPU was reused too).
 
-Every call is O(1) per hash (OrderedDicts). ``touch`` takes the hashes in prompt order and visits them last to
+Every call but ``LRUOrder.victim`` (see there) is O(1) per hash; ``make_room`` takes a batch of GPU evictions at
+once (kvlab.blocks.offload_tier). ``touch`` takes the hashes in prompt order and visits them last to
 first, as vLLM does, so a prompt's first block ends up most recently used.
 """
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from itertools import filterfalse, islice
 
 from kvlab.errors import InvalidArgumentError, InvariantViolation
 
@@ -27,27 +29,46 @@ REUSE_THRESHOLD = 2
 
 
 class LRUOrder:
-    """The tier's hashes, least recently used first."""
+    """The tier's hashes, least recently used first. A plain dict, not an OrderedDict: its insertions cost about
+    half as much, and a use moves a hash to the end by taking it out and putting it back. The price: ``victim``
+    walks past the dict's deleted slots at its front, so a batch ``make_room`` cannot take is halved
+    (kvlab.blocks.offload_tier) rather than looped, and ``victim`` runs for single blocks only."""
+
+    split_batches = True  # the offload tier halves a batch make_room refuses instead of looping over it
 
     def __init__(self, capacity: int):
-        self.entries: OrderedDict = OrderedDict()
+        self.entries: dict = {}
 
     def insert(self, block_hash) -> None:
         self.entries[block_hash] = None
 
     def touch(self, hashes) -> None:
         entries = self.entries
-        for block_hash in reversed(hashes):
-            if block_hash in entries:
-                entries.move_to_end(block_hash)
+        for block_hash in filter(entries.__contains__, reversed(hashes)):  # most hashes miss: filtered in C
+            entries[block_hash] = entries.pop(block_hash)
+
+    def make_room(self, num_victims: int, hashes, resident, pinned=frozenset()) -> list | None:
+        """What ``victim(pinned)`` for each of the last ``num_victims`` of ``hashes``, each followed by
+        ``insert`` of its hash, after ``insert`` of the others, would do, done at once: returns the victims in
+        order. None, changing nothing, where that would drop an entry of this batch or one of ``resident``
+        (hashes the batch skipped as held, which the one-by-one loop would store again once dropped)."""
+        entries = self.entries
+        if num_victims > len(entries):
+            return None
+        candidates = filterfalse(pinned.__contains__, entries) if pinned else entries
+        victims = list(islice(candidates, num_victims))
+        if len(victims) < num_victims or (resident and not resident.isdisjoint(victims)):
+            return None
+        deque(map(entries.__delitem__, victims), 0)
+        entries.update(dict.fromkeys(hashes))
+        return victims
 
     def victim(self, pinned) -> object:
         """Remove and return the entry to drop (never one of ``pinned``), or None if every entry is pinned."""
-        if not pinned:  # the usual case: one C call
-            return self.entries.popitem(last=False)[0] if self.entries else None
-        for block_hash in self.entries:
+        entries = self.entries
+        for block_hash in entries:
             if block_hash not in pinned:
-                del self.entries[block_hash]
+                del entries[block_hash]
                 return block_hash
         return None
 
@@ -63,6 +84,8 @@ class LRUOrder:
 
 class ARCOrder:
     """T1 / T2 (resident hashes, least recent first) and their ghost lists B1 / B2, with T1's adaptive target."""
+
+    split_batches = False  # OrderedDicts: ``victim`` is O(1), the one-by-one loop takes a batch make_room refuses
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -86,6 +109,29 @@ class ARCOrder:
                 self.target_t1 = min(self.target_t1 + max(1, len(b2) // len(b1)), self.capacity)
             elif block_hash in b2:
                 self.target_t1 = max(self.target_t1 - max(1, len(b1) // len(b2)), 0)
+
+    def make_room(self, num_victims: int, hashes, resident, pinned=frozenset()) -> list | None:
+        """As ``LRUOrder.make_room``. Victims come from T1 while T1 (which each insert grows) is at or above its
+        target, else from T2, never ``pinned``; done at once only where that is exact: no new hash is a ghost (an
+        insert would remove it from B1/B2 between two victims' appends), every victim is an entry from before
+        the batch, and none is ``resident``."""
+        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
+        if not (b1.keys().isdisjoint(hashes) and b2.keys().isdisjoint(hashes)):
+            return None
+        length = len(t1) + len(hashes) - num_victims  # T1's length when the first victim is chosen
+        from_t2 = min(num_victims, max(0, self.target_t1 - length))
+        from_t1 = num_victims - from_t2
+        unpinned = (lambda part: filterfalse(pinned.__contains__, part)) if pinned else iter
+        victims = list(islice(unpinned(t2), from_t2)) + list(islice(unpinned(t1), from_t1))
+        if len(victims) < num_victims or (resident and not resident.isdisjoint(victims)):
+            return None
+        for resident_list, ghosts, dropped in ((t2, b2, victims[:from_t2]), (t1, b1, victims[from_t2:])):
+            deque(map(resident_list.__delitem__, dropped), 0)
+            ghosts.update(dict.fromkeys(dropped))
+            for _ in range(len(ghosts) - self.capacity):
+                ghosts.popitem(last=False)
+        t1.update(dict.fromkeys(hashes))
+        return victims
 
     def victim(self, pinned) -> object:
         """From T1 while it is at or above its target (falling back to T2), else from T2: the least recent entry
@@ -122,6 +168,7 @@ class ARCOrder:
 
 
 OFFLOAD_POLICIES = {"lru": LRUOrder, "arc": ARCOrder}
+OFFLOAD_ADMISSIONS = ("always", "reused")
 
 
 class ReuseFilter:
@@ -149,5 +196,5 @@ class ReuseFilter:
 def check_offload_options(policy: str, admission: str) -> None:
     if policy not in OFFLOAD_POLICIES:
         raise InvalidArgumentError(f"offload_policy must be one of {sorted(OFFLOAD_POLICIES)}, got {policy!r}")
-    if admission not in ("always", "reused"):
+    if admission not in OFFLOAD_ADMISSIONS:
         raise InvalidArgumentError(f"offload_admission must be 'always' or 'reused', got {admission!r}")

@@ -17,11 +17,18 @@ gpu_block)`` in the order made; the manager hands them out with ``take_tier_move
 order, before the moves the same call returns (copy-on-write, swap-in) and before the step's forward pass, is
 always right: an offload reads a GPU block before anything of the call writes it, and a slot being promoted
 by a call is never the victim of that call's offloads (``pinned``).
+
+Speed: a GPU eviction hands the tier a batch of blocks, and ``offer`` takes it at once where the policy can name
+every victim up front (``make_room``): admission, victims, slots, the index's fields and the moves are whole-list
+operations, mostly in C. Where it cannot (a batch that would drop its own entries, an ARC ghost among the new
+hashes), the batch is taken block by block (LRU: halved first); both give the same state, moves and reports
+(``tests/block_manager/test_offload_tier_at_once.py``).
 """
 
+from itertools import compress, repeat
 from typing import Optional
 
-from kvlab.blocks.offload_policies import OFFLOAD_POLICIES, ReuseFilter
+from kvlab.blocks.offload_policies import OFFLOAD_POLICIES, REUSE_THRESHOLD, ReuseFilter
 from kvlab.blocks.prefix_index import ROOT, ContentIds, Evicted, PrefixIndex
 from kvlab.blocks.records import TierHitStats
 from kvlab.errors import InvariantViolation
@@ -68,6 +75,65 @@ class OffloadTier:
     def offer(self, evicted: Evicted) -> None:
         """Copy the admitted ones of the GPU's ``evicted`` blocks in, in order, dropping victims as needed. A
         hash the tier holds already is not stored twice (one slot per hash, like the GPU index)."""
+        if self._offer_at_once(evicted):
+            return
+        if len(evicted.slots) == 1 or not self.order.split_batches:
+            self._offer_one_by_one(evicted)
+            return
+        # Each half on its own, in order, is the same as the loop over the whole: most of it goes at once still.
+        half = len(evicted.slots) // 2
+        self.offer(Evicted(*(column[:half] for column in evicted)))
+        self.offer(Evicted(*(column[half:] for column in evicted)))
+
+    def _offer_at_once(self, evicted: Evicted) -> bool:
+        """``_offer_one_by_one``'s result, reached with whole-list operations that run in C: what makes a GPU
+        eviction with a tier cost less. Returns False, having changed nothing, when the policy cannot name the
+        victims up front (``make_room``: e.g. the batch would drop its own entries); the sink's reports come
+        after the changes, in the one-by-one loop's order (its consumers only record what they are told)."""
+        gpus, hashes, contents, cids, parents = evicted
+        index, free = self.index, self._free
+        cached = index.cached
+        held = not cached.keys().isdisjoint(hashes)
+        resident = cached.keys() & hashes if held else ()  # skipped as held already
+        if held or self.filter is not None:
+            if self.filter is None:
+                keep = [h not in cached for h in hashes]
+            else:  # ReuseFilter.admits, inlined: it runs for every block the GPU evicts
+                counts = self.filter.counts
+                keep = [h not in cached and counts.get(h, 0) >= REUSE_THRESHOLD for h in hashes]
+                if not any(keep):
+                    return True
+            gpus, hashes, contents, cids, parents = (list(compress(column, keep))
+                                                     for column in (gpus, hashes, contents, cids, parents))
+        count = len(hashes)
+        if not count:
+            return True
+        from_free = min(count, len(free))
+        victims = self.order.make_room(count - from_free, hashes, resident, self.pinned)
+        if victims is None:
+            return False
+        slots = free[len(free) - from_free:][::-1]  # what free.pop() would hand out, in that order
+        del free[len(free) - from_free:]
+        registered = index.registered
+        for slot in slots:  # a victim's slot is registered already: cached again below
+            registered[slot] = True
+        if victims:
+            slots += map(cached.pop, victims)
+        hash_of, content_of, parent_of, bytes_of = index.hash, index.content, index.parent_content, index.block_bytes
+        for slot, h, cid, parent, content in zip(slots, hashes, cids, parents, contents):
+            hash_of[slot], content_of[slot], parent_of[slot], bytes_of[slot] = h, cid, parent, content
+        cached.update(zip(hashes, slots))
+        self.moves.extend(zip(repeat("offload"), gpus, slots))
+        self.stats.offloaded_blocks += count
+        sink = self.sink
+        if sink is not None:
+            for i, (gpu, slot, h, content) in enumerate(zip(gpus, slots, hashes, contents)):
+                if i >= from_free:
+                    sink.tier_removed([slot], [victims[i - from_free]])
+                sink.offloaded(gpu, slot, h, content)
+        return True
+
+    def _offer_one_by_one(self, evicted: Evicted) -> None:
         index, order, sink, admission, free = self.index, self.order, self.sink, self.filter, self._free
         cached, moves, before = index.cached, self.moves, len(self.moves)
         # PrefixIndex.put of one entry, inlined: this loop runs for every block the GPU evicts.

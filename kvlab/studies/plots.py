@@ -7,14 +7,15 @@ import numpy as np
 import pandas as pd
 
 from kvlab.studies.memory_waste import SHARES
+from kvlab.studies.tiers import tier_label
 
 SHARE_COLORS = {"token_states": "#4c956c", "reservation": "#f2c14e",
                 "internal_fragmentation": "#f78154", "external_fragmentation": "#b0b0b0"}
 
 
 def plot_hit_rates(table: pd.DataFrame, x: str = "capacity_blocks"):
-    """One panel per trace x block size: token hit rate versus capacity (log scale), a line per policy,
-    and the infinite-cache ceiling dashed. Returns the figure."""
+    """One panel per trace x block size: token hit rate versus capacity (log scale), a line per policy (and
+    offload tier, if any), and the infinite-cache ceiling dashed. Returns the figure."""
     panels = list(table.groupby(["trace", "block_size"], sort=False))
     columns = min(len(panels), 3)
     rows_needed = -(-len(panels) // columns)
@@ -23,9 +24,11 @@ def plot_hit_rates(table: pd.DataFrame, x: str = "capacity_blocks"):
         ax.set_visible(False)
     for ax, ((trace, block_size), group) in zip(axes.flat, panels):
         finite = group[group["capacity_blocks"] != math.inf]
-        for policy, rows in finite.groupby("policy", sort=False):
+        tiers = [c for c in ("offload_capacity_blocks", "offload_policy", "offload_admission") if c in finite]
+        for key, rows in finite.groupby(["policy", *tiers], sort=False):
+            policy, *tier = key if isinstance(key, tuple) else (key,)
             rows = rows.sort_values(x)
-            ax.plot(rows[x], 100 * rows["hit_rate_tokens"], marker="o", label=policy)
+            ax.plot(rows[x], 100 * rows["hit_rate_tokens"], marker="o", label=policy + (tier_label(*tier) if tier else ""))
         ceiling = 100 * group["ceiling_hit_rate_tokens"].iloc[0]
         ax.axhline(ceiling, color="k", linestyle="--", linewidth=1, label=f"infinite cache ({ceiling:.1f}%)")
         if len(finite):

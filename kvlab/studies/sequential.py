@@ -36,6 +36,7 @@ class CompactTrace:
     lengths: np.ndarray
     tokens: np.ndarray
     ends: np.ndarray
+    arrivals_s: np.ndarray | None = None  # request i's arrival time in seconds (the residency metrics' clock)
 
     @classmethod
     def build(cls, trace: pd.DataFrame, block_size: int, numbers: np.ndarray, request: np.ndarray) -> "CompactTrace":
@@ -51,12 +52,13 @@ class CompactTrace:
         tokens = np.zeros(int(ends[-1]), dtype=np.int64)  # a partial block keeps token 0: it is never hashed
         first = start[request] + 2 * (np.arange(len(numbers)) - (np.cumsum(full) - full)[request])
         tokens[first], tokens[first + 1] = 2 * numbers, 2 * numbers + 1
-        return cls(block_size, lengths[order], tokens, ends)
+        return cls(block_size, lengths[order], tokens, ends, trace["timestamp"].to_numpy(np.float64)[order] / 1000.0)
 
     def __sizeof__(self) -> int:
         # Dask's joblib backend ships arguments larger than a kilobyte to its workers once, not once per task;
         # it measures them with sys.getsizeof, which would otherwise see only this small object.
-        return object.__sizeof__(self) + self.lengths.nbytes + self.tokens.nbytes + self.ends.nbytes
+        return (object.__sizeof__(self) + self.lengths.nbytes + self.tokens.nbytes + self.ends.nbytes
+                + (self.arrivals_s.nbytes if self.arrivals_s is not None else 0))
 
     def sequences(self) -> list[Sequence]:
         """Every request's compact prompt as a ``Sequence``, in arrival order. A freed sequence can be
@@ -65,21 +67,45 @@ class CompactTrace:
         return [Sequence(self.tokens[ends[i]:ends[i + 1]], COMPACT_BLOCK_SIZE) for i in range(len(self.lengths))]
 
 
-def replay_sequential(compact: CompactTrace, sequences: list[Sequence], manager: BlockManager, bar) -> dict:
+class ReplayClock:
+    """The replay's clock for the residency metrics (kvlab.blocks.kv_cache_metrics): the current request's
+    arrival time in seconds, set by ``replay_sequential``."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def replay_sequential(compact: CompactTrace, sequences: list[Sequence], manager: BlockManager, bar,
+                      clock: ReplayClock | None = None) -> dict:
     """Replay ``compact.sequences()`` on ``manager`` (block size ``COMPACT_BLOCK_SIZE``, empty); ``bar`` is a
-    tqdm bar (or disabled)."""
+    tqdm bar (or disabled); ``clock``, if given, follows the requests' arrival times. With an offload tier, the
+    tier hits are counted apart from the GPU's (``tier_hit_blocks``) and its copies are dropped request by
+    request (nothing applies them: no K/V is held)."""
     needed = (-(-compact.lengths // compact.block_size)).tolist()  # blocks per prompt, as with the real tokens
+    arrivals = compact.arrivals_s.tolist() if clock is not None else None
+    drain = manager.take_tier_moves if manager.tier_stats is not None else None
     pool = manager.num_blocks
     skipped = peak = 0
     for i, (blocks, seq) in enumerate(zip(needed, sequences), start=1):
         if blocks > pool:
             skipped += 1
         else:
+            if arrivals is not None:
+                clock.now = arrivals[i - 1]
             manager.allocate(seq)  # between requests every block is free: a prompt that fits the pool fits now
             peak = max(peak, pool - manager.num_free_blocks)
             manager.free(seq)
+            if drain is not None:
+                drain()
         if i % 256 == 0:
             bar.update(256)
-    hit_blocks = manager.stats.hit_blocks
+    tier = manager.tier_stats
+    gpu_hits, tier_hits = manager.stats.hit_blocks, tier.tier_hit_blocks if tier is not None else 0
+    hit_blocks = gpu_hits + tier_hits
     return {"requests": len(needed) - skipped, "requests_skipped": skipped, "requests_dropped_mid_decode": 0,
-            "hit_tokens": hit_blocks * compact.block_size, "hit_blocks": hit_blocks, "peak_blocks_used": peak}
+            "hit_tokens": hit_blocks * compact.block_size, "hit_blocks": hit_blocks, "peak_blocks_used": peak,
+            "gpu_hit_blocks": gpu_hits, "tier_hit_blocks": tier_hits,
+            "offloaded_blocks": tier.offloaded_blocks if tier is not None else 0}

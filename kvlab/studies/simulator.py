@@ -22,6 +22,11 @@ manager: a prompt's last token is always computed, so a prompt never hits in ful
 counts as all misses); prefill_tokens_saved = prompt tokens not recomputed; evictions =
 ``manager.num_evictions``; peak_blocks_used = most blocks referenced at once; wall_s = seconds the replay
 took (preparing the trace, done once for a whole sweep, not included).
+
+Sequential replays may put an offload tier behind the pool (a third config item, ``TierConfig``:
+``kvlab.studies.tiers``, whose docstring lists the per-tier columns) and sample residency metrics
+(``kv_cache_metrics_sample``: kvlab.blocks.kv_cache_metrics on the trace's arrival clock; columns
+``gpu_lifetime_s_p50`` and the like, per medium and metric).
 """
 
 import math
@@ -34,14 +39,16 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from kvlab.blocks.eviction import POLICIES, EvictionPolicy
+from kvlab.blocks.kv_cache_metrics import MEDIA, KVCacheMetricsCollector
 from kvlab.blocks.manager import MAX_BLOCKS, BlockManager
 from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError
 from kvlab.studies.engine_model import EngineModel
 from kvlab.studies.reuse import block_keys
-from kvlab.studies.sequential import COMPACT_BLOCK_SIZE, CompactTrace, replay_sequential
+from kvlab.studies.sequential import COMPACT_BLOCK_SIZE, CompactTrace, ReplayClock, replay_sequential
+from kvlab.studies.tiers import TierConfig, tier_columns
 from kvlab.studies.traces import check_frame
-from kvlab.validation import check_int
+from kvlab.validation import check_int, check_number
 
 MODES = ("sequential", "overlap")
 #: The most blocks a BlockManager holds (its MAX_BLOCKS): a larger pool would be refused only when its replay
@@ -137,40 +144,60 @@ def infinite_pool_blocks(prepared: PreparedTrace, engine: EngineModel) -> int:
 
 def replay(trace: pd.DataFrame, *, block_size: int = 16, capacity=math.inf, policy="lru",
            mode: str = "sequential", engine: EngineModel | None = None, label: str = "trace",
-           progress: bool = False) -> dict:
+           progress: bool = False, tier: TierConfig | None = None,
+           kv_cache_metrics_sample: float | None = None) -> dict:
     """Replay ``trace`` once; returns the metrics row described in the module docstring."""
     check_capacity(capacity)  # fail before the trace is prepared
     policy_factory(policy)
-    return replay_prepared(prepare(trace, block_size, mode, label), [(capacity, policy)], engine=engine,
-                           progress=progress)[0]
+    check_sequential_only(mode, [tier or TierConfig()], kv_cache_metrics_sample)
+    return replay_prepared(prepare(trace, block_size, mode, label), [(capacity, policy, tier or TierConfig())],
+                           engine=engine, progress=progress, kv_cache_metrics_sample=kv_cache_metrics_sample)[0]
+
+
+def check_sequential_only(mode: str, tiers, kv_cache_metrics_sample) -> None:
+    """An offload tier and residency metrics are replayed sequentially only: the overlap replay runs the
+    engine's scheduler, which has no clock for the metrics and no place to price the tier's copies."""
+    if kv_cache_metrics_sample is not None:
+        check_number("kv_cache_metrics_sample", kv_cache_metrics_sample, 0, 1, min_open=True)
+    if mode != "sequential" and (any(t.blocks for t in tiers) or kv_cache_metrics_sample is not None):
+        raise InvalidArgumentError(f"an offload tier and residency metrics are replayed in sequential mode only, "
+                                   f"not {mode!r} (drop --offload-capacity / --kv-cache-metrics-sample, or use "
+                                   "--mode sequential)")
 
 
 def replay_prepared(prepared: PreparedTrace, configs, *, engine: EngineModel | None = None,
-                    progress: bool = False) -> list[dict]:
-    """One row per ``(capacity, policy)`` in ``configs``, each as ``replay`` would return it, replaying a
-    trace prepared by ``prepare``. Sequential replays share the prompts' ``Sequence`` objects, built once;
-    each row's wall_s includes an equal share of building them."""
-    configs = [(check_capacity(capacity), *policy_factory(policy)) for capacity, policy in configs]
+                    progress: bool = False, kv_cache_metrics_sample: float | None = None) -> list[dict]:
+    """One row per ``(capacity, policy)`` or ``(capacity, policy, tier)`` in ``configs``, each as ``replay``
+    would return it, replaying a trace prepared by ``prepare``. Sequential replays share the prompts'
+    ``Sequence`` objects, built once; each row's wall_s includes an equal share of building them."""
+    configs = [(check_capacity(capacity), *policy_factory(policy), tier[0] if tier else TierConfig())
+               for capacity, policy, *tier in configs]
+    check_sequential_only(prepared.mode, [c[3] for c in configs], kv_cache_metrics_sample)
     engine = engine or EngineModel()
     if prepared.mode == "overlap":
         engine.scheduler_class()  # an unknown scheduler fails before any replay
     started = time.perf_counter()
     sequences = prepared.compact.sequences() if prepared.mode == "sequential" else None
     shared_s = (time.perf_counter() - started) / max(len(configs), 1)
-    return [_replay_one(prepared, capacity, name, policy_class, engine, sequences, progress, shared_s)
-            for capacity, name, policy_class in configs]
+    return [_replay_one(prepared, capacity, name, policy_class, tier, engine, sequences, progress, shared_s,
+                        kv_cache_metrics_sample)
+            for capacity, name, policy_class, tier in configs]
 
 
-def _replay_one(prepared, capacity, policy_name, policy_class, engine, sequences, progress, shared_s) -> dict:
+def _replay_one(prepared, capacity, policy_name, policy_class, tier, engine, sequences, progress, shared_s,
+                sample) -> dict:
     bs, sequential = prepared.block_size, prepared.mode == "sequential"
     start = time.perf_counter()
     pool = capacity if capacity != math.inf else infinite_pool_blocks(prepared, engine)
-    manager = BlockManager(pool, COMPACT_BLOCK_SIZE if sequential else bs, eviction=policy_class())
+    clock = ReplayClock() if sample is not None else None
+    metrics_collector = KVCacheMetricsCollector(sample, clock=clock) if sample is not None else None
+    manager = BlockManager(pool, COMPACT_BLOCK_SIZE if sequential else bs, eviction=policy_class(),
+                           kv_cache_metrics=metrics_collector, **tier.manager_options())
     requests = len(prepared.compact.lengths) if sequential else len(prepared.frame)
     with tqdm(total=requests, disable=not progress, leave=False, mininterval=0.5,
               desc=f"{prepared.label} bs={bs} cap={capacity} {policy_name}") as bar:
         if sequential:
-            metrics = replay_sequential(prepared.compact, sequences, manager, bar)
+            metrics = replay_sequential(prepared.compact, sequences, manager, bar, clock)
         else:
             from kvlab.studies.overlap import replay_overlap  # the serving engine's scheduler (and torch)
 
@@ -178,11 +205,16 @@ def _replay_one(prepared, capacity, policy_name, policy_class, engine, sequences
     # Rates over the whole trace: a skipped request's prompt counts as computed, so every row of a trace
     # shares one denominator and rows compare across capacities.
     hit_tokens, hit_blocks = metrics.pop("hit_tokens"), metrics.pop("hit_blocks")
+    per_tier = tier_columns(tier, metrics.pop("gpu_hit_blocks", hit_blocks), metrics.pop("tier_hit_blocks", 0),
+                            metrics.pop("offloaded_blocks", 0), prepared.full_blocks, prepared.prompt_tokens, bs)
+    residency = {} if metrics_collector is None else {
+        f"{medium.lower()}_{key}": value for medium in MEDIA for key, value in metrics_collector.summary(medium).items()}
     return {
         "trace": prepared.label, "mode": prepared.mode, "block_size": bs, "capacity_blocks": capacity,
         "capacity_tokens": capacity * bs, "policy": policy_name, "pool_blocks": pool,
         "prompt_tokens": prepared.prompt_tokens, "prefill_tokens_saved": hit_tokens,
         "hit_rate_tokens": hit_tokens / prepared.prompt_tokens,
         "hit_rate_blocks": hit_blocks / max(prepared.full_blocks, 1),
-        **metrics, "evictions": manager.num_evictions, "wall_s": time.perf_counter() - start + shared_s,
+        **metrics, "evictions": manager.num_evictions, **per_tier, **residency,
+        "wall_s": time.perf_counter() - start + shared_s,
     }

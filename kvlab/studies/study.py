@@ -26,9 +26,12 @@ from kvlab.studies.estimate import estimate, slow_notice
 from kvlab.studies.engine_model import EngineModel
 from kvlab.studies.parallel_options import check_jobs, check_timeout
 from kvlab.studies.reuse import block_keys, reuse_profile
-from kvlab.studies.simulator import check_capacity, check_mode, infinite_pool_blocks, policy_factory, prepare
+from kvlab.studies.simulator import (check_capacity, check_mode, check_sequential_only, infinite_pool_blocks,
+                                    policy_factory, prepare)
 from kvlab.studies.sweep import backend, run_replays
 from kvlab.studies.synthetic import WORKLOADS
+from kvlab.studies.tiers import TIER_COLUMNS, tier_configs
+from kvlab.studies.ttft_model import TTFT_COLUMNS, TTFTModel
 from kvlab.studies.traces import BUNDLED, check_frame, load_trace
 from kvlab.validation import check_optional_int
 
@@ -36,7 +39,7 @@ from kvlab.validation import check_optional_int
 COLUMNS = ["trace", "mode", "block_size", "capacity_blocks", "capacity_tokens", "policy", "hit_rate_tokens",
            "hit_rate_blocks", "ceiling_hit_rate_tokens", "prefill_tokens_saved", "prompt_tokens", "evictions",
            "peak_blocks_used", "pool_blocks", "requests", "requests_skipped", "requests_dropped_mid_decode",
-           "wall_s"]
+           "wall_s", *TIER_COLUMNS, *TTFT_COLUMNS]
 
 
 def resolve_trace(trace, limit: int | None = None) -> tuple[str, pd.DataFrame]:
@@ -63,8 +66,12 @@ def resolve_trace(trace, limit: int | None = None) -> tuple[str, pd.DataFrame]:
 def cache_hit_study(traces=("mooncake_conversation",), *, block_sizes=(16,), capacities=(1000, 10000, math.inf),
                     policies=("lru", "fifo", "lfu"), mode: str = "sequential", limit: int | None = None,
                     engine: EngineModel | None = None, progress: bool = True, jobs: int | None = None,
-                    dask_scheduler: str | None = None, dask_timeout: float = 10.0) -> pd.DataFrame:
-    """Replay every combination; returns one row per trace x block size x capacity x policy. ``jobs``:
+                    dask_scheduler: str | None = None, dask_timeout: float = 10.0, offload_capacities=(0,),
+                    offload_policies=("lru",), offload_admissions=("always",),
+                    kv_cache_metrics_sample: float | None = None, ttft: TTFTModel | None = None) -> pd.DataFrame:
+    """Replay every combination; returns one row per trace x block size x capacity x policy x offload tier
+    (``kvlab.studies.tiers.tier_configs``: 0 is no tier), with the TTFT model's columns (``ttft``, default
+    ``TTFTModel()``: kvlab.studies.ttft_model) and, given ``kv_cache_metrics_sample``, residency metrics. ``jobs``:
     parallel workers (None: joblib's current setting, 1 unless set by ``joblib.parallel_config``; -1: all
     cores); ``dask_scheduler``: the address of a Dask scheduler to run on instead (``jobs`` then defaults
     to all of its workers' threads), reached within ``dask_timeout`` seconds and answering within as many
@@ -76,6 +83,11 @@ def cache_hit_study(traces=("mooncake_conversation",), *, block_sizes=(16,), cap
     policies, block_sizes = list(policies), [check_block_size(b) for b in block_sizes]
     names = [policy_factory(policy)[0] for policy in policies]  # fail before hours of replay, not after
     mode, engine, jobs = check_mode(mode), engine or EngineModel(), check_jobs(jobs)
+    tiers = tier_configs(offload_capacities, offload_policies, offload_admissions)
+    check_sequential_only(mode, tiers, kv_cache_metrics_sample)
+    ttft = ttft if ttft is not None else TTFTModel()
+    if not isinstance(ttft, TTFTModel):
+        raise InvalidArgumentError(f"ttft must be a TTFTModel (kvlab.studies.ttft_model), got {type(ttft).__name__}")
     if mode == "overlap":
         engine.scheduler_class()  # an unknown scheduler fails now, not in every replay
     dask_timeout = check_timeout(dask_timeout)
@@ -87,7 +99,8 @@ def cache_hit_study(traces=("mooncake_conversation",), *, block_sizes=(16,), cap
         raise InvalidArgumentError("need at least one trace, block size, capacity and policy")
     frames = [resolve_trace(trace, limit) for trace in traces]  # every trace is read before any replay
     with backend(jobs, dask_scheduler, dask_timeout) as workers:  # a cluster is reached before any preparing
-        notice = slow_notice(*estimate(frames, block_sizes, capacities, len(policies), mode, workers), workers)
+        notice = slow_notice(*estimate(frames, block_sizes, capacities, len(policies) * len(tiers), mode, workers),
+                             workers)
         if progress and notice:
             print(notice, file=sys.stderr, flush=True)
         prepared, ceilings = [], []
@@ -100,32 +113,37 @@ def cache_hit_study(traces=("mooncake_conversation",), *, block_sizes=(16,), cap
                     if math.inf in capacities:  # refused now, not when its replay starts
                         infinite_pool_blocks(prepared[-1], engine)
                     bar.update()
-        run = dict(engine=engine, workers=workers, progress=progress)
-        # The infinite pool is replayed with the first policy only: the other policies share its row...
-        per_trace = [(c, policy) for c in capacities for policy in (policies if c != math.inf else policies[:1])]
-        replayed = run_replays([(p, c, policy) for p in prepared for c, policy in per_trace], **run)
+        run = dict(engine=engine, workers=workers, progress=progress, kv_cache_metrics_sample=kv_cache_metrics_sample)
+        # Each capacity is replayed with every (policy, tier) variant, the infinite pool with the first only: the
+        # other variants share its row (it never evicts, so neither the policy nor a tier has anything to do)...
+        variants = [(policy, tier) for policy in policies for tier in tiers]
+        per_trace = [(c, *variant) for c in capacities for variant in (variants if c != math.inf else variants[:1])]
+        replayed = run_replays([(p, *config) for p in prepared for config in per_trace], **run)
         groups = [replayed[g * len(per_trace):(g + 1) * len(per_trace)] for g in range(len(prepared))]
-        # ... unless it evicted after all (see the module docstring): then each policy gets its own replay.
+        # ... unless it evicted after all (see the module docstring): then each variant gets its own replay.
         evicted = [g for g, rows in enumerate(groups)
                    if any(row["capacity_blocks"] == math.inf and row["evictions"] for row in rows)]
-        own = iter(run_replays([(prepared[g], c, policy) for g in evicted for c in capacities if c == math.inf
-                                for policy in policies[1:]], **run))
+        own = iter(run_replays([(prepared[g], c, *variant) for g in evicted for c in capacities if c == math.inf
+                                for variant in variants[1:]], **run))
+    labels = [(name, tier) for name in names for tier in tiers]
     rows = []
     for g, ceiling in enumerate(ceilings):
-        rows += [{**row, "ceiling_hit_rate_tokens": ceiling}
-                 for row in _in_sweep_order(capacities, names, groups[g], own if g in evicted else None)]
+        rows += [{**row, "ceiling_hit_rate_tokens": ceiling, **ttft.columns(row)}
+                 for row in _in_sweep_order(capacities, labels, groups[g], own if g in evicted else None)]
     table = pd.DataFrame(rows)
     return table[COLUMNS + [c for c in table.columns if c not in COLUMNS]]
 
 
-def _in_sweep_order(capacities, names, replayed: list[dict], own) -> list[dict]:
-    """One trace x block size's rows, capacity by capacity and policy by policy: an infinite pool's one
-    replay stands for every policy, unless ``own`` (an iterator) yields the other policies' own replays."""
+def _in_sweep_order(capacities, labels, replayed: list[dict], own) -> list[dict]:
+    """One trace x block size's rows, capacity by capacity and (policy, tier) variant by variant (``labels``:
+    their names and tiers): an infinite pool's one replay stands for every variant, unless ``own`` (an
+    iterator) yields the other variants' own replays."""
     rows, first = [], iter(replayed)
     for capacity in capacities:
         if capacity != math.inf:
-            rows += [next(first) for _ in names]
+            rows += [next(first) for _ in labels]
             continue
         shared = next(first)
-        rows += [shared] + [next(own) if own else {**shared, "policy": name} for name in names[1:]]
+        rows += [shared] + [next(own) if own else {**shared, "policy": name, **tier.labels()}
+                            for name, tier in labels[1:]]
     return rows

@@ -12,6 +12,10 @@ import math
 
 import pandas as pd
 
+from kvlab.studies.tiers import tier_label
+
+TIER_KEYS = ["offload_capacity_blocks", "offload_policy", "offload_admission"]
+
 
 def summary(table: pd.DataFrame) -> str:
     lines = []
@@ -20,8 +24,12 @@ def summary(table: pd.DataFrame) -> str:
         lines.append(f"{trace}, block size {block_size}: an infinite cache would serve {ceiling:.1%} of prompt "
                      "tokens from cache.")
         finite = group[group["capacity_blocks"] != math.inf]
-        for capacity, at_capacity in finite.groupby("capacity_blocks", sort=False):
-            lines.append(f"  {int(capacity):>9,} blocks: {_policies(at_capacity, ceiling)}{_unserved(at_capacity)}")
+        # With an offload tier (kvlab.studies.tiers), each tier is its own line: policies compare behind one tier.
+        tiers = [c for c in TIER_KEYS if c in finite]
+        for key, at_capacity in finite.groupby(["capacity_blocks", *tiers], sort=False):
+            capacity, *tier = key if isinstance(key, tuple) else (key,)
+            lines.append(f"  {int(capacity):>9,} blocks{tier_label(*tier) if tier else ''}: "
+                         f"{_policies(at_capacity, ceiling)}{_unserved(at_capacity)}")
     return "\n".join(lines)
 
 

@@ -19,17 +19,17 @@ from kvlab.studies.parallel_options import check_jobs
 from kvlab.studies.simulator import PreparedTrace, replay_prepared
 
 
-def run_replays(tasks: list[tuple[PreparedTrace, object, object]], *, engine: EngineModel, workers: int,
-                progress: bool = True) -> list[dict]:
-    """The row of each ``(prepared trace, capacity, policy)`` task, in the tasks' order, run inside
-    ``backend(...)``, which gave ``workers``."""
+def run_replays(tasks: list[tuple], *, engine: EngineModel, workers: int, progress: bool = True,
+                kv_cache_metrics_sample: float | None = None) -> list[dict]:
+    """The row of each ``(prepared trace, capacity, policy)`` or ``(prepared trace, capacity, policy, tier)`` task,
+    in the tasks' order, run inside ``backend(...)``, which gave ``workers``."""
     rows = [None] * len(tasks)
     if not tasks:
         return rows
     chunks = plan(tasks, workers)
     inner = progress and workers == 1  # one worker is this process, where a per-request bar can show
-    calls = (delayed(_replay_chunk)(indices, tasks[indices[0]][0], [tasks[i][1:] for i in indices], engine, inner)
-             for indices in chunks)
+    calls = (delayed(_replay_chunk)(indices, tasks[indices[0]][0], [tasks[i][1:] for i in indices], engine, inner,
+                                    kv_cache_metrics_sample) for indices in chunks)
     with tqdm(total=len(tasks), desc="replays", disable=not progress) as bar:
         for indices, replayed in Parallel(n_jobs=min(workers, len(chunks)), return_as="generator_unordered")(calls):
             for i, row in zip(indices, replayed):
@@ -48,7 +48,7 @@ def plan(tasks: list[tuple[PreparedTrace, object, object]], workers: int) -> lis
     chunk gets a mix of capacities and policies), about two chunks per worker in all; overlap replays share
     nothing, and long replays little (``LONG_REPLAY_BLOCKS``), so each of those is a chunk of its own."""
     by_trace: dict[int, list[int]] = {}
-    for i, (prepared, _, _) in enumerate(tasks):
+    for i, (prepared, *_) in enumerate(tasks):
         by_trace.setdefault(id(prepared), []).append(i)
     chunks = []
     for indices in by_trace.values():
@@ -59,8 +59,10 @@ def plan(tasks: list[tuple[PreparedTrace, object, object]], workers: int) -> lis
     return chunks
 
 
-def _replay_chunk(indices: list[int], prepared: PreparedTrace, configs: list, engine: EngineModel, progress: bool):
-    return indices, replay_prepared(prepared, configs, engine=engine, progress=progress)
+def _replay_chunk(indices: list[int], prepared: PreparedTrace, configs: list, engine: EngineModel, progress: bool,
+                  kv_cache_metrics_sample: float | None = None):
+    return indices, replay_prepared(prepared, configs, engine=engine, progress=progress,
+                                    kv_cache_metrics_sample=kv_cache_metrics_sample)
 
 
 @contextmanager

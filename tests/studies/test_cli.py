@@ -42,6 +42,37 @@ def test_the_kvlab_command_dispatches_here_in_overlap_mode(tmp_path, capsys):
     assert table["hit_rate_blocks"].iloc[0] > 0.5   # five of six requests reuse a 512-token block or more
 
 
+def test_a_study_with_a_tier_writes_per_tier_columns_ttft_and_residency(tmp_path, capsys):
+    code = main(["--limit", "300", "--capacity", "200,inf", "--policy", "lru", "--offload-capacity", "0,2000",
+                 "--offload-policy", "lru,arc", "--offload-admission", "always,reused", "--kv-cache-metrics-sample",
+                 "0.5", "--h2d-gb-per-s", "5", "--out", str(tmp_path), "--quiet", "--jobs", "1"])
+    assert code == 0
+    table = pd.read_csv(tmp_path / "study.csv")
+    assert len(table) == 2 * (1 + 2 * 2)
+    assert table["offload_capacity_blocks"].tolist()[:5] == [0, 2000, 2000, 2000, 2000]
+    assert table["offload_policy"].tolist()[:5] == ["none", "lru", "lru", "arc", "arc"]
+    assert table["offload_admission"].tolist()[:5] == ["none", "always", "reused", "always", "reused"]
+    total = table["gpu_hit_blocks"] + table["tier_hit_blocks"]
+    assert (total + table["miss_blocks"]).nunique() == 1 and table.loc[1, "tier_hit_blocks"] > 0
+    assert table["hit_rate_blocks"].tolist() == pytest.approx((total / (total + table["miss_blocks"])).tolist())
+    assert (table["gpu_hit_tokens"] + table["tier_hit_tokens"] + table["miss_tokens"] == table["prompt_tokens"]).all()
+    # At 5 GB/s a 64 MiB block loads in 13.4 ms, slower than recomputing it (10.24 ms): the tier gains nothing.
+    assert (table["ttft_tier_gain_ms"] == 0).all()
+    assert table.loc[0, "gpu_lifetime_s_count"] > 0 and "cpu_idle_s_p90" in table
+    assumptions = (tmp_path / "ttft_model.txt").read_text()
+    assert "host to device 5 GB/s" in assumptions and "a tier hit saves nothing" in assumptions
+    printed = capsys.readouterr().out
+    assert assumptions.strip() in printed and "+ 2,000-block tier (arc, reused)" in printed
+    assert "residency (seconds on the trace's clock" in printed
+
+
+def test_a_tier_in_overlap_mode_is_one_error_line(tmp_path, capsys):
+    assert main(["--mode", "overlap", "--offload-capacity", "100", "--out", str(tmp_path), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvlab study: error: an offload tier and residency metrics are replayed in sequential "
+                          "mode only") and "Traceback" not in err
+
+
 def test_a_leading_study_word_is_accepted(tmp_path):
     assert main(["study", "--trace", "synthetic_parallel", "--limit", "8", "--capacity", "inf", "--policy", "lru",
                  "--out", str(tmp_path), "--quiet"]) == 0
@@ -73,6 +104,17 @@ HUGE = "1" + "0" * 30
     (["--jobs", "0"], "--jobs: jobs must be an int >= 1, got 0"),
     (["--dask-timeout", "0"], "--dask-timeout: dask timeout must be a finite number > 0, got 0.0"),
     (["--dask-timeout", "inf"], "--dask-timeout: dask timeout must be a finite number > 0, got inf"),
+    (["--offload-capacity", "-1"], "--offload-capacity: expected a number of CPU blocks in \\[0, 16,777,216\\]"),
+    (["--offload-capacity", "lots"], "--offload-capacity: expected a number of CPU blocks in"),
+    (["--offload-capacity", "0,8000,0"], "--offload-capacity: '0' is given more than once"),
+    (["--offload-policy", "lru,mru"], "--offload-policy: unknown offload policy 'mru'; known: lru, arc"),
+    (["--offload-admission", "never"], "--offload-admission: unknown offload admission 'never'; known: always, reused"),
+    (["--kv-cache-metrics-sample", "0"], "--kv-cache-metrics-sample: kv cache metrics sample must be a finite number"),
+    (["--kv-cache-metrics-sample", "1.5"], "--kv-cache-metrics-sample: kv cache metrics sample must be"),
+    (["--ttft-model", "gpt-5"], "--ttft-model: invalid choice: 'gpt-5'"),
+    (["--kv-cache-dtype", "fp4"], "--kv-cache-dtype: invalid choice: 'fp4'"),
+    (["--prefill-tokens-per-s", "0"], "--prefill-tokens-per-s: prefill tokens per s must be a finite number > 0"),
+    (["--h2d-gb-per-s", "-5"], "--h2d-gb-per-s: h2d GB per s must be a finite number > 0"),
 ])
 def test_bad_options_exit_with_status_2_and_one_argparse_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -173,3 +215,4 @@ def test_the_defaults_are_the_main_job():
     args = build_parser().parse_args([])
     assert args.trace == ["mooncake_conversation"] and args.block_size == [512] and args.mode == "sequential"
     assert args.capacity[-1] == math.inf and args.policy == ["lru", "fifo", "lfu"] and str(args.out) == "results"
+    assert args.offload_capacity == [0] and args.kv_cache_metrics_sample is None
