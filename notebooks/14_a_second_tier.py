@@ -73,6 +73,7 @@ from kvlab.blocks.records import TierHitStats
 from kvlab.device import ON_GPU
 from kvlab.sizing.hf_config import read_model_shape
 from kvlab.studies import reuse_profile
+from kvlab.studies.ttft_model import TTFTModel
 from kvlab.studies.traces import load_trace, mooncake_token_ids
 from kvlab.viz.snapshot import CPU_COLOR, FREE, STATE_COLORS, USED, WARM
 
@@ -82,14 +83,15 @@ TIER_SLOTS = 4              # section 1's CPU tier, in blocks (its GPU pool has 
 LIMIT = 3000                # section 2: Mooncake requests to replay (of 12,031; None: all, about 4x as long)
 TRACE_BS = 512              # Mooncake's natural block size: one trace id per 512 tokens
 MODEL = "Meta-Llama-3-8B"   # whose KV bytes size the pool and price a transfer (tests/sizing/configs)
+TTFT_MODEL = "llama-3-8b"   # the same model's name in kvlab.studies.ttft_model (section 3)
 GPU_KV_GIB = 48             # GPU memory for KV: Llama-3-8B's 16 GB of weights on an 80 GB card leave about this
 GPU_PEAK_FLOPS = 989e12     # section 3: an H100 SXM's dense bf16 tensor-core peak (NVIDIA's datasheet)
 MFU = 0.5                   # the share of that peak a long prefill achieves (an assumption: 0.4-0.6 is typical)
 H2D_BANDWIDTH = 50e9        # bytes/s host -> device: PCIe 5.0 x16 is 64 GB/s per direction on paper
 SLOW_BANDWIDTH = 2.5e9      # bytes/s of a slow tier (a 20 Gb/s link to a remote store)
 
-DEFAULTS = (BS, TIER_SLOTS, LIMIT, TRACE_BS, MODEL, GPU_KV_GIB, GPU_PEAK_FLOPS, MFU, H2D_BANDWIDTH,
-            SLOW_BANDWIDTH) == (4, 4, 3000, 512, "Meta-Llama-3-8B", 48, 989e12, 0.5, 50e9, 2.5e9)
+DEFAULTS = (BS, TIER_SLOTS, LIMIT, TRACE_BS, MODEL, TTFT_MODEL, GPU_KV_GIB, GPU_PEAK_FLOPS, MFU, H2D_BANDWIDTH,
+            SLOW_BANDWIDTH) == (4, 4, 3000, 512, "Meta-Llama-3-8B", "llama-3-8b", 48, 989e12, 0.5, 50e9, 2.5e9)
 CONFIGS = Path("..") / "tests" / "sizing" / "configs"   # published config.json files (see its README)
 OFFLOAD, PROMOTE = "#e15759", "#59a14f"                 # arrow colours: GPU -> CPU, CPU -> GPU
 
@@ -444,9 +446,12 @@ viz.check(smol.break_even_GB_per_s * 1e9 > H2D_BANDWIDTH, "at this MFU, SmolLM2-
           "than PCIe 5.0 copies it", defaults=DEFAULTS)
 
 # %% [markdown]
-# Now price section 2's replays. A request's prefill time under the model: its missed tokens recomputed, its
-# tier hits copied, its GPU hits free (queueing and decode left out). An engine that loads every tier hit, as
-# vLLM's connector does, gains from the tier only when the link beats the break-even bandwidth:
+# Now price section 2's replays, with the study's TTFT model (`kvlab.studies.ttft_model.TTFTModel`, the one
+# `kvlab study --offload-capacity ...` prints and writes beside its CSV): a request's missed tokens are
+# recomputed, its GPU hits are free, and each tier hit costs **the cheaper of its transfer and its recompute**,
+# as an engine that knows both prices would choose (queueing and decode left out; its `describe()` says so).
+# We give it this section's prefill throughput and each link's bandwidth. Beside it, an engine that loads
+# every tier hit whatever it costs, as vLLM's connector does:
 
 # %%
 llama_tok_s = prefill_tokens_per_s(shape)
@@ -454,29 +459,48 @@ lru_runs = runs[runs.tier.isin(["none", "LRU"])].copy()
 links = {"fast": (H2D_BANDWIDTH, PROMOTE), "slow": (SLOW_BANDWIDTH, OFFLOAD)}
 if measured:
     links["measured"] = (measured, "#4e79a7")
+priced = {label: TTFTModel(TTFT_MODEL, "fp16", prefill_tokens_per_s=llama_tok_s, h2d_gb_per_s=bw / 1e9)
+          for label, (bw, _) in links.items()}
+print(priced["fast"].describe([TRACE_BS]))
+viz.check(priced["fast"].bytes_per_block(TRACE_BS) == block_bytes,
+          f"TTFT_MODEL ({TTFT_MODEL}) must name the same K/V shape as MODEL ({MODEL}): set both", defaults=DEFAULTS)
 fig, ax = plt.subplots(figsize=(8, 3.8))
 x = lru_runs.blocks.replace(0, TIER_BLOCKS[0] / 2)       # "no tier" drawn left of the smallest tier
 for label, (bw, color) in links.items():
-    seconds = lru_runs.miss_tokens / llama_tok_s + lru_runs.tier_hit_blocks * transfer_s(block_bytes, bw)
-    lru_runs[f"prefill_ms_{label}"] = 1e3 * seconds / len(prompts)
-    ax.plot(x, lru_runs[f"prefill_ms_{label}"], "o-", color=color, label=f"tier at {bw / 1e9:.3g} GB/s ({label})")
+    ttft = priced[label]
+    rows = [dict(row, block_size=TRACE_BS, prompt_tokens=prompt_tokens, requests=len(prompts), requests_skipped=0)
+            for row in lru_runs.to_dict("records")]
+    lru_runs[f"ttft_ms_{label}"] = [ttft.columns(row)["ttft_mean_ms"] for row in rows]
+    lru_runs[f"gain_ms_{label}"] = [ttft.columns(row)["ttft_tier_gain_ms"] for row in rows]
+    lru_runs[f"load_all_ms_{label}"] = (lru_runs.miss_tokens * 1e3 / ttft.prefill_tokens_per_s + lru_runs.tier_hit_blocks
+                                        * ttft.transfer_ms(TRACE_BS)) / len(prompts)
+    ax.plot(x, lru_runs[f"load_all_ms_{label}"], "o-", color=color, label=f"{bw / 1e9:.3g} GB/s ({label}): load every hit")
+    ax.plot(x, lru_runs[f"ttft_ms_{label}"], "s--", color=color, mfc="none",
+            label=f"{bw / 1e9:.3g} GB/s ({label}): TTFTModel, the cheaper of the two")
 ax.set_xscale("log")
 ax.set_xticks(list(x), ["none"] + [f"{b // 1000}k" for b in TIER_BLOCKS])
 ax.set(xlabel="LRU tier size (blocks)", ylabel="mean prefill time per request (ms)",
        title=f"{MODEL} on the Mooncake trace: a higher hit rate is not always faster")
-ax.legend(fontsize=8)
+ax.legend(fontsize=7)
 ax.grid(alpha=0.3)
 plt.show()
-display(lru_runs[["blocks", "total_hit", *(f"prefill_ms_{label}" for label in links)]].round(3))  # noqa: F821
+display(lru_runs[["blocks", "total_hit", *(f"{kind}_ms_{label}" for label in links  # noqa: F821
+                                           for kind in ("load_all", "ttft", "gain"))]].round(2))
 first, last = lru_runs.iloc[0], lru_runs.iloc[-1]
-viz.check(last.prefill_ms_fast < first.prefill_ms_fast and last.prefill_ms_slow > first.prefill_ms_slow,
-          "the largest tier lowers mean prefill time over PCIe and raises it over the slow link", defaults=DEFAULTS)
+viz.check(last.load_all_ms_fast == last.ttft_ms_fast < first.ttft_ms_fast and last.gain_ms_fast > 0,
+          "over PCIe every tier hit is worth loading: the largest tier lowers the mean TTFT", defaults=DEFAULTS)
+viz.check(last.load_all_ms_slow > first.load_all_ms_slow and (lru_runs.gain_ms_slow == 0).all()
+          and np.allclose(lru_runs.ttft_ms_slow, first.ttft_ms_slow),
+          "over the slow link, loading every hit makes TTFT worse, and the TTFT model (cheaper of the two) shows "
+          "no gain at any tier size", defaults=DEFAULTS)
 
 # %% [markdown]
 # The same hit rate, two verdicts. That is inference-sim #1699's lesson (offloading raised the simulated hit
 # rate, not latency, because moving blocks was not priced) and vLLM #53395's (a 94.6% hit rate bought 6%
-# throughput): report a tier's hits beside what a hit costs. A smarter engine recomputes whenever that is
-# cheaper (never worse than no tier), or overlaps the copy with other requests' compute.
+# throughput): report a tier's hits beside what a hit costs. The TTFT model's `ttft_tier_gain_ms` is 0 on the
+# slow link however many hits the tier has: an engine that recomputes whenever that is cheaper is never worse
+# than no tier, one that loads every hit is. `kvlab study --offload-capacity 0,8000 --h2d-gb-per-s 2.5 ...` prints
+# the same columns for any trace.
 
 # %% [markdown]
 # ## 4. Hit-rate pitfalls
