@@ -115,7 +115,9 @@ class BlockPool:
         (a duplicate of a cached prefix has none). Returns the content id the next block chains after."""
         first_new = self.index.ids.next
         parent = self.index.seal(blocks, hashes, contents, parent)
-        if self.sink is not None:
+        if self.sink is not None and self.index.ids.interned is not None:  # ids interned across managers:
+            self.sink.sealed([b for b in blocks if self.index.registered[b]])  # those not twins of a cached one
+        elif self.sink is not None:
             content = self.index.content
             self.sink.sealed(blocks if self.index.ids.next - first_new == len(blocks) else
                              [b for b in blocks if content[b] >= first_new])

@@ -37,6 +37,11 @@ class BlockManagerQueries(ManagerState):
         return self._tier.stats if self._tier is not None else None
 
     @property
+    def num_offload_blocks(self) -> int:
+        """Slots of the offload tier (a shared tier's, which other managers use too); 0 without one."""
+        return self._tier.num_slots if self._tier is not None else 0
+
+    @property
     def num_cached_blocks(self) -> int:
         """Blocks a prefix lookup can hit now (in use or free-but-warm)."""
         return len(self._pool.index.cached)

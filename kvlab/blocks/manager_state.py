@@ -36,7 +36,8 @@ from kvlab.blocks.kv_cache_groups import KVCacheSpec, spec_for
 from kvlab.blocks.kv_cache_metrics import KVCacheMetricsCollector
 from kvlab.blocks.kv_events import KVEventPublisher
 from kvlab.blocks.offload_policies import check_offload_options
-from kvlab.blocks.offload_tier import make_tier
+from kvlab.blocks.offload_tier import is_shared, make_tier
+from kvlab.blocks.prefix_index import PrefixIndex
 from kvlab.blocks.records import AllocStatus, Event, PrefixCacheStats
 from kvlab.blocks.sequence import check_block_size
 from kvlab.blocks.swap import SwapSpace
@@ -70,10 +71,10 @@ def shared_parts(num_blocks: int, block_size: int, *, num_cpu_blocks: int, water
                  enable_prefix_caching: bool, sliding_window: Optional[int], hash_fn: Optional[HashFn], eviction,
                  record_events: bool, kv_events: bool, groups=None, num_offload_blocks: int = 0,
                  offload_policy: str = "lru", offload_admission: str = "always",
-                 kv_cache_metrics: Optional[KVCacheMetricsCollector] = None) -> SharedParts:
+                 kv_cache_metrics: Optional[KVCacheMetricsCollector] = None, shared_tier=None) -> SharedParts:
     """Check a manager's settings (InvalidArgumentError says which is wrong) and build its shared parts. A
     ``sliding_window`` (any group's) reserves the null block; ``groups`` are a hybrid manager's group specs, which
-    its KV events describe."""
+    its KV events describe; ``shared_tier`` a tier several managers share (``make_shared_tier``)."""
     block_size = check_block_size(block_size)
     num_blocks = check_int("num_blocks", num_blocks, 2 if sliding_window is not None else 1, MAX_BLOCKS)
     check_int("num_cpu_blocks", num_cpu_blocks, 0, MAX_BLOCKS)
@@ -82,7 +83,11 @@ def shared_parts(num_blocks: int, block_size: int, *, num_cpu_blocks: int, water
         check_int("sliding_window", sliding_window, 1)
     check_int("num_offload_blocks", num_offload_blocks, 0, MAX_BLOCKS)
     check_offload_options(offload_policy, offload_admission)
-    if num_offload_blocks and (sliding_window is not None or not enable_prefix_caching):
+    if shared_tier is not None and (not is_shared(shared_tier) or num_offload_blocks):
+        raise InvalidArgumentError(f"shared_tier must be a tier from kvlab.blocks.offload_tier.make_shared_tier, with "
+                                   f"num_offload_blocks=0 (one tier per manager), got {shared_tier!r} and "
+                                   f"num_offload_blocks={num_offload_blocks}")
+    if (num_offload_blocks or shared_tier is not None) and (sliding_window is not None or not enable_prefix_caching):
         raise InvalidArgumentError("num_offload_blocks needs prefix caching on and no sliding_window (the tier "
                                    "holds cached full-attention blocks); got "
                                    f"enable_prefix_caching={enable_prefix_caching!r}, "
@@ -98,10 +103,14 @@ def shared_parts(num_blocks: int, block_size: int, *, num_cpu_blocks: int, water
     publisher = KVEventPublisher(block_size, groups) if kv_events else None
     sink = make_sink(log, publisher, kv_cache_metrics)  # the one sink the groups and the pool report to
     first_block = NULL_BLOCK + 1 if sliding_window is not None else 0
-    pool = BlockPool(num_blocks, eviction, first_block, sink)
-    tier = make_tier(num_offload_blocks, pool.index, offload_policy, offload_admission)
+    index = PrefixIndex(num_blocks, shared_tier.index.ids) if shared_tier is not None else None
+    pool = BlockPool(num_blocks, eviction, first_block, sink, index)
+    tier = shared_tier if shared_tier is not None else make_tier(num_offload_blocks, pool.index, offload_policy,
+                                                                 offload_admission)
     if tier is not None:  # the offload tier (kvlab.blocks.offload_tier): a single-group manager's only
-        pool.tier, tier.sink = tier, sink
+        pool.tier = tier
+        if shared_tier is None:  # a shared tier reports to no replica's sink (offload_tier's docstring)
+            tier.sink = sink
     return SharedParts(block_size, num_blocks, bool(enable_prefix_caching), hash_fn, pool, SwapSpace(num_cpu_blocks),
                        num_blocks - first_block, int(watermark * num_blocks), sink,
                        log.events if record_events else None, publisher, tier)
@@ -123,12 +132,13 @@ class ManagerState:
                  sliding_window: Optional[int] = None, hash_fn: Optional[HashFn] = None,
                  eviction="lru", record_events: bool = False, kv_events: bool = False,
                  num_offload_blocks: int = 0, offload_policy: str = "lru", offload_admission: str = "always",
-                 kv_cache_metrics: Optional[KVCacheMetricsCollector] = None):
+                 kv_cache_metrics: Optional[KVCacheMetricsCollector] = None, shared_tier=None):
         shared = shared_parts(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, watermark=watermark,
                               enable_prefix_caching=enable_prefix_caching, sliding_window=sliding_window,
                               hash_fn=hash_fn, eviction=eviction, record_events=record_events, kv_events=kv_events,
                               num_offload_blocks=num_offload_blocks, offload_policy=offload_policy,
-                              offload_admission=offload_admission, kv_cache_metrics=kv_cache_metrics)
+                              offload_admission=offload_admission, kv_cache_metrics=kv_cache_metrics,
+                              shared_tier=shared_tier)
         self._join(shared, spec_for(sliding_window), shared.sink, shared.events, shared.kv_events)
         self.kv_cache_metrics = kv_cache_metrics  # residency metrics (kvlab.blocks.kv_cache_metrics), or None
 

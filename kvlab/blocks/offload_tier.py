@@ -23,18 +23,29 @@ every victim up front (``make_room``): admission, victims, slots, the index's fi
 operations, mostly in C. Where it cannot (a batch that would drop its own entries, an ARC ghost among the new
 hashes), the batch is taken block by block (LRU: halved first); both give the same state, moves and reports
 (``tests/block_manager/test_offload_tier_at_once.py``).
+
+A *shared* tier (``make_shared_tier``; Mooncake's global store) serves several managers, a fleet's replicas:
+``BlockManager(..., shared_tier=tier)``. Their GPU indexes and the tier draw content ids from one
+``InternedContentIds``, so the id of a (parent, bytes) is the same on every replica and an entry replica A
+offloaded is verified on replica B exactly as a GPU hit is. Its moves and stats are the fleet's: a manager's
+``take_tier_moves()`` hands out the copies made since anyone last took them (one manager's call at a time),
+its ``tier_stats`` count every replica's lookups, and it reports to no manager's KV events (every replica
+reaches it alike). ``reset_prefix_cache`` on any of them clears it (it may hold blocks never written).
 """
 
 from itertools import compress, repeat
 from typing import Optional
 
-from kvlab.blocks.offload_policies import OFFLOAD_POLICIES, REUSE_THRESHOLD, ReuseFilter
-from kvlab.blocks.prefix_index import ROOT, ContentIds, Evicted, PrefixIndex
+from kvlab.blocks.offload_policies import OFFLOAD_POLICIES, REUSE_THRESHOLD, ReuseFilter, check_offload_options
+from kvlab.blocks.prefix_index import ROOT, ContentIds, Evicted, InternedContentIds, PrefixIndex
 from kvlab.blocks.records import TierHitStats
 from kvlab.errors import InvariantViolation
+from kvlab.validation import check_int
 
 #: The reuse filter remembers this many hashes per tier slot (vLLM's default table is 64k entries).
 REUSE_ENTRIES_PER_SLOT = 4
+#: The largest shared tier (the manager's MAX_BLOCKS: ~100 bytes of Python state per slot).
+MAX_SHARED_SLOTS = 1 << 24
 
 
 class OffloadTier:
@@ -213,3 +224,14 @@ class OffloadTier:
 
 def make_tier(num_slots: int, gpu_index: PrefixIndex, policy: str, admission: str) -> Optional[OffloadTier]:
     return OffloadTier(num_slots, gpu_index.ids, policy, admission) if num_slots else None
+
+
+def make_shared_tier(num_slots: int, policy: str = "lru", admission: str = "always") -> OffloadTier:
+    """A tier of ``num_slots`` CPU/remote slots for several managers (``BlockManager(shared_tier=...)``)."""
+    check_int("num_slots", num_slots, 1, MAX_SHARED_SLOTS)
+    check_offload_options(policy, admission)
+    return OffloadTier(num_slots, InternedContentIds(), policy, admission)
+
+
+def is_shared(tier) -> bool:
+    return isinstance(tier, OffloadTier) and tier.index.ids.interned is not None

@@ -18,6 +18,7 @@ Per-slot state lives in parallel lists indexed by slot (cheaper than an object p
 would be a GC-tracked allocation per block, ~13% of a replay).
 """
 
+import hashlib
 from typing import NamedTuple, Optional
 
 from kvlab.errors import InvariantViolation
@@ -28,9 +29,31 @@ ROOT = 0         # the "parent content" of a sequence's first block
 
 class ContentIds:
     """The source of content ids, shared by the indexes of every tier of one manager."""
+    interned = None  # InternedContentIds' registry; None: a new id per sealed block
 
     def __init__(self):
         self.next = ROOT + 1
+
+
+class InternedContentIds(ContentIds):
+    """Content ids shared by several managers (a fleet's replicas) and the tier they share
+    (kvlab.blocks.offload_tier.make_shared_tier): one id per (parent id, bytes) whichever manager sealed it, so
+    a chain one replica computed continues in the entries another offloaded, and the verification above holds
+    across them (one id stands for one parent and one run of bytes everywhere). The registry keeps the bytes'
+    SHA-256 digest, not the bytes (32 bytes per distinct block ever sealed): two contents share an id only if
+    their digests collide."""
+
+    def __init__(self):
+        super().__init__()
+        self.interned: dict[tuple[int, bytes], int] = {}
+
+    def intern(self, parent: int, content: bytes) -> int:
+        key = (parent, hashlib.sha256(content).digest())
+        cid = self.interned.get(key)
+        if cid is None:
+            cid = self.interned[key] = self.next
+            self.next += 1
+        return cid
 
 
 class Evicted(NamedTuple):
@@ -89,6 +112,8 @@ class PrefixIndex:
         prefix whose content id is ``parent``, and register each unless another slot already holds its hash
         (then only the first stays hittable). Returns the last slot's content id, the next slot's ``parent``.
         The slots that got a new content id are those with ``content[s] >=`` the ids' ``next`` before."""
+        if self.ids.interned is not None:
+            return self._seal_interned(slots, hashes, contents, parent)
         setdefault, registered, block_hash = self.cached.setdefault, self.registered, self.hash
         content_id, parent_content, block_bytes = self.content, self.parent_content, self.block_bytes
         cid = self.ids.next
@@ -107,6 +132,17 @@ class PrefixIndex:
             parent = cid
             cid += 1
         self.ids.next = cid
+        return parent
+
+    def _seal_interned(self, slots, hashes, contents, parent: int) -> int:
+        """``seal`` with interned ids: each slot's id is the one its (parent, bytes) has everywhere."""
+        intern, setdefault = self.ids.intern, self.cached.setdefault
+        for slot, h, content in zip(slots, hashes, contents):
+            self.hash[slot] = h
+            self.registered[slot] = setdefault(h, slot) == slot  # else a twin holds the hash (see seal)
+            cid = intern(parent, content)
+            self.content[slot], self.parent_content[slot], self.block_bytes[slot] = cid, parent, content
+            parent = cid
         return parent
 
     def put(self, slots, hashes, contents, content_ids, parents) -> None:

@@ -18,6 +18,7 @@ from kvlab.engine.hybrid import make_block_manager
 from kvlab.engine.intake import RequestIntake, load_tokenizer, prompt_token_ids
 from kvlab.engine.kv_calibration import quantize_kv_cache
 from kvlab.engine.kv_cache import CPU_KV_CACHE_BYTES, PagedKVCache, blocks_for_memory, check_kernel_support
+from kvlab.engine.queue_order import WaitingOrder, check_queue_policy
 from kvlab.engine.request import Request, RequestOutput
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampler import Sampler
@@ -61,6 +62,10 @@ class LLM:
     ``scheduler``: a name in ``kvlab.engine.schedulers.SCHEDULERS`` ("v1", "v0", or one you added) or your own
     ``Scheduler`` subclass; ``scheduling`` names only the built-ins, and given both they must agree
     (``kvlab.engine.schedulers``). ``llm.scheduling`` is the family of the scheduler that runs.
+    ``scheduling_policy``: the order waiting prompts are admitted in, "fcfs" (arrival order, the default, as
+    vLLM's ``scheduling_policy``) or "lpm" (longest cached prefix first, SGLang's ``--schedule-policy lpm``,
+    falling back to FCFS past a queue length and an overtake bound so nothing starves:
+    ``kvlab.engine.queue_order``). Greedy outputs per request are the same either way; hits and latency differ.
 
     ``kv_cache_dtype``: "auto" (K/V in the model's dtype) or a quantized cache, vLLM's "fp8" (= "fp8_e4m3"),
     "fp8_e4m3", "fp8_e5m2", or kvlab's "int4_kivi" (KIVI-style 4-bit: keys per channel, values per token) and
@@ -98,7 +103,7 @@ class LLM:
                  scheduler=None, record_decisions: bool = False, kv_events: bool = False, num_offload_blocks: int = 0,
                  offload_policy: str = "lru", offload_admission: str = "always", kv_cache_dtype: str = "auto",
                  kv_scale_granularity: str = "tensor", kv_calibration_prompts=None,
-                 speculative_config: dict | None = None):
+                 speculative_config: dict | None = None, scheduling_policy: str = "fcfs"):
         check_settings(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        preemption_mode=preemption_mode, max_model_len=max_model_len,
@@ -108,6 +113,7 @@ class LLM:
         check_offload_options(offload_policy, offload_admission)
         check_kv_cache_options(kv_cache_dtype, kv_scale_granularity, kv_calibration_prompts)
         scheduler_class = resolve_scheduler(scheduler, scheduling)
+        check_queue_policy(scheduling_policy)
         self.speculation = resolve_speculative_config(speculative_config)
         if self.speculation is not None and not issubclass(scheduler_class, V1Scheduler):
             raise InvalidArgumentError(f"speculative_config needs V1 scheduling (a step that mixes decodes with "
@@ -153,6 +159,7 @@ class LLM:
         logger.info("KV cache: %s (%s)", self.kv_cache.summary(), sized_by)
         self.scheduler = scheduler_class(self.block_manager, max_num_seqs=max_num_seqs,
                                          max_num_batched_tokens=max_num_batched_tokens, preemption_mode=preemption_mode)
+        self.scheduler.waiting_order = WaitingOrder(scheduling_policy)
         if self.speculation is not None:
             self.scheduler.drafter, self.scheduler.max_model_len = self.speculation, self.max_model_len
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.attention_backend,

@@ -4,8 +4,9 @@ Queues: ``waiting`` (new prompts, and sequences preempted by recompute: their pr
 is prefilled again, prefix hits included), ``running`` (blocks in the device pool) and ``swapped`` (blocks in
 the CPU pool). Each step is one of two kinds, as in nano-vllm and vLLM v0 without chunked prefill:
 
-* prefill: when nothing is swapped out, waiting sequences are admitted first come first served while the
-  token budget, the sequence cap and ``can_allocate`` allow (LATER: wait; NEVER: it can never fit, abort it);
+* prefill: when nothing is swapped out, waiting sequences are admitted first come first served (or longest
+  cached prefix first: ``waiting_order``, kvlab.engine.queue_order) while the token budget, the sequence cap
+  and ``can_allocate`` allow (LATER: wait; NEVER: it can never fit, abort it);
 * decode: otherwise, swapped sequences come back first, then every running sequence gets a slot for its new
   token with ``append_slots``; when the pool is short the newest running sequence is preempted (recompute:
   freed and re-queued; swap: moved to the CPU pool), possibly the one asking.
@@ -24,6 +25,7 @@ from collections import deque
 
 from kvlab.blocks.manager import AllocStatus, BlockManager
 from kvlab.blocks.sequence import Sequence, SequenceStatus
+from kvlab.engine.queue_order import WaitingOrder
 from kvlab.engine.request import Request
 from kvlab.engine.step import ScheduledStep, StepBuilder
 
@@ -63,6 +65,7 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self.owner: dict[int, Request] = {}      # seq_id -> its request
         self.prefix_reset_pending = False        # admissions wait for the prefix cache reset (see above)
+        self.waiting_order = WaitingOrder()      # FCFS; LLM(scheduling_policy="lpm") sets longest prefix first
 
     def add(self, request: Request) -> None:
         self.owner[request.seqs[0].seq_id] = request
@@ -134,6 +137,12 @@ class Scheduler:
 
     def _schedule_prefill(self) -> StepBuilder:
         step = StepBuilder("prefill")
+        with self.waiting_order.admission_pass(self):
+            self._admit_waiting(step)
+        self.running.extend(step.seqs)
+        return step
+
+    def _admit_waiting(self, step: StepBuilder) -> None:
         seats, tokens = len(self.running), 0
         while self.waiting:
             seq = self.waiting[0]
@@ -155,8 +164,6 @@ class Scheduler:
             step.num_cached_tokens += seq.num_cached_tokens
             seats += self._seats(seq)
             tokens += seq.num_tokens
-        self.running.extend(step.seqs)
-        return step
 
     def _schedule_decode(self) -> StepBuilder:
         step = StepBuilder("decode")

@@ -6,7 +6,8 @@ There are no prefill steps and decode steps. Each step spends ``max_num_batched_
   chunk of it (as much as the budget left allows). When the pool is short the newest running sequence not yet
   in the step is preempted (recompute or swap, as in V0), possibly the one asking;
 * then, if nothing was preempted, nothing is swapped out and the prefix cache needs no reset, waiting
-  sequences are admitted first come first served: each gets its prefix hits and a first chunk of what the
+  sequences are admitted first come first served (or longest cached prefix first: ``waiting_order``,
+  kvlab.engine.queue_order): each gets its prefix hits and a first chunk of what the
   budget has left (``allocate(seq, num_new_tokens=k)``), the rest is scheduled by later steps.
 
 So a prompt longer than the budget is prefilled over several steps, and decodes keep running while it is: the
@@ -42,7 +43,8 @@ class V1Scheduler(Scheduler):
         self._swap_in(step)
         budget = self._schedule_running(step, self.max_num_batched_tokens)
         if not step.num_preempted and not self.swapped and not self.prefix_reset_pending:
-            self._schedule_waiting(step, budget)
+            with self.waiting_order.admission_pass(self):
+                self._schedule_waiting(step, budget)
         prefill = any(entry.prefill for entry in step.entries)
         decode = not all(entry.prefill for entry in step.entries)
         return step.freeze("mixed" if prefill and decode else "decode" if decode else "prefill")

@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="replay only the first N requests")
     parser.add_argument("--time-scale", type=option(positive_number("time scale")), default=1.0,
                         help="overlap mode: multiply arrival times (2 = half the request rate)")
+    parser.add_argument("--scheduling-policy", choices=("fcfs", "lpm"), default="fcfs",
+                        help="overlap mode: admit waiting requests first come first served, or longest cached "
+                             "prefix first (kvlab.engine.queue_order) (default: %(default)s)")
     parser.add_argument("--jobs", type=option(count_of("jobs")), default=None,
                         help="replays run in N processes (default: all cores; 1: in this process; with "
                              "--dask-scheduler: all the cluster's worker threads)")
@@ -176,7 +179,8 @@ def main(argv=None) -> int:
         ttft = TTFTModel(args.ttft_model, args.kv_cache_dtype, args.prefill_tokens_per_s, args.h2d_gb_per_s)
         table = cache_hit_study(args.trace, block_sizes=args.block_size, capacities=args.capacity,
                                 policies=args.policy, mode=args.mode, limit=args.limit,
-                                engine=EngineModel(time_scale=args.time_scale), progress=not args.quiet,
+                                engine=EngineModel(time_scale=args.time_scale,
+                                                   scheduling_policy=args.scheduling_policy), progress=not args.quiet,
                                 jobs=-1 if args.jobs is None else args.jobs, dask_scheduler=args.dask_scheduler,
                                 dask_timeout=args.dask_timeout, offload_capacities=args.offload_capacity,
                                 offload_policies=args.offload_policy, offload_admissions=args.offload_admission,

@@ -8,14 +8,22 @@ start before the arrival, then the router (``kvlab.studies.routers``) picks a re
 and queues (a ``Replica`` shows it those and nothing else), and the request joins that replica's queue at
 its next step. With one replica this is exactly the overlap study's replay.
 
+``tier=TierSettings(kind="local"|"shared", capacity=...)`` adds a second tier behind the GPU pools: one per
+replica, or one the whole fleet shares (Mooncake's global store), at equal total memory, a promoted block
+costing its transfer time (``kvlab.studies.fleet_tier``). ``engine.scheduling_policy`` "lpm" admits each
+replica's waiting requests longest cached prefix first (``kvlab.engine.queue_order``).
+
 Metrics: hit_rate_tokens and hit_rate_blocks as in study.csv (prompt tokens served from a cache / all
 prompt tokens of the trace; full prompt blocks hit / all full prompt blocks), summed over the replicas;
 load_imbalance = max over mean of the replicas' prefill tokens (the uncached prompt tokens each computed,
 recomputations included; 1.0 is perfect balance); ttft_p50_s / ttft_p99_s: arrival to the end of the step
 that samples the request's first token (queueing, then the steps that compute its prompt, the last chunk's
 step included: each ``decode_step_ms`` plus the prompt tokens it computes), over the requests that got one; evictions, preemptions and requests summed; makespan_s the last replica's clock.
+Per tier (``fleet_tier.tier_columns``): gpu_hit_blocks + tier_hit_blocks = the full prompt blocks hit,
+tier_hit_rate_blocks the tier's share of all full prompt blocks, tier_capacity_blocks the tier memory held.
 """
 
+import dataclasses
 import math
 import time
 
@@ -25,10 +33,11 @@ from tqdm.auto import tqdm
 
 from kvlab.blocks.hashing import block_hashes
 from kvlab.blocks.kv_events import CachedHashes
-from kvlab.blocks.manager import MAX_BLOCKS, BlockManager
+from kvlab.blocks.manager import MAX_BLOCKS
 from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError
 from kvlab.studies.engine_model import EngineModel
+from kvlab.studies.fleet_tier import TierSettings, fleet_managers, tier_columns
 from kvlab.studies.overlap import Engine, arrivals
 from kvlab.studies.routers import RouterSettings, router_factory
 from kvlab.studies.simulator import policy_factory
@@ -44,7 +53,7 @@ class Replica:
     and its queue. Nothing else of the engine or its pool is reachable through it."""
     __slots__ = ("cached", "_engine")
 
-    def __init__(self, engine: Engine, manager: BlockManager):
+    def __init__(self, engine: Engine, manager):
         self._engine, self.cached = engine, CachedHashes()
         manager.kv_events.subscribe(self.cached)
 
@@ -68,7 +77,7 @@ def check_capacity(capacity) -> int:
 def replay_fleet(trace: pd.DataFrame, *, block_size: int = 512, capacity: int = 2000, replicas: int = 8,
                  router="round_robin", settings: RouterSettings | None = None,
                  engine: EngineModel | None = None, policy="lru", label: str = "trace",
-                 progress: bool = False) -> dict:
+                 progress: bool = False, tier: TierSettings | None = None) -> dict:
     """Route and replay ``trace`` once; returns the row described in the module docstring. ``router``: a name
     in ``routers.ROUTERS``, a ``routers.Router`` subclass or a ``choose`` function (``kvlab.studies.routers``)."""
     check_frame(trace)
@@ -76,28 +85,56 @@ def replay_fleet(trace: pd.DataFrame, *, block_size: int = 512, capacity: int = 
     (router, make_router), settings = router_factory(router), settings or RouterSettings()
     engine, (policy_name, policy_class) = engine or EngineModel(), policy_factory(policy)
     engine.scheduler_class()  # an unknown scheduler fails before any replay
+    tier = tier or TierSettings()
+    if not isinstance(tier, TierSettings):
+        raise InvalidArgumentError(f"tier must be a kvlab.studies.fleet_tier.TierSettings, got {tier!r}")
+    engine = dataclasses.replace(engine, tier_ms_per_block=tier.ms_per_block(bs))
     start = time.perf_counter()
     prompts, jobs = PromptTokens(trace), arrivals(trace, engine)
     chooser = make_router(settings, bs)
     with tqdm(total=len(jobs), disable=not progress, leave=False, mininterval=0.5,
-              desc=f"{label} bs={bs} cap={capacity} x{n} {router}") as bar:
-        managers = [BlockManager(capacity, bs, eviction=policy_class(), kv_events=True) for _ in range(n)]
+              desc=f"{label} bs={bs} cap={capacity} x{n} {router} {tier.kind}") as bar:
+        managers = fleet_managers(tier, n, capacity, bs, policy_class)
         engines = [Engine(prompts, [], manager, engine, bar) for manager in managers]
         fleet = [Replica(e, manager) for e, manager in zip(engines, managers)]  # all the router sees
         next_start = [0.0] * n  # when each engine's next step would start, given what it was pushed so far
+        advance = _advance_in_time_order if tier.kind == "shared" else _advance_each
         for job in jobs:
             arrival = job.arrival_ms
-            for i, e in enumerate(engines):
-                if next_start[i] < arrival:
-                    next_start[i] = e.advance(arrival)
+            advance(engines, next_start, arrival)
             limit = (job.prompt_len - 1) // bs  # blocks a prompt can hit: its last token is always computed
             hashes = block_hashes(prompts[job.index], bs, 0, limit, None)[0] if chooser.needs_hashes else []
             i = _checked_choice(chooser.choose(fleet, job.prompt_len, hashes), n, router)
             engines[i].push(job)
             next_start[i] = -math.inf  # its next step may come sooner now
-        for e in engines:
-            e.advance()
-    return _row(trace, label, bs, capacity, n, router, policy_name, engines, managers, time.perf_counter() - start)
+        advance(engines, next_start, math.inf)
+    row = _row(trace, label, bs, capacity, n, router, policy_name, engines, managers, time.perf_counter() - start)
+    return {**row, "scheduling_policy": engine.scheduling_policy, "tier_ms_per_block": engine.tier_ms_per_block,
+            **tier_columns(tier, managers, row["hit_rate_blocks"], int((trace["input_length"] // bs).sum()))}
+
+
+def _advance_each(engines, next_start: list, limit: float) -> None:
+    """Run every replica's steps that start before ``limit``, one replica after the other (they share nothing)."""
+    for i, e in enumerate(engines):
+        if next_start[i] < limit:
+            next_start[i] = e.advance(limit)
+
+
+def _advance_in_time_order(engines, next_start: list, limit: float) -> None:
+    """The same, in the order of the steps' start times across replicas: with a shared tier a step must see
+    what every replica offloaded before it started, and nothing after. The replica whose next step starts first
+    runs until another's would start (a run of plain decode steps touches no tier, so a fast-forwarded one
+    can be taken whole)."""
+    while True:
+        order = sorted(range(len(engines)), key=lambda j: next_start[j])
+        first = order[0]
+        if next_start[first] >= limit:
+            return
+        if next_start[first] == -math.inf:  # pushed to: where its clock stands
+            next_start[first] = engines[first].now_ms
+            continue
+        until = min(limit, next_start[order[1]]) if len(order) > 1 else limit
+        next_start[first] = engines[first].advance(max(until, math.nextafter(next_start[first], math.inf)))
 
 
 def _checked_choice(choice, n: int, router: str) -> int:

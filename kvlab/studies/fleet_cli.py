@@ -3,6 +3,10 @@
 ``kvlab fleet --trace T --block-size B --capacity C --replicas N[,N...] --router P[,P...] --out DIR`` replays
 every combination (``kvlab.studies.fleet_study``), prints a table, and writes ``DIR/fleet.csv`` and
 ``DIR/fleet.png``. Options are checked (and ``--out`` tried) before anything is replayed.
+
+``--tier none,local,shared --tier-capacity T`` adds a second tier of T blocks for the fleet (one per replica,
+T split among them, or one shared: ``kvlab.studies.fleet_tier``) at the stated bandwidths; ``--scheduling-policy
+fcfs,lpm`` sets the order each replica admits waiting requests in (``kvlab.engine.queue_order``).
 """
 
 import argparse
@@ -16,14 +20,15 @@ from kvlab.studies.cli_options import (block_size_number, check_out, comma_list,
                                       positive_number, whole_number)
 from kvlab.studies.fleet import check_capacity, check_replicas
 from kvlab.studies.fleet_study import fleet_study
+from kvlab.studies.fleet_tier import TIER_KINDS, TierSettings, check_tier_kind, tier_assumptions
 from kvlab.studies.engine_model import EngineModel
 from kvlab.studies.routers import ROUTERS, RouterSettings, check_router
 from kvlab.studies.synthetic import WORKLOADS
 from kvlab.studies.traces import BUNDLED
 from kvlab.validation import check_int, check_number
 
-SHOWN = ["block_size", "replicas", "capacity_blocks", "router", "hit_rate_tokens", "hit_rate_blocks",
-         "load_imbalance", "ttft_p50_s", "ttft_p99_s", "preemptions"]
+SHOWN = ["block_size", "replicas", "capacity_blocks", "router", "scheduling_policy", "tier", "hit_rate_tokens",
+         "hit_rate_blocks", "tier_hit_rate_blocks", "load_imbalance", "ttft_p50_s", "ttft_p99_s", "preemptions"]
 FILES = ("fleet.csv", "fleet.png")
 
 
@@ -37,8 +42,20 @@ def _number(name: str, minimum: float, maximum: float | None = None):
     return number
 
 
+def _scheduling_policy(text: str) -> str:
+    if text not in ("fcfs", "lpm"):
+        raise ValueError(f"expected fcfs or lpm, got {text!r}")
+    return text
+
+
+def tier_settings(args) -> list[TierSettings]:
+    """One TierSettings per ``--tier`` kind (InvalidArgumentError when a tier has no ``--tier-capacity``)."""
+    common = dict(policy=args.tier_policy, host_gbps=args.host_gbps, network_gbps=args.network_gbps)
+    return [TierSettings(kind, 0 if kind == "none" else (args.tier_capacity or 0), **common) for kind in args.tier]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    defaults = RouterSettings()
+    defaults, tier_defaults = RouterSettings(), TierSettings()
     parser = argparse.ArgumentParser(
         prog="kvlab fleet", description="Replay a trace across N replicas (each a block manager in the overlap "
                                         "replay's engine) behind a router that sees their KV events and queues.",
@@ -69,6 +86,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help="kv_cost: weight of the request's uncached prompt tokens (default: %(default)s)")
     parser.add_argument("--queue-weight", type=option(_number("queue weight", 0)), default=defaults.queue_weight,
                         help="kv_cost: weight of the prompt tokens queued at the replica (default: %(default)s)")
+    parser.add_argument("--scheduling-policy", type=comma_list(_scheduling_policy), default="fcfs",
+                        help="admission order of each replica's waiting requests: fcfs, lpm (longest cached prefix "
+                             "first), comma-separated (default: %(default)s)")
+    parser.add_argument("--tier", type=comma_list(check_tier_kind), default="none",
+                        help=f"second tier behind the GPU pools, among {', '.join(TIER_KINDS)}, comma-separated "
+                             "(default: %(default)s)")
+    parser.add_argument("--tier-capacity", type=option(count_of("tier capacity")), default=None,
+                        help="tier blocks of the whole fleet: split among the replicas (local) or one pool "
+                             "(shared); needed with --tier local or shared")
+    parser.add_argument("--tier-policy", choices=("lru", "arc"), default="lru",
+                        help="the tier's replacement policy (default: %(default)s)")
+    parser.add_argument("--host-gbps", type=option(_number("host gbps", 0)), default=tier_defaults.host_gbps,
+                        help="GB/s from a replica's local tier to its GPU (default: %(default)s)")
+    parser.add_argument("--network-gbps", type=option(_number("network gbps", 0)),
+                        default=tier_defaults.network_gbps,
+                        help="GB/s from the shared tier to a GPU (default: %(default)s)")
     parser.add_argument("--limit", type=option(count_of("limit")), default=None,
                         help="replay only the first N requests")
     parser.add_argument("--time-scale", type=option(positive_number("time scale")), default=1.0,
@@ -97,7 +130,8 @@ def main(argv=None) -> int:
                             replicas=args.replicas, routers=args.router, settings=settings,
                             engine=EngineModel(time_scale=args.time_scale), limit=args.limit,
                             progress=not args.quiet, jobs=-1 if args.jobs is None else args.jobs,
-                            dask_scheduler=args.dask_scheduler)
+                            dask_scheduler=args.dask_scheduler, tiers=tier_settings(args),
+                            scheduling_policies=args.scheduling_policy)
     except KvlabError as e:
         print(f"kvlab fleet: error: {e}", file=sys.stderr)
         return 2
@@ -107,13 +141,15 @@ def main(argv=None) -> int:
         print(f"kvlab fleet: error: cannot write the results in {args.out}: {e.strerror or e}", file=sys.stderr)
         return 1
     print(format_table(table))
+    if set(args.tier) != {"none"}:
+        print("\n" + "\n".join(tier_assumptions(tier_settings(args)[-1], b, EngineModel()) for b in args.block_size))
     print(f"\nwrote {args.out / FILES[0]} and {args.out / FILES[1]}")
     return 0
 
 
 def format_table(table) -> str:
     shown = table[SHOWN].copy()
-    for column in ("hit_rate_tokens", "hit_rate_blocks"):
+    for column in ("hit_rate_tokens", "hit_rate_blocks", "tier_hit_rate_blocks"):
         shown[column] = shown[column].map("{:.2%}".format)
     for column in ("load_imbalance", "ttft_p50_s", "ttft_p99_s"):
         shown[column] = shown[column].map("{:.2f}".format)
@@ -140,9 +176,10 @@ def plot_fleet(table):
     for row, ((block_size, capacity), group) in zip(axes, groups):
         counts = np.unique(group["replicas"].to_numpy())
         for ax, (column, label, scale) in zip(row, panels):
-            for router, rows in group.groupby("router", sort=False):
+            for (router, policy, tier), rows in group.groupby(["router", "scheduling_policy", "tier"], sort=False):
                 rows = rows.sort_values("replicas")
-                ax.plot(rows["replicas"], scale * rows[column], marker="o", label=router)
+                name = " ".join([router] + [policy] * (policy != "fcfs") + [f"{tier} tier"] * (tier != "none"))
+                ax.plot(rows["replicas"], scale * rows[column], marker="o", label=name)
             if len(counts) > 1:
                 ax.set_xscale("log", base=2)
             ax.set_xticks(counts, [str(c) for c in counts])

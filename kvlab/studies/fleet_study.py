@@ -1,11 +1,14 @@
-"""Fleet sweeps: every block size x capacity x replica count x router of one trace, one row per replay.
+"""Fleet sweeps: every block size x capacity x replica count x router x tier x scheduling policy of one trace, one
+row per replay.
 
 ``fleet_study("mooncake_conversation", replicas=[1, 8], routers=ROUTERS)`` replays each combination
-(``kvlab.studies.fleet``) and returns a DataFrame in ``FLEET_COLUMNS`` order. Replays share nothing, so each
+(``kvlab.studies.fleet``; ``tiers``: ``fleet_tier.TierSettings``, e.g. none, local and shared at one tier
+capacity; ``scheduling_policies``: "fcfs" and/or "lpm", as ``EngineModel.scheduling_policy``) and returns a DataFrame in ``FLEET_COLUMNS`` order. Replays share nothing, so each
 is one joblib task: ``jobs`` local processes, or a Dask cluster (``kvlab.studies.sweep.backend``); the rows
 are the same either way, ``wall_s`` aside.
 """
 
+import dataclasses
 
 import pandas as pd
 from joblib import Parallel, delayed
@@ -14,6 +17,7 @@ from tqdm.auto import tqdm
 from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError
 from kvlab.studies.fleet import check_capacity, check_replicas, replay_fleet
+from kvlab.studies.fleet_tier import TierSettings
 from kvlab.studies.engine_model import EngineModel
 from kvlab.studies.parallel_options import check_jobs, check_timeout
 from kvlab.studies.routers import RouterSettings, router_factory
@@ -23,14 +27,17 @@ from kvlab.studies.sweep import backend
 FLEET_COLUMNS = ["trace", "block_size", "replicas", "capacity_blocks", "router", "hit_rate_blocks",
                  "hit_rate_tokens", "load_imbalance", "ttft_p50_s", "ttft_p99_s", "policy", "prompt_tokens",
                  "prefill_tokens_saved", "requests", "requests_skipped", "requests_dropped_mid_decode",
-                 "preemptions", "recomputed_tokens", "evictions", "makespan_s", "wall_s"]
+                 "preemptions", "recomputed_tokens", "evictions", "makespan_s", "scheduling_policy", "tier",
+                 "tier_capacity_blocks", "gpu_hit_rate_blocks", "tier_hit_rate_blocks", "tier_hit_blocks",
+                 "offloaded_blocks", "tier_ms_per_block", "wall_s"]
 
 
 def fleet_study(trace="mooncake_conversation", *, block_sizes=(512,), capacities=(2000,), replicas=(1, 8),
                 routers=("round_robin", "least_loaded", "cache_aware", "kv_cost"),
                 settings: RouterSettings | None = None, engine: EngineModel | None = None,
                 limit: int | None = None, progress: bool = True, jobs: int | None = None,
-                dask_scheduler: str | None = None, dask_timeout: float = 10.0) -> pd.DataFrame:
+                dask_scheduler: str | None = None, dask_timeout: float = 10.0, tiers=(TierSettings(),),
+                scheduling_policies=("fcfs",)) -> pd.DataFrame:
     """Replay every combination; ``jobs`` and ``dask_scheduler`` as in ``cache_hit_study``. ``routers``: names
     in ``routers.ROUTERS``, ``Router`` subclasses or ``choose`` functions (``kvlab.studies.routers``)."""
     block_sizes = [check_block_size(b) for b in block_sizes]
@@ -38,9 +45,15 @@ def fleet_study(trace="mooncake_conversation", *, block_sizes=(512,), capacities
     replicas, routers = [check_replicas(n) for n in replicas], list(routers)
     for router in routers:  # names, Router subclasses or choose functions (kvlab.studies.routers)
         router_factory(router)
-    if not (block_sizes and capacities and replicas and routers):
-        raise InvalidArgumentError("need at least one block size, capacity, replica count and router")
+    tiers, scheduling_policies = list(tiers), list(scheduling_policies)
+    if not (block_sizes and capacities and replicas and routers and tiers and scheduling_policies):
+        raise InvalidArgumentError("need at least one block size, capacity, replica count, router, tier and "
+                                   "scheduling policy")
+    for tier in tiers:
+        if not isinstance(tier, TierSettings):
+            raise InvalidArgumentError(f"tiers must be kvlab.studies.fleet_tier.TierSettings, got {tier!r}")
     settings, engine, jobs = settings or RouterSettings(), engine or EngineModel(), check_jobs(jobs)
+    engines = [dataclasses.replace(engine, scheduling_policy=p) for p in scheduling_policies]  # each checked
     engine.scheduler_class()  # an unknown scheduler fails before any replay
     dask_timeout = check_timeout(dask_timeout)
     if dask_scheduler is not None:
@@ -48,11 +61,12 @@ def fleet_study(trace="mooncake_conversation", *, block_sizes=(512,), capacities
 
         dask_scheduler = check_address(dask_scheduler)
     label, frame = resolve_trace(trace, limit)
-    configs = [(b, c, n, r) for b in block_sizes for c in capacities for n in replicas for r in routers]
+    configs = [(b, c, n, r, t, e) for b in block_sizes for c in capacities for n in replicas for r in routers
+               for t in tiers for e in engines]
     rows = [None] * len(configs)
     with backend(jobs, dask_scheduler, dask_timeout) as workers:
         inner = progress and workers == 1  # only this process can show a per-request bar
-        calls = (delayed(_replay)(i, frame, label, config, settings, engine, inner) for i, config in enumerate(configs))
+        calls = (delayed(_replay)(i, frame, label, config, settings, inner) for i, config in enumerate(configs))
         with tqdm(total=len(configs), desc="fleet replays", disable=not progress) as bar:
             for i, row in Parallel(n_jobs=min(workers, len(configs)), return_as="generator_unordered")(calls):
                 rows[i] = row
@@ -60,7 +74,7 @@ def fleet_study(trace="mooncake_conversation", *, block_sizes=(512,), capacities
     return pd.DataFrame(rows)[FLEET_COLUMNS]
 
 
-def _replay(i, frame, label, config, settings, engine, progress):
-    block_size, capacity, replicas, router = config
+def _replay(i, frame, label, config, settings, progress):
+    block_size, capacity, replicas, router, tier, engine = config
     return i, replay_fleet(frame, block_size=block_size, capacity=capacity, replicas=replicas, router=router,
-                           settings=settings, engine=engine, label=label, progress=progress)
+                           settings=settings, engine=engine, label=label, progress=progress, tier=tier)

@@ -9,7 +9,9 @@ model runner and sampler do is replaced by a cost model (each assumption is a pa
 or one line below):
 
 1. Time: a step takes ``decode_step_ms`` + ``prefill_ms_per_token`` x the prompt (or recomputed) tokens it
-   computes, after prefix hits: a cached prefix costs nothing, the decode part is fixed whatever the batch.
+   computes, after prefix hits: a cached prefix costs nothing, the decode part is fixed whatever the batch;
+   with an offload tier, + ``tier_ms_per_block`` x the blocks it promotes from the tier (copies not
+   overlapped with compute; offloads are write-backs off the critical path and cost nothing).
 2. Sampling: every sequence whose step computes its last token gets one generated token, with a private id
    (the traces do not record them, so decode blocks occupy the cache but are never hit; a Mooncake prompt
    hits what earlier *prompts* left behind). A request stops after max(output_length, 1) tokens, as
@@ -88,7 +90,7 @@ class Engine:
         self.fast_forward = not record_decisions  # a decision is recorded for every step, so none is skipped
         # The clock: the next step starts at base_ms + the steps and prefill tokens since (integers, so a
         # run of steps taken in one go ends at exactly the time it would have one by one).
-        self.base_ms, self.steps_since, self.prefill_since = 0.0, 0, 0
+        self.base_ms, self.steps_since, self.prefill_since, self.promoted_since = 0.0, 0, 0, 0
         self.c = dict(hit_tokens=0, hit_blocks=0, skipped=0, dropped=0, preemptions=0, recomputed_tokens=0,
                       prefill_tokens=0, peak=0, batch_steps=0, steps=0)
         self.waiting_tokens = sum(job.prompt_len for job in jobs)  # prompts not admitted yet: a router's signal
@@ -104,7 +106,7 @@ class Engine:
         """When a step would start after the next one and then ``plain_steps - 1`` more plain decode steps."""
         model = self.model
         return (self.base_ms + model.decode_step_ms * (self.steps_since + plain_steps)
-                + model.prefill_ms_per_token * self.prefill_since)
+                + model.prefill_ms_per_token * self.prefill_since + model.tier_ms_per_block * self.promoted_since)
 
     def count_plain_decode_steps(self, steps: int, batch: int) -> None:
         """``steps`` plain decode steps of ``batch`` sequences ran (``kvlab.studies.fast_forward``)."""
@@ -138,7 +140,7 @@ class Engine:
                     return math.inf
                 arrival = self.arrivals[self.next_arrival].arrival_ms
                 if arrival > self.now_ms:  # idle: nothing to do until the next request arrives
-                    self.base_ms, self.steps_since, self.prefill_since = arrival, 0, 0
+                    self.base_ms, self.steps_since, self.prefill_since, self.promoted_since = arrival, 0, 0, 0
             if self.now_ms >= limit:
                 return self.now_ms
             steady = self._run_step()
@@ -196,6 +198,7 @@ class Engine:
         c["prefill_tokens"] += prefill
         self.steps_since += 1
         self.prefill_since += prefill
+        self.promoted_since += step.moves.counts["promote"]  # blocks copied in from an offload tier
         if not math.isfinite(self.now_ms):
             raise InvalidArgumentError(f"the simulated clock overflowed ({self.model}); use smaller times")
         finished = self._sample(step)

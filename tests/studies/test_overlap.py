@@ -153,15 +153,16 @@ def random_trace(seed: int, n: int, block_size: int, capacity: int) -> pd.DataFr
     return trace_of(prompts, list(rng.integers(0, capacity * block_size, size=n)), np.sort(rng.uniform(0, 2000, size=n)))
 
 
-@pytest.mark.parametrize("scheduler, budget", [("v1", 8192), ("v1", 7), ("v0", 8192)])
+@pytest.mark.parametrize("scheduler, budget, policy", [("v1", 8192, "fcfs"), ("v1", 7, "fcfs"), ("v0", 8192, "fcfs"),
+                                                     ("v1", 8192, "lpm"), ("v0", 8192, "lpm")])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_plain_decode_steps_run_in_one_go_give_the_same_replay(scheduler, budget, seed):
+def test_plain_decode_steps_run_in_one_go_give_the_same_replay(scheduler, budget, policy, seed):
     # kvlab.studies.fast_forward: the replay that skips the scheduler in plain decode stretches ends with
-    # the same counters, clock and pool as the one that asks it at every step.
+    # the same counters, clock and pool as the one that asks it at every step (admission order aside).
     block_size, capacity = 4, 24
     trace = random_trace(seed, 40, block_size, capacity)
     model = EngineModel(decode_step_ms=10.0, prefill_ms_per_token=0.5, max_num_batched_tokens=budget,
-                        scheduler=scheduler)
+                        scheduler=scheduler, scheduling_policy=policy)
     results, schedules = [], []
     for fast in (True, False):
         manager = BlockManager(capacity, block_size)
@@ -177,6 +178,24 @@ def test_plain_decode_steps_run_in_one_go_give_the_same_replay(scheduler, budget
     assert results[0] == results[1]
     assert results[0]["preemptions"] and results[0]["requests_skipped"] and results[0]["requests_dropped_mid_decode"]
     assert schedules[0] < schedules[1]  # it did skip steps
+
+
+def test_a_block_promoted_from_an_offload_tier_costs_tier_ms_per_block():
+    # A (3 full blocks + 1 token) finishes; B (6 blocks: the whole pool) evicts A's blocks into the tier; A again (same 3
+    # blocks, another last token) hits them in the tier: its step promotes 3 blocks, 3 x 7 ms more.
+    a, b = list(range(1, 13)), list(range(20, 44))
+    trace = trace_of([a + [90], b, a + [91]], outputs=[1, 1, 1], times_ms=[0.0, 100.0, 200.0])
+    runs = []
+    for tier_ms in (0.0, 7.0):
+        manager = BlockManager(6, 4, num_offload_blocks=8)
+        model = EngineModel(decode_step_ms=10.0, prefill_ms_per_token=0.5, tier_ms_per_block=tier_ms)
+        engine = Engine(PromptTokens(trace), arrivals(trace, model), manager, model, tqdm(disable=True))
+        engine.advance()
+        assert manager.take_tier_moves() == []  # the engine took every copy
+        runs.append((engine.metrics()["hit_blocks"], manager.tier_stats.tier_hit_blocks, engine.ttft_ms))
+    (hits, tier_hits, ttft), (hits_7, tier_hits_7, ttft_7) = runs
+    assert hits == hits_7 == tier_hits == tier_hits_7 == 3
+    assert ttft_7[:2] == ttft[:2] and ttft_7[2] == ttft[2] + 21.0
 
 
 class NewestFirst(V1Scheduler):
