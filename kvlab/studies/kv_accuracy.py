@@ -16,10 +16,10 @@ License Version 2), read at run time, nothing downloaded. Evaluation passages co
 order; the fp8 / int4 scales are calibrated on ``CALIBRATION_PROMPTS`` passages from the last topics, which no
 evaluation passage uses.
 
-Defaults: 50 prompts x 16 tokens and one 1,024-token passage. Measured on two CPU cores shared with other jobs
-(load ~11): 7.5 minutes for the fp32 reference and the first setting, then 6 to 16 minutes per setting, so a
-whole run takes about an hour there (minutes on an idle machine); ``--context 2048 --windows 2`` reaches 2k
-positions in about twice the time.
+Defaults (the committed run): 50 prompts x 32 greedy tokens and two 2,048-token passages (positions up to
+2,046). Measured with ``OMP_NUM_THREADS=1 nice -n 10`` on two CPU cores shared with other jobs (load 6-11):
+14 min 50 s wall, 290 s of CPU (6 minutes for the fp32 reference and the first setting, then about 100 s
+per setting).
 ``python -m kvlab.studies.kv_accuracy [--out data/kv_quant]`` writes ``smollm2_kv_accuracy.csv`` (one row per
 setting) and ``smollm2_kv_error_by_position.csv``.
 """
