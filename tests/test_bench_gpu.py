@@ -35,8 +35,8 @@ def test_dry_run_writes_every_file_flat(tmp_path, capsys):
     assert tuple(kernels.columns) == CSV_COLUMNS and (kernels["gpu"] == DRY_RUN_LABEL).all()
     assert set(kernels["kernel"]) == {"decode", "prefill", "reshape_and_cache", "copy_blocks", "swap_out", "swap_in"}
     assert {"kvlab", "kvlab_split_k", "torch_sdpa_contiguous", "flex_attention_paged"} <= set(kernels["impl"])
-    fp8 = kernels[kernels["dtype"] == "fp8_e4m3"]  # the fp8 cache's decode (the interpreter reads fp8 exactly)
-    assert set(fp8["kernel"]) == {"decode"} and {"kvlab", "kvlab_split_k"} <= set(fp8["impl"])
+    fp8 = kernels[kernels["dtype"] == "fp8_e4m3"]  # the fp8 cache's reads (the interpreter reads fp8 exactly)
+    assert set(fp8["kernel"]) == {"decode", "prefill"} and {"kvlab", "kvlab_split_k"} <= set(fp8["impl"])
     engine = pd.read_csv(tmp_path / f"engine-{SLUG}.csv")
     assert set(engine["system"]) == {"kvlab.engine (v1)", "kvlab.engine (v0)", "hf-continuous-batching", "hf-generate"}
     assert {"generated_tok_s", "ttft_ms_median", "itl_ms_median", "vs_hf"} <= set(engine.columns)

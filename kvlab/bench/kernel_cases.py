@@ -7,7 +7,7 @@ import torch
 
 PREFILL_QUERY_LEN = 512
 COPY_LAYERS = 32
-#: A case's dtype name -> the cache's dtype. fp8 cases (decode and reshape_and_cache only) keep the cache in
+#: A case's dtype name -> the cache's dtype. fp8 cases (decode, prefill and reshape_and_cache) keep the cache in
 #: fp8 with unit scales per KV head and the query, new K/V and output in ``IO_DTYPES`` (fp16).
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
           "fp8_e5m2": torch.float8_e5m2}

@@ -123,18 +123,17 @@ def attention_impls(case, device="cuda"):
     and skipped. Decode runs three ways: split-K chosen by the launcher ("kvlab", what the engine runs), forced
     on and forced off."""
     kv_cache, block_tables, seq_lens, query, cu_query_lens = paged_inputs(case, device)
-    impls = {}
+    impls, scales = {}, fp8_unit_scales(case, device)
     if case.kernel == "decode":
         from kvlab.kernels.paged_attention_decode import paged_attention_decode
-        scales = fp8_unit_scales(case, device)
         for impl, split_k in (("kvlab", None), ("kvlab_split_k", True), ("kvlab_no_split", False)):
             impls[impl] = (lambda s: lambda: paged_attention_decode(query, kv_cache, block_tables, seq_lens,
                                                                     split_k=s, **scales))(split_k)
-        if case.dtype in FP8:  # no peer here reads an fp8 paged cache: compare with the fp16 rows' peers
-            return impls
     else:
         from kvlab.kernels.paged_prefill import paged_prefill
-        impls["kvlab"] = lambda: paged_prefill(query, kv_cache, block_tables, seq_lens, cu_query_lens)
+        impls["kvlab"] = lambda: paged_prefill(query, kv_cache, block_tables, seq_lens, cu_query_lens, **scales)
+    if case.dtype in FP8:  # no peer here reads an fp8 paged cache: compare with the fp16 rows' peers
+        return impls
 
     impls["torch_sdpa_contiguous"] = sdpa_contiguous(case, query, kv_cache, block_tables)
     peers = {"flex_attention_paged": lambda: flex_paged(case, query, kv_cache, block_tables, seq_lens),

@@ -8,8 +8,8 @@ its fraction is low by nature.
 
 CSV columns (``data/bench/<gpu-name-slug>.csv``): kernel, impl, dtype, batch, context, num_heads,
 num_kv_heads, head_dim, block_size, query_len, median_us, gbps, frac_of_copy_bw, gpu. ``dtype`` is the cache's:
-fp8_e4m3 / fp8_e5m2 rows (decode and reshape_and_cache) read or write an fp8 cache with fp16 queries and new
-K/V, their bytes counted at 1 byte per cached element: set them beside the fp16 rows of the same case to see
+fp8_e4m3 / fp8_e5m2 rows (decode, prefill and reshape_and_cache) read or write an fp8 cache with fp16 queries
+and new K/V, their bytes counted at 1 byte per cached element: set them beside the fp16 rows of the same case to see
 what the smaller cache buys in time (the same bandwidth would halve the time). ``batch`` is the number of
 sequences for attention, of tokens written for reshape_and_cache, of (src, dst) pairs for copy_blocks
 (always ``COPY_LAYERS`` layers) and of blocks moved for swap_out / swap_in (one layer, device <-> host);
@@ -46,13 +46,18 @@ def build_grid(quick=False):
     batches = [1, 16] if quick else [1, 4, 16, 64, 256]
     contexts = [512, 4096] if quick else [512, 2048, 8192, 32768]
     prefixes = [1024] if quick else [0, 1024, 4096, 16384]
+    prefill_batches = [1, 8] if quick else [1, 16]
     cases = [Case("decode", dt, b, c, h, kvh) for dt in dtypes for h, kvh in heads for b in batches for c in contexts]
     cases += [Case("prefill", dt, b, p + PREFILL_QUERY_LEN, h, kvh)
-              for dt in dtypes for h, kvh in heads for b in ([1, 8] if quick else [1, 16]) for p in prefixes]
-    # fp8 caches beside the fp16 cases of the same shapes (quick: e4m3 at the largest batch and context only)
-    fp8, fp8_shapes = (FP8[:1], [(batches[-1], contexts[-1])]) if quick else (FP8, [(b, c) for b in batches
-                                                                                   for c in contexts])
-    cases += [Case("decode", dt, b, c, 32, 8) for dt in fp8 for b, c in fp8_shapes]
+              for dt in dtypes for h, kvh in heads for b in prefill_batches for p in prefixes]
+    # fp8 caches beside the fp16 cases of the same shapes (quick: e4m3 at the largest batch and context or
+    # prefix only)
+    fp8 = FP8[:1] if quick else FP8
+    decode_shapes = [(batches[-1], contexts[-1])] if quick else [(b, c) for b in batches for c in contexts]
+    prefill_shapes = [(prefill_batches[-1], prefixes[-1])] if quick else [(b, p) for b in prefill_batches
+                                                                          for p in prefixes]
+    cases += [Case("decode", dt, b, c, 32, 8) for dt in fp8 for b, c in decode_shapes]
+    cases += [Case("prefill", dt, b, p + PREFILL_QUERY_LEN, 32, 8) for dt in fp8 for b, p in prefill_shapes]
     cases += [Case("reshape_and_cache", dt, n, 0, 32, 8) for dt in dtypes + list(fp8)
               for n in ([256] if quick else [1, 256, 8192])]
     cases += [Case("copy_blocks", dt, n, 0, 32, 8) for dt in dtypes for n in ([16] if quick else [1, 16, 256])]
@@ -70,10 +75,11 @@ def decode_bytes(case, itemsize):
 
 
 def prefill_bytes(case, itemsize):
-    """K and V read once per sequence (prefix + new tokens), plus the new tokens' queries and outputs."""
+    """K and V read once per sequence (prefix + new tokens; ``itemsize``: the cache's), plus the new tokens'
+    queries and outputs (in ``io_dtype``)."""
     kv = 2 * case.batch * case.context * case.num_kv_heads * case.head_dim
     q_and_out = 2 * case.batch * case.query_len * case.num_heads * case.head_dim
-    return (kv + q_and_out) * itemsize
+    return kv * itemsize + q_and_out * io_dtype(case.dtype).itemsize
 
 
 def reshape_and_cache_bytes(case, itemsize):

@@ -17,7 +17,8 @@ same cache, block tables and slot mappings:
 
 A quantized cache (``LLM(kv_cache_dtype=...)``): each layer's ``kv_quantizer`` (its format and scales,
 ``kvlab.kernels.kv_quant``) encodes K/V on write and decodes them on read, with the same plans
-(``kvlab.kernels.torch_paged_quant``); None ("auto") runs exactly the unquantized code. ``kv_observer``, set
+(``kvlab.kernels.torch_paged_quant``); None ("auto") runs exactly the unquantized code. With "triton" (fp8
+formats, on GPUs with fp8: ``settings.resolve_quantized_backend``) the kernels take the quantizer's scales. ``kv_observer``, set
 only during a calibration pass (``kvlab.engine.kv_calibration``), sees every K/V the layer writes.
 """
 
@@ -67,10 +68,11 @@ class AttentionBatch:
     @classmethod
     def for_backend(cls, backend: str, kv_cache: torch.Tensor, *, is_prefill: bool, slot_mapping, block_tables,
                     seq_lens, cu_query_lens, max_seq_len: int, num_heads: int, sliding_window=None,
-                    check_every_layer=False) -> "AttentionBatch":
+                    check_every_layer=False, query_dtype=None) -> "AttentionBatch":
         """The step's batch for ``backend``, its metadata checked (once for every layer); ``cu_query_lens
         [S + 1]`` is given for decode too (0, 1, ... S). ``kv_cache``: any layer's cache (they share a
-        layout); ``max_seq_len``: the longest ``seq_lens`` entry, known on the host; ``num_heads``: query heads."""
+        layout); ``max_seq_len``: the longest ``seq_lens`` entry, known on the host; ``num_heads``: query heads;
+        ``query_dtype``: theirs (the model's), which an fp8 cache needs for the Triton backend's prefill tile."""
         if backend == "torch":
             num_tokens = slot_mapping.shape[0]
             plan = plan_paged_attention(kv_cache, block_tables, seq_lens, cu_query_lens, num_tokens, sliding_window)
@@ -79,7 +81,7 @@ class AttentionBatch:
                        sliding_window=sliding_window)
         cu_query_lens = cu_query_lens if is_prefill else None  # decode: the kernel takes one query per sequence
         checked = check_paged_step(kv_cache, num_heads, slot_mapping, block_tables, seq_lens, cu_query_lens,
-                                   max_seq_len=max_seq_len, sliding_window=sliding_window)
+                                   max_seq_len=max_seq_len, sliding_window=sliding_window, query_dtype=query_dtype)
         return cls(is_prefill, slot_mapping, block_tables, seq_lens, cu_query_lens, checked=checked,
                    sliding_window=sliding_window, check_every_layer=check_every_layer)
 
@@ -125,20 +127,30 @@ class PagedSelfAttention(nn.Module):
         elif batch.check_every_layer:
             out = self._triton_checked(q, k, v, kv_cache, batch)
         else:  # checked once for the step by for_backend
-            reshape_and_cache_unchecked(k, v, kv_cache, batch.slot_mapping)
+            scales = self._fp8_scales()
+            reshape_and_cache_unchecked(k, v, kv_cache, batch.slot_mapping, **scales)
             if batch.is_prefill:
                 out = paged_prefill_unchecked(q, kv_cache, batch.block_tables, batch.seq_lens, batch.cu_query_lens,
-                                              batch.checked.tile_map, self.scale, batch.sliding_window)
+                                              batch.checked.tile_map, self.scale, batch.sliding_window, **scales)
             else:
                 out = paged_attention_decode_unchecked(q, kv_cache, batch.block_tables, batch.seq_lens,
-                                                       batch.checked.max_seq_len, self.scale, batch.sliding_window)
+                                                       batch.checked.max_seq_len, self.scale, batch.sliding_window,
+                                                       **scales)
         return self.o_proj(out.view(tokens, self.num_heads * self.head_dim))
+
+    def _fp8_scales(self) -> dict:
+        """The Triton kernels' ``k_scale`` / ``v_scale`` for this layer's fp8 cache (``[num_kv_heads]`` each, as
+        the quantizer holds them); none for an unquantized one (the only other kind the backend is given)."""
+        if self.kv_quantizer is None:
+            return {}
+        return dict(k_scale=self.kv_quantizer.k_scale, v_scale=self.kv_quantizer.v_scale)
 
     def _triton_checked(self, q, k, v, kv_cache, batch: AttentionBatch) -> torch.Tensor:
         """The public launchers, which check their arguments on every call (the debug switch)."""
-        reshape_and_cache(k, v, kv_cache, batch.slot_mapping)
+        scales = self._fp8_scales()
+        reshape_and_cache(k, v, kv_cache, batch.slot_mapping, **scales)
         if batch.is_prefill:
             return paged_prefill(q, kv_cache, batch.block_tables, batch.seq_lens, batch.cu_query_lens,
-                                 scale=self.scale, sliding_window=batch.sliding_window)
+                                 scale=self.scale, sliding_window=batch.sliding_window, **scales)
         return paged_attention_decode(q, kv_cache, batch.block_tables, batch.seq_lens, scale=self.scale,
-                                      sliding_window=batch.sliding_window)
+                                      sliding_window=batch.sliding_window, **scales)

@@ -23,6 +23,7 @@ class ModelRunner:
                  check_every_layer: bool = False):
         self.model, self.kv_cache, self.device = model, kv_cache, device
         self.attention_backend = attention_backend
+        self.query_dtype = model.lm_head.weight.dtype  # the model's (an fp8 cache's Triton prefill tile follows it)
         self.check_every_layer = check_every_layer  # Triton's debug switch (kvlab.engine.attention)
         specs, self.layer_groups = group_specs(model.config)
         self.windows = [spec.sliding_window for spec in specs]  # each group's window, None: full attention
@@ -66,7 +67,7 @@ class ModelRunner:
             self.attention_backend, self.kv_cache.gpu[0], is_prefill=multi_row,
             slot_mapping=tensor(group_slots, torch.int64), block_tables=padded(group_tables), seq_lens=seq_lens,
             cu_query_lens=cu_query_lens, max_seq_len=longest, num_heads=self.model.config.num_heads,
-            sliding_window=window, check_every_layer=self.check_every_layer)
+            sliding_window=window, check_every_layer=self.check_every_layer, query_dtype=self.query_dtype)
             for group_slots, group_tables, window in zip(slots, tables, self.windows)]
         hidden = self.model(tensor(input_ids, torch.int64), tensor(positions, torch.int64),
                             [batches[g] for g in self.layer_groups], self.kv_cache.gpu)

@@ -17,6 +17,10 @@ SCALE_GRANULARITIES = ("tensor", "head")
 #: How attention reads and writes the paged cache: kvlab's Triton kernels (compiled on CUDA, interpreted on
 #: CPU) or the batched torch path of ``kvlab.kernels.torch_paged`` (same cache, tables and slots).
 ATTENTION_BACKENDS = ("torch", "triton")
+#: The formats kvlab's Triton kernels write and read: fp8 caches with a scale per KV head.
+TRITON_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+#: The first compute capability with fp8 (Ada, sm_89), which the Triton fp8 write needs compiled.
+FP8_CAPABILITY = (8, 9)
 #: The Triton backend's debug switch (``kvlab.engine.attention``): "1" makes every layer check the step's
 #: slots and tables again, "0" or unset checks them once per step.
 CHECK_EVERY_LAYER_ENV = "KVLAB_CHECK_EVERY_LAYER"
@@ -68,22 +72,34 @@ def check_kv_cache_options(kv_cache_dtype, kv_scale_granularity, kv_calibration_
                                    "kv_cache_dtype='auto' there is nothing to calibrate")
 
 
+def fp8_writes_compile(device: torch.device) -> bool:
+    """Whether Triton's ``reshape_and_cache`` can write an fp8 cache on ``device``: compiled on a GPU with fp8
+    (sm_89+) only; the interpreter rounds float -> fp8 wrongly."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
+
+
 def resolve_quantized_backend(backend, kv_cache_dtype: str, device: torch.device) -> str:
-    """The attention backend for ``kv_cache_dtype``. A quantized cache is served by the torch path (chosen when
-    ``backend`` is None, on any device): kvlab's Triton ``reshape_and_cache`` and ``paged_attention_decode``
-    take fp8 caches, but ``paged_prefill`` does not yet, and no Triton kernel reads the integer or asymmetric
-    formats; asking for "triton" raises UnsupportedError saying so."""
+    """The attention backend for ``kv_cache_dtype``. A quantized cache is served by the torch path when
+    ``backend`` is None, on any device. "triton" serves the fp8 formats where their write compiles (a GPU with
+    fp8, sm_89+: ``reshape_and_cache`` quantizes, ``paged_prefill`` and ``paged_attention_decode`` dequantize);
+    elsewhere, and for the integer and asymmetric formats, which no Triton kernel reads, it raises
+    UnsupportedError saying so."""
     if kv_cache_dtype == "auto":
         return resolve_attention_backend(backend, device)
     if backend is None:
         return "torch"
     backend = resolve_attention_backend(backend, device)
-    if backend == "triton":
+    if backend == "triton" and kv_cache_dtype not in TRITON_KV_CACHE_DTYPES:
         raise UnsupportedError(
-            f"kv_cache_dtype={kv_cache_dtype!r} cannot run on the triton backend: kvlab's Triton reshape_and_cache "
-            "and paged_attention_decode take fp8 caches (the write compiled on sm_89+ only: the interpreter "
-            "rounds float -> fp8 wrongly), but paged_prefill does not, nor does any kernel read the integer or "
-            "asymmetric formats. Use attention_backend='torch' or None")
+            f"kv_cache_dtype={kv_cache_dtype!r} cannot run on the triton backend: kvlab's Triton kernels take fp8 "
+            f"caches ({', '.join(TRITON_KV_CACHE_DTYPES)}) only, none reads the integer or asymmetric formats. Use "
+            "attention_backend='torch' or None")
+    if backend == "triton" and not fp8_writes_compile(device):
+        raise UnsupportedError(
+            f"kv_cache_dtype={kv_cache_dtype!r} cannot run on the triton backend on {device}: kvlab's Triton "
+            "reshape_and_cache writes fp8 compiled on GPUs with fp8 (sm_89+) only (the interpreter rounds float "
+            "-> fp8 wrongly), though paged_prefill and paged_attention_decode read it anywhere. Use "
+            "attention_backend='torch' or None")
     return backend
 
 

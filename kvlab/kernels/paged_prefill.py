@@ -18,6 +18,8 @@ Design
   causal diagonal or wholly before the window are skipped, and the mask handles the partial ones.
 * K/V are fetched and the softmax is folded with the helpers of ``attention_tiles``, shared with decode
   (per-token block lookup, so any block size works; online softmax in fp32).
+* An fp8 cache is dequantized on read as decode does it: ``code * scale[kv_head]``, in the query's dtype,
+  before the dot (the cache holds codes written by ``reshape_and_cache`` with the same scales).
 """
 
 import torch
@@ -25,8 +27,9 @@ import triton
 import triton.language as tl
 
 import kvlab.device  # noqa: F401  (first: selects the interpreter before any @triton.jit runs)
-from kvlab.kernels._checks import (check_attention_options, check_block_tables, check_cu_query_lens, check_kv_cache,
-                                   check_query, check_seq_lens, check_tensor)
+from kvlab.kernels._checks import (FP8_CACHE_DTYPES, check_attention_options, check_block_tables,
+                                   check_cu_query_lens, check_kv_cache, check_kv_scales, check_query, check_seq_lens,
+                                   check_tensor)
 from kvlab.kernels.attention_tiles import NEG_BIG, attention_scores, load_kv_tile, online_softmax_step
 
 
@@ -36,7 +39,7 @@ def prefill_launch_config(num_heads, num_kv_heads, head_dim, block_size, dtype, 
     tests/kernels/gpu_compile_variants.py compiles exactly what the launcher runs. ``capability``: the GPU's
     compute capability ``(major, minor)``, None in the interpreter. Returns ``num_warps`` and every constexpr
     of ``paged_prefill_kernel``; the grid, ``(len(query_tile_map(..., BLOCK_Q)), num_kv_heads)``, depends on
-    the query lengths.
+    the query lengths. ``dtype``: the query's, in which the dots run (an fp8 cache is dequantized to it).
 
     A program holds ``rows`` = BLOCK_Q tokens x GROUP_PAD heads of queries and walks keys ``TILE_N`` at a
     time. On a GPU these are the largest tiles that fit the register file and shared memory, as ptxas builds
@@ -76,6 +79,7 @@ def paged_prefill_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    k_scale_ptr=None, v_scale_ptr=None, FP8: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -114,6 +118,9 @@ def paged_prefill_kernel(
         pos_ok = (pos >= kv_lo) & (pos < kv_hi)
         k, v = load_kv_tile(kv_cache_ptr, table_row, stride_bt_col, head_offset, pos, pos_ok, d, d_ok,
                             stride_c_block, stride_c_kv, stride_c_slot, BLOCK_SIZE)
+        if FP8:  # dequantize: code * the KV head's scale, in the query's dtype
+            k = (k.to(tl.float32) * tl.load(k_scale_ptr + kv_head)).to(q.dtype)
+            v = (v.to(tl.float32) * tl.load(v_scale_ptr + kv_head)).to(q.dtype)
         s = attention_scores(q, k, scale, soft_cap, USE_SOFT_CAP, DOT_PRECISION)
         visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
@@ -143,7 +150,7 @@ def query_tile_map(cu_query_lens, seq_lens, block_q):
 
 
 def paged_prefill(query, kv_cache, block_tables, seq_lens, cu_query_lens, scale=None, sliding_window=None,
-                  soft_cap=None):
+                  soft_cap=None, k_scale=None, v_scale=None):
     """Attention of each sequence's new tokens over its whole paged context (cached prefix + new tokens).
 
     query ``[total_new_tokens, num_heads, head_dim]`` (rows ``cu_query_lens[s]:cu_query_lens[s+1]`` are
@@ -152,18 +159,25 @@ def paged_prefill(query, kv_cache, block_tables, seq_lens, cu_query_lens, scale=
     seq_lens int32 ``[num_seqs]`` (each >= 1), cu_query_lens int32 ``[num_seqs + 1]`` (q_len <= seq_len).
     Any strides with a contiguous last dim. Options as in ``paged_attention_decode``. Returns a new
     contiguous ``[total_new_tokens, num_heads, head_dim]`` tensor.
+
+    An fp8 cache (float8_e4m3fn / float8_e5m2) is read as ``paged_attention_decode`` reads it: dequantized,
+    ``code * k_scale[kv_head]`` (``k_scale``, ``v_scale``: fp32 ``[num_kv_heads]``), with query in any float
+    cache dtype; this runs in the interpreter too.
     """
-    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
+    fp8 = isinstance(kv_cache, torch.Tensor) and kv_cache.dtype in FP8_CACHE_DTYPES
+    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(
+        kv_cache, storage_dtypes=FP8_CACHE_DTYPES if fp8 else None)
     num_heads = check_query(query, kv_cache)
+    check_kv_scales(k_scale, v_scale, num_kv_heads, kv_cache, fp8)
     scale, sliding_window, soft_cap = check_attention_options(scale, sliding_window, soft_cap)
     check_tensor(seq_lens, "seq_lens", ndim=1)
     num_seqs = seq_lens.shape[0]
     check_seq_lens(seq_lens, num_seqs, device=kv_cache.device, min_len=1)
     check_block_tables(block_tables, num_seqs, num_blocks, seq_lens, block_size)
     check_cu_query_lens(cu_query_lens, num_seqs, query.shape[0], seq_lens)
-    tile_map = prefill_tile_map(num_heads, kv_cache, cu_query_lens, seq_lens)
+    tile_map = prefill_tile_map(num_heads, kv_cache, cu_query_lens, seq_lens, query.dtype)
     return paged_prefill_unchecked(query, kv_cache, block_tables, seq_lens, cu_query_lens, tile_map, scale,
-                                   sliding_window, soft_cap)
+                                   sliding_window, soft_cap, k_scale, v_scale)
 
 
 def _capability(device):
@@ -171,17 +185,19 @@ def _capability(device):
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
-def prefill_tile_map(num_heads, kv_cache, cu_query_lens, seq_lens):
-    """``query_tile_map`` with the tile ``paged_prefill`` launches for ``num_heads`` query heads on
-    ``kv_cache``: the same for every layer of a model, so an engine makes it once per step."""
+def prefill_tile_map(num_heads, kv_cache, cu_query_lens, seq_lens, query_dtype=None):
+    """``query_tile_map`` with the tile ``paged_prefill`` launches for ``num_heads`` query heads of
+    ``query_dtype`` (None: the cache's, as a float cache's query has) on ``kv_cache``: the same for every layer
+    of a model, so an engine makes it once per step. The launch sizes its tile by the query's dtype, so an fp8
+    cache needs it given: a tile map made for another BLOCK_Q would leave new tokens out."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    config = prefill_launch_config(num_heads, num_kv_heads, head_dim, block_size, kv_cache.dtype,
+    config = prefill_launch_config(num_heads, num_kv_heads, head_dim, block_size, query_dtype or kv_cache.dtype,
                                    capability=_capability(kv_cache.device))
     return query_tile_map(cu_query_lens, seq_lens, config["BLOCK_Q"])
 
 
 def paged_prefill_unchecked(query, kv_cache, block_tables, seq_lens, cu_query_lens, tile_map, scale=None,
-                            sliding_window=None, soft_cap=None):
+                            sliding_window=None, soft_cap=None, k_scale=None, v_scale=None):
     """``paged_prefill`` without its checks, for a caller that checked the step's tables once and attends
     many layers with them (the engine, ``kvlab.kernels.step_checks``): no tensor -> host read. ``tile_map``:
     ``prefill_tile_map``'s. Nothing is checked, so a block id out of range reads someone else's memory."""
@@ -199,6 +215,6 @@ def paged_prefill_unchecked(query, kv_cache, block_tables, seq_lens, cu_query_le
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), block_tables.stride(1),
-        **config,
+        **config, **({} if k_scale is None else dict(k_scale_ptr=k_scale, v_scale_ptr=v_scale, FP8=True)),
     )
     return out

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.kernels._checks import (check_attention_options, check_block_tables, check_cu_query_lens, check_kv_cache,
-                                   check_seq_lens, check_slot_mapping, check_tensor)
+from kvlab.errors import InvalidArgumentError
+from kvlab.kernels._checks import (FP8_CACHE_DTYPES, check_attention_options, check_block_tables,
+                                   check_cu_query_lens, check_kv_cache, check_seq_lens, check_slot_mapping,
+                                   check_tensor)
 from kvlab.kernels.paged_prefill import prefill_tile_map
 from kvlab.validation import check_int
 
@@ -27,14 +29,19 @@ class CheckedStep:
 
 
 def check_paged_step(kv_cache, num_heads: int, slot_mapping, block_tables, seq_lens, cu_query_lens=None, *,
-                     max_seq_len: int, sliding_window=None) -> CheckedStep:
+                     max_seq_len: int, sliding_window=None, query_dtype=None) -> CheckedStep:
     """Check, once, what ``reshape_and_cache`` and then ``paged_attention_decode`` (``cu_query_lens`` None:
     one new token per sequence) or ``paged_prefill`` would check on every layer, for a step of
     ``slot_mapping.shape[0]`` new tokens with ``num_heads`` query heads. ``kv_cache``: any layer's cache
     (every layer's has its shape, dtype and strides). ``max_seq_len``: the longest context as the caller
-    knows it on the host; a ``seq_lens`` entry above it is refused. Raises InvalidArgumentError as the
-    launchers do."""
-    num_blocks, block_size, _, _ = check_kv_cache(kv_cache)
+    knows it on the host; a ``seq_lens`` entry above it is refused. ``query_dtype``: the queries' (None: the
+    cache's); an fp8 cache needs it, since the prefill tile follows it. The fp8 scales are each layer's own:
+    the engine checks them when it makes its quantizers. Raises InvalidArgumentError as the launchers do."""
+    fp8 = isinstance(kv_cache, torch.Tensor) and kv_cache.dtype in FP8_CACHE_DTYPES
+    num_blocks, block_size, _, _ = check_kv_cache(kv_cache, storage_dtypes=FP8_CACHE_DTYPES if fp8 else None)
+    if fp8 and query_dtype is None:
+        raise InvalidArgumentError(f"an fp8 cache ({kv_cache.dtype}) holds codes, not the queries' dtype: pass "
+                                   "query_dtype")
     check_attention_options(sliding_window=sliding_window)
     check_int("max_seq_len", max_seq_len, 0)
     check_tensor(slot_mapping, "slot_mapping", ndim=1)
@@ -47,4 +54,4 @@ def check_paged_step(kv_cache, num_heads: int, slot_mapping, block_tables, seq_l
     if cu_query_lens is None:
         return CheckedStep(max_seq_len, None)
     check_cu_query_lens(cu_query_lens, num_seqs, num_tokens, seq_lens)
-    return CheckedStep(max_seq_len, prefill_tile_map(num_heads, kv_cache, cu_query_lens, seq_lens))
+    return CheckedStep(max_seq_len, prefill_tile_map(num_heads, kv_cache, cu_query_lens, seq_lens, query_dtype))

@@ -11,7 +11,11 @@ from engine_helpers import make_llm
 from kvlab.engine import SamplingParams
 from kvlab.engine.config import load_model_config
 from kvlab.engine.kv_cache import blocks_for_memory
+from kvlab.device import DEVICE
+from kvlab.engine import attention, settings
 from kvlab.errors import InvalidArgumentError, UnsupportedError
+from kvlab.kernels.kv_quant import FP8_CODECS, KVQuantizer
+from kvlab.kernels.torch_paged_quant import reshape_and_cache_quantized
 from kvlab.sizing.hf_config import read_model_shape
 from kvlab.sizing.kv_dtypes import ENGINE_KV_CACHE_DTYPES
 
@@ -99,11 +103,45 @@ def test_per_head_scales_differ_per_head_and_unit_scales_are_vllms_default(llama
     (dict(kv_calibration_prompts=[[1, 2]]), InvalidArgumentError, "nothing to calibrate"),
     (dict(kv_cache_dtype="int4_kivi"), InvalidArgumentError, "pass kv_calibration_prompts"),
     (dict(kv_cache_dtype="fp8", kv_calibration_prompts=[[1, 500]]), InvalidArgumentError, "an id in"),
-    (dict(kv_cache_dtype="fp8", attention_backend="triton"), UnsupportedError, "cannot run on the triton backend"),
+    (dict(kv_cache_dtype="int4_kivi", kv_calibration_prompts=CALIBRATION, attention_backend="triton"),
+     UnsupportedError, "cannot run on the triton backend: .* none reads the integer or asymmetric"),
 ])
 def test_bad_kv_cache_settings_are_refused(llama, options, error, message):
     with pytest.raises(error, match=message):
         make_llm(llama[0], **options)
+
+
+@pytest.mark.skipif(settings.fp8_writes_compile(DEVICE), reason="this GPU writes fp8 caches compiled")
+def test_fp8_on_the_triton_backend_says_where_it_runs(llama):
+    with pytest.raises(UnsupportedError, match=r"cannot run on the triton backend on cpu: .*\(sm_89\+\) only"):
+        make_llm(llama[0], kv_cache_dtype="fp8", attention_backend="triton")
+
+
+def torch_twin_write(key, value, kv_cache, slot_mapping, k_scale=None, v_scale=None):
+    """``reshape_and_cache_unchecked``'s fp8 write by its torch twin (the same rounding), for the interpreter,
+    which cannot run the kernel's."""
+    name = {dtype: name for name, dtype in FP8_CODECS.items()}[kv_cache.dtype]
+    quantizer = KVQuantizer(name, key.shape[-1], k_scale=k_scale, v_scale=v_scale)
+    return reshape_and_cache_quantized(key, value, kv_cache, slot_mapping, quantizer)
+
+
+def test_the_triton_backend_serves_fp8_as_the_torch_path(llama, monkeypatch):
+    """Prefill (whole prompts, chunks, prefix hits) and decode through the Triton kernels with each layer's
+    scales give the torch path's tokens. On CPU the write is the torch twin's (the interpreter rounds float ->
+    fp8 wrongly, so there the backend is refused); the reads are the Triton kernels' (both fp8 formats:
+    tests/kernels/test_kv_quant.py)."""
+    if not settings.fp8_writes_compile(DEVICE):
+        monkeypatch.setattr(settings, "fp8_writes_compile", lambda device: True)
+        monkeypatch.setattr(attention, "reshape_and_cache_unchecked", torch_twin_write)
+    system = prompts(4, (20,))[0]
+    batch = [system + p for p in prompts(5, (3, 9))] + prompts(6, (30,))
+    runs = {}
+    for backend in ("torch", "triton"):
+        llm = make_llm(llama[0], kv_cache_dtype="fp8", kv_calibration_prompts=CALIBRATION, attention_backend=backend,
+                       max_num_seqs=4, max_num_batched_tokens=24)  # the 30-token prompt in two chunks
+        assert llm.attention_backend == backend
+        runs[backend] = tokens(llm, batch[:1]) + tokens(llm, batch[1:])  # the others hit the first's blocks
+    assert runs["triton"] == runs["torch"]
 
 
 @pytest.mark.parametrize("name", ["auto", "fp8_e4m3"])

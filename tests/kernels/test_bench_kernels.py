@@ -41,6 +41,10 @@ def test_fp8_bytes_count_the_cache_at_one_byte_and_the_rest_in_fp16():
     assert bench.reshape_and_cache_bytes(write, 1) == 100 * 2 * 8 * 128 * (2 + 1)  # read fp16, write fp8
     gbps = bench.decode_bytes(case, 1) / 1e-3 / 1e9
     assert bench.make_row(case, "kvlab", 1000.0, gbps, "gpu")["gbps"] == pytest.approx(gbps, abs=0.1)
+    prefill = bench.Case("prefill", "fp8_e4m3", batch=2, context=1024 + bench.PREFILL_QUERY_LEN, num_heads=32,
+                         num_kv_heads=8)
+    kv, q_and_out = 2 * 2 * 1536 * 8 * 128, 2 * 2 * bench.PREFILL_QUERY_LEN * 32 * 128
+    assert bench.prefill_bytes(prefill, 1) == kv * 1 + q_and_out * 2  # the cache in fp8, queries and output fp16
 
 
 def test_grid_covers_the_brief_and_quick_is_small():
@@ -52,13 +56,16 @@ def test_grid_covers_the_brief_and_quick_is_small():
     assert {c.dtype for c in full} == {"fp16", "bf16", "fp8_e4m3", "fp8_e5m2"}
     fp8 = {(c.kernel, c.batch, c.context) for c in full if c.dtype == "fp8_e5m2"}  # each beside its fp16 case
     assert fp8 <= {(c.kernel, c.batch, c.context) for c in full if c.dtype == "fp16"}
-    assert {kernel for kernel, _, _ in fp8} == {"decode", "reshape_and_cache"}
+    assert {kernel for kernel, _, _ in fp8} == {"decode", "prefill", "reshape_and_cache"}
+    prefill = {(c.batch, c.context) for c in full if c.kernel == "prefill"}
+    assert {(c.batch, c.context) for c in full if c.kernel == "prefill" and c.dtype == "fp8_e4m3"} == prefill
     assert {c.head_dim for c in full} == {128} and {c.block_size for c in full} == {16}
     assert {c.kernel for c in full} == {"decode", "prefill", "reshape_and_cache", "copy_blocks", "swap_out", "swap_in"}
     assert {c.context - c.query_len for c in full if c.kernel == "prefill"} == {0, 1024, 4096, 16384}
     assert len(set(full)) == len(full)
     quick = bench.build_grid(quick=True)
-    assert {c.kernel for c in quick} == {c.kernel for c in full} and len(quick) <= 12
+    assert {c.kernel for c in quick} == {c.kernel for c in full} and len(quick) <= 13
+    assert {c.kernel for c in quick if c.dtype == "fp8_e4m3"} == {"decode", "prefill", "reshape_and_cache"}
 
 
 def test_row_and_csv(tmp_path):

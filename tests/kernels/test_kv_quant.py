@@ -1,15 +1,17 @@
 """Quantized KV caches (kvlab.kernels.kv_quant, torch_paged_quant): every format's round trip stays within its
 codec's error bound, and attention on a quantized cache equals the reference attention (kvlab.kernels.reference)
 on the same K/V decoded, on caches whose unused bytes are poisoned (0xFF: NaN in fp8 and fp16, NaN scales in
-int4 rows), so a read of an unwritten slot would show. The Triton decode kernel reads fp8 caches as the torch
-twin does (in the interpreter too); its fp8 write runs compiled only."""
+int4 rows), so a read of an unwritten slot would show. The Triton decode and prefill kernels read fp8 caches as
+the torch twin does (in the interpreter too); the fp8 write runs compiled only."""
+
+import importlib
 
 import pytest
 import torch
 
 from kvlab.device import DEVICE, ON_GPU
 from kvlab.errors import InvalidArgumentError, UnsupportedError
-from kvlab.kernels import paged_attention_decode, reshape_and_cache
+from kvlab.kernels import paged_attention_decode, paged_prefill, reshape_and_cache
 from kvlab.kernels.kv_quant import FP8_CODECS, INT4_LEVELS, KVQuantizer
 from kvlab.kernels.reference import paged_attention_decode_ref, paged_prefill_ref, reshape_and_cache_ref
 from kvlab.kernels.torch_paged import plan_paged_attention
@@ -161,6 +163,41 @@ def test_the_triton_decode_kernel_reads_fp8_caches_as_the_torch_twin(name, query
     torch.testing.assert_close(out.cpu().float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("query_dtype, sliding_window", [(torch.float32, None), (torch.float16, None),
+                                                         (torch.float32, 6)])
+def test_the_triton_prefill_kernel_reads_fp8_caches_as_the_torch_twin(name, query_dtype, sliding_window):
+    """Prefix hits, a whole prompt and a one-token step in one launch, over a cache whose other blocks are
+    poisoned (0xFF is NaN in both fp8 formats)."""
+    seq_lens, q_lens = [13, 5, 20], [4, 5, 1]
+    tables, lens, slots = paged_batch(seq_lens)
+    key, value = kv_sample(len(slots))
+    q = calibrated(name, key, value)
+    cache = reshape_and_cache_quantized(key, value, poisoned_cache(q), slots, q)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    queries = torch.randn(sum(q_lens), NUM_HEADS, HEAD_DIM).to(query_dtype)
+    out = paged_prefill(queries.to(DEVICE), cache.to(DEVICE), tables.to(DEVICE), lens.to(DEVICE), cu.to(DEVICE),
+                        sliding_window=sliding_window, k_scale=q.k_scale.to(DEVICE), v_scale=q.v_scale.to(DEVICE))
+    plan = plan_paged_attention(cache, tables, lens, cu, sum(q_lens), sliding_window)
+    expected = paged_attention_torch_quantized(queries, cache, plan, q)
+    assert out.dtype == query_dtype and bool(out.isfinite().all())
+    tolerance = 1e-5 if query_dtype == torch.float32 else 1e-2  # fp16: the kernel rounds K and V to the query dtype
+    torch.testing.assert_close(out.cpu().float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_an_fp8_prefills_tile_map_follows_the_query_dtype(monkeypatch):
+    """On a GPU the launch sizes its query tile by the query's dtype (fp32 dots get smaller tiles), not by the
+    fp8 cache's: a tile map made for the cache's would list too few tiles and leave new tokens out."""
+    prefill = importlib.import_module("kvlab.kernels.paged_prefill")
+    monkeypatch.setattr(prefill, "_capability", lambda device: (9, 0))
+    cache = torch.zeros(NUM_BLOCKS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.float8_e4m3fn)
+    lens, cu = torch.tensor([90], dtype=torch.int32), torch.tensor([0, 90], dtype=torch.int32)
+    block_q = prefill.prefill_launch_config(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.float32,
+                                            capability=(9, 0))["BLOCK_Q"]
+    tiles = prefill.prefill_tile_map(NUM_HEADS, cache, cu, lens, torch.float32)
+    assert tiles[:, 1].tolist() == list(range(0, 90, block_q))[::-1]
+
+
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's refusal; compiled, the write runs")
 def test_reshape_and_cache_into_fp8_says_the_interpreter_cannot():
     key, value = kv_sample(2)
@@ -171,13 +208,21 @@ def test_reshape_and_cache_into_fp8_says_the_interpreter_cannot():
     assert bool((cache.view(torch.uint8) == 0xFF).all())
 
 
-def test_fp8_kernels_refuse_missing_or_stray_scales():
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_fp8_kernels_refuse_missing_or_stray_scales(kernel):
     key, value = kv_sample(2)
     q = calibrated("fp8_e4m3", key, value)
     tables, lens, _ = paged_batch([3])
     query = torch.randn(1, NUM_HEADS, HEAD_DIM)
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+
+    def attend(cache, **scales):
+        if kernel == "decode":
+            return paged_attention_decode(query, cache, tables, lens, **scales)
+        return paged_prefill(query, cache, tables, lens, cu, **scales)
     with pytest.raises(InvalidArgumentError, match="k_scale must be a torch.Tensor"):
-        paged_attention_decode(query, poisoned_cache(q), tables, lens)
+        attend(poisoned_cache(q))
+    with pytest.raises(InvalidArgumentError, match="v_scale must hold 2 finite scales > 0"):
+        attend(poisoned_cache(q), k_scale=q.k_scale, v_scale=torch.ones(NUM_KV_HEADS + 1))
     with pytest.raises(InvalidArgumentError, match="k_scale and v_scale are for fp8 caches"):
-        paged_attention_decode(query, torch.zeros(NUM_BLOCKS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), tables, lens,
-                               k_scale=q.k_scale, v_scale=q.v_scale)
+        attend(torch.zeros(NUM_BLOCKS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), k_scale=q.k_scale, v_scale=q.v_scale)

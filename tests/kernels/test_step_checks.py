@@ -44,6 +44,16 @@ def test_a_good_step_passes_and_carries_the_longest_context_and_the_tile_map(ste
     assert decode.tile_map is None
 
 
+def test_an_fp8_cache_is_checked_with_its_queries_dtype(step):
+    """An fp8 cache holds codes: the step's tile map follows the queries' dtype, which it must be told."""
+    case, slots = step
+    fp8 = torch.zeros(case.kv_cache.shape, dtype=torch.float8_e4m3fn, device=DEVICE)
+    with pytest.raises(InvalidArgumentError, match="pass query_dtype"):
+        _check(case, slots, kv_cache=fp8)
+    checked = _check(case, slots, kv_cache=fp8, query_dtype=F32)
+    assert torch.equal(checked.tile_map, _check(case, slots).tile_map)
+
+
 @pytest.mark.parametrize("change, match", [
     (lambda c, s: dict(slot_mapping=torch.where(s == s[0], 10**6, s)), r"slot_mapping\[0\] = 1000000"),
     (lambda c, s: dict(slot_mapping=torch.cat([s[:1], s[:1], s[2:]])), "each slot may be written by at most one"),

@@ -17,6 +17,7 @@ INT_FIELDS = {f.name for f in fields(Case) if f.type is int}
 #: Tiny cases for the dry run: every kernel and every implementation, in the interpreter.
 DRY_RUN_CASES = [Case("decode", "fp16", 2, 40, 4, 2, head_dim=32), Case("prefill", "fp16", 2, 20, 4, 2, head_dim=32, query_len=8),
                  Case("decode", "fp8_e4m3", 2, 40, 4, 2, head_dim=32),  # fp8 reads run in the interpreter;
+                 Case("prefill", "fp8_e4m3", 2, 20, 4, 2, head_dim=32, query_len=8),
                  Case("reshape_and_cache", "fp16", 8, 0, 4, 2, head_dim=32),  # its fp8 writes do not (GPU only)
                  Case("copy_blocks", "fp16", 2, 0, 4, 2, head_dim=32, block_size=4),
                  Case("swap_out", "fp16", 3, 0, 4, 2, head_dim=32), Case("swap_in", "fp16", 3, 0, 4, 2, head_dim=32)]
