@@ -84,9 +84,19 @@ class StackPolicy(EvictionPolicy):
 class PoolRules:
     """Rules and invariants every machine here shares: fork, free, swap, reset and speculative steps, with the
     engine's bookkeeping (``written``: verified positions with K/V, ``first_query``, ``reserved``, ``drafts``
-    in flight, the ``running`` and ``swapped`` lists), its ``_copy`` of the block pairs the manager returns
-    into the fake caches ``gpu`` and ``cpu``, ``_slots(seq, start, end)`` (the manager's slot lookup) and
+    in flight, the ``running`` and ``swapped`` lists), ``_slots(seq, start, end)`` (the manager's slot lookup) and
     ``_step`` (writing a step's K/V). Hypothesis collects inherited rules and invariants."""
+
+    def _copy(self, src_cache, dst_cache, pairs):
+        """Apply the manager's (src, dst) block pairs to the fake caches, slot by slot (one flat list for a
+        hybrid manager too: page ids are unique across groups)."""
+        bs = self.manager.block_size
+        for src, dst in pairs:
+            for offset in range(bs):
+                if src * bs + offset in src_cache:
+                    dst_cache[dst * bs + offset] = src_cache[src * bs + offset]
+                else:
+                    dst_cache.pop(dst * bs + offset, None)
 
     def _undrafted(self, seqs=None):
         return [seq for seq in (self.running if seqs is None else seqs) if seq not in self.drafts]
@@ -245,15 +255,6 @@ class ManagerMachine(PoolRules, RuleBasedStateMachine):
         for p, slot in enumerate(self.manager.slot_mapping(seq, start, end), start):
             assert slot >= 0, f"seq {seq.seq_id}: position {p} is still visible but was released"
             assert self.gpu.get(slot) == expected[p], f"seq {seq.seq_id} reads wrong K/V at position {p}"
-
-    def _copy(self, src_cache, dst_cache, pairs):
-        bs = self.manager.block_size
-        for src, dst in pairs:
-            for offset in range(bs):
-                if src * bs + offset in src_cache:
-                    dst_cache[dst * bs + offset] = src_cache[src * bs + offset]
-                else:
-                    dst_cache.pop(dst * bs + offset, None)
 
     def _forget(self, seq):
         (self.running if seq in self.running else self.swapped).remove(seq)

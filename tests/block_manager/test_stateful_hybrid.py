@@ -124,16 +124,6 @@ class HybridMachine(PoolRules, RuleBasedStateMachine):
     def _slots(self, seq, start, end):
         return self.manager.slot_mappings(seq, start, end)
 
-    def _copy(self, src_cache, dst_cache, pairs):
-        """Apply every group's moves, one list (page ids are unique across groups)."""
-        bs = self.manager.block_size
-        for src, dst in pairs:
-            for offset in range(bs):
-                if src * bs + offset in src_cache:
-                    dst_cache[dst * bs + offset] = src_cache[src * bs + offset]
-                else:
-                    dst_cache.pop(dst * bs + offset, None)
-
     def _forget(self, seq):
         (self.running if seq in self.running else self.swapped).remove(seq)
         del self.written[seq], self.first_query[seq], self.reserved[seq]

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import invariant, precondition, rule
 from test_kv_events import EventMachine, chained
-from test_stateful import STEPS, ManagerMachine, kv_values
+from test_stateful import STEPS, ManagerMachine, PoolRules, kv_values
 
 from kvlab.blocks.kv_events import BlockStored
 
@@ -29,10 +29,10 @@ class TierMachine(ManagerMachine):
     def _apply_tier_moves(self):
         for kind, src, dst in self.manager.take_tier_moves():
             if kind == "offload":
-                ManagerMachine._copy(self, self.gpu, self.tier, [(src, dst)])
+                PoolRules._copy(self, self.gpu, self.tier, [(src, dst)])
             else:
                 assert kind == "promote", kind
-                ManagerMachine._copy(self, self.tier, self.gpu, [(src, dst)])
+                PoolRules._copy(self, self.tier, self.gpu, [(src, dst)])
 
     def _allocate(self, token_ids, data=None, **keys):
         self.prompts.append((list(token_ids), keys))
