@@ -19,8 +19,17 @@ Observations: a step's guess g (the drafts verified, or the unverified guess whi
 scored at the sequence's next step against its tokens from n on: each leading draft that matches is one
 success, and the first one that does not, if the target got that far, one failure; drafts after it say
 nothing about a (they are conditional on a rejection). Each observation moves ``a`` by
-``draft_acceptance_ema_weight`` towards 1 or 0. A new sequence starts at a = 1 (speculate fully, as without
-the rule). The rule only chooses how many drafts to verify, from tokens already generated, so greedy output is
+``draft_acceptance_ema_weight`` towards 1 or 0.
+
+Where a new sequence starts: the control also keeps an **engine-wide estimate** A, an EMA with the same weight
+over every observation of every sequence it (so this proposer) has scored, starting at 1. A new sequence
+starts at a = 1 (speculate fully, as without the rule) while A >= floor, and at a = A (drafts off) once
+A < floor; it reads A until its own first observation, then goes on alone. So on plain chat only the first
+sequences pay for rejected drafts: later ones start with drafts off (and the unverified-guess scoring above
+still turns them on for one that quotes its context), while on a copy-heavy workload A stays above the floor
+and every sequence starts at full k, as before. (Starting at A itself also when A >= floor cut copy-heavy
+drafts too: A swings with the last few observations, and a quoting answer's first drafts are its best.) A
+workload that changes moves A within a few observations. The rule only chooses how many drafts to verify, from tokens already generated, so greedy output is
 unchanged and sampled output keeps its distribution (``kvlab.engine.speculative``).
 
 In vLLM: the V1 ``suffix`` method varies the draft length per request and step (``max_spec_factor`` times the
@@ -36,14 +45,15 @@ import math
 from kvlab.blocks.sequence import Sequence
 from kvlab.validation import check_number
 
-#: A sequence's acceptance estimate before any observation: speculate fully, as without the rule.
+#: The engine-wide acceptance estimate before any observation: speculate fully, as without the rule.
 PRIOR_ACCEPTANCE = 1.0
 #: ``draft_acceptance_ema_weight`` when not given: an observation moves the estimate a quarter of the way.
 DEFAULT_EMA_WEIGHT = 0.25
 
 
 class DraftControl:
-    """Per-sequence acceptance estimates and the draft count they allow (see the module docstring)."""
+    """Per-sequence acceptance estimates, the engine-wide one new sequences start from, and the draft count they
+    allow (see the module docstring)."""
 
     def __init__(self, floor, ema_weight=None):
         self.floor = check_number("speculative_config['draft_acceptance_floor']", floor, 0, 1,
@@ -51,12 +61,13 @@ class DraftControl:
         self.weight = DEFAULT_EMA_WEIGHT if ema_weight is None else check_number(
             "speculative_config['draft_acceptance_ema_weight']", ema_weight, 0, 1, min_open=True)
         self.acceptance: dict[int, float] = {}                     # seq_id -> a
+        self.engine_acceptance = PRIOR_ACCEPTANCE                  # A: every observation's EMA
         self._guesses: dict[int, tuple[int, list[int]]] = {}       # seq_id -> (position, guess) to score
 
     def allowed(self, seq: Sequence, limit: int) -> int:
         """Drafts ``seq`` may have this step, at most ``limit``: the largest j with a**j >= floor (0 when
         a < floor)."""
-        a = self.acceptance.get(seq.seq_id, PRIOR_ACCEPTANCE)
+        a = self.acceptance.get(seq.seq_id, self._start())
         if a >= 1.0:
             return limit  # every draft would be kept: the rule sets no limit of its own
         if a < self.floor:
@@ -69,12 +80,18 @@ class DraftControl:
         if guess is None:
             return
         actual = seq.token_slice(position, min(seq.num_tokens, position + len(guess)))
-        a = self.acceptance.get(seq.seq_id, PRIOR_ACCEPTANCE)
+        a = self.acceptance.get(seq.seq_id, self._start())
         for draft, token in zip(guess, actual):
             a += self.weight * ((draft == token) - a)
+            self.engine_acceptance += self.weight * ((draft == token) - self.engine_acceptance)
             if draft != token:
                 break
         self.acceptance[seq.seq_id] = a
+
+    def _start(self) -> float:
+        """A sequence's a before its own first observation: full speculation unless the engine learned that
+        drafts are mostly rejected (A < floor)."""
+        return PRIOR_ACCEPTANCE if self.engine_acceptance >= self.floor else self.engine_acceptance
 
     def remember(self, seq: Sequence, guess: list[int]) -> None:
         """The guess for the tokens after ``seq``'s current last one, scored at its next step."""
@@ -82,6 +99,6 @@ class DraftControl:
             self._guesses[seq.seq_id] = (seq.num_tokens, list(guess))
 
     def forget(self, seq: Sequence) -> None:
-        """``seq`` finished: drop its state."""
+        """``seq`` finished: drop its state (its observations stay in the engine-wide estimate)."""
         self.acceptance.pop(seq.seq_id, None)
         self._guesses.pop(seq.seq_id, None)

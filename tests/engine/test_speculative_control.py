@@ -53,6 +53,25 @@ def test_the_rule_turns_drafts_off_when_they_are_rejected_and_back_on_when_they_
     assert speculation.control.acceptance == {} and speculation.control._guesses == {}
 
 
+def test_a_new_sequence_starts_from_what_earlier_sequences_taught_the_engine():
+    speculation = sevens()
+    first = Sequence([1, 2, 3], 16)
+    assert run_steps(speculation, first, target=5, steps=10)[0] == 4  # the engine knows nothing yet: full k
+    speculation.finished(first)
+    # a no-match workload: the next wave starts with drafts off instead of paying for rejected ones again
+    assert run_steps(speculation, Sequence([1, 2, 3], 16), target=5, steps=4) == [0, 0, 0, 0]
+    # a sequence that quotes its context turns them back on (its unverified guesses are still scored)
+    quoting = run_steps(speculation, Sequence([1, 2, 3], 16), target=7, steps=12)
+    assert quoting[0] == 0 and quoting[-1] == 4 and quoting == sorted(quoting)
+
+
+def test_a_workload_whose_drafts_are_kept_keeps_full_k_for_new_sequences():
+    speculation = sevens()
+    run_steps(speculation, Sequence([1, 2, 3], 16), target=7, steps=4)
+    assert speculation.control.engine_acceptance == 1.0
+    assert run_steps(speculation, Sequence([1, 2, 3], 16), target=7, steps=3) == [4, 4, 4]
+
+
 def test_without_the_rule_every_proposal_is_verified():
     speculation = dataclasses.replace(resolve_speculative_config(ngram(4)), proposer=Sevens())
     assert run_steps(speculation, Sequence([1, 2, 3], 16), target=5, steps=6) == [4] * 6
