@@ -29,8 +29,9 @@ sequences pay for rejected drafts: later ones start with drafts off (and the unv
 still turns them on for one that quotes its context), while on a copy-heavy workload A stays above the floor
 and every sequence starts at full k, as before. (Starting at A itself also when A >= floor cut copy-heavy
 drafts too: A swings with the last few observations, and a quoting answer's first drafts are its best.) A
-workload that changes moves A within a few observations. The rule only chooses how many drafts to verify, from tokens already generated, so greedy output is
-unchanged and sampled output keeps its distribution (``kvlab.engine.speculative``).
+workload that changes moves A within a few observations. The rule only chooses how many drafts to verify,
+from tokens already generated, so greedy output is unchanged and sampled output keeps its distribution
+(``kvlab.engine.speculative``).
 
 In vLLM: the V1 ``suffix`` method varies the draft length per request and step (``max_spec_factor`` times the
 match length, and only tokens whose frequency-estimated probability is at least ``min_token_prob``), and V0 had
