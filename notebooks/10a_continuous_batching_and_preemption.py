@@ -180,8 +180,8 @@ pd.DataFrame({name: {"prompt tokens": len(a.prompt), "arrives before step": a.st
 
 # %%
 roomy = run(ROOMY_POOL)
-print(f"device {DEVICE}, attention backend {roomy.llm.attention_backend!r}: on a CPU the engine computes "
-      "attention with torch (the Triton kernels are GPU code); costs below are counted, not timed")
+print(f"the engine runs on {DEVICE} with the {roomy.llm.attention_backend!r} attention backend (torch on a "
+      "CPU, kvlab's Triton kernels on a GPU); either way the costs below are counted, not timed")
 fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 5.5), gridspec_kw=dict(height_ratios=[1.3, 1]),
                                   layout="constrained")
 viz.draw_schedule(roomy.schedule_frame(), ax=top, title=f"who ran in each step ({ROOMY_POOL}-block pool)")

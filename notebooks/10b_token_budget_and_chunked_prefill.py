@@ -136,8 +136,9 @@ def bursts():
 
 
 budgets = {budget: run("bursts", "v0", budget) for budget in (TOKEN_BUDGET, SMALL_BUDGET)}
-print(f"device {DEVICE}, attention backend {budgets[TOKEN_BUDGET].llm.attention_backend!r}: on a CPU the engine "
-      "computes attention with torch (the Triton kernels are GPU code); costs below are counted, not timed")
+backend = budgets[TOKEN_BUDGET].llm.attention_backend
+print(f"the engine runs on {DEVICE} with the {backend!r} attention backend (torch on a CPU, kvlab's Triton "
+      "kernels on a GPU); either way the costs below are counted, not timed")
 fig, axes = plt.subplots(2, 1, figsize=(12, 5.5), layout="constrained", sharex=True)
 for ax, (budget, r) in zip(axes, budgets.items()):
     viz.draw_schedule(r.schedule_frame(), ax=ax, title=f"V0, budget {budget} tokens per step")

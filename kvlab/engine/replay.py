@@ -155,7 +155,8 @@ def _check_workload(llm, workload) -> None:
 def replay(llm, workload: dict[str, Arrival]) -> Replay:
     """Run ``workload`` ({request id: Arrival}) on ``llm`` (fresh, made with ``record_decisions=True``)
     until every request is done; the engine keeps what it recorded. Raises InvalidArgumentError for an
-    engine or workload that does not qualify, before anything runs."""
+    engine or a workload that does not qualify before anything runs; each prompt itself is checked by
+    ``llm.add_request`` when it arrives."""
     _check_workload(llm, workload)
     pending = dict(sorted(workload.items(), key=lambda item: item[1].step))  # in order of arrival
     arrived, finished, outputs = {}, {}, {}
