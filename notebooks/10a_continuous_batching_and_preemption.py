@@ -442,12 +442,12 @@ pd.DataFrame({name: {f"{TIGHT_POOL} blocks": at_tight, "10 blocks": at_10}
 
 # %% [markdown]
 # A tighter pool does not simply preempt more: it admits fewer requests at once. In 10 blocks C does not fit
-# next to A and B at step 0 and waits (LATER) until step 10, so the victim changes: in 14 blocks it is C, 38
-# tokens long (5 blocks to swap out), in 10 blocks it is E, 25 tokens long (3 blocks). Swap pays per block of
-# the victim, so it pays less. Recompute pays per token *not* found in the prefix cache: C's 4 full blocks
-# were still cached when it came back (32 hits, 6 tokens recomputed), while the 10-block pool reused most of
-# E's freed blocks for others before E returned (8 hits, 17 tokens recomputed). Draw the two schedules with
-# `viz.draw_schedule(run(10).schedule_frame())` to see it.
+# next to A and B at step 0 and waits (LATER) until step 10, so the victim changes: in 14 blocks it is C,
+# after 8 generated tokens (5 blocks of KV to swap out), in 10 blocks it is E, just prefilled (3 blocks).
+# Swap pays per block of the victim, so it pays less. Recompute pays per token *not* found in the prefix
+# cache: C's 4 full blocks were still cached when it came back (32 hits, 6 tokens recomputed), while the
+# 10-block pool reused most of E's freed blocks for others before E returned (8 hits, 17 tokens recomputed).
+# Draw the two schedules with `viz.draw_schedule(run(10).schedule_frame())` to see it.
 
 # ## 4. Throughput and latency as the pool shrinks
 #
