@@ -9,7 +9,9 @@ matches: propose nothing, ``[]``::
 
     propose([1, 2, 3, 4, 1, 2], max_tokens=3, min_n=1, max_n=2) == [3, 4, 1]
 
-``check`` compares your proposals with ``kvlab.engine.proposers.NgramProposer`` (vLLM's ``method="ngram"``)
+(vLLM's proposer takes the earliest occurrence of the longest match instead; the check grades kvlab's choice.)
+
+``check`` compares your proposals with ``kvlab.engine.proposers.NgramProposer`` (``method="ngram"``)
 on random contexts over a small vocabulary, so that matches are common.
 """
 
@@ -59,8 +61,8 @@ def _judge(tokens, max_tokens, min_n, max_n, expected, got):
     why = (f"the longest n that matches is {n}: the last {n} tokens {suffix} occur earlier at "
            f"{'positions' if len(starts) > 1 else 'position'} {', '.join(map(str, starts))}")
     if len(starts) > 1 and got == tokens[starts[0] + n:starts[0] + n + max_tokens]:
-        return (f"expected {expected}, got {got}: {why}; propose what followed the most recent one ({starts[-1]}), "
-                "not the first")
+        return (f"expected {expected}, got {got}: {why}; kvlab proposes what followed the most recent one "
+                f"({starts[-1]}), not the first (vLLM takes the first: see notebook 16)")
     if any(got == _most_recent(tokens, shorter, max_tokens) for shorter in range(min_n, n)):
         return f"expected {expected}, got {got}: {why}; try n from max_n down: the longest n that matches wins"
     if not got:
