@@ -17,7 +17,7 @@ many of them right at a boundary.
 import random
 
 from kvlab.blocks import AllocStatus, BlockManager, Sequence
-from kvlab.puzzles.grading import Case, Report, grade
+from kvlab.puzzles.grading import Case, Report, grade, seeded
 
 NAME = "can_allocate"
 WATERMARKS = (0.0, 0.01, 0.04, 0.1, 0.15, 0.3)
@@ -31,7 +31,7 @@ def can_allocate(num_tokens: int, block_size: int, num_free_blocks: int, num_blo
 
 def check(fn, *, strict: bool = False, seed: int = 0, num_cases: int = 300) -> Report:
     """Run ``fn`` on ``num_cases`` random pools and prompts (from ``seed``) against kvlab's own admission."""
-    rng = random.Random(seed)
+    rng = seeded(seed, num_cases)
     return grade(NAME, fn, (_case(rng) for _ in range(num_cases)), strict=strict)
 
 

@@ -21,7 +21,7 @@ at random.
 import random
 
 from kvlab.blocks import BlockManager, Sequence
-from kvlab.puzzles.grading import Case, Report, grade
+from kvlab.puzzles.grading import Case, Report, grade, seeded
 
 NAME = "copy_on_write"
 STEPS_PER_POOL = 8
@@ -35,7 +35,7 @@ def plan_append(block_table: list[int], ref_counts: dict[int, int], num_computed
 
 def check(fn, *, strict: bool = False, seed: int = 0, num_cases: int = 200) -> Report:
     """Run ``fn`` on ``num_cases`` random steps of forked sequences (from ``seed``) against kvlab's manager."""
-    rng = random.Random(seed)
+    rng = seeded(seed, num_cases)
     return grade(NAME, fn, _cases(rng, num_cases), strict=strict)
 
 

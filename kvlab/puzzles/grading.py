@@ -7,10 +7,12 @@ back (``judge``: None when right, else a sentence saying what is wrong). ``grade
 ``strict=True`` it raises ``PuzzleNotSolvedError`` with the same message instead of returning a failed one.
 """
 
+import random
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, NamedTuple, Optional
 
-from kvlab.errors import KvlabError, PuzzleNotSolvedError
+from kvlab.errors import InvalidArgumentError, KvlabError, PuzzleNotSolvedError
+from kvlab.validation import check_int
 
 NOT_YET = ("the stub still raises NotImplementedError: replace its body with your solution "
            "(the spec is in the puzzle's docstring)")
@@ -55,8 +57,16 @@ def equal(expected, explain: Callable[[Any], str] = None) -> Callable[[Any], Opt
     return judge
 
 
+def seeded(seed, num_cases) -> random.Random:
+    """The random source of a check's cases, once its arguments are checked."""
+    check_int("num_cases", num_cases, 1)
+    return random.Random(check_int("seed", seed))
+
+
 def grade(puzzle: str, learner, cases: Iterable[Case], *, strict: bool = False) -> Report:
     """Run ``learner`` on ``cases`` in order until one fails; the Report names the first failure."""
+    if not callable(learner):
+        raise InvalidArgumentError(f"check takes your function (or class) itself, got {learner!r}")
     num_passed = 0
     for number, case in enumerate(cases, 1):
         problem = _problem(number, case, learner)

@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass
 
 from kvlab.blocks.kv_events import CachedHashes
-from kvlab.puzzles.grading import Case, Report, grade
+from kvlab.puzzles.grading import Case, Report, grade, seeded
 from kvlab.studies.routers import ROUTERS, Router, RouterSettings
 
 NAME = "kv_cost_router"
@@ -50,7 +50,7 @@ class FakeReplica:
 
 def check(router_class, *, strict: bool = False, seed: int = 0, num_cases: int = 200) -> Report:
     """Route ``num_cases`` random requests (from ``seed``) with ``router_class`` and with kvlab's kv_cost."""
-    rng = random.Random(seed)
+    rng = seeded(seed, num_cases)
     return grade(NAME, router_class, _cases(rng, num_cases), strict=strict)
 
 

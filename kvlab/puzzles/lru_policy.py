@@ -23,7 +23,7 @@ block tables after every operation.
 import random
 
 from kvlab.blocks import BlockManager, EvictionPolicy, Sequence
-from kvlab.puzzles.grading import Case, Report, grade
+from kvlab.puzzles.grading import Case, Report, grade, seeded
 
 NAME = "lru_policy"
 OPS_PER_POOL = 25
@@ -54,7 +54,7 @@ class MyLRU(EvictionPolicy):
 def check(policy_class, *, strict: bool = False, seed: int = 0, num_cases: int = 200) -> Report:
     """Replay ``num_cases`` random operations (from ``seed``) on a manager using ``policy_class()`` and on one
     using kvlab's LRU; the first operation after which they differ is the failing case."""
-    rng = random.Random(seed)
+    rng = seeded(seed, num_cases)
     return grade(NAME, policy_class, _cases(rng, num_cases), strict=strict)
 
 
@@ -144,11 +144,11 @@ def _grow(manager, seq, tokens, room=None) -> bool:
 def _judge(free, cached, tables, got):
     their_free, their_tables = got
     if their_free != free:
-        kinds = lambda blocks: ", ".join(f"{b}{' (cached)' if b in cached else ''}" for b in blocks)  # noqa: E731
         extra, missing = sorted(set(their_free) - set(free)), sorted(set(free) - set(their_free))
         why = (f": blocks {extra} are in use, not free (a prefix hit takes a free block back through remove)" if extra
                else f": blocks {missing} are free but missing from yours" if missing else "")
-        return (f"the free blocks in reuse order should be [{kinds(free)}] (never-cached first, oldest first; then "
+        marked = ", ".join(f"{block}{' (cached)' if block in cached else ''}" for block in free)
+        return (f"the free blocks in reuse order should be [{marked}] (never-cached first, oldest first; then "
                 f"cached, least recently freed first), yours are {their_free}{why}")
     if their_tables != tables:
         return f"the running sequences' block tables should be {tables}, yours are {their_tables}"

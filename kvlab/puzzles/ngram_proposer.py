@@ -18,7 +18,7 @@ on random contexts over a small vocabulary, so that matches are common.
 import random
 
 from kvlab.engine.proposers import NgramProposer
-from kvlab.puzzles.grading import Case, Report, grade
+from kvlab.puzzles.grading import Case, Report, grade, seeded
 
 NAME = "ngram_proposer"
 
@@ -30,7 +30,7 @@ def propose(tokens: list[int], max_tokens: int, min_n: int, max_n: int) -> list[
 
 def check(fn, *, strict: bool = False, seed: int = 0, num_cases: int = 300) -> Report:
     """Run ``fn`` on ``num_cases`` random contexts (from ``seed``) against kvlab's NgramProposer."""
-    rng = random.Random(seed)
+    rng = seeded(seed, num_cases)
     return grade(NAME, fn, (_case(rng) for _ in range(num_cases)), strict=strict)
 
 

@@ -14,7 +14,7 @@ sequences came and went from, so their tables are not in order.
 import random
 
 from kvlab.blocks import BlockManager, Sequence
-from kvlab.puzzles.grading import Case, Report, grade
+from kvlab.puzzles.grading import Case, Report, grade, seeded
 
 NAME = "slot_mapping"
 
@@ -26,7 +26,7 @@ def slot_mapping(block_table: list[int], block_size: int, start: int, end: int) 
 
 def check(fn, *, strict: bool = False, seed: int = 0, num_cases: int = 100) -> Report:
     """Run ``fn`` on ``num_cases`` random sequences (from ``seed``) against kvlab's own slot mapping."""
-    rng = random.Random(seed)
+    rng = seeded(seed, num_cases)
     return grade(NAME, fn, (_case(rng) for _ in range(num_cases)), strict=strict)
 
 

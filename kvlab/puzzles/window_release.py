@@ -18,7 +18,7 @@ sequences grow.
 import random
 
 from kvlab.blocks import BlockManager, Sequence
-from kvlab.puzzles.grading import Case, Report, grade
+from kvlab.puzzles.grading import Case, Report, grade, seeded
 
 NAME = "window_release"
 STEPS_PER_SEQUENCE = 10
@@ -32,7 +32,7 @@ def released_blocks(block_table: list[int], num_released: int, first_query: int,
 
 def check(fn, *, strict: bool = False, seed: int = 0, num_cases: int = 200) -> Report:
     """Run ``fn`` on ``num_cases`` random steps (from ``seed``) against kvlab's sliding-window manager."""
-    rng = random.Random(seed)
+    rng = seeded(seed, num_cases)
     return grade(NAME, fn, _cases(rng, num_cases), strict=strict)
 
 
@@ -67,14 +67,14 @@ def _judge(table, released, first, window, bs, expected, got):
     if not isinstance(got, list):
         return f"expected a list of block ids {expected}, got {got!r}"
     seen = max(0, first - window + 1)
-    where = lambda i: f"table entry {i} (block {table[i]}, positions {i * bs} .. {i * bs + bs - 1})"  # noqa: E731
     sees = f"the step's first query, at {first}, sees positions {seen} .. {first}"
     for i, block in enumerate(table):
+        where = f"table entry {i} (block {block}, positions {i * bs} .. {i * bs + bs - 1})"
         if i < released and block in got:
-            return (f"expected {expected}, got {got}: {where(i)} is one of the first {released} entries, released "
+            return (f"expected {expected}, got {got}: {where} is one of the first {released} entries, released "
                     "by an earlier step")
         if block in expected and block not in got:
-            return f"expected {expected}, got {got}: {where(i)} is wholly before {seen}, and {sees}: release it"
+            return f"expected {expected}, got {got}: {where} is wholly before {seen}, and {sees}: release it"
         if block in got and block not in expected:
-            return f"expected {expected}, got {got}: {sees}, so {where(i)} is still seen (or not yet written): keep it"
+            return f"expected {expected}, got {got}: {sees}, so {where} is still seen (or not yet written): keep it"
     return f"expected {expected}, got {got}: list them in table order"

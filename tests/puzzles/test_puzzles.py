@@ -1,12 +1,13 @@
 """The puzzles grade themselves (kvlab.puzzles): every solution passes its check, every untouched stub fails it
 saying "not yet", and plausible wrong solutions fail with a report that names the mistake."""
 
+import inspect
 import re
 from pathlib import Path
 
 import pytest
 
-from kvlab.errors import KvlabError, PuzzleNotSolvedError
+from kvlab.errors import InvalidArgumentError, KvlabError, PuzzleNotSolvedError
 from kvlab.puzzles import PUZZLES, Report, puzzle
 from kvlab.puzzles.grading import NOT_YET, Case, equal, grade
 from wrong_solutions import WRONG
@@ -92,7 +93,7 @@ def test_a_stub_wrapped_by_kvlab_still_reads_not_yet():
             raise NotImplementedError
         except NotImplementedError as stub:
             raise KvlabError("the policy raised") from stub
-    assert grade("p", None, [Case("", wrapped, equal(1))]).problem == NOT_YET
+    assert grade("p", print, [Case("", wrapped, equal(1))]).problem == NOT_YET
 
 
 def test_strict_raises_kvlabs_own_error_with_the_reports_message():
@@ -101,3 +102,44 @@ def test_strict_raises_kvlabs_own_error_with_the_reports_message():
         grade("p", lambda x: 0, [Case("x=1", lambda fn: fn(1), equal(1))], strict=True)
     assert str(raised.value) == str(report) and isinstance(raised.value, AssertionError)
     assert isinstance(grade("p", lambda x: 1, [Case("x=1", lambda fn: fn(1), equal(1))], strict=True), Report)
+
+
+# ---- the notebook's stubs -----------------------------------------------------------------------------------
+def notebook_stubs() -> dict:
+    """The stubs notebook 16 asks the learner to edit, defined as its cells define them."""
+    jupytext = pytest.importorskip("jupytext")
+    code = [cell.source for cell in jupytext.read(NOTEBOOKS / "16_puzzles.py").cells if cell.cell_type == "code"]
+    namespace = {}
+    exec(next(source for source in code if "def grade(" in source), namespace)  # the notebook's imports
+    stubs = {p.stub for p in PUZZLES}
+    for source in code:
+        if re.match(r"(def|class) (\w+)", source) and re.match(r"(def|class) (\w+)", source)[2] in stubs:
+            exec(source, namespace)
+    return {p.name: namespace.get(p.stub) for p in PUZZLES}
+
+
+def parameters(function) -> list[str]:
+    return list(inspect.signature(function).parameters)
+
+
+def test_the_notebooks_stubs_match_the_puzzles_and_say_not_yet():
+    for name, stub in notebook_stubs().items():
+        p = puzzle(name)
+        assert stub is not None, f"notebook 16 has no cell defining {p.stub}"
+        ours = getattr(p.module, p.stub)
+        if inspect.isclass(ours):  # the same base class, and the same methods to write
+            assert stub.__mro__[1] is ours.__mro__[1], name
+            methods = [m for m, f in vars(ours).items() if inspect.isfunction(f)]
+            assert [parameters(getattr(stub, m)) for m in methods] == [parameters(getattr(ours, m)) for m in methods]
+        else:
+            assert parameters(stub) == parameters(ours), name
+        assert str(p.module.check(stub)) == f"{name}: not yet: {NOT_YET}"
+
+
+@pytest.mark.parametrize("p", PUZZLES, ids=lambda p: p.name)
+def test_a_check_refuses_bad_arguments_saying_what_it_takes(p):
+    with pytest.raises(InvalidArgumentError, match="check takes your function"):
+        p.module.check(p.stub)  # the name, not the function
+    for bad in ({"num_cases": 0}, {"seed": "0"}):
+        with pytest.raises(InvalidArgumentError, match=list(bad)[0]):
+            p.module.check(p.solution(), **bad)
