@@ -45,3 +45,8 @@ class EvictionPolicyError(KvlabError, RuntimeError):
 
 class KVEventSubscriberWarning(RuntimeWarning):
     """A KV-event subscriber raised; it was dropped, and the manager and every other subscriber carried on."""
+
+
+class PuzzleNotSolvedError(KvlabError, AssertionError):
+    """A puzzle's ``check(fn, strict=True)`` found a case the learner's code gets wrong (kvlab.puzzles); the
+    message names the case, its inputs, and what was expected against what came back."""

@@ -1,0 +1,77 @@
+"""Puzzles: implement a piece of kvlab yourself, and let kvlab grade it (notebook 16).
+
+Each puzzle is a module here holding its spec (the module's docstring), a stub to fill in (it raises
+NotImplementedError) and ``check(your_code) -> Report``: your code runs on random cases from a seed against
+kvlab's own behaviour, and the report says which case fails first, its inputs, and what was expected against
+what came back. ``check(..., strict=True)`` raises ``kvlab.errors.PuzzleNotSolvedError`` instead of returning a
+failed report. The solutions are in ``kvlab.puzzles.solutions``, one module per puzzle, so that you can look at
+one without seeing the others.
+
+``PUZZLES`` lists them in course order, each with what it teaches and the notebook to read first::
+
+    from kvlab.puzzles import PUZZLES, puzzle
+    p = puzzle("slot_mapping")
+    print(p.module.__doc__)                   # the spec
+    p.module.check(my_slot_mapping)           # the report
+    print(p.solution_source())                # when you are done (or stuck)
+
+Modules load on first use: the decode-attention puzzle needs torch, the others only the block manager.
+"""
+
+import importlib
+import inspect
+from types import ModuleType
+from typing import NamedTuple
+
+from kvlab.errors import InvalidArgumentError
+from kvlab.puzzles.grading import Report
+
+__all__ = ["PUZZLES", "Puzzle", "Report", "puzzle"]
+
+
+class Puzzle(NamedTuple):
+    name: str        # the module in kvlab.puzzles and in kvlab.puzzles.solutions
+    stub: str        # the function or class to write, the same name in both
+    teaches: str
+    read_first: str  # the notebook (and sections) that explain what the puzzle asks
+
+    @property
+    def module(self) -> ModuleType:
+        """The puzzle: its docstring is the spec, ``check`` grades, ``stub`` is the stub."""
+        return importlib.import_module(f"kvlab.puzzles.{self.name}")
+
+    def solution(self):
+        """The solved function or class (it passes ``check``)."""
+        return getattr(importlib.import_module(f"kvlab.puzzles.solutions.{self.name}"), self.stub)
+
+    def solution_source(self) -> str:
+        return inspect.getsource(importlib.import_module(f"kvlab.puzzles.solutions.{self.name}"))
+
+
+#: The puzzles in course order.
+PUZZLES: tuple[Puzzle, ...] = (
+    Puzzle("slot_mapping", "slot_mapping", "block tables: where a token's K/V lives in the paged cache",
+           "01 (§2-3), 04 (§3)"),
+    Puzzle("can_allocate", "can_allocate", "admission: OK, LATER or NEVER, and the blocks a watermark keeps free",
+           "01 (§4), 10a (§2)"),
+    Puzzle("lru_policy", "MyLRU", "an eviction policy behind kvlab's seam: never-cached blocks first, then least "
+           "recently freed", "02 (§4)"),
+    Puzzle("copy_on_write", "plan_append", "copy-on-write: which shared blocks a step must copy, which it appends",
+           "03a"),
+    Puzzle("decode_attention", "decode_attention", "paged decode attention in torch: the gather through the block "
+           "table, grouped-query heads, never reading a stale slot", "05 (§1, §3)"),
+    Puzzle("window_release", "released_blocks", "a sliding window: which blocks no query can see any more",
+           "11 (§1)"),
+    Puzzle("kv_cost_router", "MyRouter", "a fleet router behind kvlab's ROUTERS seam: least prefill work, ties "
+           "taking turns", "12 (§1, §3)"),
+    Puzzle("ngram_proposer", "propose", "speculative decoding's n-gram prompt lookup: the longest, most recent match",
+           "13"),
+)
+
+
+def puzzle(name: str) -> Puzzle:
+    """The puzzle called ``name`` (one of PUZZLES)."""
+    for p in PUZZLES:
+        if p.name == name:
+            return p
+    raise InvalidArgumentError(f"unknown puzzle {name!r}; known: {', '.join(p.name for p in PUZZLES)}")

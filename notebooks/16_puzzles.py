@@ -1,0 +1,321 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+# %% [markdown]
+# # 16 · Puzzles: write a piece of kvlab yourself
+#
+# Eight small pieces of a paged KV cache, each 5 to 30 lines to write: where a token's K/V lives, who may be
+# admitted, which free block goes first, what a fork must copy, attention through a block table, what a
+# sliding window frees, where a router sends a request, and what prompt lookup guesses. Each puzzle gives a
+# spec and a stub; you replace the stub's body, run its check cell, and kvlab grades your code on random
+# cases against its own behaviour. A check that fails names the first case your code gets wrong, its inputs,
+# and what was expected against what came back. Solve them in any order; each says which notebook to read
+# first.
+#
+# **Objectives.** After this notebook you can:
+# 1. write the block manager's core rules yourself: the slot mapping, admission with a watermark, LRU
+#    eviction, copy-on-write on append and sliding-window release;
+# 2. write paged decode attention in torch that never reads a slot no token was written to;
+# 3. plug your own code into kvlab's seams: an `EvictionPolicy` into `BlockManager(eviction=...)`, a `Router`
+#    into a fleet, a proposer's lookup rule;
+# 4. read a failing case and find the bug from it.
+#
+# **How it works.** Each puzzle's cell holds a stub that raises `NotImplementedError`; its check cell prints
+# `not yet: ...` until your code is right, then `solved`. Nothing here raises when a check fails, so you can
+# run the whole notebook at any time. The spec of each puzzle is its module's docstring (`kvlab.puzzles.NAME`),
+# printed above its stub. The solutions are in `kvlab/puzzles/solutions/`, one file per puzzle: §9 says how to
+# peek at one without seeing the others.
+
+# %%
+# Setup (generated from scripts/sync_notebooks.py: edit it there, then `make notebooks`). In a checkout, or in
+# CI, this uses the checkout's kvlab. On Colab it clones the repository (code and bundled traces) and installs
+# kvlab's missing dependencies; Colab's torch and Triton are kept as they are. `%matplotlib inline` keeps
+# figures in the notebook however it runs (Jupyter, Colab, nbconvert with MPLBACKEND=Agg).
+# %matplotlib inline
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# The repository to clone when kvlab is not installed: for a fork, change it here or set $KVLAB_REPO.
+KVLAB_REPO = os.environ.get("KVLAB_REPO", "https://github.com/kvlab/kvlab")
+if importlib.util.find_spec("kvlab") is None:
+    checkout = Path.cwd().parent
+    if not (checkout / "kvlab" / "__init__.py").is_file():  # not run from notebooks/ in a checkout
+        checkout = Path.cwd() / "kvlab-repo"
+        if not checkout.is_dir():
+            clone = subprocess.run(["git", "clone", "-q", "--depth", "1", KVLAB_REPO, str(checkout)],
+                                   capture_output=True, text=True)
+            if clone.returncode != 0:
+                raise RuntimeError(
+                    f"Could not clone kvlab from {KVLAB_REPO}: {clone.stderr.strip() or 'git failed'}\n"
+                    "If your copy of kvlab lives elsewhere, set KVLAB_REPO in this cell to its address (or the "
+                    "KVLAB_REPO environment variable), then run the cell again.") from None
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", str(checkout)])
+    sys.path.insert(0, str(checkout))
+
+# %%
+import inspect
+
+import matplotlib.pyplot as plt
+import torch  # noqa: F401 - for your solutions, as the next three imports
+
+from kvlab.blocks import AllocStatus, EvictionPolicy  # noqa: F401
+from kvlab.errors import OutOfBlocksError  # noqa: F401
+from kvlab.puzzles import PUZZLES, puzzle
+from kvlab.studies.routers import Router
+from kvlab.viz import check
+
+reports = {}  # puzzle name -> the last Report of your code, for the scoreboard in §9
+
+
+def grade(name, your_code):
+    """Check your code for puzzle ``name``; the report prints "solved ..." or "not yet: ..." and the case."""
+    reports[name] = puzzle(name).module.check(your_code)
+    return reports[name]
+
+
+def spec(name):
+    """Print the puzzle's spec: its module's docstring, which also says what to read first."""
+    print(inspect.getdoc(puzzle(name).module))
+
+
+# %% [markdown]
+# ## 1. The slot mapping of a sequence
+#
+# Every kernel finds a token's K/V through the block table: the slot is the physical block times the block
+# size plus the offset. Notebook 01 builds block tables; notebook 04 feeds slot mappings to `reshape_and_cache`.
+#
+# > **In vLLM.** V1's GPU worker computes the same slots for a whole batch at once
+# > (`BlockTable.compute_slot_mapping` in `vllm/v1/worker/block_table.py`), with -1 (`PAD_SLOT_ID`) for padding
+# > tokens; kvlab's `slot_mapping` uses -1 for positions whose block a sliding window released.
+
+# %%
+spec("slot_mapping")
+
+
+# %%
+def slot_mapping(block_table, block_size, start, end):
+    raise NotImplementedError  # your code here
+
+
+# %%
+grade("slot_mapping", slot_mapping)
+
+# %% [markdown]
+# ## 2. Admission with a watermark
+#
+# `can_allocate` answers OK, LATER or NEVER before the scheduler admits a prompt; the watermark keeps a few
+# blocks free so that running sequences can grow without an immediate preemption. Notebook 01 §4 introduces
+# the three answers, notebook 10a §2 the watermark (its "In vLLM" box says where vLLM V0 and V1 differ).
+
+# %%
+spec("can_allocate")
+
+
+# %%
+def can_allocate(num_tokens, block_size, num_free_blocks, num_blocks, watermark):
+    raise NotImplementedError  # your code here: return AllocStatus.OK, AllocStatus.LATER or AllocStatus.NEVER
+
+
+# %%
+grade("can_allocate", can_allocate)
+
+# %% [markdown]
+# ## 3. An eviction policy
+#
+# The pool hands the eviction policy every block that becomes free, and asks it which one to reuse next.
+# kvlab's LRU reuses blocks that hold no cached prefix first, then cached ones, least recently freed first
+# (notebook 02 §4). Your class plugs into the same seam as kvlab's policies: `BlockManager(eviction=MyLRU())`.
+#
+# > **In vLLM.** V1 keeps one free queue (`FreeKVCacheBlockQueue`, a doubly linked list in
+# > `vllm/v1/core/kv_cache_utils.py`): the block pool's `free_blocks` appends blocks whose count drops to 0 at
+# > its end, and allocation takes from its front. Putting never-cached blocks first is vLLM V0's order, which
+# > kvlab's LRU keeps (`kvlab/blocks/eviction/lru.py`).
+
+# %%
+spec("lru_policy")
+
+
+# %%
+class MyLRU(EvictionPolicy):
+    def __init__(self):
+        pass  # your state here
+
+    def add(self, block_id, cached):
+        raise NotImplementedError  # your code here
+
+    def remove(self, block_id):
+        raise NotImplementedError
+
+    def pop(self):
+        raise NotImplementedError  # raise OutOfBlocksError(...) when there is no free block
+
+    def __iter__(self):
+        raise NotImplementedError
+
+    def __len__(self):
+        raise NotImplementedError
+
+
+# %%
+grade("lru_policy", MyLRU)
+
+# %% [markdown]
+# ## 4. Copy-on-write on append
+#
+# A fork shares its parent's blocks; the first write into a shared block must copy it first. Notebook 03a
+# shows forks, beams and the copy-on-write pairs `append_slots` returns.
+
+# %%
+spec("copy_on_write")
+
+
+# %%
+def plan_append(block_table, ref_counts, num_computed_tokens, num_tokens, block_size):
+    raise NotImplementedError  # your code here: return (copies, num_new_blocks)
+
+
+# %%
+grade("copy_on_write", plan_append)
+
+# %% [markdown]
+# ## 5. Decode attention over a block table, in torch
+#
+# One query per sequence attends to its whole context, gathered block by block through its table. Notebook 05
+# §1 writes the gather and §3 grouped-query attention. The check poisons every slot that holds no token with
+# NaN, so reading one shows in your output.
+
+# %%
+spec("decode_attention")
+
+
+# %%
+def decode_attention(query, kv_cache, block_tables, seq_lens, scale):
+    raise NotImplementedError  # your code here: return a [S, H, D] tensor
+
+
+# %%
+grade("decode_attention", decode_attention)
+
+# %% [markdown]
+# ## 6. Sliding-window release
+#
+# A sliding-window layer frees a block once no query of this step or a later one can see it. Notebook 11 §1
+# follows a sequence growing past the window.
+#
+# > **In vLLM.** V1's `SlidingWindowManager.remove_skipped_blocks` (`vllm/v1/core/single_type_kv_cache_manager.py`)
+# > computes the same bound, `num_computed_tokens - sliding_window + 1`, divides it by the block size, and
+# > replaces the blocks before it with the null block, walking back until it meets one already released.
+
+# %%
+spec("window_release")
+
+
+# %%
+def released_blocks(block_table, num_released, first_query, window, block_size):
+    raise NotImplementedError  # your code here
+
+
+# %%
+grade("window_release", released_blocks)
+
+# %% [markdown]
+# ## 7. A router
+#
+# A fleet's router sees each replica only through what it publishes: its cached block hashes (from KV events)
+# and its queue. Notebook 12 §1 shows what a router sees and §3 compares kvlab's routers on a real trace,
+# `kv_cost` among them. Your class plugs in where a router name goes
+# (`replay_fleet(router=MyRouter)`), or into `kvlab.studies.routers.ROUTERS`.
+
+# %%
+spec("kv_cost_router")
+
+
+# %%
+class MyRouter(Router):
+    needs_hashes = True
+
+    def choose(self, replicas, num_tokens, hashes):
+        raise NotImplementedError  # your code here: return self.pick([...one key per replica...])
+
+
+# %%
+grade("kv_cost_router", MyRouter)
+
+# %% [markdown]
+# ## 8. The n-gram proposer
+#
+# Prompt lookup drafts the next tokens from the context itself, for free; the model verifies them in one
+# pass. Notebook 13 measures how often its drafts are accepted.
+#
+# > **In vLLM.** `method="ngram"` runs `_find_longest_matched_ngram_and_propose_tokens`
+# > (`vllm/v1/spec_decode/ngram_proposer.py`): one KMP pass over the reversed context finds the longest match
+# > between `prompt_lookup_min` and `prompt_lookup_max`, and among equally long ones keeps the **earliest**
+# > occurrence. kvlab's `NgramProposer`, which this puzzle checks against, takes the **most recent** one: what
+# > the text said lately. Which choice gets more drafts accepted is an experiment notebook 13's workloads can run.
+
+# %%
+spec("ngram_proposer")
+
+
+# %%
+def propose(tokens, max_tokens, min_n, max_n):
+    raise NotImplementedError  # your code here
+
+
+# %%
+grade("ngram_proposer", propose)
+
+# %% [markdown]
+# ## 9. Your scoreboard, and peeking at a solution
+#
+# Each bar is one puzzle: how many random cases your code passed before its first failure, out of the cases
+# its check runs (a solved puzzle fills its bar). Run this cell again after solving one.
+
+# %%
+names = [p.name for p in PUZZLES]
+kvlabs = {name: puzzle(name).module.check(puzzle(name).solution()) for name in names}  # kvlab's own solutions
+cases = {name: kvlabs[name].num_passed for name in names}  # how many random cases each check runs
+done = [reports[name].num_passed / cases[name] if name in reports else 0 for name in names]
+fig, ax = plt.subplots(figsize=(8, 3.5))
+ax.barh(names, [1] * len(names), color="0.9")
+ax.barh(names, done, color=["tab:green" if reports.get(n) else "tab:orange" for n in names])
+for i, name in enumerate(names):
+    status = "solved" if reports.get(name) else "not yet" if name in reports else "not run"
+    ax.text(1.01, i, f"{status} ({reports[name].num_passed if name in reports else 0}/{cases[name]})", va="center")
+ax.invert_yaxis()
+ax.set(xlim=(0, 1.35), xticks=[0, 0.25, 0.5, 0.75, 1], xlabel="share of the check's random cases passed before the first failure",
+       title=f"Puzzles solved: {sum(bool(r) for r in reports.values())} of {len(names)}")
+plt.show()
+check(all(report.passed for report in kvlabs.values()), "each of kvlab's own solutions passes its puzzle's check",
+      defaults=True)
+
+# %% [markdown]
+# **Peeking.** The solutions live in `kvlab/puzzles/solutions/`, one file per puzzle. To read one, and only
+# that one, uncomment the line below with the puzzle's name. To check a solution the way CI does:
+# `puzzle("slot_mapping").module.check(puzzle("slot_mapping").solution())`. Any check also takes `seed=` (other
+# random cases) and `strict=True` (raise `PuzzleNotSolvedError` instead of printing, for your own tests).
+
+# %%
+# print(puzzle("slot_mapping").solution_source())
+
+# %% [markdown]
+# ## Takeaways
+#
+# * A block table turns a position into a slot with one multiply and one add; everything else in a paged
+#   cache is bookkeeping about who holds which block.
+# * Admission, eviction, copy-on-write and window release are each a few lines, but every one has an
+#   off-by-one that a random check finds at once: a boundary where `>=` is not `>`, a block that is full,
+#   a window that starts inside a block.
+# * Paged attention is a gather followed by ordinary attention; what makes it correct is reading only the
+#   slots that hold tokens.
+# * kvlab's seams (eviction policies, routers, proposers, schedulers) take your code as it is, so the
+#   studies of notebooks 08, 12 and 13 can measure your idea against kvlab's.

@@ -1,0 +1,166 @@
+"""Plausible wrong solutions of each puzzle: what a learner might write, each with the words its check's
+report must use to name the mistake (tests/puzzles/test_puzzles.py)."""
+
+import torch
+
+from kvlab.blocks import AllocStatus
+from kvlab.puzzles.solutions.lru_policy import MyLRU
+from kvlab.studies.routers import Router
+
+
+# ---- slot_mapping -------------------------------------------------------------------------------------------
+def slots_without_block_size(table, bs, start, end):
+    return [table[p // bs] + p % bs for p in range(start, end)]  # forgot "x block_size"
+
+
+def slots_one_too_many(table, bs, start, end):
+    return [table[p // bs] * bs + p % bs for p in range(start, end + 1)]  # end is exclusive
+
+
+# ---- can_allocate -------------------------------------------------------------------------------------------
+def admits_without_watermark(num_tokens, bs, free, num_blocks, watermark):
+    needed = -(-num_tokens // bs)
+    return AllocStatus.NEVER if needed > num_blocks else AllocStatus.OK if needed <= free else AllocStatus.LATER
+
+
+def admits_strictly_above_watermark(num_tokens, bs, free, num_blocks, watermark):
+    needed, kept = -(-num_tokens // bs), int(watermark * num_blocks)
+    if needed > num_blocks - kept:
+        return AllocStatus.NEVER
+    return AllocStatus.OK if free - needed > kept else AllocStatus.LATER  # > where kvlab has >=
+
+
+# ---- lru_policy ---------------------------------------------------------------------------------------------
+class OneQueue(MyLRU):
+    """Forgets the cached flag: one queue in freeing order."""
+
+    def add(self, block_id, cached):
+        self.uncached[block_id] = None
+
+
+class ForgetsRemove(MyLRU):
+    """A prefix hit takes a free block back, but the policy keeps it."""
+
+    def remove(self, block_id):
+        pass
+
+
+# ---- copy_on_write ------------------------------------------------------------------------------------------
+def copies_every_written_block(table, refs, computed, n, bs):
+    needed = -(-n // bs)  # ">= 1" where kvlab has "> 1": copies blocks nobody shares
+    return [i for i in range(computed // bs, min(len(table), needed)) if refs[table[i]] >= 1], \
+        max(0, needed - len(table))
+
+
+def never_copies(table, refs, computed, n, bs):
+    return [], max(0, -(-n // bs) - len(table))
+
+
+def starts_one_position_early(table, refs, computed, n, bs):
+    needed = -(-n // bs)  # (computed - 1) // bs: the block of the last computed token, not of the first new one
+    return [i for i in range(max(0, computed - 1) // bs, min(len(table), needed)) if refs[table[i]] > 1], \
+        max(0, needed - len(table))
+
+
+# ---- decode_attention ---------------------------------------------------------------------------------------
+def attends_whole_blocks(query, kv_cache, block_tables, seq_lens, scale):
+    """Reads every slot of the sequence's blocks, the unwritten tail of the last one included."""
+    bs, heads, kv_heads, dim = kv_cache.shape[2], query.shape[1], kv_cache.shape[3], kv_cache.shape[4]
+    out = torch.empty_like(query)
+    for s, n in enumerate(seq_lens.tolist()):
+        blocks = block_tables[s, :-(-n // bs)].long()
+        k = kv_cache[blocks, 0].reshape(-1, kv_heads, dim).repeat_interleave(heads // kv_heads, 1)
+        v = kv_cache[blocks, 1].reshape(-1, kv_heads, dim).repeat_interleave(heads // kv_heads, 1)
+        out[s] = torch.einsum("hn,nhd->hd", (torch.einsum("hd,nhd->hn", query[s], k) * scale).softmax(-1), v)
+    return out
+
+
+def groups_heads_with_repeat(query, kv_cache, block_tables, seq_lens, scale):
+    """``repeat`` where GQA needs ``repeat_interleave``: query head h reads KV head h % H_kv."""
+    bs, heads, kv_heads = kv_cache.shape[2], query.shape[1], kv_cache.shape[3]
+    out = torch.empty_like(query)
+    for s, n in enumerate(seq_lens.tolist()):
+        positions = torch.arange(n)
+        blocks = block_tables[s].long()[positions // bs]
+        k = kv_cache[blocks, 0, positions % bs].repeat(1, heads // kv_heads, 1)
+        v = kv_cache[blocks, 1, positions % bs].repeat(1, heads // kv_heads, 1)
+        out[s] = torch.einsum("hn,nhd->hd", (torch.einsum("hd,nhd->hn", query[s], k) * scale).softmax(-1), v)
+    return out
+
+
+# ---- window_release -----------------------------------------------------------------------------------------
+def releases_one_position_late(table, released, first, window, bs):
+    return table[released:max(0, first - window) // bs]  # the first query still sees first - window + 1
+
+
+def releases_a_block_still_seen(table, released, first, window, bs):
+    return table[released:-(-max(0, first - window + 1) // bs)]  # rounds up: frees the block the window starts in
+
+
+def releases_again(table, released, first, window, bs):
+    return table[:max(0, first - window + 1) // bs]  # forgets the entries released by earlier steps
+
+
+# ---- kv_cost_router -----------------------------------------------------------------------------------------
+class CountsBlocksAsTokens(Router):
+    def choose(self, replicas, num_tokens, hashes):
+        s = self.settings  # forgot "x block_size": prefix_match counts blocks
+        return self.pick([(s.prefill_weight * (num_tokens - r.cached.prefix_match(hashes, len(hashes)))
+                           + s.queue_weight * r.waiting_tokens, r.in_flight()) for r in replicas])
+
+
+class FirstOfEquals(Router):
+    def choose(self, replicas, num_tokens, hashes):
+        s, bs = self.settings, self.block_size
+        keys = [(s.prefill_weight * (num_tokens - bs * r.cached.prefix_match(hashes, len(hashes)))
+                 + s.queue_weight * r.waiting_tokens, r.in_flight()) for r in replicas]
+        return keys.index(min(keys))  # ties always to the first replica, not taking turns
+
+
+# ---- ngram_proposer -----------------------------------------------------------------------------------------
+def first_occurrence(tokens, max_tokens, min_n, max_n):
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - n):
+            if tokens[start:start + n] == tokens[-n:]:
+                return tokens[start + n:start + n + max_tokens]
+    return []
+
+
+def shortest_n_first(tokens, max_tokens, min_n, max_n):
+    for n in range(min_n, min(max_n, len(tokens) - 1) + 1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[-n:]:
+                return tokens[start + n:start + n + max_tokens]
+    return []
+
+
+def matches_itself(tokens, max_tokens, min_n, max_n):
+    for n in range(min(max_n, len(tokens)), min_n - 1, -1):
+        for start in range(len(tokens) - n, -1, -1):  # includes the last n tokens themselves
+            if tokens[start:start + n] == tokens[-n:]:
+                return tokens[start + n:start + n + max_tokens]
+    return []
+
+
+#: (puzzle, wrong solution, words the report must contain)
+WRONG = [
+    ("slot_mapping", slots_without_block_size, "so its slot is"),
+    ("slot_mapping", slots_one_too_many, "expected a list of"),
+    ("can_allocate", admits_without_watermark, "the watermark keeps"),
+    ("can_allocate", admits_strictly_above_watermark, "which is >="),
+    ("lru_policy", OneQueue, "never-cached first"),
+    ("lru_policy", ForgetsRemove, "through remove"),
+    ("copy_on_write", copies_every_written_block, "held by this sequence alone: write in place"),
+    ("copy_on_write", never_copies, "written by this step and shared: copy it"),
+    ("copy_on_write", starts_one_position_early, "is not written by this step"),
+    ("decode_attention", attends_whole_blocks, "has NaN: it read a slot that holds no token"),
+    ("decode_attention", groups_heads_with_repeat, "max abs error"),
+    ("window_release", releases_one_position_late, ": release it"),
+    ("window_release", releases_a_block_still_seen, "is still seen"),
+    ("window_release", releases_again, "released by an earlier step"),
+    ("kv_cost_router", CountsBlocksAsTokens, "has the least (cost, in flight)"),
+    ("kv_cost_router", FirstOfEquals, "return self.pick(keys)"),
+    ("ngram_proposer", first_occurrence, "not the first"),
+    ("ngram_proposer", shortest_n_first, "the longest n that matches wins"),
+    ("ngram_proposer", matches_itself, "one must end before the last token"),
+]
