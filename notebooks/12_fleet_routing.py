@@ -142,8 +142,8 @@ print(f"Ceiling (one infinite cache): {ceiling:.1%} of prompt tokens.")
 #   6614f98; older releases had 0.5, 32 and 1.0001). **One difference matters below:** SGLang matches
 #   against its own approximate tree of the text it sent each worker, and its fallback is the worker with the
 #   smallest such tree; this router reads the replicas' KV events instead, so its fallback is the replica
-#   whose *pool* caches the fewest blocks. That feeds back into load, as section 3 shows: what piles up
-#   below is this event-fed variant, not a measurement of SGLang's router.
+#   whose *pool* caches the fewest blocks. That feeds back into load (a counting router below shows how):
+#   what piles up below is this event-fed variant, not a measurement of SGLang's router.
 # - `kv_cost` (**Dynamo-style prefill cost**): the least `prefill_weight` x uncached prompt tokens +
 #   `queue_weight` x prompt tokens already queued there: the prefill work the request would wait for and do.
 #   That is the prefill term of Dynamo's KV router, whose cost is `overlap_score_weight` x prefill blocks +
