@@ -270,9 +270,10 @@ viz.check(kvlab_before == vllm_before > kvlab_after and vllm_after == vllm_befor
 # > such run it keeps the cached pages from page 0 on. `vllm_hit_pages` above applies that rule to the pages
 # > the events say are cached. kvlab verifies every hit from page 0 (see `kvlab/blocks/group_planning.py`), so
 # > a window group whose early pages were evicted serves no hit, where vLLM still hits as long as the pages
-# > under the window survive. Had the burst also evicted pages 3 and 4, both would find nothing. Gemma 3 (4B
-# > and up) uses `sliding_window=1024` with every 6th layer global (`sliding_window_pattern=6`; the 1B model
-# > uses 512); gpt-oss uses 128-token windows.
+# > under the window survive. vLLM's hit shrinks only to the last 2 neighbouring pages the window group still
+# > caches: with a 16-token second prompt (a 3-page hit at most) and a burst that took pages 0-2, it would
+# > find nothing too. Gemma 3 (4B and up) uses `sliding_window=1024` with every 6th layer global
+# > (`sliding_window_pattern=6`; the 1B model uses 512); gpt-oss uses 128-token windows.
 #
 # ## 3. Memory over the Mooncake conversation trace
 #
