@@ -166,12 +166,29 @@ def write_results(table, out) -> None:
         plt.close(figure)
 
 
+#: One colour per router in every fleet figure (notebook 12 uses them too); other routers take the next ones.
+ROUTER_COLORS = {"round_robin": "C0", "least_loaded": "C1", "cache_aware": "C2", "kv_cost": "C3"}
+_LINESTYLES = ["-", "--", ":", "-."]
+
+
+def router_color(router: str, others: list) -> str:
+    """``router``'s colour: ``ROUTER_COLORS``'s, else the next unused one of the cycle (``others``: the
+    routers already given one, in order)."""
+    if router in ROUTER_COLORS:
+        return ROUTER_COLORS[router]
+    spare = [f"C{i}" for i in range(len(ROUTER_COLORS), 10)]
+    return spare[[r for r in others if r not in ROUTER_COLORS].index(router) % len(spare)]
+
+
 def plot_fleet(table):
-    """Token hit rate, load imbalance and p99 TTFT versus replicas, a line per router; one row of panels per
-    block size x capacity. Returns the figure."""
+    """Token hit rate, load imbalance and p99 TTFT (log scale: an overloaded fleet's tail is minutes, a balanced
+    one's seconds) versus replicas, a line per router (its colour in ``ROUTER_COLORS``; a line style per
+    scheduling policy x tier); one row of panels per block size x capacity. Returns the figure."""
     groups = list(table.groupby(["block_size", "capacity_blocks"], sort=False))
     panels = [("hit_rate_tokens", "prompt tokens served from cache (%)", 100), ("load_imbalance",
               "load imbalance (max / mean prefill tokens)", 1), ("ttft_p99_s", "p99 time to first token (s)", 1)]
+    routers = list(dict.fromkeys(table["router"]))
+    variants = list(dict.fromkeys(zip(table["scheduling_policy"], table["tier"])))
     fig, axes = plt.subplots(len(groups), 3, figsize=(15, 4 * len(groups)), squeeze=False)
     for row, ((block_size, capacity), group) in zip(axes, groups):
         counts = np.unique(group["replicas"].to_numpy())
@@ -179,7 +196,9 @@ def plot_fleet(table):
             for (router, policy, tier), rows in group.groupby(["router", "scheduling_policy", "tier"], sort=False):
                 rows = rows.sort_values("replicas")
                 name = " ".join([router] + [policy] * (policy != "fcfs") + [f"{tier} tier"] * (tier != "none"))
-                ax.plot(rows["replicas"], scale * rows[column], marker="o", label=name)
+                style = _LINESTYLES[variants.index((policy, tier)) % len(_LINESTYLES)]
+                ax.plot(rows["replicas"], scale * rows[column], marker="o", ls=style, label=name,
+                        color=router_color(router, routers))
             if len(counts) > 1:
                 ax.set_xscale("log", base=2)
             ax.set_xticks(counts, [str(c) for c in counts])
@@ -188,6 +207,7 @@ def plot_fleet(table):
             ax.set_ylabel(label)
             ax.set_title(f"block size {block_size}, {capacity:,} blocks per replica", fontsize=10)
             ax.grid(alpha=0.3)
+        row[2].set_yscale("log")
         row[0].legend(fontsize=8)
     fig.tight_layout()
     return fig

@@ -8,13 +8,18 @@ hit if nothing changed before admission.
 
     round_robin    replica after replica, blind to cache and load
     least_loaded   fewest requests in flight
-    cache_aware    SGLang's router: the least loaded replica when loads are imbalanced (max - min in-flight
-                   requests above ``balance_abs_threshold`` and max above ``balance_rel_threshold`` x min);
-                   otherwise the longest cached-prefix match if it covers more than ``cache_threshold`` of
-                   the prompt's blocks, else the replica caching the fewest blocks (SGLang's smallest tree)
+    cache_aware    SGLang-style, event-fed: the least loaded replica when loads are imbalanced (max - min
+                   in-flight requests above ``balance_abs_threshold`` and max above ``balance_rel_threshold`` x
+                   min); otherwise the longest cached-prefix match if it covers more than ``cache_threshold`` of
+                   the prompt's blocks, else the replica caching the fewest blocks. SGLang's cache-aware policy
+                   has these rules, but matches against its own approximate tree of the text it routed to each
+                   worker (its fallback is the smallest tree); this one reads the replicas' KV events, so its
+                   fallback sees what each pool really caches (notebook 12 shows what that does to load)
     kv_cost        the least cost ``prefill_weight`` x uncached prompt tokens + ``queue_weight`` x prompt
-                   tokens queued there: the prefill work this request would wait for and do, the quantity
-                   Dynamo's KV router and Mooncake's Conductor estimate
+                   tokens queued there: the prefill work this request would wait for and do. That is the
+                   prefill term of Dynamo's KV router (``overlap_score_weight`` x prefill blocks, in tokens
+                   here); Dynamo adds the blocks the worker's running requests hold (decode blocks), which
+                   this router leaves out. Mooncake's Conductor estimates the same prefill and queueing time
 
 Ties go to the fewest requests in flight, then to the replica after the last one chosen (so idle replicas
 take turns instead of the first one taking everything).
@@ -36,10 +41,12 @@ from kvlab.validation import check_int, check_number
 
 @dataclass(frozen=True)
 class RouterSettings:
-    """Knobs of ``cache_aware`` (SGLang's defaults) and ``kv_cost`` (both weights 1: a token is a token)."""
-    cache_threshold: float = 0.5
-    balance_abs_threshold: int = 32
-    balance_rel_threshold: float = 1.0001
+    """Knobs of ``cache_aware`` and ``kv_cost`` (both weights 1: a token is a token). ``cache_aware``'s defaults
+    are SGLang's router's (``RouterArgs`` in sgl-model-gateway/bindings/python/src/sglang_router/router_args.py,
+    as of sgl-project/sglang commit 6614f98; older releases had 0.5, 32 and 1.0001)."""
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
     prefill_weight: float = 1.0
     queue_weight: float = 1.0
 

@@ -10,6 +10,7 @@ from kvlab.blocks.kv_events import CachedHashes
 from kvlab.errors import InvalidArgumentError
 from kvlab.studies.cli import main as study_main
 from kvlab.studies.fleet import replay_fleet
+from kvlab.studies.fleet_cli import ROUTER_COLORS, plot_fleet
 from kvlab.studies.fleet_cli import main as fleet_main
 from kvlab.studies.routers import ROUTERS, KVCost, Router, RouterSettings, make_router
 from kvlab.studies.synthetic import multi_turn_chat
@@ -74,6 +75,14 @@ def test_cache_aware_follows_the_longest_match_until_loads_are_imbalanced():
     assert router.choose(fleet, 17, prompt) == 1              # 3 of 4 blocks cached there
     assert router.choose(fleet, 17, [99, 12]) == 2            # no match: the smallest cache
     assert router.choose(replicas(({11, 12}, 2, 0), ({11, 12, 13}, 7, 0), ((), 3, 0)), 17, prompt) == 0
+
+
+def test_cache_aware_defaults_are_sglangs_current_router_args():
+    """0.3 / 64 / 1.5 (sgl-model-gateway's RouterArgs): a 2-of-5-block match is followed, and a gap of 40
+    requests (4x as many) is not yet imbalanced; the old 0.5 / 32 / 1.0001 did neither."""
+    router, prompt = make_router("cache_aware", RouterSettings(), 4), [11, 12, 13, 14, 15]
+    assert router.choose(replicas(({11, 12}, 3, 0), ((), 1, 0)), 20, prompt) == 0
+    assert router.choose(replicas(({11, 12, 13}, 50, 0), ((), 10, 0)), 20, prompt) == 0
 
 
 def test_kv_cost_weighs_uncached_prefill_against_queued_tokens():
@@ -164,3 +173,19 @@ def test_a_bad_router_is_refused_with_a_clear_error(router, match):
     trace = load_trace("mooncake_conversation", limit=5)
     with pytest.raises(InvalidArgumentError, match=match):
         replay_fleet(trace, block_size=512, capacity=100, replicas=3, router=router)
+
+
+def test_plot_fleet_gives_each_router_its_colour_and_the_tail_a_log_axis():
+    """Whatever order the rows come in, a router has ROUTER_COLORS' colour in every panel (notebook 12's bars
+    use the same), and the p99 panel is logarithmic (minutes overloaded, seconds balanced)."""
+    from matplotlib.colors import to_hex
+
+    rows = [dict(block_size=512, capacity_blocks=100, replicas=n, router=router, scheduling_policy="fcfs",
+                 tier="none", hit_rate_tokens=0.1, load_imbalance=1.0, ttft_p99_s=1000.0 / n)
+            for router in ["kv_cost", "my_router", "round_robin"] for n in (1, 8)]
+    figure = plot_fleet(pd.DataFrame(rows))
+    for ax in figure.axes:
+        colours = {line.get_label(): to_hex(line.get_color()) for line in ax.get_lines()}
+        assert colours == {"kv_cost": to_hex(ROUTER_COLORS["kv_cost"]), "my_router": to_hex("C4"),
+                           "round_robin": to_hex(ROUTER_COLORS["round_robin"])}
+    assert [ax.get_yscale() for ax in figure.axes] == ["linear", "linear", "log"]
