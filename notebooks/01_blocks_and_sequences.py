@@ -307,4 +307,4 @@ print(f"Reserving {MAX_LEN} slots per request leaves {100 * waste[f'contiguous, 
 # * A sequence takes a new block only when its last block is full, so at most `block_size - 1` slots per
 #   sequence are empty, instead of everything up to the maximum length.
 # * Full blocks are sealed and stay cached after `free`: that is the starting point of prefix caching
-#   (notebook 02) and of sharing between forks (notebook 03).
+#   (notebook 02) and of sharing between forks (notebook 03a).
