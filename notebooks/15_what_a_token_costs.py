@@ -290,8 +290,8 @@ for dtype in ("int4_kivi", "k_fp16_v_fp8"):
     llm = LLM(model_dir, kv_cache_dtype=dtype, max_num_seqs=2048, kv_calibration_prompts=calibration)
     growth[dtype] = llm.kv_cache.num_blocks / pools["auto"]
     print(f"{dtype:>12}: {llm.kv_cache.summary()}")
-answer(PREDICTED_INT4_GROWTH, round(growth["int4_kivi"], 2), "fp32 keeps 8 bytes per channel for K and V; int4_kivi "
-       "keeps half a byte for each, plus 4 bytes of value scale and zero per 32 channels (K's per-channel scales "
+answer(PREDICTED_INT4_GROWTH, round(growth["int4_kivi"], 2), "fp32 keeps 4 bytes of K and 4 of V per channel; int4_kivi "
+       "half a byte of each, plus 4 bytes of value scale and zero per 32 channels (K's per-channel scales "
        "live beside the cache): 8 / (0.5 + 0.5 + 4 / 32) = 7.11.", rel_tol=0.05)
 answer(PREDICTED_K16_V8_GROWTH, round(growth["k_fp16_v_fp8"], 2), "2 bytes of K and 1 of V per channel against 8: "
        "8 / 3 = 2.67.", rel_tol=0.05)
