@@ -280,7 +280,7 @@ answer(PREDICTED_SWAP_COPIES, swap_copies, f"One copy per distinct block, not pe
 # > request's blocks are freed and it is prefilled again later, hitting its own cached prefix), and beam
 # > search became a loop outside the engine (`LLM.beam_search` in `vllm/entrypoints/llm.py`) that submits
 # > each step's beams as new requests, sharing through the prefix cache. kvlab's engine (notebook 09) offers
-# > both preemption modes; notebooks 10a and 10b compare them.
+# > both preemption modes; notebook 10a compares them.
 
 # %% [markdown]
 # ## 3. How much memory does sharing save? Against the PagedAttention paper
