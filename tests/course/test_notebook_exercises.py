@@ -1,4 +1,4 @@
-"""Every exercise in a notebook has its three parts: the question, a cell the learner edits that is checked by
+"""Every exercise in a notebook graded by ``kvlab.course.answer`` has its three parts: the question, a cell the learner edits that is checked by
 ``answer`` (committed unanswered, so the notebook runs top to bottom in CI), and the answer, clearly marked.
 Fast and static: the notebook runs themselves are tests/test_notebooks.py's."""
 
@@ -8,7 +8,7 @@ import jupytext
 import pytest
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.py"))
-WITH_EXERCISES = [py for py in NOTEBOOKS if "Exercise" in py.read_text(encoding="utf-8")]
+WITH_EXERCISES = [py for py in NOTEBOOKS if "from kvlab.course import answer" in py.read_text(encoding="utf-8")]
 
 
 def exercises(py: Path):
@@ -25,7 +25,7 @@ def test_the_course_has_exercises():
 @pytest.mark.parametrize("py", WITH_EXERCISES, ids=lambda path: path.stem)
 def test_every_exercise_has_a_checked_cell_committed_unanswered_then_its_answer(py: Path):
     found = exercises(py)
-    assert found, f"{py.name} mentions an exercise but poses none as '**Exercise.**' or '## ... Exercise: ...'"
+    assert found, f"{py.name} imports answer() but poses no exercise as '**Exercise.**' or '## ... Exercise: ...'"
     for i, cells in found:
         checked, answer = cells[i + 1], cells[i + 2]
         assert checked.cell_type == "code" and "answer(" in checked.source, (
