@@ -156,12 +156,44 @@ print(f"prompt's table: {prompt.block_table}; chat's table: {chat.block_table} (
 assert empty_slots <= 2 * (BLOCK_SIZE - 1)  # paging's promise, whatever the knobs
 
 # %% [markdown]
-# **Try it.** Set `BLOCK_SIZE = 8` in the knobs cell and run the notebook again. Before you look, predict:
-# how many new blocks do the nine decode steps take now, and how many allocated slots are empty at the end?
-# Look at the snapshot grid: fewer, longer blocks mean fewer `append` steps but more empty slots in each
-# sequence's last block. Then try `BLOCK_SIZE = 1` with `NUM_BLOCKS = 40`: no slot is ever empty, and every
-# token seals a block. (With 12 blocks of one token, `allocate(chat)` raises `OutOfBlocksError`: the pool is
-# full, and `can_allocate` would have said so.)
+# **Exercise.** Predict for blocks of 8 instead of 4 (same 10- and 5-token prompts, nine decode steps
+# each): how many new blocks do the decode steps take, and how many allocated slots are empty at the end?
+# Fewer, longer blocks mean fewer `append` steps but more empty slots in each sequence's last block. Edit
+# the two values and run the cell: it replays the story on a fresh pool and checks them.
+
+# %%
+from kvlab.course import answer
+
+PREDICTED_NEW_BLOCKS = None    # blocks the nine decode steps take, both sequences together
+PREDICTED_EMPTY_SLOTS = None   # allocated slots holding no token at the end
+
+
+def decode_story(block_size, prompt_lens=(10, 5), steps=9):
+    """Allocate the prompts, decode ``steps`` tokens each; return (new blocks taken, empty slots at the end)."""
+    pool = BlockManager(64, block_size, enable_prefix_caching=False)
+    seqs = [Sequence(range(n), block_size) for n in prompt_lens]
+    for seq in seqs:
+        pool.allocate(seq)
+    free_before = pool.num_free_blocks
+    for _ in range(steps):
+        for seq in seqs:
+            seq.append_token(0)
+            pool.append_slots(seq)
+    return free_before - pool.num_free_blocks, sum(len(s.block_table) * block_size - s.num_tokens for s in seqs)
+
+
+new_blocks_8, empty_slots_8 = decode_story(8)
+answer(PREDICTED_NEW_BLOCKS, new_blocks_8, "prompt grows from 10 to 19 tokens (2 -> 3 blocks of 8), chat from 5 "
+       "to 14 (1 -> 2): one new block each.")
+answer(PREDICTED_EMPTY_SLOTS, empty_slots_8, "3 x 8 - 19 = 5 empty slots in prompt's last block, 2 x 8 - 14 = 2 "
+       "in chat's.")
+
+# %% [markdown]
+# **Answer.** 2 new blocks and 7 empty slots (blocks of 4 took 4 new blocks and left 3 empty: check with
+# `decode_story(4)`). `decode_story(1)` takes 18 blocks and leaves none empty: every token fills, and
+# seals, a block of its own, which is why the pool would need about 40 one-token blocks. (With 12 blocks
+# of one token, `allocate(chat)` raises `OutOfBlocksError`: the pool is full, and `can_allocate` would
+# have said so.)
 
 # %% [markdown]
 # A sealed block is immutable and *cached*: a prefix lookup could hit it from now on (the gold dot). The
@@ -307,4 +339,4 @@ print(f"Reserving {MAX_LEN} slots per request leaves {100 * waste[f'contiguous, 
 # * A sequence takes a new block only when its last block is full, so at most `block_size - 1` slots per
 #   sequence are empty, instead of everything up to the maximum length.
 # * Full blocks are sealed and stay cached after `free`: that is the starting point of prefix caching
-#   (notebook 02) and of sharing between forks (notebook 03).
+#   (notebook 02) and of sharing between forks (notebook 03a).

@@ -145,9 +145,37 @@ viz.check(A_again.num_cached_tokens == (A_again.num_tokens - 1) // BS * BS == 4,
           f"{A_again.num_tokens // BS} full blocks", defaults=DEFAULTS)
 
 # %% [markdown]
-# **Try it.** Predict, then set `BS = 8` in the knobs cell and run again: how many blocks does B reuse now,
-# and how many tokens does "A again" compute? (A is exactly one block of 8, and a prompt must compute its last
-# token.) The checks print what changed instead of stopping.
+# **Exercise.** Predict for blocks of 8 instead of 4: how many of A's blocks does B reuse, and how many
+# tokens does "A again" compute? (A is exactly one block of 8, and a prompt must compute its last token.)
+# Edit the values and run the cell: it replays A, B and "A again" on a fresh pool and checks them.
+
+# %%
+from kvlab.course import answer
+
+PREDICTED_B_REUSES = None          # blocks of A that B reuses
+PREDICTED_A_AGAIN_COMPUTES = None  # tokens "A again" computes
+
+
+def section_one(block_size):
+    """A, B, then A again on a fresh pool: (blocks B reuses, tokens A again computes)."""
+    pool = BlockManager(16, block_size)
+    a, b, a_again = (Sequence(range(1, n), block_size) for n in (9, 11, 9))
+    for seq in (a, b, a_again):
+        pool.allocate(seq)
+    return b.num_cached_tokens // block_size, a_again.num_tokens - a_again.num_cached_tokens
+
+
+b_reuses_8, a_again_computes_8 = section_one(8)
+answer(PREDICTED_B_REUSES, b_reuses_8, "A's one full block [1..8] is B's first block too, and B's last token "
+       "lies in its second block, so the hit is allowed.")
+answer(PREDICTED_A_AGAIN_COMPUTES, a_again_computes_8, "A again's only block holds its last token, which must be "
+       "computed for the first output's logits: a hit would skip it, so the whole block is computed.")
+
+# %% [markdown]
+# **Answer.** B reuses 1 block (8 of its 10 tokens), and "A again" computes all 8 tokens: its only full block
+# ends with its last token, so it may not hit at all. With blocks of 4 it hit one of its two blocks and
+# computed 4. Setting `BS = 8` in the knobs cell shows the same in every cell above, and the checks explain
+# what changed.
 
 # %% [markdown]
 # ## 2. A shared system prompt across many requests
@@ -325,10 +353,28 @@ viz.check(fifo_evicted == x_blocks[:2] and stranded == x_blocks[2:3] and fifo_ag
 # > The price: a tree walk instead of one dictionary lookup per block.
 
 # %% [markdown]
-# **Try it.** Predict before you move anything: with `policy="lfu"`, which of X's blocks does Z evict, and how
-# many blocks does X's prefix hit afterwards? Then vary `z_blocks`: from how many blocks on does Z start
-# evicting at all (the pool has 10, X and Y left 5 of them never cached), and when does it reach X's head?
-# In Jupyter or Colab the widgets rerun the story; elsewhere this cell runs it once with the defaults.
+# **Exercise.** Predict before you move anything: with `policy="lfu"` (and Z of 7 blocks, as above), how
+# many of X's three full blocks does X's prefix still hit afterwards? And from how many blocks on does Z
+# evict anything at all (the pool has 10; X and Y left 5 of them never cached)? Edit the values and run the
+# cell; then the widgets below rerun the story for any policy and size of Z (outside Jupyter or Colab, the
+# widget cell runs it once with the defaults).
+
+# %%
+PREDICTED_LFU_HITS = None          # of X's 3 full blocks, how many X's prefix hits after Z (policy "lfu")
+PREDICTED_FIRST_EVICTING_Z = None  # the smallest z_blocks for which Z evicts a cached block
+
+lfu_hits = eviction_story("lfu", 7)[4].num_cached_tokens // BS
+first_evicting = next(z for z in range(1, 11) if eviction_story("lru", z)[3])
+answer(PREDICTED_LFU_HITS, lfu_hits, "no cached block was ever hit, so LFU's counts tie and its tie-break "
+       "decides: least recently freed first, chain tail first, exactly like LRU.")
+answer(PREDICTED_FIRST_EVICTING_Z, first_evicting, "Z takes the never-cached free blocks first, 5 of them, so "
+       "its 6th block is the first that evicts a cached one.")
+
+# %% [markdown]
+# **Answer.** 1 hit, and Z evicts from 6 blocks on. Nothing in this story is ever hit before Z arrives, so
+# LFU cannot tell X's blocks apart by frequency and falls back to LRU's order: X's tail goes first and its
+# head survives. LFU differs from LRU only once blocks have different hit counts (section 6's trace).
+# With `z_blocks = 8` Z evicts X's head too, and X's prefix hits nothing.
 
 # %%
 def try_eviction(policy="lfu", z_blocks=7):
@@ -510,9 +556,27 @@ print(f"For a model of Llama-2-7B's size ({kv_bytes_per_token / 2**20:.1f} MiB o
       "traffic like this has to live beyond one GPU's memory.")
 
 # %% [markdown]
-# **Try it.** Pick a pool size and a policy, and predict where the point lands against the LRU curve before
-# you look. FIFO evicts chain heads (section 4); LFU keeps the blocks hit most often, such as the shared
-# opening. Notebook 08 runs this comparison systematically, on more traces.
+# **Exercise.** Predict before you look: at the middle pool size of the curve above, does FIFO land
+# `"above"` or `"below"` LRU's point? FIFO evicts chain heads (section 4); LFU keeps the blocks hit most
+# often, such as the shared opening. Edit the value and run the cell; then the widget below places any pool
+# size and policy against the LRU curve (outside Jupyter or Colab it draws FIFO at the middle size).
+# Notebook 08 runs this comparison systematically, on more traces.
+
+# %%
+PREDICTED_FIFO_VS_LRU = None   # "above" or "below"
+
+middle = len(pool_sizes) // 2
+fifo_rate, _ = replay(int(pool_sizes[middle]), "fifo")
+answer(PREDICTED_FIFO_VS_LRU, "above" if fifo_rate > rates[middle] else "below",
+       f"at {pool_sizes[middle]:,} blocks FIFO hits {100 * fifo_rate:.1f}% of prompt tokens, LRU "
+       f"{100 * rates[middle]:.1f}%: FIFO evicts the oldest content first, and in a conversation that is the "
+       "head of the chain every later turn needs.")
+
+# %% [markdown]
+# **Answer.** Below, if only a little in the default run (about 4.3% against 4.5% at the middle size). A
+# conversation's next turn extends the same chain, so its head is both the oldest block and the one every
+# later turn must hit first: FIFO evicts it, stranding the blocks behind it, while LRU refreshes it on every
+# hit. The gap is small here because at this size most conversations are evicted before they return anyway.
 
 # %%
 def try_policy(pool_blocks=int(pool_sizes[len(pool_sizes) // 2]), policy="fifo"):

@@ -55,6 +55,7 @@ import torch
 from matplotlib.colors import ListedColormap
 
 from kvlab import BlockManager, Sequence
+from kvlab.course import answer
 from kvlab.device import DEVICE, ON_GPU, mode
 from kvlab.kernels.reference import reshape_and_cache_ref
 from kvlab.kernels.reshape_and_cache import reshape_and_cache
@@ -197,10 +198,40 @@ print(f"kernel == reference, bit for bit: {same}; slots written: {int(written.su
 assert same and int(written.sum()) == int((slot_mapping >= 0).sum())  # whatever the knobs
 
 # %% [markdown]
-# **Try it.** Predict before you run: if B's prompt shared *no* full block with A (`SHARE_PREFIX = False`),
-# how many tokens would the batch write, and how many rows of the pool picture would be coloured? And if
-# `NUM_PADDING = 0`? The kernel writes exactly the non-padding tokens, so "slots written"
-# always equals the slot mapping's non-negative entries; what changes is how many there are.
+# **Exercise.** Predict, for this notebook's CPU prompts (A of 20 tokens, C of 11, B = A's full blocks plus 7
+# tokens of its own, blocks of 8): if B's prompt shared *no* full block with A (`SHARE_PREFIX = False`: B is
+# then just its 7 own tokens), how many tokens would the batch write, and how many blocks would the three
+# prompts hold? Edit the values and run the cell: it replays the allocation on a fresh pool.
+
+# %%
+PREDICTED_WRITES_UNSHARED = None   # tokens the batch writes (padding excluded) without the shared prefix
+PREDICTED_BLOCKS_UNSHARED = None   # blocks in use (coloured rows of the pool picture)
+
+
+def batch_plan(share_prefix, block_size=8, len_a=20, len_c=11):
+    """Allocate A, B and C on a fresh pool: tokens to write, blocks in use, tokens B finds in the cache."""
+    a = list(range(len_a))
+    shared_tokens = len_a // block_size * block_size if share_prefix else 0
+    plan = [a, a[:shared_tokens] + list(range(1000, 1000 + block_size - 1)), list(range(2000, 2000 + len_c))]
+    pool = BlockManager(64, block_size)
+    batch = [Sequence(tokens, block_size) for tokens in plan]
+    for seq in batch:
+        pool.allocate(seq)
+    return dict(writes=sum(len(s) - s.num_cached_tokens for s in batch),
+                blocks=pool.num_blocks - pool.num_free_blocks, b_cached=batch[1].num_cached_tokens)
+
+
+unshared, shared_plan = batch_plan(False), batch_plan(True)
+answer(PREDICTED_WRITES_UNSHARED, unshared["writes"], f"A writes 20, B its 7 own tokens, C 11; with the shared "
+       f"prefix B also writes only its 7 own tokens ({shared_plan['writes']} either way).")
+answer(PREDICTED_BLOCKS_UNSHARED, unshared["blocks"], f"A 3 blocks, B 1, C 2; with the shared prefix B's 2 "
+       f"prefix blocks are A's, so {shared_plan['blocks']} either way.")
+
+# %% [markdown]
+# **Answer.** 38 tokens and 6 blocks, exactly as with the shared prefix: a prefix hit costs the batch
+# nothing, neither a write nor a block, so taking the shared prefix away only takes tokens away from B.
+# `NUM_PADDING = 0` changes only the slot mapping's length (3 fewer `-1` entries): the kernel skips padding,
+# so "slots written" does not move.
 
 # %% [markdown]
 # The right-hand picture is read back from the cache itself: a cell is coloured when its slot no longer
@@ -241,9 +272,24 @@ pool_picture(ax, {cell: o for cell, o in owners_now.items() if bool(written[cell
 plt.show()
 
 # %% [markdown]
-# **Try it.** Set `BLOCK_SIZE = 4` and `NUM_BLOCKS = 16` and predict: how many rows does the pool picture
-# have now, and does B still share A's prefix? (B takes A's *full* blocks: with smaller blocks more of A is
-# full, so B shares more tokens, and writes fewer.)
+# **Exercise.** Predict: with blocks of 4 instead of 8 (same CPU prompts), how many of B's tokens come from
+# A's cache, and how many tokens does the batch write? Edit and run; `batch_plan` from the exercise above
+# replays it.
+
+# %%
+PREDICTED_B_CACHED_4 = None   # B's tokens found in the cache, blocks of 4
+PREDICTED_WRITES_4 = None     # tokens the batch writes, blocks of 4
+
+small = batch_plan(True, block_size=4)
+answer(PREDICTED_B_CACHED_4, small["b_cached"], "A's 20 tokens are 5 full blocks of 4, and B is those 20 tokens "
+       "plus 3 of its own: all 20 shared tokens hit (with blocks of 8 only 16 did: A's third block was partial).")
+answer(PREDICTED_WRITES_4, small["writes"], "A 20 + B 3 + C 11: smaller blocks let B share more and write less.")
+
+# %% [markdown]
+# **Answer.** B finds 20 tokens in the cache and the batch writes 34 (against 16 and 38 with blocks of 8).
+# Only *full* blocks are shared, so the smaller the block, the more of a shared prefix is reusable. To see
+# it in the pictures, set `BLOCK_SIZE = 4` and `NUM_BLOCKS = 16` in the knobs cell: the pool picture then
+# has 16 rows.
 #
 # > **In vLLM.** The same kernel exists under the same name, with another cache layout. vLLM's **V0**
 # > PagedAttention kernels used two tensors per layer, keys as `[num_blocks, num_kv_heads, head_size / x,

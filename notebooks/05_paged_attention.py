@@ -63,6 +63,7 @@ import pandas as pd
 import torch
 
 import kvlab
+from kvlab.course import answer
 from kvlab.device import DEVICE, ON_GPU, mode
 from kvlab.kernels.paged_attention_decode import (DECODE_TILE_N, choose_num_partitions, compute_units,
                                                   paged_attention_decode)
@@ -216,9 +217,26 @@ print(f"output error with rescaling {(online - exact).abs().max():.1e}, "
 # The kernel does exactly this, in fp32 and in base 2 (`exp2`, with the scores pre-multiplied by log2 e),
 # for a whole tile of query heads at once.
 #
-# **Try it.** Predict, then check: with `SCORE_DRIFT = 60` (knobs cell), does the naive softmax still overflow
-# in fp32? fp32's `exp` overflows above about 88, so the largest score decides. Does the online softmax's error
-# change? (It should not: it never exponentiates anything larger than 0.)
+# **Exercise.** Predict: if the scores climbed only to 60 (`SCORE_DRIFT = 60`, the same noise), would the
+# naive fp32 softmax still overflow? fp32's `exp` overflows above about 88.7, so the largest score decides.
+# Edit the value and run the cell: it draws those scores and tries.
+
+# %%
+PREDICTED_OVERFLOWS_AT_60 = None   # True or False
+
+gentle = torch.linspace(0, 60, n) + 15 * torch.randn(n, generator=torch.Generator().manual_seed(SEED))
+overflows = bool((torch.exp(gentle) / torch.exp(gentle).sum()).isnan().any())
+gentle_online, _ = online_softmax(gentle, values, DECODE_TILE_N)
+gentle_error = (gentle_online - torch.softmax(gentle.double(), 0) @ values.double()).abs().max()
+answer(PREDICTED_OVERFLOWS_AT_60, overflows, f"the largest score is {gentle.max():.0f}: exp({gentle.max():.0f}) is "
+       f"{'above' if overflows else 'below'} fp32's limit. The online softmax never exponentiates anything above "
+       f"0, so its error stays tiny ({gentle_error:.0e}) either way.")
+
+# %% [markdown]
+# **Answer.** No, but only just: with a drift of 60 the noise (15 x a normal draw over 128 scores) lifts the
+# largest score to about 86, below 88.7, so every `exp` stays finite (at the default drift of 120 it reaches
+# about 150 and the sum is `inf`, then `inf / inf` is NaN). A naive softmax is one unlucky score away from
+# NaN; the online softmax subtracts the running max first, so no term ever exceeds `exp(0) = 1`.
 #
 # ## 3. Grouped-query attention
 #
@@ -311,9 +329,28 @@ for split, o in split_outputs.items():
           f"vs no split {max_error(o, split_outputs[False]):.1e}")
 
 # %% [markdown]
-# **Try it.** Predict, then try: with `NUM_KV_HEADS = 8` (multi-head: a group of one) in the knobs cell, what
-# do the GQA picture and the bar chart show? And with `SEQ_LENS = [7, 7, 7]`, how many partitions does
-# sequence 0 leave empty in the split-K picture, and does the answer still match the reference?
+# **Exercise.** Predict, for three sequences of 7 tokens each (`SEQ_LENS = [7, 7, 7]`) and `split_k=3`:
+# how many of sequence 0's partitions are empty, and does the split output still match the reference?
+# Edit the values and run the cell: it runs the kernel on those sequences.
+
+# %%
+PREDICTED_EMPTY_PARTITIONS = None   # of sequence 0's 3 partitions
+PREDICTED_STILL_MATCHES = None      # True or False
+
+short_args = paged_inputs(NUM_HEADS, NUM_KV_HEADS, [7, 7, 7])
+short_tiles = -(-7 // DECODE_TILE_N)
+empty = 3 - min(3, short_tiles)     # the kernel's split: cdiv(tiles, partitions) tiles per partition
+short_error = max_error(paged_attention_decode(*short_args, split_k=3), paged_attention_decode_ref(*short_args))
+answer(PREDICTED_EMPTY_PARTITIONS, empty, f"7 tokens are {short_tiles} tile of {DECODE_TILE_N}: one partition "
+       "gets it, the others get nothing.")
+answer(PREDICTED_STILL_MATCHES, bool(short_error < 1e-4), f"an empty partition writes m = -inf and l = 0, which "
+       f"the merge weighs by exp(-inf - M) = 0 (max |error| {short_error:.1e}).")
+
+# %% [markdown]
+# **Answer.** 2 empty partitions, and yes, it still matches: the reduce rescales every partial by
+# `exp(m_p - M)`, and an empty partition's `m_p = -inf` makes its weight 0. (Setting `NUM_KV_HEADS = 8` in
+# the knobs cell makes every group one query head: the GQA picture becomes a diagonal and both bars are
+# equal, since each KV head is requested once either way.)
 #
 # > **In vLLM.** vLLM's **V0** decode kernels are CUDA: `paged_attention_v1` (one pass per sequence and head)
 # > and `paged_attention_v2` (split-K, with 512-token partitions and a reduce kernel: flash-decoding), in

@@ -57,6 +57,7 @@ import torch
 from matplotlib.colors import ListedColormap
 
 from kvlab import BlockManager, Sequence
+from kvlab.course import answer
 from kvlab.device import DEVICE, ON_GPU, mode
 from kvlab.kernels.paged_prefill import paged_prefill
 from kvlab.kernels.reference import attention_ref
@@ -261,9 +262,38 @@ print(f"at a 50% hit ratio on a {prompt_len}-token prompt: {half[0]:.0%} of proj
       f"{half[1]:.0%} of attention FLOPs, {half[2]:.0%} of the layer's FLOPs are skipped")
 
 # %% [markdown]
-# **Try it.** Predict, then set `SYSTEM_LEN = 7` in the knobs cell (less than one block): how many tokens do
-# B and C hit now, and where do their dots land? Then `SYSTEM_LEN = 40` (exactly five blocks): does B hit all
-# 40 tokens? (Only full blocks are shared, and a hit never covers a prompt's last token.)
+# **Exercise.** Predict, for this notebook's CPU sizes (blocks of 8; user messages of 13, 6 and 21 tokens
+# after the system prompt; A first): how many tokens does B find in the cache with a 7-token system prompt
+# (less than one block), and with a 40-token one (exactly five blocks)? Only full blocks are shared, and a
+# hit never covers a prompt's last token. Edit the values and run the cell: it replays A, B and C on a
+# fresh pool. (To see the dots move in the figure, set `SYSTEM_LEN` in the knobs cell.)
+
+# %%
+PREDICTED_B_HITS_7 = None    # B's cached tokens, system prompt of 7
+PREDICTED_B_HITS_40 = None   # B's cached tokens, system prompt of 40
+
+
+def cached_tokens(system_len, block_size=8, user_lens=(13, 6, 21)):
+    """A, B and C (the system prompt, then their own messages) on a fresh pool: each one's cached tokens."""
+    pool = BlockManager(64, block_size)
+    cached = []
+    for k, n in enumerate(user_lens):
+        seq = Sequence(list(range(system_len)) + list(range(1000 * (k + 1), 1000 * (k + 1) + n)), block_size)
+        pool.allocate(seq)
+        cached.append(seq.num_cached_tokens)
+    return cached
+
+
+answer(PREDICTED_B_HITS_7, cached_tokens(7)[1], "7 tokens never fill a block of 8, and B's first block also holds "
+       "its own message: nothing is shared.")
+answer(PREDICTED_B_HITS_40, cached_tokens(40)[1], "the system prompt is exactly 5 full blocks, and B's last token lies "
+       "in its sixth block: all 40 tokens hit.")
+
+# %% [markdown]
+# **Answer.** 0 and 40. With 7 system tokens the first block mixes the system prompt with each request's own
+# message, so no block is the same; B and C compute everything, and their dots sit at a hit ratio of 0. With
+# 40, B hits all 40 (40 of its 46 tokens), because the block boundary falls exactly at the end of the system
+# prompt. The default 37 tokens share only 4 full blocks: 32 tokens, the last 5 recomputed by everyone.
 #
 # > **In vLLM.** vLLM's **V0** had a dedicated Triton kernel for this path, `context_attention_fwd` in
 # > `vllm/attention/ops/prefix_prefill.py` (new tokens' queries against a paged cached prefix plus

@@ -176,9 +176,31 @@ batch.assign(**{"conv, x Max": batch["azure_conv"] / batch.loc["Max", "azure_con
 # every length but still holds each request's future tokens and holes between ranges. The paper measures the
 # same effect as larger batches and higher throughput for vLLM.
 #
-# **Try it.** Predict, then set `MAX_LEN = 2048` (the paper's OPT-13B context) in the knobs cell and run the
-# notebook again: which share moves most, and for which scheme? (Requests longer than `MAX_LEN` are left out
-# of every scheme, and Max now reserves a quarter as much per request.)
+# **Exercise.** Predict, on the conversation trace: with `MAX_LEN = 2048` (the paper's OPT-13B context)
+# instead of 8192, which scheme's token-state share moves most, and how many requests does Max run at
+# once? (Requests longer than `MAX_LEN` are left out of every scheme, and Max reserves `MAX_LEN` per
+# request.) Edit the values and run the cell: it reruns the conversation study at 2048 (a few seconds).
+
+# %%
+from kvlab.course import answer
+
+PREDICTED_MOVES_MOST = None    # a scheme name, as in the tables: "Max", "Pow2", "Oracle", "Paged 16", ...
+PREDICTED_MAX_BATCH = None     # requests Max runs at once with MAX_LEN = 2048
+
+short = memory_waste(traces["azure_conv"], budget_tokens=BUDGET, max_len=2048,
+                     block_sizes=BLOCK_SIZES).set_index("scheme")
+moved = (short["token_states"] - conv["token_states"]).abs()
+answer(PREDICTED_MOVES_MOST, moved.idxmax(), f"Max reserves MAX_LEN per request whatever its length: its token "
+       f"states go from {100 * conv.loc['Max', 'token_states']:.0f}% to {100 * short.loc['Max', 'token_states']:.0f}% "
+       f"of the budget; paging moves by {100 * moved.filter(like='Paged').max():.1f} points at most.")
+answer(PREDICTED_MAX_BATCH, round(short.loc["Max", "concurrent_requests"]),
+       f"Max holds BUDGET // MAX_LEN = {BUDGET} // 2048 = {BUDGET // 2048} ranges at a time.")
+
+# %% [markdown]
+# **Answer.** Max, by far (about 13% -> 52% of the budget holding tokens), running 23 requests at once
+# instead of 5. Every reserving scheme gains a little (the Oracle and Pow2 hold fewer very long requests),
+# and paging barely moves: it was already within a few points of 100%, since its only waste is each
+# request's last partial block. A shorter context limit helps exactly the schemes that reserve for it.
 
 # %% [markdown]
 # ## 4. Budget and block size

@@ -63,6 +63,7 @@ import pandas as pd
 
 from kvlab import viz
 from kvlab.blocks.eviction import EvictionPolicy
+from kvlab.course import answer
 from kvlab.studies import EngineModel, cache_hit_study, replay, reuse_profile
 from kvlab.studies.plots import plot_hit_rates
 from kvlab.studies.reuse import reuse_counts
@@ -212,9 +213,28 @@ at_middle = synthetic.loc[synthetic.groupby(["trace", "policy"])["capacity_block
 # conversations are the ones to keep (recency: LRU).
 
 # %% [markdown]
-# **Try it.** Pick a capacity, a policy and a block size for the Mooncake trace and predict where the point
-# lands against section 2's LRU curve (dashed: the ceiling at that block size). Smaller blocks take longer
-# to replay; on CPU keep the block size at 128 or more.
+# **Exercise.** Predict: with room for an eighth of the Mooncake working set (blocks of 512), does LFU take
+# `"more"` or `"fewer"` prompt tokens from the cache than LRU? Edit the value and run the cell: it replays
+# the trace with both policies at that capacity. Then the widget below places any capacity, policy and
+# block size against section 2's LRU curve (dashed: the ceiling at that block size); smaller blocks take
+# longer to replay, so on CPU keep the block size at 128 or more. Outside Jupyter or Colab it draws LFU at
+# an eighth.
+
+# %%
+PREDICTED_LFU_VS_LRU = None   # "more" or "fewer"
+
+eighth = int(0.125 * working_set)
+by_policy = {policy: replay(trace, block_size=TRACE_BS, capacity=eighth, policy=policy)["hit_rate_tokens"]
+             for policy in ("lru", "lfu")}
+answer(PREDICTED_LFU_VS_LRU, "more" if by_policy["lfu"] > by_policy["lru"] else "fewer",
+       f"at {eighth:,} blocks LFU hits {100 * by_policy['lfu']:.1f}% of prompt tokens, LRU "
+       f"{100 * by_policy['lru']:.1f}%: a conversation's next turn comes back after a think time, so recency "
+       "predicts reuse better than a count that never decays.")
+
+# %% [markdown]
+# **Answer.** Fewer: about 14.6% against LRU's 15.6% at an eighth of the working set. On this chat trace
+# recency is the better predictor (section 2's "Reading"): LFU's counts never decay, so it keeps blocks of
+# long-finished conversations that were hit often, at the expense of the ones about to return.
 
 # %%
 lru_curve = study[(study["policy"] == "lru") & (study["capacity_blocks"] != math.inf)]

@@ -76,6 +76,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from kvlab import BlockManager, Sequence
+from kvlab.course import answer
 from kvlab.device import DEVICE, ON_GPU, mode
 from kvlab.engine import LLM, SamplingParams
 from kvlab.engine.chat import render
@@ -544,7 +545,55 @@ check(all((hits[name] == hits.plain).all() for name in PROPOSERS),
 # > hit rate with any EAGLE-family `speculative_config`, about 30-40% batch throughput lost to the recompute)
 # > are this rule at work. The "eagle rule" column above is what it would leave of kvlab's hits; kvlab's
 # > proposers are model-free (they read tokens only), so they need no hidden state and drop nothing.
+
+# %% [markdown]
+# ## 5. Exercise: what one verification keeps
 #
-# **Try it.** Set `K = 8` and predict the acceptance and the slots wasted on chat before you run it; then add
-# a proposer of your own to `PROPOSERS` (a subclass of `kvlab.engine.proposers.Proposer` with a `propose(tokens,
-# max_tokens)` method) and rerun section 3: the engine cell and its checks pick it up by name.
+# Back to section 1's toy: the proposer drafted *"on the mat . the cat"* after *"... the cat sat"*. Predict
+# with greedy decoding: (a) if the target's choices were *"on the mat . the end ."*, how many drafts are
+# accepted? (b) if the target agreed with all six drafts, how many tokens would the step add to the
+# sequence? Edit the values and run the cell: it asks `kvlab.engine.speculative.accept`, the engine's own
+# verification, with logits that make those choices.
+
+# %%
+PREDICTED_ACCEPTED = None    # (a) drafts accepted
+PREDICTED_ALL_KEPT = None    # (b) tokens added when every draft is right
+
+
+def verify(target_text):
+    """The tokens one greedy verification keeps when the target's argmax after context + drafts[:i] is the
+    i-th word of ``target_text``."""
+    choices = (ids(target_text) + [ID["end"]] * len(drafts))[:len(drafts) + 1]  # one choice per logit row
+    one_hot = torch.full((len(drafts) + 1, len(WORDS) + 1), -10.0)
+    one_hot[torch.arange(len(drafts) + 1), torch.tensor(choices)] = 10.0
+    return accept(one_hot, tuple(drafts), SamplingParams(temperature=0), None)
+
+
+print("drafts:", " ".join(WORD[t] for t in drafts))
+answer(PREDICTED_ACCEPTED, len(verify("on the mat . the end .")) - 1, "drafts are accepted up to the first "
+       "disagreement: 'on the mat . the' agree, 'cat' against 'end' does not; 'end' is kept in its place.")
+answer(PREDICTED_ALL_KEPT, len(verify("on the mat . the cat sat")), "six accepted drafts plus the target's own "
+       "token after them (the bonus token): one more token than drafts, every step.")
+
+# %% [markdown]
+# **Answer.** (a) 5 drafts accepted, and the step keeps 6 tokens (the 5 and the target's *"end"*); only one
+# slot, the sixth draft's, held a rejected draft's K/V, and the next step overwrites it. (b) 7 tokens: every
+# verification keeps its accepted drafts plus one token of the target's own, so a step with k drafts adds
+# between 1 and k + 1 tokens. Going further: set `K = 8` in the knobs cell and compare the engine runs, or
+# add a proposer of your own to `PROPOSERS` (a subclass of `kvlab.engine.proposers.Proposer` with a
+# `propose(tokens, max_tokens)` method) and rerun section 3: the engine cell and its checks pick it up by
+# name.
+
+# %% [markdown]
+# ## What you learned
+#
+# * Drafts get ordinary slots after the last token (`append_slots(seq, num_draft_tokens=k)`); verification
+#   takes no block and copies no K/V: accepted drafts keep the K/V the verification pass wrote, rejected
+#   slots are simply overwritten by the next step (`accept_drafts` rolls `num_computed_tokens` back).
+# * A block that holds an unverified token is never hashed: a later request could otherwise hit K/V of
+#   tokens the sequence never had (section 2's wrong hit).
+# * One verification keeps the accepted drafts plus the target's own token, so greedy speculation writes
+#   exactly the text of plain decoding in fewer steps. Prompt lookup pays off where the answer copies the
+#   prompt, and costs KV slots written for rejected drafts, per generated token, where it guesses wrong.
+# * vLLM's EAGLE/MTP drafters need the target's hidden states, so vLLM drops the last block of every prefix
+#   hit to recompute them; a model-free proposer like kvlab's needs only tokens and drops nothing.

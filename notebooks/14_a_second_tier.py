@@ -25,7 +25,7 @@
 # 3. decide with a stated model when a tier hit beats recomputing: bytes per block over a host-to-device
 #    bandwidth against tokens over a prefill throughput;
 # 4. spot three hit-rate pitfalls: the 0% that is correct, a recomputation after preemption counted as a
-#    hit, and cumulative counters read as a run's.
+#    hit, and cumulative counters read as a run's;
 # 5. measure two more levers on the same trace: cache-aware (LPM) admission against FCFS, and a second tier
 #    shared by a fleet against one per replica.
 

@@ -247,12 +247,11 @@ check(last.idxmin() == "k_fp16_v_fp8 per-head", "exact keys keep the long-contex
       defaults=DEFAULTS)
 
 # %% [markdown]
-# ## 4. Try it: a quantized cache in the engine
+# ## 4. A quantized cache in the engine
 #
 # The engine on a tiny random model (nothing to download): `num_blocks=None` sizes the pool from the same
-# bytes (on CPU a fixed 256 MiB), so a smaller format gets more blocks. **Try it:** set `KV_CACHE_DTYPE =
-# "int4_kivi"` (it needs calibration prompts: the cell passes some) and predict the pool's growth before you
-# run it; then `"k_fp16_v_fp8"`.
+# bytes (on CPU a fixed 256 MiB), so a smaller format gets more blocks. The cell runs `KV_CACHE_DTYPE`
+# beside the model's own dtype (fp32 here); section 5 asks you to predict the other formats.
 
 # %%
 import tempfile
@@ -271,3 +270,58 @@ for dtype in ("auto", KV_CACHE_DTYPE):
     print(f"{dtype:>12}: {llm.kv_cache.summary()}\n{'':>14}tokens {out[0].outputs[0].token_ids}")
 check(pools[KV_CACHE_DTYPE] == 4 * pools["auto"], "fp8 holds 4x the fp32 blocks in the same bytes",
       defaults=DEFAULTS)
+
+# %% [markdown]
+# ## 5. Exercise: predict the pool
+#
+# Predict, for the same 256 MiB and the same tiny model: how many times fp32's blocks does the pool hold with
+# `int4_kivi`, and with `k_fp16_v_fp8`? Use section 2's table (keys and values of one KV head and token), and
+# round to two decimals; within 5% counts as right. Edit the values and run the cell: it builds both engines
+# (`int4_kivi` calibrates its key scales on the prompts the cell passes).
+
+# %%
+from kvlab.course import answer
+
+PREDICTED_INT4_GROWTH = None        # int4_kivi blocks / fp32 blocks
+PREDICTED_K16_V8_GROWTH = None      # k_fp16_v_fp8 blocks / fp32 blocks
+
+growth = {}
+for dtype in ("int4_kivi", "k_fp16_v_fp8"):
+    llm = LLM(model_dir, kv_cache_dtype=dtype, max_num_seqs=2048, kv_calibration_prompts=calibration)
+    growth[dtype] = llm.kv_cache.num_blocks / pools["auto"]
+    print(f"{dtype:>12}: {llm.kv_cache.summary()}")
+answer(PREDICTED_INT4_GROWTH, round(growth["int4_kivi"], 2), "fp32 keeps 4 bytes of K and 4 of V per channel; int4_kivi "
+       "half a byte of each, plus 4 bytes of value scale and zero per 32 channels (K's per-channel scales "
+       "live beside the cache): 8 / (0.5 + 0.5 + 4 / 32) = 7.11.", rel_tol=0.05)
+answer(PREDICTED_K16_V8_GROWTH, round(growth["k_fp16_v_fp8"], 2), "2 bytes of K and 1 of V per channel against 8: "
+       "8 / 3 = 2.67.", rel_tol=0.05)
+
+# %% [markdown]
+# **Answer.** About 7.11x for `int4_kivi` (not 8x: the per-token value scales and zeros cost an eighth of a
+# byte per channel) and 2.67x for `k_fp16_v_fp8`; fp8 gave 4x above. Against bf16 rather than fp32, halve
+# each: 3.56x, 1.33x and 2x, the "3.6x, not 4x" of section 2. Block counts are floors of 256 MiB over the
+# block's bytes, so the measured ratios can differ from the fraction in the last digit.
+#
+# > **In vLLM.** `LLM(..., kv_cache_dtype=...)` takes `auto`, `bfloat16`, `fp8` (e4m3 on CUDA), `fp8_e4m3`,
+# > `fp8_e5m2` and platform- or model-specific variants such as `fp8_inc` and `fp8_ds_mla`; the list grows
+# > with the versions (the `CacheDType` literal in `vllm/config/cache.py`). `int4_kivi` and `k_fp16_v_fp8` are
+# > kvlab's own names, for formats a study wants to compare.
+# > The scales are per tensor, or per KV head with the FlashAttention backend and scales calibrated by
+# > llm-compressor; without calibration they are 1.0, and `calculate_kv_scales=True` estimates them on the
+# > fly (docs: *Quantized KV Cache*, `docs/features/quantization/quantized_kvcache.md`). Checkpoint scales are
+# > loaded as the attention layer's `k_scale` / `v_scale` (`BaseKVCacheMethod` in
+# > `vllm/model_executor/layers/quantization/kv_cache.py`). With FlashAttention 3 and an fp8 cache the
+# > attention itself runs in fp8: the queries are quantized too.
+
+# %% [markdown]
+# ## What you learned
+#
+# * A token costs `2 x kv_heads x head_dim x bytes` per layer: KV heads, not query heads; a sliding-window
+#   layer only up to its window; an MLA layer one latent for K and V. What is left of the GPU after the
+#   weights, over one request's bytes, is how many requests fit.
+# * A quantized format stores fewer bits per element plus scales: fp8 halves bf16's bytes, int4 with its
+#   scales keeps 3.6x as many tokens; keys need per-channel scales because of their outlier channels.
+# * The price grows with the context (the error accumulates over every quantized key read) and is smallest
+#   when the keys stay exact; the prize is more blocks, hence more prefix hits, with diminishing returns once
+#   the cache holds the trace's working set.
+# * The block manager does not change: the pool just holds more blocks in the same bytes.

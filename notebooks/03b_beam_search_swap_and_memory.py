@@ -9,19 +9,23 @@
 # ---
 
 # %% [markdown]
-# # 03 · Copy-on-write forks
+# # 03b · Beam search, swapping and the memory sharing saves
 #
-# Some decoding methods run several sequences from one prompt: **parallel sampling** returns `n` different
-# completions, **beam search** keeps the `k` most likely continuations and lets them branch and die. All of
-# them share the prompt, and beams share long stretches of output too. The block manager's `fork(parent,
-# child)` gives the child the parent's tokens and **the same physical blocks** (ref counts go up, nothing is
-# copied). A block is copied only when a sequence is about to write into a block someone else still uses:
-# **copy-on-write**. `append_slots` returns those `(src, dst)` pairs, and the engine copies the blocks
-# (kernel `copy_blocks`) before the forward pass writes the new tokens' keys and values.
+# Notebook 03a forked one prompt into parallel samples: `fork` shares every block, and the first write into
+# a shared partial block is copied on write. **Beam search** keeps the `k` most likely continuations, and
+# its beams branch *and* die, so they share long stretches of output, not only the prompt. Under memory
+# pressure a scheduler can **swap** such a forked group to CPU memory and back. This notebook runs both on
+# the tiny fork engine of 03a (`kvlab.course.forks`), then measures the memory that sharing saves on request
+# lengths like those of the PagedAttention paper, and explains where and why it differs.
 #
-# This notebook follows a fork from the block tables down to the cache tensor, runs beam search, swaps a
-# forked group out to CPU memory and back, and measures the memory that sharing saves on request lengths
-# like those of the PagedAttention paper.
+# **Objectives.** After this notebook you can:
+# 1. follow beam search through the block manager (fork a chosen beam, free a dead one) and read its
+#    blocks-in-use curve against the blocks the beams would hold without sharing;
+# 2. predict how many block copies a forked group's swap-out takes (one per *distinct* block) and say why
+#    the group shares its blocks again after swapping in;
+# 3. compare the memory saved by sharing with the paper's Fig. 15, and name what moves it (prompt length
+#    against the block size, samples outliving each other, how far back beams share an ancestor);
+# 4. say what vLLM V1 kept of all this (prefix caching instead of forks, recompute instead of swapping).
 
 # %%
 # Setup (generated from scripts/sync_notebooks.py: edit it there, then `make notebooks`). In a checkout, or in
@@ -59,228 +63,26 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from kvlab import AllocStatus, BlockManager, Sequence, viz
+from kvlab import AllocStatus, Sequence, viz
+from kvlab.course import answer
+from kvlab.course.forks import Blocks, TinyEngine
 from kvlab.device import DEVICE, mode
-from kvlab.kernels import copy_blocks, swap_blocks  # Triton: compiled on a GPU, interpreted on CPU
-from kvlab.kernels.reference import copy_blocks_ref, gather_kv_ref, reshape_and_cache_ref
 
 # Knobs: change them and run the notebook again. Checks that hold only for the defaults explain what changed.
-BS = 8             # block size of sections 1-3
-PROMPT_LEN = 20    # section 1's prompt: 20 = two full blocks and a partial one (try 16: no copy-on-write)
-NUM_SAMPLES = 3    # section 1's parallel samples
-BEAM_WIDTH = 4     # section 2's beams
+BS = 8             # block size of sections 1-2
+BEAM_WIDTH = 4     # section 1's beams
 SEED = 0
 
-DEFAULTS = (BS, PROMPT_LEN, NUM_SAMPLES, BEAM_WIDTH, SEED) == (8, 20, 3, 4, 0)
-HEADS, HEAD_DIM = 2, 32  # a tiny one-layer cache: the point is which blocks move, not speed
-KERNELS = f"kvlab.kernels.copy_blocks (Triton, {mode()} mode)"
+DEFAULTS = (BS, BEAM_WIDTH, SEED) == (8, 4, 0)
 rng = np.random.default_rng(SEED)
 torch.manual_seed(SEED)
-print(f"block copies use {KERNELS}; cache tensors live on {DEVICE}")
-
-
-# %% [markdown]
-# A tiny engine ties the two halves together. `Blocks` is what a scheduler asks of the block manager;
-# `TinyEngine` adds a one-layer cache `kv_cache[num_blocks, 2, block_size, heads, head_dim]` and, for every
-# sequence, the keys and values its tokens produced (its *truth*). After any sequence of forks, copies and
-# swaps, `check` reads every sequence back through its block table and compares with its truth. Prefix
-# caching is off here, to keep the focus on forks.
-
-# %%
-class Blocks:
-    """Forks, decode steps and frees on a BlockManager, without tensors (fast enough for studies)."""
-
-    def __init__(self, num_blocks, block_size=BS, num_cpu_blocks=0, record_events=False):
-        self.manager = BlockManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
-                                    enable_prefix_caching=False, record_events=record_events)
-
-    def prefill(self, seq):
-        self.manager.allocate(seq)
-
-    def fork(self, parent):
-        child = Sequence([], parent.block_size)
-        self.manager.fork(parent, child)
-        return child
-
-    def step(self, tokens):
-        """One decode step: ``tokens`` maps each sequence to its new token. Returns the copy-on-write pairs."""
-        pairs = []
-        for seq, token in tokens.items():
-            seq.append_token(int(token))
-            pairs += self.manager.append_slots(seq)
-        return pairs
-
-    def free(self, seq):
-        self.manager.free(seq)
-
-    def blocks_in_use(self):
-        return self.manager.num_blocks - self.manager.num_free_blocks
-
-
-class TinyEngine(Blocks):
-    """Blocks plus the cache tensors: copies and swaps really move data, and ``check`` proves it moved right."""
-
-    def __init__(self, num_blocks, num_cpu_blocks=0):
-        super().__init__(num_blocks, BS, num_cpu_blocks, record_events=True)
-        self.gpu = torch.zeros(num_blocks, 2, BS, HEADS, HEAD_DIM, device=DEVICE)
-        self.cpu = torch.zeros(max(1, num_cpu_blocks), 2, BS, HEADS, HEAD_DIM)
-        self.truth = {}  # seq_id -> [num_tokens, 2, HEADS, HEAD_DIM], the K/V of its tokens in order
-
-    def _forward(self, seq, start):
-        """The model's forward pass for positions start..end: fresh K/V, written into their slots."""
-        kv = torch.randn(seq.num_tokens - start, 2, HEADS, HEAD_DIM, device=DEVICE)
-        slots = torch.tensor(self.manager.slot_mapping(seq, start, seq.num_tokens), device=DEVICE)
-        reshape_and_cache_ref(kv[:, 0], kv[:, 1], self.gpu, slots)
-        self.truth[seq.seq_id] = torch.cat([self.truth.get(seq.seq_id, kv[:0]), kv])
-
-    def prefill(self, seq):
-        super().prefill(seq)
-        self._forward(seq, 0)
-
-    def fork(self, parent):
-        child = super().fork(parent)
-        self.truth[child.seq_id] = self.truth[parent.seq_id].clone()
-        return child
-
-    def step(self, tokens, apply_copies=True):
-        pairs = super().step(tokens)
-        if pairs and apply_copies:  # before the forward pass writes: the copies must carry the old content
-            copy_blocks([self.gpu], pairs)
-        for seq in tokens:
-            self._forward(seq, seq.num_tokens - 1)
-        return pairs
-
-    def free(self, seq):
-        super().free(seq)
-        del self.truth[seq.seq_id]
-
-    def swap_out(self, seq):
-        mapping = self.manager.swap_out(seq)
-        swap_blocks(self.gpu, self.cpu, mapping)
-        return mapping
-
-    def swap_in(self, seq):
-        mapping = self.manager.swap_in(seq)
-        swap_blocks(self.cpu, self.gpu, mapping)
-        return mapping
-
-    def wrong_reads(self, seqs):
-        """Sequences whose K/V, read through their block tables, differ from what their tokens produced."""
-        wrong = []
-        for seq in seqs:
-            k, v = gather_kv_ref(self.gpu, torch.tensor(seq.block_table), seq.num_tokens)
-            if not torch.equal(torch.stack([k, v], 1), self.truth[seq.seq_id]):
-                wrong.append(seq.seq_id)
-        return wrong
-
+print(f"block copies and swaps use kvlab's Triton kernels ({mode()} mode); cache tensors live on {DEVICE}")
 
 # %% [markdown]
-# ## 1. Parallel sampling: one prompt, several completions
-#
-# The prompt has 20 tokens: two full blocks of 8 and a partial one holding 4. The parent is the first
-# sample; the other samples are forked from it. All of them point at the same three blocks (ref count 3).
-
-# %%
-engine = TinyEngine(num_blocks=(PROMPT_LEN // BS + 2) * NUM_SAMPLES)
-parent = Sequence(rng.integers(0, 1000, size=PROMPT_LEN), BS)
-engine.prefill(parent)
-samples = [parent] + [engine.fork(parent) for _ in range(NUM_SAMPLES - 1)]
-names = {s.seq_id: f"sample {k}" for k, s in enumerate(samples)}
-fork_phases = [(0, "prefill + forks")]
-steps = [viz.snapshot(engine.manager, samples, "prompt allocated, children forked", names=names)]
-print(f"After the forks: tables {[s.block_table for s in samples]}, ref counts "
-      f"{[engine.manager.ref_count(b) for b in parent.block_table]}, {engine.blocks_in_use()} blocks in use for "
-      f"{len(samples)} sequences of {parent.num_tokens} tokens.")
-
-# %% [markdown]
-# Each sample now draws a *different* first token. Writing it needs slot 20, which lives in the shared
-# partial block: the first writers get a private copy (copy-on-write), and the last one, by then the
-# block's only user, writes in place. One sample at a time so we can watch:
-
-# %%
-first_tokens = rng.integers(1000, 2000, size=len(samples))
-cow_pairs = []
-fork_phases.append((len(engine.manager.events), "first token: copy-on-write"))
-for seq, token in zip(samples, first_tokens):
-    pairs = engine.step({seq: token})
-    cow_pairs += pairs
-    steps.append(viz.snapshot(engine.manager, samples, f"{names[seq.seq_id]} appends: copies {pairs or 'nothing'}",
-                              names=names))
-viz.show_steps(steps, ncols=2)
-plt.show()
-shared_blocks = parent.block_table[:PROMPT_LEN // BS]
-print(f"The appends returned the copy-on-write pairs {cow_pairs}; the last writer found its block no longer "
-      f"shared and wrote in place. The full prompt blocks {list(shared_blocks)} stay shared by all "
-      f"{engine.manager.ref_count(shared_blocks[0]) if shared_blocks else 0}.")
-last_block = ("full, so every sample starts a new block and nothing is copied" if PROMPT_LEN % BS == 0
-              else "partial")
-viz.check(len(cow_pairs) == len(samples) - 1, f"{len(cow_pairs)} copies instead of {len(samples) - 1}: with "
-          f"PROMPT_LEN={PROMPT_LEN} and BS={BS} the prompt's last block is {last_block}", defaults=DEFAULTS)
-
-# %% [markdown]
-# ### The kernel side
-#
-# The manager only hands out integers. The engine applies the pairs with `copy_blocks` (one launch for
-# all pairs and layers) **before** the forward pass writes the new tokens: the copy carries the four prompt
-# tokens' K/V into the new block, then each sample writes its own token at offset 4. `TinyEngine.step` did
-# exactly that; every sample reads back exactly its own keys and values:
-
-# %%
-print(f"samples reading wrong K/V: {[names[i] for i in engine.wrong_reads(samples)]} (none)")
-assert engine.wrong_reads(samples) == []  # whatever the knobs: copy-on-write must keep every sample's K/V
-scratch = torch.randn(engine.manager.num_blocks, 2, BS, HEADS, HEAD_DIM, device=DEVICE)
-by_kernel = copy_blocks([scratch.clone()], cow_pairs)[0]
-by_reference = copy_blocks_ref([scratch.clone()], cow_pairs)[0]
-print(f"{KERNELS} and copy_blocks_ref agree bit for bit on the pairs {cow_pairs} (fresh random cache): "
-      f"{torch.equal(by_kernel, by_reference)}")
-assert torch.equal(by_kernel, by_reference)
-
-# %% [markdown]
-# What if the manager shared the block but nobody copied it? Replay the same step without applying the
-# pairs: the new blocks keep whatever they held (zeros here), and the prompt's last four tokens are lost
-# for the samples that moved.
-
-# %%
-broken = TinyEngine(num_blocks=engine.manager.num_blocks)
-p2 = Sequence(parent.token_ids[:PROMPT_LEN], BS)
-broken.prefill(p2)
-group = [p2] + [broken.fork(p2) for _ in range(NUM_SAMPLES - 1)]
-for seq, token in zip(group, first_tokens):
-    broken.step({seq: token}, apply_copies=False)
-wrong = broken.wrong_reads(group)
-print(f"Without the copies, {len(wrong)} of {len(group)} samples read wrong K/V: the ones whose partial block "
-      "was copied on write.")
-viz.check(len(wrong) == len(cow_pairs), f"{len(wrong)} samples read wrong K/V for {len(cow_pairs)} skipped copies",
-          defaults=True)
-
-# %% [markdown]
-# The samples keep decoding; none of them shares a partial block any more, so there are no more copies.
-# The timeline shows the whole story: `fork` marks read `child<parent`, `cow` marks `copied block>new block`.
-
-# %%
-fork_phases.append((len(engine.manager.events), "9 more tokens each"))
-for _ in range(9):
-    assert engine.step({s: rng.integers(1000, 2000) for s in samples}) == []  # nothing shared is written
-assert engine.wrong_reads(samples) == []
-viz.draw_block_tables(engine.manager, samples, names=names,
-                      title="the samples after 10 tokens each: the prompt's full blocks are shared")
-plt.show()
-viz.draw_timeline(engine.manager, names=names, phases=fork_phases,
-                  title="parallel sampling: fork, copy-on-write, then private growth")
-plt.show()
-
-# %% [markdown]
-# **Try it.** Set `PROMPT_LEN = 16` (two full blocks exactly) and predict: how many copy-on-write pairs does
-# the first token cause now, and how many blocks are in use after it? Then try `NUM_SAMPLES = 5`. The
-# checks say what changed.
-
-
-# %% [markdown]
-# ## 2. Beam search: beams fork and die
+# ## 1. Beam search: beams fork and die
 #
 # Beam search keeps the `k` highest-scoring sequences (`BEAM_WIDTH` = 4 here). Each step, every beam proposes
-# continuations; the
-# best `k` of all of them survive. A beam chosen several times is **forked**; a beam not chosen at all is
+# continuations; the best `k` of all of them survive. A beam chosen several times is **forked**; a beam not chosen at all is
 # **freed**. We use a stochastic stand-in for a model (our choice, not a real LLM): each beam's next-token
 # distribution over a 32-token vocabulary is drawn from a Dirichlet(0.3), so some continuations are far more
 # likely than others, as with a real model. Scores are summed log-probabilities.
@@ -289,7 +91,7 @@ plt.show()
 VOCAB = 32
 
 
-def beam_search(blocks, prompt_len, output_len, width, gen, alpha=0.3, on_step=None):
+def beam_search(blocks, prompt_len, output_len, width, gen, alpha=0.3, on_step=None, vocab=VOCAB):
     """Run beam search on ``blocks`` (Blocks or TinyEngine) with random generator ``gen``; returns (sum over
     steps of blocks in use, sum over steps of blocks the beams would hold without sharing)."""
     beams = [Sequence(gen.integers(0, 30000, size=prompt_len), blocks.manager.block_size)]
@@ -297,8 +99,8 @@ def beam_search(blocks, prompt_len, output_len, width, gen, alpha=0.3, on_step=N
     scores = np.zeros(1)
     used = unshared = 0
     for t in range(output_len):
-        logp = np.log(gen.dirichlet(np.full(VOCAB, alpha), size=len(beams)) + 1e-12)
-        candidates = scores[:, None] + logp                          # [beams, VOCAB]
+        logp = np.log(gen.dirichlet(np.full(vocab, alpha), size=len(beams)) + 1e-12)
+        candidates = scores[:, None] + logp                          # [beams, vocab]
         best = np.argsort(candidates, axis=None)[::-1][:width]
         parents, tokens = np.unravel_index(best, candidates.shape)
         chosen = {}
@@ -325,7 +127,7 @@ def beam_search(blocks, prompt_len, output_len, width, gen, alpha=0.3, on_step=N
     return used, unshared
 
 
-beam_engine = TinyEngine(num_blocks=10 * BEAM_WIDTH + 10)
+beam_engine = TinyEngine(num_blocks=10 * BEAM_WIDTH + 10, block_size=BS)
 beam_steps, history, beam_names = [], [], {}
 
 
@@ -361,7 +163,7 @@ print(f"Over {len(history)} steps the beams forked {counts['fork']} times, died 
       f"of the blocks. Every beam read back exactly its own K/V at every step.")
 
 # %% [markdown]
-# ## 3. Swapping a forked group out and back in
+# ## 2. Swapping a forked group out and back in
 #
 # Under memory pressure a scheduler can **swap out** running sequences: copy their blocks to CPU memory,
 # free the GPU blocks, and bring them back later. A forked group shares blocks, and the manager keeps it
@@ -373,7 +175,7 @@ print(f"Over {len(history)} steps the beams forked {counts['fork']} times, died 
 # does not fit.
 
 # %%
-swap_engine = TinyEngine(num_blocks=16, num_cpu_blocks=16)
+swap_engine = TinyEngine(num_blocks=16, block_size=BS, num_cpu_blocks=16)
 root = Sequence(rng.integers(0, 1000, size=20), BS)
 swap_engine.prefill(root)
 group = [root] + [swap_engine.fork(root) for _ in range(2)]
@@ -436,22 +238,52 @@ print(f"With 16-token blocks of a Llama-2-7B-sized model ({block_mib:.0f} MiB pe
       f"({100 * (1 - copied / entries):.0f}% less), and the same again to bring it back.")
 
 # %% [markdown]
-# > **In vLLM.** Everything in sections 1-3 (forks sharing blocks, copy-on-write, swapping a group to CPU
-# > memory) is the PagedAttention paper's design and vLLM's **V0** engine (removed in 2025; read it at a tag
-# > such as `v0.8.5`): `vllm/core/block_manager.py` (`fork`, `swap_out`, `swap_in`), `vllm/core/block/common.py`
-# > (`CopyOnWriteTracker`), and `vllm/core/scheduler.py`, which preempted a multi-sequence group by swapping
-# > and a single sequence by recomputing. **V1** has neither forks nor swapping: it preempts by **recompute**
-# > only (`vllm/v1/core/sched/scheduler.py`: the preempted request's blocks are freed and it is prefilled again
-# > later, hitting its own cached prefix), and it runs `n > 1` as `n` separate child requests
-# > (`vllm/v1/engine/parallel_sampling.py`) that share the prompt through **prefix caching**, not a fork: only
-# > the prompt's full blocks are shared, and no block is ever copied. Beam search became a loop outside the
-# > engine (`LLM.beam_search` in `vllm/entrypoints/llm.py`) that submits each step's beams as new requests,
-# > again sharing through the prefix cache. kvlab's engine (notebook 09) offers both preemption modes;
-# > notebook 10 compares them.
+# ### Exercise: predict a swap's cost
+#
+# Four samples (instead of three) of a 20-token prompt, block size 8, have decoded 6 tokens each. Predict
+# how many block copies swapping out the whole group takes, then run the cell: it builds that group on a
+# fresh `TinyEngine` and swaps it out.
 
+# %%
+PREDICTED_SWAP_COPIES = None   # (gpu, cpu) copies for swapping out all four samples
+
+
+def swap_out_copies(num_samples, prompt_len=20, decoded=6, block_size=8):
+    """Fork, decode ``decoded`` tokens per sample, swap the whole group out; return (copies, table entries)."""
+    engine = TinyEngine(num_blocks=32, block_size=block_size, num_cpu_blocks=32)
+    first = Sequence(range(prompt_len), block_size)
+    engine.prefill(first)
+    samples = [first] + [engine.fork(first) for _ in range(num_samples - 1)]
+    for t in range(decoded):
+        engine.step({s: 1000 + 10 * t + k for k, s in enumerate(samples)})
+    entries = sum(len(s.block_table) for s in samples)
+    copies = sum(len(engine.swap_out(s)) for s in samples)
+    return copies, entries
+
+
+swap_copies, swap_entries = swap_out_copies(4)
+answer(PREDICTED_SWAP_COPIES, swap_copies, f"One copy per distinct block, not per table entry ({swap_entries}): "
+       "the 2 full prompt blocks are shared by all four, and each sample owns 2 blocks (its copied partial "
+       "block and the one its sixth token opened).")
 
 # %% [markdown]
-# ## 4. How much memory does sharing save? Against the PagedAttention paper
+# **Answer.** 10 copies for 16 table entries: 26 tokens are 4 blocks per sample; blocks 0-1 (the full
+# prompt blocks) are shared and move once, blocks 2 and 3 are private (block 2 was copied on write by the
+# first token), so 2 + 4 x 2 = 10. Sharing-aware swapping moves 10 blocks across PCIe instead of 16.
+
+# %% [markdown]
+# > **In vLLM.** Beams forking and dying, and swapping a forked group to CPU memory, are the PagedAttention
+# > paper's design and vLLM's **V0** engine (removed in 2025; read it at a tag such as `v0.8.5`):
+# > `vllm/core/block_manager.py` (`fork`, `swap_out`, `swap_in`) and `vllm/core/scheduler.py`, which
+# > preempted a multi-sequence group by swapping and a single sequence by recomputing. **V1** has neither
+# > forks nor swapping: it preempts by **recompute** only (`vllm/v1/core/sched/scheduler.py`: the preempted
+# > request's blocks are freed and it is prefilled again later, hitting its own cached prefix), and beam
+# > search became a loop outside the engine (`LLM.beam_search` in `vllm/entrypoints/llm.py`) that submits
+# > each step's beams as new requests, sharing through the prefix cache. kvlab's engine (notebook 09) offers
+# > both preemption modes; notebook 10a compares them.
+
+# %% [markdown]
+# ## 3. How much memory does sharing save? Against the PagedAttention paper
 #
 # Kwon et al., *Efficient Memory Management for Large Language Model Serving with PagedAttention*
 # (SOSP'23), §6.3 and Fig. 15, report the memory saved by sharing (blocks saved / blocks needed without
@@ -508,7 +340,7 @@ def tail_depth(beams, depths):
     depths.append(len(tokens[0]) - common)
 
 
-def saving(dataset, method, n, sigma=SIGMA, alpha=0.3, seed=0, same_length=False, depths=None):
+def saving(dataset, method, n, sigma=SIGMA, alpha=0.3, seed=0, same_length=False, depths=None, vocab=VOCAB):
     """Memory saved by sharing (%), over NUM_REQUESTS[dataset] requests drawn with a fixed seed (every
     configuration sees the same prompt lengths, so differences come from the configuration).
     ``same_length``: every parallel sample runs as long as the first. ``depths``: a list to which beam
@@ -524,7 +356,7 @@ def saving(dataset, method, n, sigma=SIGMA, alpha=0.3, seed=0, same_length=False
         else:
             output_len = int(lognormal_lengths(gen, mean_out, 1, sigma)[0])
             watch = (lambda t, beams: tail_depth(beams, depths)) if depths is not None else None
-            u, s = beam_search(blocks, int(prompt_len), output_len, n, gen, alpha, on_step=watch)
+            u, s = beam_search(blocks, int(prompt_len), output_len, n, gen, alpha, on_step=watch, vocab=vocab)
         used, unshared = used + u, unshared + s
     assert blocks.blocks_in_use() == 0
     return 100 * (1 - used / unshared)
@@ -633,18 +465,40 @@ print("Beam search on Alpaca with 4 beams saves " + ", ".join(f"{peaks[a]:.1f}% 
       + f" (the paper, with a real model: {PAPER['Alpaca', 'beam search'][4]}%).")
 
 # %% [markdown]
-# **Try it.** Predict first: if `VOCAB` (the stand-in model's vocabulary, defined with `beam_search`) were
-# 1,000 instead of 32, would the beams share more or less, and would the saving move towards the paper? Set
-# it, run the notebook again, and compare the common-ancestor depth and the saving.
+# ### Exercise: a larger vocabulary
+#
+# Predict first: if the stand-in model's vocabulary (`VOCAB`, 32 tokens) had 256 tokens, would 4 beams on
+# Alpaca save **more** or **less** memory by sharing? Write `"more"` or `"less"`, then run the cell: it
+# reruns that configuration of the study with `vocab=256` (a few seconds).
+
+# %%
+PREDICTED_SHARING = None   # "more" or "less"
+
+wide_depths = []
+wide = saving("Alpaca", "beam search", 4, vocab=256, depths=wide_depths)
+narrow = ours["Alpaca", "beam search", 4]
+print(f"4 beams on Alpaca: {narrow:.1f}% saved with VOCAB = {VOCAB} (common ancestor "
+      f"{depths['Alpaca', 'beam search', 4]:.1f} tokens back), {wide:.1f}% with 256 ({np.mean(wide_depths):.1f} back).")
+answer(PREDICTED_SHARING, "more" if wide > narrow else "less", "A Dirichlet(0.3) over more tokens is more "
+       "peaked, so the best beam's few likely tokens win the top k even more often: the beams' common ancestor "
+       "is more recent and they share more.")
+
+# %% [markdown]
+# **Answer.** More (about 62% against 59%, and the common ancestor moves from about 5 to about 4 tokens
+# back), so the saving moves *away* from the paper's 53%. With α = 0.3 most of a draw's mass falls on a
+# handful of tokens, and the more tokens there are, the more lopsided it gets: the top `k` candidates come
+# from one beam even more often. A larger vocabulary alone does not make the stand-in behave like a real
+# LLM, whose beams keep distinct histories for longer.
 
 # %% [markdown]
 # ## Takeaways
 #
-# * `fork` shares every block; the first write into a shared block returns a `(src, dst)` pair, and the
-#   engine must apply it with `copy_blocks` before the forward pass writes the new token.
-# * Parallel sampling shares the prompt's full blocks; beam search shares output too, and saves far more, up
-#   to `(n - 1) / n` when beams share a recent ancestor.
-# * A shared block is swapped once each way, so a forked group costs the same PCIe traffic as its distinct
-#   blocks, not as its table entries.
-# * vLLM V1 dropped forks and swapping: parallel samples share the prompt through the prefix cache, and
-#   preemption always recomputes.
+# * Beam search forks the beams chosen several times and frees the ones nobody chose; shared blocks are
+#   copied on write like parallel samples' (notebook 03a), and every beam reads back its own K/V.
+# * A shared block is swapped once each way, so a forked group's swap costs one copy per distinct block,
+#   not per table entry, and the group shares its blocks again after swapping in.
+# * Parallel sampling shares the prompt's full blocks only, so it saves little on short prompts; beam
+#   search shares output too and saves far more, up to `(n - 1) / n` when beams share a recent ancestor.
+#   Our numbers model the mechanism, not the paper's model: they land below it for sampling, above for beams.
+# * vLLM V1 dropped forks and swapping: samples and beams share through the prefix cache, and preemption
+#   always recomputes.
