@@ -1,8 +1,9 @@
 """The coordinator (vLLM V1's ``KVCacheCoordinator``): each lifecycle call, written once, over KV cache groups.
 
 ``BlockManager`` (kvlab.blocks.manager) and ``HybridBlockManager`` (kvlab.blocks.hybrid_manager) both are a
-``Coordinator``: ``allocate``, ``append_slots``, ``accept_drafts``, ``free``, ``fork`` (and, in
-kvlab.blocks.manager_swap, ``swap_out`` / ``swap_in``) are implemented here and nowhere else. A
+``Coordinator``: ``allocate``, ``append_slots``, ``accept_drafts``, ``free``, ``fork``, ``reset_prefix_cache``
+and ``check_invariants`` (and, in kvlab.blocks.manager_swap, ``swap_out`` / ``swap_in``) are implemented here
+and nowhere else. A
 ``BlockManager`` is the one-group case: its one group is itself (``GroupManager(self)``) and its sequences are
 their own group's view. A hybrid manager has one group per KV cache group, each seeing a sequence through a
 *shadow* (kvlab.blocks.sequence.group_shadow) that carries the group's record and counters.
@@ -13,13 +14,14 @@ calls in one transaction (undone whole if one raises: kvlab.blocks.policy_transa
 each group do its bookkeeping, which cannot fail (kvlab.blocks.group_manager offers each call's two halves).
 
 What a coordinator provides besides its groups (``_members``) and the shared parts (``_pool``, ``_swap``,
-``_usable``, ``_watermark_blocks``, ``block_size``): ``_views(seq)`` (each group's view of an allocated
+``_sink``, ``_usable``, ``_watermark_blocks``, ``block_size``): ``_views(seq)`` (each group's view of an allocated
 sequence), ``_gpu_views(seq)`` (the same, checked to be on the GPU), ``_new_views(seq)`` (of a sequence to
 allocate), ``_fork_views(child)`` and ``_cross_blocks(seq, encoder_seq)`` (encoder-decoder tables, one group
 only). Where the views are shadows, the sequence's own record and counters follow group 0's shadow
 (``_follow_views``): all groups schedule the same positions.
 """
 
+from collections import Counter
 from typing import Optional
 
 from kvlab.blocks.allocations import check_unallocated
@@ -30,7 +32,7 @@ from kvlab.blocks.manager_state import admission
 from kvlab.blocks.manager_swap import Swapping, flat_moves
 from kvlab.blocks.records import AllocStatus
 from kvlab.blocks.sequence import Sequence, SequenceStatus, copy_tokens, set_allocation_record, sync_shadow
-from kvlab.errors import OutOfBlocksError
+from kvlab.errors import InvariantViolation, OutOfBlocksError
 from kvlab.validation import check_int
 
 
@@ -187,6 +189,44 @@ class Coordinator(Swapping):
                 sync_shadow(child, twin)
             self._follow_views(child, twins, adopted=True)
 
+    # ---- maintenance -------------------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (every group's: they live in the one pool; the offload tier's too) and
+        reset every group's stats; refused (False) while any GPU block is in use."""
+        pool = self._pool
+        if pool.num_free != self._usable:
+            return False
+        free = list(pool.policy)
+        with pool.transaction() as txn:
+            txn.revive(free)
+            txn.add(free, [False] * len(free))
+        pool.index.forget_all()
+        if pool.tier is not None:
+            pool.tier.clear()
+        if self._sink is not None:
+            self._sink.cleared()
+        pool.evictions = 0
+        for member in self._members:
+            member.reset_stats()
+        return True
+
+    def check_invariants(self) -> None:
+        """Raise InvariantViolation if the bookkeeping is inconsistent: every group's records on their own, then
+        the shared pools (and the offload tier) against all groups' references together (O(pool); for tests)."""
+        gpu_refs, cpu_refs = Counter(), Counter()
+        for member in self._members:
+            gpu, cpu = member.check_records()
+            gpu_refs.update(gpu)
+            cpu_refs.update(cpu)
+        counts = Counter(member.num_sequences for member in self._members)
+        if len(counts) > 1:
+            raise InvariantViolation(f"the groups hold different numbers of sequences: {counts}")
+        pool = self._pool
+        pool.check(gpu_refs)
+        self._swap.check(cpu_refs, pool.ref)
+        if pool.tier is not None:
+            pool.tier.check(pool.index)
+
     # ---- internals -----------------------------------------------------------------------------------------
     def _admission(self, live_blocks, needed_free) -> AllocStatus:
         """``live_blocks`` held at once, ``needed_free`` of them taken from the free pool now."""
@@ -205,5 +245,6 @@ class Coordinator(Swapping):
             return
         if adopted:
             set_allocation_record(seq, HybridRecord(self, views))
-            seq.status, seq.num_cached_tokens, seq.prefill_end = first.status, first.num_cached_tokens, first.prefill_end
+            seq.status, seq.num_cached_tokens = first.status, first.num_cached_tokens
+            seq.prefill_end = first.prefill_end
         seq.num_computed_tokens, seq.num_draft_tokens = first.num_computed_tokens, first.num_draft_tokens

@@ -2,24 +2,26 @@
 
 The coordinator (kvlab.blocks.coordinator) drives one ``GroupManager`` per group. Each holds a ``BlockManager``
 of its group's spec (kvlab.blocks.kv_cache_groups), its core, so every rule of the single-group manager
-(chunked prompts, window release, copy-on-write, sealing, swapping) holds per group. A ``BlockManager`` is its
-own one group's core (``GroupManager(self)``); a ``HybridBlockManager``'s cores are built on its ``SharedParts`` (kvlab.blocks.manager_state: one ``BlockPool``, one
-``SwapSpace``, one event sink, which it reports to through a ``GroupSink`` that adds its group) and shows no
-event consumers of its own: the coordinator delivers every group's events once its own call is over.
+(chunked prompts, window release, copy-on-write, sealing, swapping) holds per group. A ``BlockManager`` is
+its own one group's core (``GroupManager(self)``). A ``HybridBlockManager``'s cores are built on its
+``SharedParts`` (kvlab.blocks.manager_state: one ``BlockPool``, one ``SwapSpace``, one event sink, which each
+reports to through a ``GroupSink`` that adds its group) and show no event consumers of their own: the
+coordinator delivers every group's events once its own call is over.
 
 A group composes its core instead of being one: it offers the two halves below, ``fork``'s bookkeeping (no
-policy call) and the group's queries (``QUERIES``), never a whole call of the single-group manager (``allocate``,
+policy call) and the group's queries (``QUERIES``), never a whole lifecycle call (``allocate``,
 ``append_slots``, ``free``, ``swap_out``: the coordinator's, across groups), vLLM V0's interface or the
 encoder-decoder cross-attention tables.
 
-Two phases. The coordinator plans every group (hashing every group's blocks, so a ``hash_fn`` that raises does so before anything
-changed), checks room for all of them, makes EVERY group's policy calls in one transaction (undone whole if
-one raises), and only then has each group do its bookkeeping. So a failed call changes nothing in any group.
-This class offers each call's two halves: its plan (``plan_admission``, ``plan_step`` and
-``hashes_to_seal``, ``plan_accept``, ``plan_release``, ``moving_out``, ``swap_in_needs``) and its bookkeeping
-(``admit``, ``apply_step``, ``accept``, ``release``, ``moved_out``, ``moved_in``, ``fork``); the policy calls between them are the
-coordinator's, made from the plans. (Blocks never move between groups: a group's keys make its blocks'
-bytes its own, so one group's plan never depends on another group's bookkeeping.)
+Two phases. The coordinator plans every group (hashing every group's blocks, so a ``hash_fn`` that raises
+does so before anything changed), checks room for all of them, makes EVERY group's policy calls in one
+transaction (undone whole if one raises), and only then has each group do its bookkeeping. So a failed call
+changes nothing in any group. This class offers each call's two halves: its plan (``plan_admission``,
+``plan_step`` and ``hashes_to_seal``, ``plan_accept``, ``plan_release``, ``moving_out``, ``swap_in_needs``)
+and its bookkeeping (``admit``, ``apply_step``, ``accept``, ``release``, ``moved_out``, ``moved_in``,
+``fork``); the policy calls between them are the coordinator's, made from the plans. (Blocks never move
+between groups: a group's keys make its blocks' bytes its own, so one group's plan never depends on another
+group's bookkeeping.)
 """
 
 from kvlab.blocks.invariants import check_records
@@ -29,9 +31,9 @@ from kvlab.blocks.sequence import SequenceStatus, allocation_record
 __all__ = ["GroupManager", "HybridRecord", "QUERIES"]
 
 
-#: The group's own questions (and ``reset_prefix_cache``), answered by its core's methods of that name.
+#: The group's own questions, answered by its core's methods of that name.
 QUERIES = ("get_block_table", "slot_mapping", "blocks_for_prompt", "get_num_cached_tokens", "ref_count", "is_cached",
-           "block_hash", "free_block_ids", "make_prefix_cache_stats", "reset_prefix_cache")
+           "block_hash", "free_block_ids", "make_prefix_cache_stats")
 
 
 class GroupManager:
@@ -47,9 +49,9 @@ class GroupManager:
     def stats(self) -> PrefixCacheStats:
         return self._core.stats
 
-    @stats.setter
-    def stats(self, stats: PrefixCacheStats) -> None:
-        self._core.stats = stats
+    def reset_stats(self) -> None:
+        """``reset_prefix_cache``'s part in this group: its lookup counters start again."""
+        self._core.stats, self._core._stats_mark = PrefixCacheStats(), PrefixCacheStats()
 
     @property
     def num_free_blocks(self) -> int:

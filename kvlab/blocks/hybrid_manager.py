@@ -30,7 +30,6 @@ groups are delivered once this manager's outermost call has finished, never by a
 """
 
 import threading
-from collections import Counter
 from typing import Optional
 
 from kvlab.blocks.allocations import check_sequence, check_unallocated
@@ -44,7 +43,7 @@ from kvlab.blocks.manager import BlockManager
 from kvlab.blocks.manager_state import shared_parts
 from kvlab.blocks.records import PrefixCacheStats
 from kvlab.blocks.sequence import Sequence, allocation_record, group_shadow, sync_shadow
-from kvlab.errors import InvalidArgumentError, InvariantViolation, SequenceStateError
+from kvlab.errors import InvalidArgumentError, SequenceStateError
 
 __all__ = ["HybridBlockManager"]
 
@@ -65,7 +64,7 @@ class HybridBlockManager(Coordinator):
         self.enable_prefix_caching = shared.enable_prefix_caching
         self.events, self.kv_events = shared.events, shared.kv_events
         self._kv_queue = self.kv_events.queue if kv_events else ()  # delivered after each call (locking.py)
-        self._pool, self._swap = shared.pool, shared.swap
+        self._pool, self._swap, self._sink = shared.pool, shared.swap, shared.sink
         self._usable, self._watermark_blocks = shared.usable, shared.watermark_blocks
         self._members = [GroupManager(BlockManager.joined(shared, spec, _group_sink(shared.sink, g)))
                          for g, spec in enumerate(self.groups)]
@@ -128,29 +127,7 @@ class HybridBlockManager(Coordinator):
         check_unallocated(self, seq)
         return plan_admissions(self._members, self._new_views(seq), 0, None)[0] * self.block_size
 
-    # ---- lifecycle: the coordinator's (kvlab.blocks.coordinator), over the groups' shadows -----------------
-    def reset_prefix_cache(self) -> bool:
-        """Forget every group's cached prefixes (they live in the one shared pool) and reset every group's stats;
-        False while a block is in use."""
-        if not self._members[0].reset_prefix_cache():
-            return False
-        for member in self._members[1:]:
-            member.stats = PrefixCacheStats()
-        return True
-
-    def check_invariants(self) -> None:
-        """Every group's records, then the shared pools against all groups' references (O(pool); for tests)."""
-        gpu_refs, cpu_refs = Counter(), Counter()
-        for member in self._members:
-            gpu, cpu = member.check_records()
-            gpu_refs.update(gpu)
-            cpu_refs.update(cpu)
-        counts = Counter(member.num_sequences for member in self._members)
-        if len(counts) > 1:
-            raise InvariantViolation(f"the groups hold different numbers of sequences: {counts}")
-        self._pool.check(gpu_refs)
-        self._swap.check(cpu_refs, self._pool.ref)
-
+    # ---- lifecycle, reset and check_invariants: the coordinator's (kvlab.blocks.coordinator) ---------------
     # ---- internals: the coordinator's views of a sequence, its group shadows --------------------------------
     def _new_views(self, seq):
         return [group_shadow(seq, g) for g in range(len(self._members))]

@@ -41,7 +41,6 @@ from kvlab.blocks.coordinator import Coordinator
 from kvlab.blocks.drafts import SpeculativeDrafts, share_drafts
 from kvlab.blocks.group_manager import GroupManager
 from kvlab.blocks.hashing import prompt_blocks, sealed_through
-from kvlab.blocks.invariants import check_manager
 from kvlab.blocks.locking import serialized
 from kvlab.blocks.manager_queries import BlockManagerQueries
 from kvlab.blocks.manager_state import MAX_BLOCKS, NULL_BLOCK
@@ -98,31 +97,6 @@ class BlockManager(Coordinator, BlockManagerSteps, BlockManagerQueries, VLLMV0In
             self._sink.forked(child.seq_id, parent.seq_id)
 
     # ---- maintenance -----------------------------------------------------------------------------------
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix and reset the stats; refused (False) while any GPU block is in use."""
-        pool = self._pool
-        if pool.num_free != self._usable:
-            return False
-        free = list(pool.policy)
-        with pool.transaction() as txn:
-            txn.revive(free)
-            txn.add(free, [False] * len(free))
-        pool.index.forget_all()
-        if self._tier is not None:
-            self._tier.clear()
-        if self._sink is not None:
-            self._sink.cleared()
-        pool.evictions = 0
-        self.stats = PrefixCacheStats()
-        self._stats_mark = PrefixCacheStats()
-        return True
-
-    def check_invariants(self) -> None:
-        """Raise InvariantViolation if the bookkeeping is inconsistent (O(pool size); for tests)."""
-        check_manager(self._allocs, self._cross, self._pool, self._swap, self.block_size, self.enable_prefix_caching)
-        if self._tier is not None:
-            self._tier.check(self._pool.index)
-
     def take_tier_moves(self) -> list[tuple[str, int, int]]:
         """The offload tier's copies made since the last call, in order: ``("offload", gpu_block, cpu_slot)``
         (an evicted cached block kept in the tier) and ``("promote", cpu_slot, gpu_block)`` (a tier hit brought

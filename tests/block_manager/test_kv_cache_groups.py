@@ -213,11 +213,11 @@ def test_a_group_offers_its_two_halves_and_queries_not_the_single_group_managers
     assert all(g.num_free_blocks == m.num_free_blocks and g.stats == m.stats for g in m._members)
 
 
-LIFECYCLE = ("can_allocate", "allocate", "can_append_slots", "append_slots", "accept_drafts", "free", "fork",
-             "can_swap_out", "swap_out", "can_swap_in", "swap_in")
+COORDINATED = ("can_allocate", "allocate", "can_append_slots", "append_slots", "accept_drafts", "free", "fork",
+               "can_swap_out", "swap_out", "can_swap_in", "swap_in", "reset_prefix_cache", "check_invariants")
 
 
-@pytest.mark.parametrize("call", LIFECYCLE)
+@pytest.mark.parametrize("call", COORDINATED)
 def test_both_managers_run_one_implementation_of_each_lifecycle_call(call):
     """BlockManager is the coordinator's one-group case (kvlab.blocks.coordinator): a lifecycle call is the same
     code for one group and for several, not a single-group version and a hybrid copy that can drift apart."""
