@@ -122,10 +122,11 @@ class Coordinator(Swapping):
         (src, dst) pairs for ``copy_blocks``, every group's in one list, group after group."""
         steps = self._steps(seq, num_lookahead_slots, num_new_tokens, num_draft_tokens)
         needs, pool = step_needs(steps), self._pool
-        if sum(needs) > pool.num_free:
+        if sum(needs) > pool.num_free:  # the blocks the step releases count as free
             across = " across its groups" if len(steps) > 1 else ""
-            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {sum(needs)} more free blocks{across}, "
-                                   f"{pool.num_free} are free (check can_append_slots first)")
+            needed = sum(plan.blocks_needed for _, plan, _ in steps)
+            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {needed} free blocks{across}, "
+                                   f"{pool.num_free + needed - sum(needs)} are free (check can_append_slots first)")
         seals = [member.hashes_to_seal(step) for member, step in zip(self._members, steps)]
         # Groups that release more than they take go first: then each group finds room when its turn comes.
         order = sorted(range(len(steps)), key=needs.__getitem__) if len(steps) > 1 else (0,)
