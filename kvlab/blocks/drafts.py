@@ -43,10 +43,8 @@ drafts as its sibling finds those blocks sealed already, with its own bytes, and
 from itertools import groupby
 
 from kvlab.blocks.hashing import hashes_to_seal, sealed_through
-from kvlab.blocks.locking import serialized
 from kvlab.blocks.manager_state import ManagerState
 from kvlab.blocks.prefix_index import ROOT
-from kvlab.blocks.sequence import Sequence
 from kvlab.errors import InvalidArgumentError, SequenceStateError
 from kvlab.validation import check_int
 
@@ -66,14 +64,8 @@ def share_drafts(alloc, twin) -> None:
     alloc.forked_drafts = twin.forked_drafts = alloc.forked_drafts | set(alloc.table[max(first, alloc.num_released):])
 
 
-@serialized
 class SpeculativeDrafts(ManagerState):
-    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
-        """The step that scheduled ``seq``'s draft tokens ran, and its first ``num_accepted`` drafts were
-        accepted (0: all rejected); append those tokens (``seq.append_token``) first. Their K/V stays where the
-        pass wrote it, the blocks they complete are sealed (hittable), and ``seq.num_computed_tokens`` rolls
-        back past the rejected ones, whose slots the next step overwrites."""
-        self._accept(*self._plan_accept(seq, num_accepted))
+    """One group's two halves of ``accept_drafts`` (the coordinator's call, kvlab.blocks.coordinator)."""
 
     def _plan_accept(self, seq, num_accepted):
         """(record, verified positions, (hashes, contents) of the blocks to seal or None): checked and hashed

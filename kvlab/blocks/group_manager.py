@@ -1,61 +1,57 @@
-"""One KV cache group of a hybrid manager: a ``BlockManager`` of the group's attention spec, on shared pools.
+"""One KV cache group of a coordinator: the two halves of each lifecycle call, over the group's core.
 
-``HybridBlockManager`` (kvlab.blocks.hybrid_manager) coordinates one ``GroupManager`` per group. Each holds a
-``BlockManager`` of its group's spec (kvlab.blocks.kv_cache_groups), its core, so every rule of the
-single-group manager (chunked prompts, window release, copy-on-write, sealing, swapping) holds per group. The
-core is built on the coordinator's ``SharedParts`` (kvlab.blocks.manager_state: one ``BlockPool``, one
-``SwapSpace``, one event sink, which it reports to through a ``GroupSink`` that adds its group) and shows no
-event consumers of its own: the coordinator delivers every group's events once its own call is over.
+The coordinator (kvlab.blocks.coordinator) drives one ``GroupManager`` per group. Each holds a ``BlockManager``
+of its group's spec (kvlab.blocks.kv_cache_groups), its core, so every rule of the single-group manager
+(chunked prompts, window release, copy-on-write, sealing, swapping) holds per group. A ``BlockManager`` is
+its own one group's core (``GroupManager(self)``). A ``HybridBlockManager``'s cores are built on its
+``SharedParts`` (kvlab.blocks.manager_state: one ``BlockPool``, one ``SwapSpace``, one event sink, which each
+reports to through a ``GroupSink`` that adds its group) and show no event consumers of their own: the
+coordinator delivers every group's events once its own call is over.
 
-A group composes its core instead of being one: it offers the two halves below, ``fork`` (no policy call)
-and the group's queries (``QUERIES``), never a whole call of the single-group manager (``allocate``,
+A group composes its core instead of being one: it offers the two halves below, ``fork``'s bookkeeping (no
+policy call) and the group's queries (``QUERIES``), never a whole lifecycle call (``allocate``,
 ``append_slots``, ``free``, ``swap_out``: the coordinator's, across groups), vLLM V0's interface or the
 encoder-decoder cross-attention tables.
 
-Two phases. A ``BlockManager`` call plans, checks there is room, makes all of its eviction-policy calls in one
-transaction, and then does its bookkeeping, which cannot fail. The coordinator does the same across groups:
-it plans every group (hashing every group's blocks, so a ``hash_fn`` that raises does so before anything
-changed), checks room for all of them, makes EVERY group's policy calls in one transaction (undone whole if
-one raises), and only then has each group do its bookkeeping. So a failed call changes nothing in any group.
-This class offers each call's two halves: its plan (``plan_admission``, ``plan_step`` and
-``hashes_to_seal``, ``plan_accept``, ``plan_release``, ``moving_out``, ``swap_in_needs``) and its bookkeeping
-(``admit``, ``apply_step``, ``accept``, ``release``, ``moved_out``, ``moved_in``); the policy calls between them are the
-coordinator's, made from the plans. (Blocks never move between groups: a group's keys make its blocks'
-bytes its own, so one group's plan never depends on another group's bookkeeping.)
+Two phases. The coordinator plans every group (hashing every group's blocks, so a ``hash_fn`` that raises
+does so before anything changed), checks room for all of them, makes EVERY group's policy calls in one
+transaction (undone whole if one raises), and only then has each group do its bookkeeping. So a failed call
+changes nothing in any group. This class offers each call's two halves: its plan (``plan_admission``,
+``plan_step`` and ``hashes_to_seal``, ``plan_accept``, ``plan_release``, ``moving_out``, ``swap_in_needs``)
+and its bookkeeping (``admit``, ``apply_step``, ``accept``, ``release``, ``moved_out``, ``moved_in``,
+``fork``); the policy calls between them are the coordinator's, made from the plans. (Blocks never move
+between groups: a group's keys make its blocks' bytes its own, so one group's plan never depends on another
+group's bookkeeping.)
 """
 
-from kvlab.blocks.event_sink import GroupSink
 from kvlab.blocks.invariants import check_records
-from kvlab.blocks.kv_cache_groups import KVCacheSpec
-from kvlab.blocks.manager import BlockManager
-from kvlab.blocks.manager_state import SharedParts
 from kvlab.blocks.records import PrefixCacheStats
 from kvlab.blocks.sequence import SequenceStatus, allocation_record
 
 __all__ = ["GroupManager", "HybridRecord", "QUERIES"]
 
 
-#: The group's own questions (and ``fork``, ``reset_prefix_cache``), answered by its core's methods of that name.
+#: The group's own questions, answered by its core's methods of that name.
 QUERIES = ("get_block_table", "slot_mapping", "blocks_for_prompt", "get_num_cached_tokens", "ref_count", "is_cached",
-           "block_hash", "free_block_ids", "make_prefix_cache_stats", "reset_prefix_cache", "fork")
+           "block_hash", "free_block_ids", "make_prefix_cache_stats")
 
 
 class GroupManager:
-    """KV cache group ``group`` of attention ``spec``, on the coordinator's ``shared`` parts. Its sequences are
-    group shadows (``kvlab.blocks.sequence.group_shadow``): the coordinator's sequence, with the group in its
-    keys."""
+    """One KV cache group, over its ``core`` (a ``BlockManager`` of the group's spec). In a hybrid manager its
+    sequences are group shadows (``kvlab.blocks.sequence.group_shadow``): the coordinator's sequence, with the
+    group in its keys; in a ``BlockManager`` the sequences themselves."""
 
-    def __init__(self, shared: SharedParts, spec: KVCacheSpec, group: int):
-        self._core = BlockManager.joined(shared, spec, None if shared.sink is None else GroupSink(shared.sink, group))
-        self.block_size, self.num_blocks = shared.block_size, shared.num_blocks
+    def __init__(self, core):
+        self._core = core
+        self.block_size, self.num_blocks = core.block_size, core.num_blocks
 
     @property
     def stats(self) -> PrefixCacheStats:
         return self._core.stats
 
-    @stats.setter
-    def stats(self, stats: PrefixCacheStats) -> None:
-        self._core.stats = stats
+    def reset_stats(self) -> None:
+        """``reset_prefix_cache``'s part in this group: its lookup counters start again."""
+        self._core.stats, self._core._stats_mark = PrefixCacheStats(), PrefixCacheStats()
 
     @property
     def num_free_blocks(self) -> int:
@@ -79,10 +75,11 @@ class GroupManager:
         all that are cached): the coordinator cuts every group's to the hit all of them serve."""
         return self._core._plan_allocation(shadow, lookahead, num_new_tokens, max_hits)
 
-    def admit(self, shadow, plan, new_blocks) -> None:
-        """allocate's bookkeeping: the coordinator pinned every group's hits (so none is revived here) and took
-        ``new_blocks`` for this group."""
-        self._core._admit(shadow, plan, new_blocks, 0)
+    def admit(self, shadow, plan, new_blocks, num_revived: int, encoder_seq=None, cross_blocks=()) -> None:
+        """allocate's bookkeeping, once the policy handed out ``new_blocks`` for this group (and ``cross_blocks``
+        for ``encoder_seq``'s table: one group only) and took ``num_revived`` of its live hits out of the free
+        set (0 where the coordinator pinned every group's hits itself)."""
+        self._core._admit(shadow, plan, new_blocks, num_revived, encoder_seq, cross_blocks)
 
     # ---- append_slots --------------------------------------------------------------------------------------
     def plan_step(self, shadow, lookahead: int, num_new_tokens, num_drafts: int):
@@ -108,6 +105,11 @@ class GroupManager:
         """accept_drafts' bookkeeping."""
         self._core._accept(*plan)
 
+    def fork(self, shadow, twin) -> None:
+        """fork's bookkeeping (it makes no policy call): ``twin`` takes the shadow's tokens, keys and counters
+        and shares its blocks."""
+        self._core._fork(shadow, twin)
+
     # ---- free ----------------------------------------------------------------------------------------------
     def plan_release(self, shadow):
         """(record, its live blocks tail first, the GPU ones that become free, whether each of those is cached)."""
@@ -119,7 +121,7 @@ class GroupManager:
 
     # ---- swapping ------------------------------------------------------------------------------------------
     def moving_out(self, shadow):
-        """(record, (GPU blocks a swap-out moves, None: no cross-attention table in a group))."""
+        """(record, (GPU blocks a swap-out moves, the cross-attention table moving with them or None))."""
         alloc = self._core._on_gpu(shadow)
         return alloc, self._core._swap.moving_out(alloc)
 

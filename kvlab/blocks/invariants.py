@@ -1,4 +1,5 @@
-"""``BlockManager.check_invariants()``: an O(pool) audit of the manager's bookkeeping, for tests.
+"""``check_invariants()``: an O(pool) audit of the manager's bookkeeping, for tests (kvlab.blocks.coordinator
+runs it over every group, then the shared pools).
 
 The manager's own records are checked here, and the sequence's progress counter (``seq.num_computed_tokens``,
 which the manager advances but does not own) against them: every allocation belongs to its sequence, holds
@@ -24,15 +25,9 @@ def _fail(message: str):
     raise InvariantViolation(message)
 
 
-def check_manager(allocations, cross_tables, pool, swap, block_size, prefix_caching) -> None:
-    gpu_refs, cpu_refs = check_records(allocations, cross_tables, pool, block_size, prefix_caching)
-    pool.check(gpu_refs)
-    swap.check(cpu_refs, pool.ref)
-
-
 def check_records(allocations, cross_tables, pool, block_size, prefix_caching) -> tuple[Counter, Counter]:
-    """Check one manager's records; return the (GPU, CPU) references they hold, block -> table entries (the
-    hybrid manager adds up its groups' before checking the pools they share)."""
+    """Check one group's records; return the (GPU, CPU) references they hold, block -> table entries (the
+    coordinator adds up its groups' before checking the pools they share)."""
     gpu_refs, cpu_refs = Counter(), Counter()
     for alloc in allocations:
         seq = alloc.seq

@@ -24,90 +24,67 @@ WAITING with ``preempted=True``); ``fork`` shares a running sequence's blocks wi
 valid from its own records, never from a status a caller set. Every public method holds one lock, so
 threads may share a manager (each Sequence belongs to one thread at a time). A failed call changes nothing.
 
-This module holds that lifecycle's admission, free, fork and maintenance. ``BlockManager`` is built from parts
-that each add calls over the state ``ManagerState`` creates (kvlab.blocks.manager_state, where its constructor
-lives): a step's growth (kvlab.blocks.manager_steps: ``append_slots``), the queries
-(kvlab.blocks.manager_queries), swapping (kvlab.blocks.manager_swap), speculative decoding's verification
+``BlockManager`` is the coordinator (kvlab.blocks.coordinator) of one KV cache group, itself: the lifecycle
+calls (``allocate``, ``append_slots``, ``accept_drafts``, ``free``, ``fork``; ``swap_out`` / ``swap_in`` in
+kvlab.blocks.manager_swap) are the coordinator's, written once for any number of groups, and this module holds
+the group's halves of them (admission, free, fork: plan first, bookkeeping after the coordinator's policy
+calls) and the maintenance. It is built from parts that each add calls over the state ``ManagerState``
+creates (kvlab.blocks.manager_state, where its constructor lives): a step's halves
+(kvlab.blocks.manager_steps), the queries (kvlab.blocks.manager_queries), speculative decoding's verification
 (kvlab.blocks.drafts: draft tokens get slots, only verified ones are sealed) and vLLM V0's interface with the
 encoder-decoder cross-attention tables (kvlab.blocks.vllm_v0). Every part reports its changes to the
 manager's one event sink (kvlab.blocks.event_sink), when anything listens.
 """
 
-from typing import Optional
-
-from kvlab.blocks.allocations import Allocation, check_unallocated
+from kvlab.blocks.allocations import Allocation
+from kvlab.blocks.coordinator import Coordinator
 from kvlab.blocks.drafts import SpeculativeDrafts, share_drafts
+from kvlab.blocks.group_manager import GroupManager
 from kvlab.blocks.hashing import prompt_blocks, sealed_through
-from kvlab.blocks.invariants import check_manager
 from kvlab.blocks.locking import serialized
 from kvlab.blocks.manager_queries import BlockManagerQueries
 from kvlab.blocks.manager_state import MAX_BLOCKS, NULL_BLOCK
 from kvlab.blocks.manager_steps import BlockManagerSteps
-from kvlab.blocks.manager_swap import BlockManagerSwapping
 from kvlab.blocks.planning import plan_allocation
 from kvlab.blocks.prefix_index import ROOT
 from kvlab.blocks.records import AllocStatus, PrefixCacheStats
 from kvlab.blocks.sequence import Sequence, SequenceStatus, copy_tokens, set_allocation_record
 from kvlab.blocks.vllm_v0 import VLLMV0Interface
-from kvlab.errors import OutOfBlocksError
-from kvlab.validation import check_int
 
 __all__ = ["BlockManager", "AllocStatus", "PrefixCacheStats", "NULL_BLOCK", "MAX_BLOCKS"]
 
 
 @serialized
-class BlockManager(BlockManagerSteps, BlockManagerQueries, BlockManagerSwapping, VLLMV0Interface, SpeculativeDrafts):
-    # ---- admission and allocation --------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, num_lookahead_slots: int = 0, encoder_seq=None, *,
-                     num_new_tokens: Optional[int] = None) -> AllocStatus:
-        """Whether ``allocate(seq, encoder_seq, num_new_tokens=...)`` (plus ``num_lookahead_slots`` later) fits.
-        A prefix hit on a block in use costs nothing; a hit on a free cached block takes that block out of the
-        free pool. OK and LATER are about this step (keeping the watermark free); NEVER says the prompt can
-        never be finished here, however it is chunked (without a sliding window: its whole prompt never fits)."""
-        check_unallocated(self, seq)
-        lookahead = check_int("num_lookahead_slots", num_lookahead_slots, 0)
-        cross = self._cross.blocks_for(seq, encoder_seq)
-        plan = self._plan_allocation(seq, lookahead, num_new_tokens)
-        return self._admission(plan.peak_blocks + cross, plan.needed_free + cross)
+class BlockManager(Coordinator, BlockManagerSteps, BlockManagerQueries, VLLMV0Interface, SpeculativeDrafts):
+    """The coordinator (kvlab.blocks.coordinator) of one KV cache group: itself. Its lifecycle calls
+    (``allocate``, ``append_slots``, ``free``, ``fork``, swapping) are the coordinator's, driving this manager's
+    own halves below through ``GroupManager(self)``; a sequence is its own group's view."""
 
-    def allocate(self, seq: Sequence, encoder_seq: Optional[Sequence] = None, *,
-                 num_new_tokens: Optional[int] = None) -> None:
-        """Give the prompt its blocks, sharing the longest cached prefix; with ``encoder_seq`` (an
-        encoder-decoder request) also a cross-attention table for the encoder's tokens, shared by the
-        sequence's future forks. With ``num_new_tokens=k`` only the hits and the next k prompt tokens get
-        slots (the first chunk; ``get_num_cached_tokens`` tells the hits beforehand), and ``append_slots``
-        schedules the rest later. Only full blocks are hittable, never the one holding the last prompt token
-        (always computed): at most (n - 1) // block_size of an n-token prompt's blocks. Atomic: raises before
-        changing anything if the blocks are not there, or if the prompt could never be finished in this pool."""
-        check_unallocated(self, seq)
-        num_cross = self._cross.blocks_for(seq, encoder_seq)
-        plan = self._plan_allocation(seq, 0, num_new_tokens)
-        self._check_room(seq, plan, num_cross)
-        pool = self._pool
-        revived = [block for block in plan.hits[plan.first_live:] if not pool.ref[block]]
-        with pool.transaction() as txn:  # every policy call first: if one raises, nothing changed
-            txn.revive(revived)
-            taken = txn.pop(plan.num_new + num_cross)
-            txn.hits(plan.hits)
-        self._admit(seq, plan, taken[:plan.num_new], len(revived), encoder_seq, taken[plan.num_new:])
+    def _join(self, *args, **kwargs) -> None:
+        super()._join(*args, **kwargs)
+        self._members = (GroupManager(self),)
 
-    # ---- free and fork ---------------------------------------------------------------------------------
-    def free(self, seq: Sequence, *, preempted: bool = False) -> None:
-        """Drop the sequence's references, tail block first (so LRU reuses the chain's tail first). Status
-        becomes FINISHED, or WAITING with ``preempted=True`` (to be recomputed later). A cross-attention
-        table stays with its group until ``free_cross``."""
-        alloc, live, freed, cached = self._plan_release(seq)
-        with self._pool.transaction() as txn:
-            txn.add(freed, cached)
-        self._release(alloc, live, freed, preempted)
+    # ---- the coordinator's views of a sequence: itself, in the one group -----------------------------------
+    def _views(self, seq):
+        return (seq,)
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Give the new ``child`` the parent's tokens (and block size, salt and keys) and share all its blocks:
-        nothing is allocated; a later append into a shared partial block copies it. Whatever tokens and keys
-        the child had are replaced (``Sequence([])`` is the usual child). A parent's drafts in flight are the
-        child's too, and each verifies them on its own (kvlab.blocks.drafts)."""
+    def _gpu_views(self, seq):
+        self._on_gpu(seq)
+        return (seq,)
+
+    _new_views = _views
+
+    def _fork_views(self, child, num_groups: int):
+        return (child,)
+
+    def _cross_blocks(self, seq, encoder_seq) -> int:
+        return self._cross.blocks_for(seq, encoder_seq)
+
+    # ---- fork's half ---------------------------------------------------------------------------------------
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
+        """fork's bookkeeping (no policy call): ``child`` takes the parent's tokens and counters and shares its
+        blocks, drafts in flight too (kvlab.blocks.drafts) and its group's cross-attention table."""
         alloc = self._on_gpu(parent)
-        check_unallocated(self, child, need_tokens=False, same_block_size=False)
         child.block_size = parent.block_size
         copy_tokens(parent, child)
         twin = alloc.copy_for(child)
@@ -120,31 +97,6 @@ class BlockManager(BlockManagerSteps, BlockManagerQueries, BlockManagerSwapping,
             self._sink.forked(child.seq_id, parent.seq_id)
 
     # ---- maintenance -----------------------------------------------------------------------------------
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix and reset the stats; refused (False) while any GPU block is in use."""
-        pool = self._pool
-        if pool.num_free != self._usable:
-            return False
-        free = list(pool.policy)
-        with pool.transaction() as txn:
-            txn.revive(free)
-            txn.add(free, [False] * len(free))
-        pool.index.forget_all()
-        if self._tier is not None:
-            self._tier.clear()
-        if self._sink is not None:
-            self._sink.cleared()
-        pool.evictions = 0
-        self.stats = PrefixCacheStats()
-        self._stats_mark = PrefixCacheStats()
-        return True
-
-    def check_invariants(self) -> None:
-        """Raise InvariantViolation if the bookkeeping is inconsistent (O(pool size); for tests)."""
-        check_manager(self._allocs, self._cross, self._pool, self._swap, self.block_size, self.enable_prefix_caching)
-        if self._tier is not None:
-            self._tier.check(self._pool.index)
-
     def take_tier_moves(self) -> list[tuple[str, int, int]]:
         """The offload tier's copies made since the last call, in order: ``("offload", gpu_block, cpu_slot)``
         (an evicted cached block kept in the tier) and ``("promote", cpu_slot, gpu_block)`` (a tier hit brought
@@ -158,16 +110,6 @@ class BlockManager(BlockManagerSteps, BlockManagerQueries, BlockManagerSwapping,
         seq = alloc.seq
         set_allocation_record(seq, alloc)
         seq.num_cached_tokens, seq.status = num_cached_tokens, SequenceStatus.RUNNING
-
-    def _check_room(self, seq, plan, num_cross: int) -> None:
-        """Raise before allocate changes anything if ``plan`` (plus the cross-attention blocks) does not fit."""
-        pool = self._pool
-        if plan.needed_free + num_cross > pool.num_free:
-            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {plan.needed_free + num_cross} free blocks, "
-                                   f"{pool.num_free} are free (check can_allocate first)")
-        if plan.peak_blocks + num_cross > self._usable:  # a first chunk that fits, of a prompt that never can
-            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {plan.peak_blocks + num_cross} blocks at once to "
-                                   f"finish its prompt, the pool has {self._usable} (check can_allocate first)")
 
     def _admit(self, seq, plan, new_blocks, num_revived: int, encoder_seq=None, cross_blocks=()) -> None:
         """allocate's bookkeeping, once the policy handed out ``new_blocks`` (and ``cross_blocks``) and took

@@ -1,10 +1,11 @@
 """The block manager's state, created in one place, and the record lookups every part of it shares.
 
-``BlockManager`` (kvlab.blocks.manager) is built from parts that each add public calls over the same state: its
-lifecycle (manager.py), its queries (manager_queries.py), swapping (manager_swap.py), speculative drafts
-(drafts.py) and vLLM V0's interface (vllm_v0.py). Each part derives from ``ManagerState``, so the state a part
-reads is created by its own base class, here, never by a subclass that happens to combine it: the components
-below and the settings, nothing else. The components are built (and the settings checked) by ``shared_parts``; a
+``BlockManager`` (kvlab.blocks.manager) is built from parts that each add calls over the same state: its group's
+halves of the lifecycle calls (manager.py, manager_steps.py, drafts.py: the calls themselves are the
+coordinator's, kvlab.blocks.coordinator), its queries (manager_queries.py) and vLLM V0's interface
+(vllm_v0.py). Each part derives from ``ManagerState``, so the state a part reads is created by its own base
+class, here, never by a subclass that happens to combine it: the components below and the settings, nothing
+else. The components are built (and the settings checked) by ``shared_parts``; a
 manager joins them as one group of attention ``spec`` (``_join``): a ``BlockManager`` joins parts of its own,
 each group of a hybrid manager the one set its coordinator built (kvlab.blocks.group_manager).
 
@@ -182,7 +183,3 @@ class ManagerState:
         if not alloc.on_cpu:
             raise SequenceStateError(f"sequence {seq.seq_id} is not swapped out")
         return alloc
-
-    # ---- admission: ``live_blocks`` held at once, ``needed_free`` of them taken from the free pool now ----
-    def _admission(self, live_blocks, needed_free) -> AllocStatus:
-        return admission(self._pool, self._usable, self._watermark_blocks, live_blocks, needed_free)

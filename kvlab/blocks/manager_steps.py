@@ -1,56 +1,23 @@
 """A scheduled step's growth (vLLM's ``append_slots``): a running sequence's next tokens get their slots.
 
 ``BlockManagerSteps`` is one of the parts ``BlockManager`` is built from (kvlab.blocks.manager); it reads only
-the state its base (``kvlab.blocks.manager_state.ManagerState``) creates. A step is planned first
+the state its base (``kvlab.blocks.manager_state.ManagerState``) creates. It holds one group's two halves of
+``append_slots``, which the coordinator (kvlab.blocks.coordinator) calls for every group. A step is planned first
 (kvlab.blocks.planning.plan_step: the blocks that left the sliding window, the shared blocks about to be
 written, the new blocks), its seals hashed, then the eviction policy takes back the released blocks and
 hands out the new ones in one transaction, and only then does the bookkeeping run, which cannot fail:
-release, copy-on-write, new blocks, seal, and the sequence's progress counter. A hybrid manager's groups run
-the same halves (kvlab.blocks.group_manager), with the policy calls of every group in one transaction.
+release, copy-on-write, new blocks, seal, and the sequence's progress counter. The policy calls between the
+halves are the coordinator's, every group's in one transaction.
 """
-
-from typing import Optional
 
 from kvlab.blocks.drafts import check_unverified
 from kvlab.blocks.hashing import hashes_to_seal, sealed_through
-from kvlab.blocks.locking import serialized
 from kvlab.blocks.manager_state import NULL_BLOCK, ManagerState
 from kvlab.blocks.planning import plan_step
-from kvlab.blocks.sequence import Sequence
-from kvlab.errors import OutOfBlocksError
 from kvlab.validation import check_int
 
 
-@serialized
 class BlockManagerSteps(ManagerState):
-    def can_append_slots(self, seq: Sequence, num_lookahead_slots: int = 0, *,
-                         num_new_tokens: Optional[int] = None, num_draft_tokens: int = 0) -> bool:
-        """Whether ``append_slots`` with the same arguments fits now (a running sequence: no watermark)."""
-        plan = self._plan_step(self._on_gpu(seq), num_lookahead_slots, num_new_tokens, num_draft_tokens)
-        return plan.blocks_needed <= self._pool.num_free + len(plan.freed)
-
-    def append_slots(self, seq: Sequence, num_lookahead_slots: int = 0, *,
-                     num_new_tokens: Optional[int] = None, num_draft_tokens: int = 0) -> list[tuple[int, int]]:
-        """Schedule a step: release the blocks that left the sliding window, give slots to the next
-        ``num_new_tokens`` tokens that have none (None: all of them, i.e. every token appended by
-        ``seq.append_token`` since the last step, or the rest of a chunked prompt), then to
-        ``num_draft_tokens`` proposed tokens after the last one (verified by this step's forward pass, then
-        ``accept_drafts``: kvlab.blocks.drafts) and to ``num_lookahead_slots`` more, and seal blocks whose last
-        token is now scheduled, drafts aside (they become hittable at once: the ordering rule, kvlab.blocks.manager). A
-        shared block about to be written is copied first; returns those copy-on-write (src, dst) pairs for
-        ``copy_blocks``."""
-        alloc = self._on_gpu(seq)
-        plan = self._plan_step(alloc, num_lookahead_slots, num_new_tokens, num_draft_tokens)
-        pool = self._pool
-        if plan.blocks_needed > pool.num_free + len(plan.freed):
-            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {plan.blocks_needed} free blocks, "
-                                   f"{pool.num_free + len(plan.freed)} are free (check can_append_slots first)")
-        seals = self._hashes_to_seal(alloc, plan, num_draft_tokens)
-        with pool.transaction() as txn:
-            txn.add(plan.freed, plan.freed_cached)
-            taken = txn.pop(plan.blocks_needed)
-        return self._apply_step(alloc, plan, num_lookahead_slots, taken, seals, num_draft_tokens)
-
     # ---- internals: the two halves --------------------------------------------------------------------
     def _plan_step(self, alloc, lookahead, num_new_tokens, num_drafts=0):
         check_int("num_lookahead_slots", lookahead, 0)

@@ -211,3 +211,25 @@ def test_a_group_offers_its_two_halves_and_queries_not_the_single_group_managers
             assert not hasattr(group, call), call
     assert [g.get_block_table(s) for g, s in zip(m._members, m._shadows(seq))] == m.block_tables(seq)
     assert all(g.num_free_blocks == m.num_free_blocks and g.stats == m.stats for g in m._members)
+
+
+COORDINATED = ("can_allocate", "allocate", "can_append_slots", "append_slots", "accept_drafts", "free", "fork",
+               "can_swap_out", "swap_out", "can_swap_in", "swap_in", "reset_prefix_cache", "check_invariants")
+
+
+@pytest.mark.parametrize("call", COORDINATED)
+def test_both_managers_run_one_implementation_of_each_lifecycle_call(call):
+    """BlockManager is the coordinator's one-group case (kvlab.blocks.coordinator): a lifecycle call is the same
+    code for one group and for several, not a single-group version and a hybrid copy that can drift apart."""
+    assert getattr(BlockManager, call) is getattr(HybridBlockManager, call)
+
+
+def test_a_hybrid_manager_refuses_an_encoder_sequence_clearly_and_changes_nothing():
+    """Cross-attention tables are a one-group feature; a hybrid allocate(seq, encoder_seq) says so (it used to
+    be a TypeError about the signature) and leaves the manager as it was."""
+    m, seq, encoder = make(), Sequence(range(10), BS), Sequence(range(6), BS)
+    for call in (m.allocate, m.can_allocate):
+        with pytest.raises(InvalidArgumentError, match="encoder_seq"):
+            call(seq, encoder_seq=encoder) if call == m.allocate else call(seq, 0, encoder)
+    assert m.num_free_blocks == 31 and seq.block_table == ()
+    m.check_invariants()
