@@ -61,12 +61,15 @@ def _draw(fn, kwargs) -> list[tuple[dict, dict]]:
     return bundles + ([({"text/plain": captured.stdout}, {})] if captured.stdout else [])
 
 
-def _live(fn, knobs, params):
-    """Display sliders, then what ``fn`` shows as ordinary outputs that each redraw updates in place (by display
-    id), so the notebook file keeps the last figure; return the sliders' widget."""
+def explore_live(fn, **knobs):
+    """``explore``'s live branch, for callers that decide themselves (``show_steps(interactive=True)``): display
+    the widgets, then what ``fn`` shows as ordinary outputs that each redraw updates in place (by display id), so
+    the notebook file keeps the last figure; return the widgets' box."""
     import ipywidgets as widgets
     from IPython.display import DisplayHandle, display
 
+    params = inspect.signature(fn).parameters
+    knobs = {name: check_knob(fn, name, spec, params) for name, spec in knobs.items()}
     controls = {name: knob_widget(name, spec, params[name].default) for name, spec in knobs.items()}
     box = widgets.VBox(list(controls.values()))
     display(box)
@@ -107,10 +110,10 @@ def explore(fn, **knobs):
     the widget can show: the default starts the widget and is what a headless run uses. Live, the figures ``fn``
     shows are ordinary outputs redrawn in place, so a saved notebook keeps the last one; returns the widget
     (already shown). Headless, returns ``fn()``'s result."""
+    if is_interactive():
+        return explore_live(fn, **knobs)
     params = inspect.signature(fn).parameters
     knobs = {name: check_knob(fn, name, spec, params) for name, spec in knobs.items()}
-    if is_interactive():
-        return _live(fn, knobs, params)
     print(f"(In Jupyter or Colab, widgets for {', '.join(knobs)} appear here; this run uses "
           + ", ".join(f"{name}={params[name].default!r}" for name in knobs) + ".)")
     return fn()

@@ -100,3 +100,18 @@ def test_an_error_while_redrawing_shows_under_the_sliders(kernel):
     errors = contents(moved, "error")
     assert errors and "no n=2" in errors[0]["evalue"] + "".join(errors[0]["traceback"])
     assert "went on" in "".join(s["text"] for s in contents(moved, "stream"))
+
+
+def test_the_live_snapshot_slider_keeps_its_figure_too(kernel):
+    shown = run(kernel, "from kvlab import BlockManager, Sequence, viz\n"
+                        "m, seq = BlockManager(6, 4), Sequence(range(6), 4)\n"
+                        "steps = [viz.snapshot(m, [seq], 'empty')]\n"
+                        "m.allocate(seq)\n"
+                        "steps.append(viz.snapshot(m, [seq], 'allocated'))\n"
+                        "viz.show_steps(steps)")
+    assert not contents(shown, "execute_result")
+    figures = [d for d in contents(shown, "display_data") if "image/png" in d["data"]]
+    assert len(figures) == 1 and figures[0]["transient"]["display_id"]
+    moved = run(kernel, "_.children[0].value = 1")
+    updates = contents(moved, "update_display_data")
+    assert [u["transient"]["display_id"] for u in updates] == [figures[0]["transient"]["display_id"]]
