@@ -2,8 +2,8 @@
 from the one below.
 
 The .py file is the source of truth; the .ipynb is what Colab and Jupyter open. Generated notebooks have no
-outputs, no execution counts, minimal metadata (python3 kernelspec plus the jupytext pairing) and cell ids
-derived from the cell source, so regenerating an unchanged notebook changes no byte.
+outputs, no execution counts, the metadata a JupyterLab save writes (METADATA; the .py gets HEADER) and cell
+ids derived from the cell source, so regenerating, or opening and saving, an unchanged notebook changes no byte.
 
 The first code cell of every notebook is its setup cell (make Colab find kvlab, show figures inline). It is
 generated: ``SETUP_CELL`` below is the only copy to edit, and ``KVLAB_REPO_URL`` the only place that names the

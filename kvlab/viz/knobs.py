@@ -13,6 +13,8 @@ from numbers import Real
 from kvlab.errors import InvalidArgumentError
 
 KNOB_KINDS = "(min, max, step), a list of choices, or viz.Stops(values)"
+#: A slider with more stops than this cannot be set by dragging anyway (and would be slow to build).
+MAX_STOPS = 1000
 
 
 def _label(value) -> str:
@@ -33,8 +35,13 @@ class Stops:
 
     def __init__(self, values):
         values = tuple(_plain(v) for v in values)
-        if len(values) < 2 or len(set(values)) != len(values):
-            raise InvalidArgumentError(f"Stops needs at least two distinct values, got {values!r}")
+        try:
+            distinct = len(set(values))
+        except TypeError:
+            raise InvalidArgumentError(f"Stops needs hashable values (numbers, strings), got {values!r}") from None
+        if len(values) < 2 or distinct != len(values) or len(values) > MAX_STOPS:
+            raise InvalidArgumentError(f"Stops needs 2 to {MAX_STOPS} distinct values, got {len(values)}: "
+                                       f"{values[:8]!r}")
         self.values = values
 
     def __repr__(self) -> str:
@@ -57,6 +64,9 @@ def _grid_with(spec, default) -> Stops | None:
     if math.isclose(k, round(k), abs_tol=1e-9):
         return None
     count = int(math.floor((high - low) / step + 1e-9)) + 1
+    if count >= MAX_STOPS:
+        raise InvalidArgumentError(f"the default {default!r} is off the grid of {spec!r} ({count} steps): give a "
+                                   "default on it, or use viz.Stops(values)")
     ints = all(isinstance(v, int) for v in spec)
     grid = [low + i * step if ints else round(low + i * step, 12) for i in range(count)]
     return Stops(sorted(set(grid) | {default}))

@@ -147,10 +147,18 @@ def test_explore_refuses_knobs_it_cannot_start_from(knobs, message):
         explore(draw, **knobs)
 
 
-@pytest.mark.parametrize("values", [[1], [1, 1, 2], []])
-def test_stops_need_two_distinct_values(values):
-    with pytest.raises(InvalidArgumentError, match="at least two distinct values"):
+@pytest.mark.parametrize("values", [[1], [1, 1, 2], [], range(2000), [[1], [2]]])
+def test_stops_need_a_few_distinct_values(values):
+    with pytest.raises(InvalidArgumentError, match="Stops needs"):
         Stops(values)
+
+
+def test_a_huge_grid_with_an_off_grid_default_is_refused():
+    def draw(share=0.125):
+        return None
+
+    with pytest.raises(InvalidArgumentError, match="off the grid"):
+        explore(draw, share=(0.0, 1000.0, 0.01))
 
 
 def test_check_fails_only_with_the_defaults(capsys):
