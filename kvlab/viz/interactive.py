@@ -71,15 +71,15 @@ def explore_live(fn, **knobs):
     params = inspect.signature(fn).parameters
     knobs = {name: check_knob(fn, name, spec, params) for name, spec in knobs.items()}
     controls = {name: knob_widget(name, spec, params[name].default) for name, spec in knobs.items()}
-    box = widgets.VBox(list(controls.values()))
+    # Under the sliders, live only: an error while redrawing, and what a redraw shows beyond the first's outputs.
+    overflow = widgets.Output()
+    box = widgets.VBox([*controls.values(), overflow])
     display(box)
     print(REOPENED_NOTE)
     first = _draw(fn, {})
     slots = [DisplayHandle() for _ in first]
     for slot, (data, metadata) in zip(slots, first):
         slot.display(data, metadata=metadata, raw=True)
-    overflow = widgets.Output()  # a redraw that shows more than the first did: the rest goes here, live only
-    display(overflow)
 
     def redraw(change=None):
         overflow.clear_output()

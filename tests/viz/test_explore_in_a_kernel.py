@@ -73,7 +73,8 @@ def test_live_explore_keeps_its_figure_as_an_output_and_shows_no_stray_value(ker
     # §1: the cell's last value (the widget explore returns) adds no Out[n], neither a function nor a 2nd view.
     assert not contents(shown, "execute_result")
     displays = contents(shown, "display_data")
-    assert WIDGET_VIEW in displays[0]["data"]  # the sliders come first
+    assert WIDGET_VIEW in displays[0]["data"]  # the sliders come first, as the one widget view
+    assert sum(WIDGET_VIEW in d["data"] for d in displays) == 1
     # §2: the figure and fn's printout are ordinary outputs (what a saved .ipynb keeps), each with a display id.
     figures = [d for d in displays if "image/png" in d["data"]]
     texts = [d for d in displays if d["data"].get("text/plain", "").startswith("drew")]

@@ -76,7 +76,7 @@ def test_explore_gives_widgets_starting_at_the_defaults_when_live(frontend):
         plt.figure()
 
     widget = explore(draw, capacity=(16, 256, 16), policy=["lru", "fifo"], scale=(0.1, 1.0, 0.1))
-    by_name = {w.description: w for w in widget.children}
+    by_name = {w.description: w for w in widget.children if hasattr(w, "description")}
     assert by_name["capacity"].value == 64 and not by_name["capacity"].continuous_update
     assert by_name["policy"].value == "fifo" and list(by_name["policy"].options) == ["lru", "fifo"]
     assert by_name["scale"].value == 0.5
@@ -120,8 +120,8 @@ def test_a_default_off_the_step_grid_is_a_stop_of_its_own(frontend):
     def draw(pool_blocks=17_985, share=0.125):
         return None
 
-    by_name = {w.description: w for w in explore(draw, pool_blocks=(1_000, 50_000, 1_000),
-                                                 share=(0.02, 0.2, 0.02)).children}
+    box = explore(draw, pool_blocks=(1_000, 50_000, 1_000), share=(0.02, 0.2, 0.02))
+    by_name = {w.description: w for w in box.children if hasattr(w, "description")}
     assert by_name["pool_blocks"].value == 17_985
     values = [v for _, v in by_name["pool_blocks"].options]
     assert values[:3] == [1_000, 2_000, 3_000] and 17_985 in values and values[-1] == 50_000
