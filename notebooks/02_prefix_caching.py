@@ -2,10 +2,7 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
-#   kernelspec:
-#     display_name: Python 3
-#     language: python
-#     name: python3
+#     notebook_metadata_filter: -jupytext.text_representation,-kernelspec
 # ---
 
 # %% [markdown]
@@ -589,8 +586,7 @@ def try_policy(pool_blocks=int(pool_sizes[len(pool_sizes) // 2]), policy="fifo")
     plt.show()
 
 
-viz.explore(try_policy, pool_blocks=(int(pool_sizes[0]), int(pool_sizes[-1]), int(pool_sizes[0])),
-            policy=["lru", "fifo", "lfu"])
+viz.explore(try_policy, pool_blocks=viz.Stops(pool_sizes), policy=["lru", "fifo", "lfu"])  # the curve's sizes
 
 # %% [markdown]
 # ## Takeaways

@@ -2,10 +2,7 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
-#   kernelspec:
-#     display_name: Python 3
-#     language: python
-#     name: python3
+#     notebook_metadata_filter: -jupytext.text_representation,-kernelspec
 # ---
 
 # %% [markdown]

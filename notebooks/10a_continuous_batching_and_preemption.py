@@ -2,10 +2,7 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
-#   kernelspec:
-#     display_name: Python 3
-#     language: python
-#     name: python3
+#     notebook_metadata_filter: -jupytext.text_representation,-kernelspec
 # ---
 
 # %% [markdown]
@@ -448,7 +445,7 @@ pd.DataFrame({name: {f"{TIGHT_POOL} blocks": at_tight, "10 blocks": at_10}
 # cache: C's 4 full blocks were still cached when it came back (32 hits, 6 tokens recomputed), while the
 # 10-block pool reused most of E's freed blocks for others before E returned (8 hits, 17 tokens recomputed).
 # Draw the two schedules with `viz.draw_schedule(run(10).schedule_frame())` to see it.
-
+#
 # ## 4. Throughput and latency as the pool shrinks
 #
 # The same kind of workload in pools from roomy to barely enough (5 blocks hold the longest request), in

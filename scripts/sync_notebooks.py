@@ -2,8 +2,8 @@
 from the one below.
 
 The .py file is the source of truth; the .ipynb is what Colab and Jupyter open. Generated notebooks have no
-outputs, no execution counts, minimal metadata (python3 kernelspec plus the jupytext pairing) and cell ids
-derived from the cell source, so regenerating an unchanged notebook changes no byte.
+outputs, no execution counts, the metadata a JupyterLab save writes (METADATA; the .py gets HEADER) and cell
+ids derived from the cell source, so regenerating, or opening and saving, an unchanged notebook changes no byte.
 
 The first code cell of every notebook is its setup cell (make Colab find kvlab, show figures inline). It is
 generated: ``SETUP_CELL`` below is the only copy to edit, and ``KVLAB_REPO_URL`` the only place that names the
@@ -58,12 +58,33 @@ if importlib.util.find_spec("kvlab") is None:
         subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", str(checkout)])
     sys.path.insert(0, str(checkout))'''
 
+#: The notebook metadata as JupyterLab 4 + jupytext save it, so that opening and saving a notebook changes no
+#: byte of either file: JupyterLab sets `kernelspec` from the kernel's spec (ipykernel's default is named
+#: "Python 3 (ipykernel)") and `language_info` from the kernel's reply, and jupytext adds `main_language`.
+#: `version` is the project's Python: under another one, a save changes that one line of the .ipynb only.
 METADATA = {
-    "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
-    "language_info": {"name": "python"},
-    # Lets Jupyter's jupytext extension keep both files in step when the notebook is edited there.
-    "jupytext": {"formats": "ipynb,py:percent"},
+    "kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"},
+    "language_info": {
+        "name": "python", "version": "3.11.7", "mimetype": "text/x-python", "file_extension": ".py",
+        "codemirror_mode": {"name": "ipython", "version": 3}, "pygments_lexer": "ipython3",
+        "nbconvert_exporter": "python",
+    },
+    # Lets Jupyter's jupytext extension keep both files in step when the notebook is edited there. The filter
+    # keeps jupytext's version and the (machine-dependent) kernelspec out of the .py header.
+    "jupytext": {"formats": "ipynb,py:percent", "main_language": "python",
+                 "notebook_metadata_filter": "-jupytext.text_representation,-kernelspec"},
 }
+
+#: Every .py's header, as jupytext writes it on a save with the metadata above (generated like the setup cell).
+HEADER = """\
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation,-kernelspec
+# ---
+"""
+HEADER_BLOCK = re.compile(r"\A# ---\n(?:#.*\n)*?# ---\n")
 
 CELL_MARKER = re.compile(r"^# %%(?P<rest>.*)$", re.MULTILINE)
 
@@ -98,6 +119,11 @@ def with_setup_cell(text: str) -> str:
     return text[:start] + SETUP_CELL + text[end:]
 
 
+def with_header(text: str) -> str:
+    """``text`` with its YAML header (if any) replaced by HEADER, then one blank line."""
+    return HEADER + "\n" + HEADER_BLOCK.sub("", text, count=1).lstrip("\n")
+
+
 def notebook_from_source(py: Path) -> nbformat.NotebookNode:
     nb = jupytext.read(py)
     nb.metadata = nbformat.from_dict(METADATA)
@@ -122,8 +148,8 @@ def write_if_changed(path: Path, text: str) -> bool:
 
 
 def sync(py: Path) -> bool:
-    """Give py the current setup cell, then write its .ipynb twin; return whether either file changed."""
-    source_changed = write_if_changed(py, with_setup_cell(py.read_text(encoding="utf-8")))
+    """Give py the current header and setup cell, then write its .ipynb twin; return whether either file changed."""
+    source_changed = write_if_changed(py, with_header(with_setup_cell(py.read_text(encoding="utf-8"))))
     text = nbformat.writes(notebook_from_source(py)) + "\n"
     return write_if_changed(py.with_suffix(".ipynb"), text) or source_changed
 

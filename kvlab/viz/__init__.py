@@ -10,6 +10,7 @@ optional Axes; it returns the Axes (``ax.figure`` is the Figure) and never calls
 from kvlab.viz.checks import NotebookCheckError, check
 from kvlab.viz.engine_timeline import draw_engine_timeline
 from kvlab.viz.interactive import explore, is_interactive
+from kvlab.viz.knobs import Stops
 from kvlab.viz.pool import draw_block_tables, draw_pool
 from kvlab.viz.schedule import SCHEDULE_STATES, draw_schedule
 from kvlab.viz.snapshot import STATE_COLORS, STATE_NAMES, PoolView, TableView, snapshot
@@ -20,4 +21,4 @@ from kvlab.viz.widget import show_steps, snapshot_grid, step_widget
 __all__ = ["draw_tokens", "draw_pool", "draw_block_tables", "draw_timeline", "snapshot", "snapshot_grid",
            "step_widget", "show_steps", "event_label", "PoolView", "TableView", "STATE_COLORS", "STATE_NAMES",
            "EVENT_KINDS", "draw_engine_timeline", "draw_schedule", "SCHEDULE_STATES", "explore", "is_interactive",
-           "check", "NotebookCheckError"]
+           "Stops", "check", "NotebookCheckError"]

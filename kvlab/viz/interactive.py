@@ -5,12 +5,17 @@ headless (nbconvert, nbclient, papermill, CI), or as plain Python. Widgets only 
 executed headless they are saved as an empty widget view, so whoever reads the executed notebook sees
 nothing. ``is_interactive()`` tells the cases apart; ``explore(fn, **knobs)`` gives ``fn`` sliders in a live
 frontend and otherwise calls it once with its defaults, so the figure it draws is always there.
+
+Widgets live in the kernel: a saved notebook reopened with a new kernel (or shared) shows "Error displaying
+widget: model not found" where they were. So in a live frontend the figures are not drawn inside a widget but
+as ordinary outputs that each redraw replaces in place: the notebook file keeps the last figure, and a note
+says how to bring the sliders back (run the cell).
 """
 
 import inspect
 import os
 
-from kvlab.errors import InvalidArgumentError
+from kvlab.viz.knobs import check_knob, knob_widget
 
 #: Set by kvlab's notebook tests and by most CI services: never interactive, whatever the kernel says.
 STATIC_ENV = ("KVLAB_CI", "CI")
@@ -33,35 +38,82 @@ def is_interactive() -> bool:
     return bool(getattr(kernel, "_allow_stdin", False))
 
 
-def _widget(name, spec, default):
-    """A slider for ``(min, max, step)`` ints or floats, a dropdown for a list of options."""
-    import ipywidgets as widgets
+#: Printed under the sliders of a live explore: saved notebooks keep the figure, not the widgets.
+REOPENED_NOTE = ("(Move the sliders to redraw. The figure below is saved with the notebook; in a reopened or "
+                 "shared copy the sliders read 'Error displaying widget' or are missing: run this cell to bring "
+                 "them back.)")
 
-    if isinstance(spec, tuple) and len(spec) == 3 and all(isinstance(v, (int, float)) for v in spec):
-        kind = widgets.IntSlider if all(isinstance(v, int) for v in spec) else widgets.FloatSlider
-        return kind(value=default, min=spec[0], max=spec[1], step=spec[2], description=name,
-                    continuous_update=False)  # rerun on release, not on every pixel of a drag
-    return widgets.Dropdown(options=list(spec), value=default, description=name)
+
+def _draw(fn, kwargs) -> list[tuple[dict, dict]]:
+    """Run ``fn(**kwargs)`` and return what it showed, as (data, metadata) bundles: its figures (shown by
+    ``plt.show()``, or left open), then its printed text."""
+    import matplotlib.pyplot as plt
+    from IPython.display import display
+    from IPython.utils.capture import capture_output
+
+    before = set(plt.get_fignums())
+    with capture_output() as captured:
+        fn(**kwargs)
+        for num in sorted(set(plt.get_fignums()) - before):  # figures fn left open: show them, as a cell would
+            display(plt.figure(num))
+            plt.close(num)
+    bundles = [(out.data, out.metadata or {}) for out in captured.outputs]
+    return bundles + ([({"text/plain": captured.stdout}, {})] if captured.stdout else [])
+
+
+def explore_live(fn, **knobs):
+    """``explore``'s live branch, for callers that decide themselves (``show_steps(interactive=True)``): display
+    the widgets, then what ``fn`` shows as ordinary outputs that each redraw updates in place (by display id), so
+    the notebook file keeps the last figure; return the widgets' box."""
+    import ipywidgets as widgets
+    from IPython.display import DisplayHandle, display
+
+    params = inspect.signature(fn).parameters
+    knobs = {name: check_knob(fn, name, spec, params) for name, spec in knobs.items()}
+    controls = {name: knob_widget(name, spec, params[name].default) for name, spec in knobs.items()}
+    # Under the sliders, live only: an error while redrawing, and what a redraw shows beyond the first's outputs.
+    overflow = widgets.Output()
+    box = widgets.VBox([*controls.values(), overflow])
+    display(box)
+    print(REOPENED_NOTE)
+    first = _draw(fn, {})
+    slots = [DisplayHandle() for _ in first]
+    for slot, (data, metadata) in zip(slots, first):
+        slot.display(data, metadata=metadata, raw=True)
+
+    def redraw(change=None):
+        overflow.clear_output()
+        bundles = None
+        with overflow:  # an error in fn shows here, as a cell's would, not only in the kernel's log
+            bundles = _draw(fn, {name: widget.value for name, widget in controls.items()})
+        if bundles is None:
+            return
+        for i, slot in enumerate(slots):
+            data, metadata = bundles[i] if i < len(bundles) else ({"text/plain": ""}, {})
+            slot.update(data, metadata=metadata, raw=True)
+        with overflow:
+            for data, metadata in bundles[len(slots):]:
+                display(data, metadata=metadata, raw=True)
+
+    for widget in controls.values():
+        widget.observe(redraw, names="value")
+    # explore has shown the box already: as the cell's last value it must not appear a second time (an Out[n]).
+    box._ipython_display_ = lambda **kwargs: None
+    return box
 
 
 def explore(fn, **knobs):
     """Run ``fn`` with a widget per knob where someone is watching, else once with its default arguments.
 
-    ``knobs`` maps parameter names of ``fn`` to ``(min, max, step)`` (a slider) or a list of choices (a
-    dropdown). Each must be a parameter with a default, inside its range: the default starts the widget and is
-    what a headless run uses. Returns the interactive widget, or ``fn()``'s result when run once."""
-    params = inspect.signature(fn).parameters
-    for name, spec in knobs.items():
-        default = params[name].default if name in params else inspect.Parameter.empty
-        if default is inspect.Parameter.empty:
-            raise InvalidArgumentError(f"knob {name!r} must be a parameter of {fn.__name__} with a default")
-        ranged = isinstance(spec, tuple) and len(spec) == 3 and all(isinstance(v, (int, float)) for v in spec)
-        if (ranged and not spec[0] <= default <= spec[1]) or (not ranged and default not in list(spec)):
-            raise InvalidArgumentError(f"knob {name!r}: the default {default!r} is not among {spec!r}")
+    ``knobs`` maps parameter names of ``fn`` to ``(min, max, step)`` (a slider), a list of choices (a
+    dropdown) or ``Stops(values)`` (a slider over those values only). Each must be a parameter with a default
+    the widget can show: the default starts the widget and is what a headless run uses. Live, the figures ``fn``
+    shows are ordinary outputs redrawn in place, so a saved notebook keeps the last one; returns the widget
+    (already shown). Headless, returns ``fn()``'s result."""
     if is_interactive():
-        import ipywidgets as widgets
-
-        return widgets.interact(fn, **{name: _widget(name, spec, params[name].default) for name, spec in knobs.items()})
+        return explore_live(fn, **knobs)
+    params = inspect.signature(fn).parameters
+    knobs = {name: check_knob(fn, name, spec, params) for name, spec in knobs.items()}
     print(f"(In Jupyter or Colab, widgets for {', '.join(knobs)} appear here; this run uses "
           + ", ".join(f"{name}={params[name].default!r}" for name in knobs) + ".)")
     return fn()

@@ -8,7 +8,7 @@ nbconvert or nbclient, in CI, GitHub's notebook viewer), so a notebook always sh
 import matplotlib.pyplot as plt
 
 from kvlab.errors import InvalidArgumentError
-from kvlab.viz.interactive import is_interactive
+from kvlab.viz.interactive import explore_live, is_interactive
 from kvlab.viz.pool import draw_block_tables
 from kvlab.viz.snapshot import PoolView
 
@@ -54,25 +54,16 @@ def snapshot_grid(views, *, ncols: int = 2, draw=draw_block_tables, panel_size=N
 
 
 def step_widget(views, *, draw=draw_block_tables, figsize=(9, 3.6)):
-    """A slider over the snapshots that redraws one at a time (needs ipywidgets); returns the widget."""
-    import ipywidgets as widgets
-    from IPython.display import display
-
+    """Display a slider over the snapshots that redraws one at a time (needs ipywidgets), the figure kept as an
+    ordinary output as ``explore`` keeps it (a saved notebook shows the last one); returns the slider's box."""
     views = _check_views(views)
-    slider = widgets.IntSlider(value=0, min=0, max=len(views) - 1, description="snapshot", continuous_update=False)
-    out = widgets.Output()
 
-    def render(change=None):
-        with out:
-            out.clear_output(wait=True)
-            fig, ax = plt.subplots(figsize=figsize)
-            draw(views[slider.value], ax=ax, title=panel_title(slider.value, views[slider.value]))
-            display(fig)
-            plt.close(fig)
+    def show_snapshot(snapshot=0):
+        fig, ax = plt.subplots(figsize=figsize)
+        draw(views[snapshot], ax=ax, title=panel_title(snapshot, views[snapshot]))
+        plt.show()
 
-    slider.observe(render, names="value")
-    render()
-    return widgets.VBox([slider, out])
+    return explore_live(show_snapshot, snapshot=(0, len(views) - 1, 1) if len(views) > 1 else [0])
 
 
 def show_steps(views, *, interactive=None, **kwargs):
@@ -82,9 +73,5 @@ def show_steps(views, *, interactive=None, **kwargs):
     if interactive is None:
         interactive = is_interactive()
     if interactive:
-        from IPython.display import display
-
-        widget = step_widget(views, **{k: v for k, v in kwargs.items() if k in ("draw", "figsize")})
-        display(widget)
-        return widget
+        return step_widget(views, **{k: v for k, v in kwargs.items() if k in ("draw", "figsize")})
     return snapshot_grid(views, **{k: v for k, v in kwargs.items() if k in ("ncols", "draw", "panel_size")})
