@@ -1,0 +1,100 @@
+"""kvlab's optional dependencies (pyproject's extras) are optional: `import kvlab` and every notebook that does not
+get an extra on Colab import without that extra's modules, and the extras named in pyproject.toml are the ones
+scripts/sync_notebooks.py installs by module.
+
+A module is "hidden" by a meta-path finder that refuses it, in a fresh interpreter, as if it were not installed.
+"""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.py"))
+
+
+def load_sync_script():
+    spec = importlib.util.spec_from_file_location("sync_notebooks", REPO / "scripts" / "sync_notebooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+sync_notebooks = load_sync_script()
+HIDE = '''
+import importlib, importlib.abc, sys
+HIDDEN = set(sys.argv[1].split(","))
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in HIDDEN:
+            raise ModuleNotFoundError(f"No module named {name!r} (hidden: an extra that is not installed)")
+sys.meta_path.insert(0, Hide())
+for name in sys.argv[2:]:
+    importlib.import_module(name)
+'''
+
+
+def import_without(hidden: set[str], modules: list[str]) -> subprocess.CompletedProcess:
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-c", HIDE, ",".join(sorted(hidden)), *modules], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def requirement_modules(requirements: list[str]) -> set[str]:
+    """'dask[distributed]>=2024.1' -> {'dask', 'distributed'}: the distributions an extra brings, which here are
+    also the names of the modules they install."""
+    names = set()
+    for requirement in requirements:
+        match = re.match(r"([A-Za-z0-9_.-]+)(?:\[([^\]]*)\])?", requirement)
+        names.add(match.group(1).lower())
+        names.update(extra.strip().lower() for extra in (match.group(2) or "").split(",") if extra.strip())
+    return names
+
+
+def test_the_extras_in_pyproject_are_the_ones_the_setup_cell_installs_by_module() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    extras = project["optional-dependencies"]
+    for extra, modules in sync_notebooks.EXTRA_MODULES.items():
+        assert requirement_modules(extras[extra]) == set(modules), f"pyproject's [{extra}] and EXTRA_MODULES differ"
+    core = requirement_modules(project["dependencies"])
+    every_extra_module = {m for modules in sync_notebooks.EXTRA_MODULES.values() for m in modules}
+    assert not core & every_extra_module, f"{core & every_extra_module} are both core and in an extra"
+
+
+def test_the_core_imports_without_any_extra() -> None:
+    hidden = {m for modules in sync_notebooks.EXTRA_MODULES.values() for m in modules}
+    core = ["kvlab", "kvlab.blocks", "kvlab.kernels", "kvlab.studies", "kvlab.studies.cli", "kvlab.studies.overlap",
+            "kvlab.studies.fleet_cli", "kvlab.sizing", "kvlab.viz", "kvlab.engine", "kvlab.__main__"]
+    run = import_without(hidden, core)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_a_hidden_module_cannot_be_imported() -> None:
+    """The check above can fail: a module of a hidden extra really is refused."""
+    run = import_without({"safetensors"}, ["safetensors"])
+    assert run.returncode != 0 and "hidden: an extra that is not installed" in run.stderr
+
+
+def notebook_imports(py: Path) -> tuple[tuple[str, ...], list[str]]:
+    """(the extras its setup cell installs, the modules the rest of the notebook imports)."""
+    text = py.read_text(encoding="utf-8")
+    body = text.replace(sync_notebooks.setup_cell_of(text), "")
+    modules = sorted({a or b for a, b in sync_notebooks.IMPORT.findall(body)})
+    return sync_notebooks.extras_of(body), modules
+
+
+@pytest.mark.parametrize("extras", sorted({notebook_imports(py)[0] for py in NOTEBOOKS}), ids=repr)
+def test_each_notebook_imports_with_only_the_extras_its_setup_cell_installs(extras: tuple[str, ...]) -> None:
+    """One interpreter per set of extras: every notebook with that set imports all it imports, with the other
+    extras' modules hidden."""
+    group = [py for py in NOTEBOOKS if notebook_imports(py)[0] == extras]
+    hidden = {m for extra, modules in sync_notebooks.EXTRA_MODULES.items() if extra not in extras for m in modules}
+    modules = sorted({m for py in group for m in notebook_imports(py)[1]})
+    run = import_without(hidden, modules)
+    assert run.returncode == 0, f"{[py.stem for py in group]} without {sorted(hidden)}: {run.stderr[-2000:]}"
