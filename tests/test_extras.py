@@ -98,3 +98,13 @@ def test_each_notebook_imports_with_only_the_extras_its_setup_cell_installs(extr
     modules = sorted({m for py in group for m in notebook_imports(py)[1]})
     run = import_without(hidden, modules)
     assert run.returncode == 0, f"{[py.stem for py in group]} without {sorted(hidden)}: {run.stderr[-2000:]}"
+
+
+def test_make_and_conda_install_every_extra() -> None:
+    """`make study` / `make test` (scripts/setup.sh) and environment.yml install the whole of kvlab."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = set(tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+                 ["project"]["optional-dependencies"])
+    for path in (REPO / "scripts" / "setup.sh", REPO / "environment.yml"):
+        installed = re.findall(r"-e \"?\.\[([\w,]+)\]", path.read_text(encoding="utf-8"))
+        assert installed and set(installed[0].split(",")) == extras, f"{path.name} installs {installed}, not {extras}"
