@@ -32,17 +32,21 @@ HIDDEN = set(sys.argv[1].split(","))
 class Hide(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in HIDDEN:
-            raise ModuleNotFoundError(f"No module named {name!r} (hidden: an extra that is not installed)")
+            raise ModuleNotFoundError(f"No module named {name!r} (hidden: an extra that is not installed)", name=name)
 sys.meta_path.insert(0, Hide())
-for name in sys.argv[2:]:
-    importlib.import_module(name)
 '''
+IMPORT_ALL = "for name in sys.argv[2:]:\n    importlib.import_module(name)\n"
+
+
+def run_without(hidden: set[str], code: str, *args: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter where the modules ``hidden`` cannot be imported."""
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-c", HIDE + code, ",".join(sorted(hidden)), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
 
 
 def import_without(hidden: set[str], modules: list[str]) -> subprocess.CompletedProcess:
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-c", HIDE, ",".join(sorted(hidden)), *modules], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return run_without(hidden, IMPORT_ALL, *modules)
 
 
 def requirement_modules(requirements: list[str]) -> set[str]:
@@ -108,3 +112,27 @@ def test_make_and_conda_install_every_extra() -> None:
     for path in (REPO / "scripts" / "setup.sh", REPO / "environment.yml"):
         installed = re.findall(r"-e \"?\.\[([\w,]+)\]", path.read_text(encoding="utf-8"))
         assert installed and set(installed[0].split(",")) == extras, f"{path.name} installs {installed}, not {extras}"
+
+
+def test_a_feature_whose_extra_is_missing_says_which_extra_to_install() -> None:
+    code = """
+import importlib
+from kvlab.errors import MissingExtraError
+from kvlab.engine.config import load_model_config
+from kvlab.engine.weights import check_checkpoint
+from kvlab.sizing.hf_config import read_model_shape
+calls = [lambda: read_model_shape("no-such-dir"), lambda: load_model_config("no-such-dir"),
+         lambda: check_checkpoint([], None, {}), lambda: importlib.import_module("kvlab.studies.dask_client")]
+for call in calls:
+    try:
+        call()
+    except MissingExtraError as e:
+        print(e)
+"""
+    hidden = {m for modules in sync_notebooks.EXTRA_MODULES.values() for m in modules}
+    run = run_without(hidden, code)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert len(lines) == 4, run.stdout
+    for line, extra in zip(lines, ["engine", "engine", "engine", "dask"]):
+        assert f"from kvlab's '{extra}' extra: pip install 'kvlab[{extra}]'" in line, line

@@ -12,6 +12,7 @@ import torch
 
 from kvlab.engine.config import ModelConfig
 from kvlab.engine.errors import WeightsError
+from kvlab.extras import require
 from kvlab.engine.layers import MergedLinear
 from kvlab.engine.model import CausalLM
 
@@ -69,6 +70,7 @@ def check_checkpoint(files: list[Path], config: ModelConfig, expected: dict) -> 
     """Map each tensor the model needs to the file holding it, after checking names and shapes (metadata
     only, nothing is loaded). ``expected``: name -> shape."""
     # Imported here: safetensors is in the `engine` extra, and studies import the engine's scheduler without it.
+    require(("safetensors",), "engine", "reading a model's weights")
     from safetensors import SafetensorError, safe_open
 
     where, unexpected, misshapen = {}, [], []
