@@ -28,6 +28,25 @@ def mode() -> str:
     return "gpu" if ON_GPU else "interpreter"
 
 
+def default_attention_backend(device: torch.device = DEVICE) -> str:
+    """The attention backend ``kvlab.engine.LLM`` runs on ``device`` unless told otherwise: ``"triton"`` (the
+    compiled kernels) on CUDA; elsewhere ``"torch"``, since the Triton interpreter runs one program per tile in
+    Python (a decode step of a 135M model over 5 sequences of 230 tokens: ~20 s interpreted)."""
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def summary() -> str:
+    """One line saying what really runs here: the kernels' mode and the engine's default attention backend
+    (printed by every notebook's setup cell)."""
+    if ON_GPU:
+        kernels = f"Triton kernels compiled for {torch.cuda.get_device_name()}"
+    elif torch.cuda.is_available():
+        kernels = "Triton kernels in the interpreter on CPU (TRITON_INTERPRET=1 was set, so the GPU is not used)"
+    else:
+        kernels = "no GPU: Triton kernels in the interpreter on CPU (slow, so notebooks use small sizes)"
+    return f"kvlab {__version__}: {kernels}; the engine's attention backend: {default_attention_backend()}"
+
+
 def report() -> str:
     """A few lines saying which mode is active and with which versions (``python -m kvlab info``)."""
     import triton  # imported here so that `import kvlab.device` stays cheap
@@ -35,6 +54,7 @@ def report() -> str:
     lines = [
         f"kvlab {__version__}",
         f"mode: {mode()} ({'compiled Triton kernels on ' + torch.cuda.get_device_name() if ON_GPU else 'TRITON_INTERPRET=1, kernels run on CPU'})",
+        f"engine attention backend: {default_attention_backend()} (LLM(attention_backend=None))",
         f"python {platform.python_version()}, torch {torch.__version__}, triton {triton.__version__}",
     ]
     if ON_GPU:

@@ -34,6 +34,11 @@ class NeedsGPUError(KvlabError, RuntimeError):
     """A GPU-only feature (e.g. the kernel benchmark) was called on a machine without CUDA."""
 
 
+class MissingExtraError(KvlabError, ImportError):
+    """A feature needs an optional dependency that is not installed; the message names kvlab's extra holding it
+    (pyproject.toml's optional-dependencies) and the command that installs it."""
+
+
 class UnsupportedError(KvlabError, NotImplementedError):
     """The feature exists, but not on this device or backend (e.g. an fp8 KV cache in the Triton interpreter);
     the message says where it runs and what to use here."""

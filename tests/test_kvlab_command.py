@@ -1,6 +1,7 @@
 import pytest
 
 import kvlab
+import kvlab.device
 from kvlab.__main__ import main
 from kvlab.bench.__main__ import main as bench_main
 
@@ -10,6 +11,21 @@ def test_info_reports_the_kernel_mode_and_versions(capsys):
     out = capsys.readouterr().out
     assert f"kvlab {kvlab.__version__}" in out and "torch" in out and "triton" in out
     assert ("mode: gpu" in out) or ("mode: interpreter" in out)
+    assert f"engine attention backend: {kvlab.device.default_attention_backend()}" in out
+
+
+def test_the_default_attention_backend_is_the_one_the_engine_resolves():
+    import torch
+
+    from kvlab.engine.settings import resolve_attention_backend
+
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        assert resolve_attention_backend(None, device) == kvlab.device.default_attention_backend(device)
+    assert kvlab.device.default_attention_backend(torch.device("cpu")) == "torch"
+    assert kvlab.device.default_attention_backend(torch.device("cuda")) == "triton"
+    summary = kvlab.device.summary()
+    assert "\n" not in summary and f"attention backend: {kvlab.device.default_attention_backend()}" in summary
+    assert ("compiled for" in summary) == (kvlab.device.mode() == "gpu")
 
 
 def exit_status(command, argv) -> int:

@@ -15,6 +15,7 @@ import torch
 
 from kvlab.engine.errors import ModelFileError, UnsupportedModelError
 from kvlab.errors import InvalidArgumentError
+from kvlab.extras import require
 from kvlab.validation import is_int
 
 #: model_type in config.json -> whether attention normalises q and k per head (Qwen3's q_norm / k_norm).
@@ -166,7 +167,8 @@ def load_model_config(path) -> ModelConfig:
     defaults). Raises
     ModelFileError for a missing directory or a file that is unreadable or holds a value that is not allowed,
     UnsupportedModelError for a model the engine cannot run."""
-    from transformers import AutoConfig  # imported here: transformers is slow to import
+    require(("transformers",), "engine", "reading a Hugging Face model")
+    from transformers import AutoConfig  # imported here: transformers is slow to import, and an extra
 
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidArgumentError(f"model must be the path of a Hugging Face model directory (a str or "

@@ -43,11 +43,10 @@ def resolve_device(device) -> torch.device:
 
 
 def resolve_attention_backend(backend, device: torch.device) -> str:
-    """None: "triton" on CUDA; elsewhere "torch", since the Triton interpreter runs one program per tile in
-    Python (a decode step of a 135M model over 5 sequences of 230 tokens: ~20 s interpreted). "triton" on
-    CPU is allowed: it is how the kernels are stepped through and tested without a GPU."""
+    """None: the device's default (``kvlab.device.default_attention_backend``: "triton" on CUDA, else "torch").
+    "triton" on CPU is allowed: it is how the kernels are stepped through and tested without a GPU."""
     if backend is None:
-        return "triton" if device.type == "cuda" else "torch"
+        return kvlab.device.default_attention_backend(device)
     if not isinstance(backend, str) or backend not in ATTENTION_BACKENDS:
         raise InvalidArgumentError(f"attention_backend must be None (the default for the device) or one of "
                                    f"{', '.join(map(repr, ATTENTION_BACKENDS))}, got {backend!r}")

@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from kvlab.engine.config import ModelConfig
 from kvlab.engine.errors import WeightsError
+from kvlab.extras import require
 from kvlab.engine.layers import MergedLinear
 from kvlab.engine.model import CausalLM
 
@@ -69,6 +69,10 @@ def _describe(names, limit=5) -> str:
 def check_checkpoint(files: list[Path], config: ModelConfig, expected: dict) -> dict:
     """Map each tensor the model needs to the file holding it, after checking names and shapes (metadata
     only, nothing is loaded). ``expected``: name -> shape."""
+    # Imported here: safetensors is in the `engine` extra, and studies import the engine's scheduler without it.
+    require(("safetensors",), "engine", "reading a model's weights")
+    from safetensors import SafetensorError, safe_open
+
     where, unexpected, misshapen = {}, [], []
     for file in files:
         try:
@@ -129,6 +133,8 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) ->
     if config.tie_word_embeddings:
         del expected["lm_head.weight"]  # tied: the output matrix is the embedding, not read from the files
     where = check_checkpoint(weight_files(config.path), config, expected)
+    from safetensors import SafetensorError, safe_open  # the `engine` extra (see check_checkpoint)
+
     state = {}
     for file in sorted(set(where.values())):
         try:

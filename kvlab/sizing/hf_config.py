@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvlab.errors import InvalidArgumentError
+from kvlab.extras import require
 from kvlab.sizing.layout import KVLayout
 
 #: Assumed when a config states no dtype.
@@ -109,7 +110,8 @@ def parameter_count(t) -> Parameters:
 def read_model_shape(path) -> ModelShape:
     """Read ``path`` (a model directory or a ``config.json``). Raises InvalidArgumentError for a missing or
     unreadable file, a model_type transformers does not know, or layers sizing cannot describe."""
-    from transformers import CONFIG_MAPPING  # imported here: transformers is slow to import
+    require(("transformers",), "engine", "reading a Hugging Face config.json")
+    from transformers import CONFIG_MAPPING  # imported here: transformers is slow to import, and an extra
 
     file = _config_file(path)
     try:

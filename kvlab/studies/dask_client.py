@@ -12,10 +12,14 @@ classes. ``connect`` checks what can be checked without the network first, then 
 import asyncio
 import contextlib
 
-import dask
-from distributed import Client, Security
-from distributed.comm import registry
-from distributed.comm.addressing import get_address_host_port, parse_address
+from kvlab.extras import require
+
+require(("dask", "distributed"), "dask", "running a study on a Dask cluster (--dask-scheduler)")
+
+import dask  # noqa: E402 (after the check, so a missing extra is one clear error)
+from distributed import Client, Security  # noqa: E402
+from distributed.comm import registry  # noqa: E402
+from distributed.comm.addressing import get_address_host_port, parse_address  # noqa: E402
 
 from kvlab.errors import InvalidArgumentError
 from kvlab.studies.parallel_options import check_timeout
