@@ -496,8 +496,11 @@ def plot_bench(frame, provenance):
     colors = ["#4e79a7", "#f28e2b", "#e15759"]
     for ax, (column, unit) in zip(axes, (("wall_s", "seconds for all 8 answers (median)"),
                                          ("peak_kv_mib", "peak KV memory (MiB)"))):
-        bars = ax.barh(frame["system"], frame[column], color=colors[:len(frame)])
-        ax.bar_label(bars, fmt="%.3g", fontsize=8, padding=2)
+        ax.barh(frame["system"], frame[column], color=colors[:len(frame)])
+        ends = frame["max_s"] if column == "wall_s" else frame[column]  # each label clear of its whisker
+        for y, (end, value) in enumerate(zip(ends, frame[column])):
+            ax.text(end, y, f"  {value:.3g}", va="center", fontsize=8)
+        ax.margins(x=0.15)
         ax.set_xlabel(unit, fontsize=9)
         ax.invert_yaxis()
         ax.tick_params(labelsize=8)
@@ -507,12 +510,14 @@ def plot_bench(frame, provenance):
     row = frame.iloc[0]
     fig.suptitle(f"{row['model']} ({row['dtype']}, kvlab attention: {row['attention_backend']}), 8 chat prompts x "
                  f"{row['new_tokens']} tokens, {row['repeats']} runs each (bars: min-max)\nmeasured on {where}, "
-                 f"{torch_threads(machine)}{provenance.get('date', '?')[:10]}, load average {load}", fontsize=9)
+                 f"{torch_threads(machine)}{provenance.get('date', '?')[:10]}, load average (1, 5, 15 min) {load}",
+                 fontsize=9)
     plt.show()
 
 
 def torch_threads(machine):
-    return f"{machine['torch_threads']} torch threads, " if "torch_threads" in machine else ""
+    threads = machine.get("torch_threads")
+    return "" if threads is None else f"{threads} torch thread{'s' if threads != 1 else ''}, "
 
 
 paths = bench_csvs()
