@@ -541,6 +541,6 @@ if torch.cuda.is_available():
 # vLLM V0 and nano-vllm, and a prompt had to fit one step's token budget. The engine's default,
 # `scheduling="v1"`, chunks long prompts and mixes prefill chunks with decodes in one step, as vLLM V1 does:
 # notebook 10 compares the two. The engine also serves sliding-window layers (Qwen3's `layer_types`, each kind
-# of layer a KV cache group: notebook 11) and n-gram speculative decoding (notebook 13). What it leaves out, on
-# purpose or for now: CUDA graphs and `torch.compile`, tensor parallelism, stop strings (it stops on token
-# ids), logprobs and beam search.
+# of layer a KV cache group: notebook 11) and model-free speculative decoding, n-gram and suffix (notebook 13).
+# What it leaves out, on purpose or for now: CUDA graphs and `torch.compile`, tensor parallelism, stop strings
+# (it stops on token ids), logprobs and beam search.
