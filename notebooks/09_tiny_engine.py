@@ -357,8 +357,7 @@ SWAPPED_OUT = int(first_swap["blocks_swapped_out"])
 WHY_SWAPPED_OUT = (f"At step {first_swap['step']} {victim} held {victim_tokens} tokens "
                    f"({len(PROMPTS[victim])} of prompt, {victim_tokens - len(PROMPTS[victim])} generated): "
                    f"ceil({victim_tokens} / {BLOCK_SIZE}) = {-(-victim_tokens // BLOCK_SIZE)} blocks, all copied out; "
-                   f"the swap run copied {int(swap_run['blocks_swapped_in'].sum())} blocks back in over the run and "
-                   f"computed no prompt token twice.")
+                   f"the swap run copied {int(swap_run['blocks_swapped_in'].sum())} blocks back in over the run.")
 grade(MY_SWAPPED_OUT, SWAPPED_OUT, WHY_SWAPPED_OUT)
 
 # %% [markdown]
