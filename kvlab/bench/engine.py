@@ -15,6 +15,11 @@ nano-vllm's workload, scaled down on CPU, HF as the peer; see ``kvlab.bench.sche
 weights once, a GEMM of the step's FLOPs) measured beside it, and kvlab against HF's padded batch and HF one
 prompt at a time on that workload; see ``kvlab.bench.decode``.
 
+--suite chat: end to end on the decode suite's workload (8 SmolLM2 chat prompts sharing a system prompt, 32
+new tokens each): kvlab's one batch against HF's padded batch and HF one prompt at a time, with each one's peak
+KV memory; writes ``data/bench/engine/<device>.csv`` and ``<device>.json`` (machine, date, command, load
+average), which notebook 09 plots; see ``kvlab.bench.chat``.
+
 --suite speculative: n-gram speculative decoding (k = 2, 4, 8), with the acceptance rule, and suffix decoding
 against none on a copy-heavy and a plain chat workload, at batch 1 and 8, on SmolLM2-135M-Instruct (or
 --model); see ``kvlab.bench.speculative``.
@@ -32,13 +37,14 @@ On a GPU: ``--model DIR`` (a local Llama/Qwen3 directory, e.g. Qwen3-0.6B downlo
 or, without it, a random model of Qwen3-0.6B's shape in bf16; 256 requests, prompts 100-1024 tokens,
 outputs 100-1024. Without a GPU: a tiny random model (2 layers, hidden 64) and 16 short requests, served
 with the torch backend (the Triton interpreter would take minutes). Writes ``<out-dir>/<device>.csv``
-(default ``data/bench/engine/``; notebook 09 plots it).
+(default ``data/bench/throughput/``).
 """
 
 import argparse
 import platform
 import random
 import re
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -121,18 +127,18 @@ def main(argv=None) -> int:
     intro, details = __doc__.split("\n\n", 1)
     parser = argparse.ArgumentParser(prog="python -m kvlab.bench engine", description=intro, epilog=details,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=("serving", "throughput", "scheduling", "speculative", "decode"), help="default: throughput on a GPU, "
+    parser.add_argument("--suite", choices=("serving", "throughput", "scheduling", "speculative", "decode", "chat"), help="default: throughput on a GPU, "
                         "serving without one")
     parser.add_argument("--model", help="local HF model directory; default: a random model (see above)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", help="where to write <device>.csv (default: data/bench/<suite>/, "
-                        "data/bench/engine/ for throughput)")
-    parser.add_argument("--threads", type=int, help="torch CPU threads for the run (decode, speculative; default: "
+                        "data/bench/engine/ for chat)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads for the run (decode, speculative, chat; default: "
                         "torch's). On a shared CPU whose load exceeds its cores, 1 thread was 18x faster than 2")
     parser.add_argument("--requests", type=int, help="number of requests per workload (throughput, scheduling)")
     serving = parser.add_argument_group("serving and decode suites")
     serving.add_argument("--backends", default="torch,triton", help="comma-separated attention backends (serving)")
-    serving.add_argument("--repeats", type=int, default=3, help="runs per measurement (medians reported)")
+    serving.add_argument("--repeats", type=int, default=3, help="runs per measurement (medians reported; also chat)")
     serving.add_argument("--decode-steps", type=int, help="decode steps timed (default: 5 per backend for serving, "
                          "24 rounds beside the floor for decode)")
     serving.add_argument("--interpreter-end-to-end", action="store_true",
@@ -160,6 +166,8 @@ def main(argv=None) -> int:
         return _speculative(args)
     if suite == "decode":
         return _decode(args)
+    if suite == "chat":
+        return _chat(args, argv)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model:
             model_dir, model_name = Path(args.model), Path(args.model).name
@@ -179,7 +187,7 @@ def main(argv=None) -> int:
         if suite == "scheduling":
             return _scheduling(model_dir, dict(base, model=model_name), args)
         frame = run_throughput(model_dir, dict(base, model=model_name), args)
-    out = Path(args.out_dir or "data/bench/engine") / f"{device_name()}.csv"
+    out = Path(args.out_dir or "data/bench/throughput") / f"{device_name()}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
     frame.round(4).to_csv(out, index=False)
     shown = ["workload", "system", "prefix_caching", "generated_tok_s", "total_tok_s", "vs_hf", "peak_kv_mib",
@@ -226,6 +234,19 @@ def _decode(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     frame.round(4).to_csv(out, index=False)
     show(frame, out)
+    return 0
+
+
+def _chat(args, argv) -> int:
+    from kvlab.bench.chat import time_chat
+    from kvlab.models import smollm2
+
+    model_dir = Path(args.model) if args.model else smollm2()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out_dir or "data/bench/engine") / f"{device_name()}.csv"
+    time_chat(model_dir, dict(device=device_name(), model=model_dir.name), repeats=args.repeats, out=out,
+              argv=sys.argv[1:] if argv is None else list(argv))
     return 0
 
 

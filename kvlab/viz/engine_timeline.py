@@ -16,6 +16,8 @@ STEP_COLUMNS = ("step", "kind", "start_s", "wall_s", "num_seqs", "num_tokens", "
                 "blocks_free", "blocks_cached", "preempted", "blocks_swapped_out", "blocks_swapped_in",
                 "cow_copies", "waiting", "running", "swapped")
 KIND_COLORS = {"prefill": "#4e79a7", "decode": "#59a14f", "mixed": "#76b7b2", "idle": "#bab0ac"}
+KIND_LABELS = {"prefill": "prefill: computed", "decode": "decode: one per sequence",
+               "mixed": "mixed: prompt chunks\nand decodes (V1)", "idle": "idle: only aborts"}
 HIT_COLOR = "#edc948"
 
 
@@ -53,10 +55,10 @@ def draw_engine_timeline(source, axes=None, *, x: str = "time", title=None):
     tokens.bar(left, frame["cached_tokens"], width, bottom=frame["num_tokens"], align="edge", color=HIT_COLOR,
                hatch="//", edgecolor="white", linewidth=0, gid="tokens-cached")
     tokens.set_ylabel("tokens", fontsize=8)
-    tokens.legend(handles=[Patch(color=KIND_COLORS["prefill"], label="prefill: computed"),
-                           Patch(color=KIND_COLORS["decode"], label="decode: one per sequence"),
-                           Patch(color=KIND_COLORS["mixed"], label="mixed: prompt chunks\nand decodes (V1)"),
-                           Patch(facecolor=HIT_COLOR, hatch="//", label="prefix hit: read,\nnot computed")], **legend)
+    ran = set(frame["kind"])  # the legend names only what this run did: no "mixed" in a V0 run
+    kinds = [Patch(color=KIND_COLORS[kind], label=label) for kind, label in KIND_LABELS.items() if kind in ran]
+    hits = [Patch(facecolor=HIT_COLOR, hatch="//", label="prefix hit: read,\nnot computed")]
+    tokens.legend(handles=kinds + (hits if frame["cached_tokens"].any() else []), **legend)
 
     pool.bar(left, frame["blocks_used"], width, align="edge", color="#4e79a7", edgecolor="white", linewidth=0.5,
              label="in use", gid="pool-used")
@@ -71,11 +73,12 @@ def draw_engine_timeline(source, axes=None, *, x: str = "time", title=None):
               ("blocks_swapped_in", "blocks swapped in", "#59a89c"), ("cow_copies", "copy-on-write copies", "#b07aa1"))
     for i, (column, name, color) in enumerate(series):
         work.bar(left + width * i / len(series), frame[column], width / len(series), align="edge", color=color,
-                 label=name, gid=f"work-{column}")
+                 label=name if frame[column].any() else "_nolegend_", gid=f"work-{column}")
     work.set_ylim(0, max(1, int(frame[[c for c, _, _ in series]].to_numpy().max())) * 1.15)
     work.yaxis.get_major_locator().set_params(integer=True)
     work.set_ylabel("count", fontsize=8)
-    work.legend(**legend)
+    if frame[[c for c, _, _ in series]].to_numpy().any():  # named only where it happened
+        work.legend(**legend)
 
     for column, color in (("waiting", "#bab0ac"), ("running", "#59a14f"), ("swapped", "#f28e2b")):
         queues.hlines(frame[column], left, left + width, color=color, linewidth=2, label=column)

@@ -129,7 +129,7 @@ def _pool_columns(view: PoolView, max_pool_boxes: int) -> tuple[dict, bool]:
 
 
 def draw_block_tables(pool, seqs=(), ax=None, *, names=None, max_pool_boxes: int = 24, max_cells: int = 40,
-                      arrows=None, title=None):
+                      arrows=None, title=None, pool_label: str = "GPU pool", swap_label: str = "CPU pool"):
     """Draw each sequence's block table above the pool, with arrows from logical to physical blocks.
 
     ``pool`` is a BlockManager (then ``seqs`` says whose tables to draw, and ``names`` what to call them: a
@@ -137,7 +137,11 @@ def draw_block_tables(pool, seqs=(), ax=None, *, names=None, max_pool_boxes: int
     than ``max_pool_boxes`` blocks shows only the blocks the tables use. Swapped-out sequences are drawn
     on top, under the CPU blocks they point at. ``arrows`` defaults to on while there
     are at most 48 table entries. Tables longer than ``max_cells`` are drawn compactly instead (one
-    coloured cell per logical block, no pool row). Returns the Axes."""
+    coloured cell per logical block, no pool row). ``pool_label`` and ``swap_label`` name the two pools where
+    they live somewhere else (an engine on a CPU keeps its KV pool in host memory). Returns the Axes."""
+    for name, label in (("pool_label", pool_label), ("swap_label", swap_label)):
+        if not isinstance(label, str):
+            raise InvalidArgumentError(f"{name} must be a str, got {label!r}")
     _check_positive("max_pool_boxes", max_pool_boxes)
     _check_positive("max_cells", max_cells)
     view = as_view(pool, seqs, names)
@@ -166,14 +170,14 @@ def draw_block_tables(pool, seqs=(), ax=None, *, names=None, max_pool_boxes: int
              linewidth=2.0 if state == SHARED else 0.8)
         ax.text(x + 0.5, 0.5, "∅" if state == NULL else str(b), ha="center", va="center", fontsize=8,
                 color=_text_color(state))
-    ax.text(-0.3, 0.5, "GPU pool" + (f"\n({len(columns)} of {view.num_blocks})" if compressed else ""),
+    ax.text(-0.3, 0.5, pool_label + (f"\n({len(columns)} of {view.num_blocks})" if compressed else ""),
             ha="right", va="center", fontsize=8)
     for c, x in cpu_x.items():  # CPU blocks of swapped sequences
         _box(ax, x, cpu_y, CPU_COLOR, f"cpu-{c}", edge="black" if view.cpu_refs[c] > 1 else "#555555",
              linewidth=2.0 if view.cpu_refs[c] > 1 else 0.8)
         ax.text(x + 0.5, cpu_y + 0.5, f"c{c}", ha="center", va="center", fontsize=8, color="white")
     if cpu_blocks:
-        ax.text(-0.3, cpu_y + 0.5, f"CPU pool\n({view.num_free_cpu_blocks} free)", ha="right", va="center",
+        ax.text(-0.3, cpu_y + 0.5, f"{swap_label}\n({view.num_free_cpu_blocks} free)", ha="right", va="center",
                 fontsize=8)
 
     for table in tables:

@@ -45,3 +45,24 @@ def test_scheduling_suite_writes_v0_v1_and_hf_rows(tmp_path, capsys):
     # V0 never mixes; V1 prefills the queued requests inside decode steps
     assert list(engine["mixed_steps"]) == [0, engine["mixed_steps"].iloc[1]] and engine["mixed_steps"].iloc[1] > 0
     assert (frame["generated_tok_s"] > 0).all()
+
+
+def test_chat_suite_writes_its_numbers_with_the_machine_date_command_and_load(tmp_path, monkeypatch, capsys):
+    import json
+
+    import kvlab.bench.chat as chat
+
+    measured = pd.DataFrame([dict(device="here", model="m", dtype="float32", attention_backend="torch", system=s,
+                                  repeats=1, wall_s=w, min_s=w, max_s=w, generated_tok_s=256 / w, x_kvlab_time=w / 4,
+                                  peak_kv_mib=1.0, cached_prompt_tokens=0)
+                             for s, w in ((chat.KVLAB, 4.0), (chat.HF_PADDED, 5.0), (chat.HF_SEQUENTIAL, 17.0))])
+    monkeypatch.setattr(chat, "run_chat", lambda model_dir, base, repeats: measured)  # SmolLM2 takes minutes
+    argv = ["--suite", "chat", "--model", str(tmp_path), "--repeats", "1", "--out-dir", str(tmp_path / "out")]
+    assert bench_main(["engine", *argv]) == 0
+    csv, = (tmp_path / "out").glob("*.csv")
+    assert list(pd.read_csv(csv)["system"]) == [chat.KVLAB, chat.HF_PADDED, chat.HF_SEQUENTIAL]
+    record = json.loads(csv.with_suffix(".json").read_text())
+    assert record["command"] == "python -m kvlab.bench engine " + " ".join(argv)
+    assert record["date"].startswith("20") and record["machine"]["cpu_cores"] >= 1
+    assert set(record) >= {"load_average_before", "load_average_after"}
+    assert "load average" in capsys.readouterr().out

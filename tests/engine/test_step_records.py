@@ -32,6 +32,10 @@ def test_records_and_timeline(llama):
     axes = draw_engine_timeline(llm)
     assert len(axes) == 4 and axes[0].figure is axes[3].figure
     assert len([p for p in axes[0].patches if p.get_gid() == "tokens-cached"]) == 3
+    # the legends name only what ran: no mixed steps, no preemption, swap or copy-on-write in this run
+    assert [t.get_text() for t in axes[0].get_legend().get_texts()] == [
+        "prefill: computed", "decode: one per sequence", "prefix hit: read,\nnot computed"]
+    assert axes[2].get_legend() is None
     draw_engine_timeline(frame, x="step")
     with pytest.raises(InvalidArgumentError, match="x must be"):
         draw_engine_timeline(frame, x="tokens")

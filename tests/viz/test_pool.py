@@ -163,6 +163,13 @@ def test_swapped_sequences_point_into_the_cpu_pool():
     assert [texts[f"table-label-{parent.seq_id}-{i}"] for i in range(3)] == [f"c{c}" for c in parent.block_table]
     assert [texts[f"table-label-{child.seq_id}-{i}"] for i in range(3)] == [str(b) for b in child.block_table]
     assert any(t.get_text() == f"CPU pool\n({m.num_free_cpu_blocks} free)" for t in ax.texts)
+    # an engine on a CPU names its pools for where they are
+    ax = draw_block_tables(m, [parent, child], pool_label="KV pool (CPU)", swap_label="swap pool (host)")
+    labels = {t.get_text() for t in ax.texts}
+    assert "KV pool (CPU)" in labels and f"swap pool (host)\n({m.num_free_cpu_blocks} free)" in labels
+    assert not any(label.startswith(("GPU pool", "CPU pool")) for label in labels)
+    with pytest.raises(InvalidArgumentError, match="pool_label must be a str"):
+        draw_block_tables(m, [parent, child], pool_label=None)
     draw_pool(m)  # the GPU side alone draws too
 
 

@@ -1,7 +1,7 @@
 """Stage engine: nano-vllm's benchmark workload (random prompts and output lengths, EOS ignored) through
 kvlab.engine and, in the same process on the same requests, Hugging Face's continuous batching (paged
 attention, ``init_continuous_batching``) and static ``generate``, into ``engine-<device slug>.csv`` with
-the columns of ``python -m kvlab.bench engine`` (notebook 09 reads both) plus TTFT and inter-token latency.
+the columns of ``python -m kvlab.bench engine --suite throughput`` plus TTFT and inter-token latency.
 
 kvlab.engine runs twice, with V1 scheduling (one token budget per step, chunked prefill, mixed steps) and with
 V0's (a step is all prefill or all decode). What it does not run, and says so in the summary: CUDA-graph

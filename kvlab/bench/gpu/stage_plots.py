@@ -57,7 +57,7 @@ def plot_prefill(frame):
 
 
 def plot_engine(frame):
-    """As notebook 09: throughput, then latencies, one bar per system."""
+    """Throughput, then latencies, one bar per system."""
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, (column, label) in zip(axes, [("generated_tok_s", "generated tokens/s"),
                                           ("ttft_ms_median", "median TTFT (ms)"),
