@@ -222,7 +222,7 @@ viz.check(not any(manager.is_cached(b) for b in tails.values()),
 #
 # Before allocating, a scheduler asks `can_allocate`. A request that fits the free blocks is `OK`; one
 # that fits the pool but not the free blocks must wait for others to finish (`LATER`); one bigger than the
-# whole pool can never run (`NEVER`). (Notebook 10 adds the *watermark*, a reserve of free blocks kept for
+# whole pool can never run (`NEVER`). (Notebook 10a adds the *watermark*, a reserve of free blocks kept for
 # running sequences to grow into.)
 
 # %%

@@ -90,6 +90,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import kvlab
 from kvlab import viz
+from kvlab.course import answer
 from kvlab.device import DEVICE, mode
 from kvlab.engine import LLM, SamplingParams
 from kvlab.engine.chat import render
@@ -309,7 +310,7 @@ assert all(r.blocks_swapped_in or r.num_tokens + r.cached_tokens == sum(n for _,
 # `swap_blocks` instead and copied back when there is room (vLLM V0 swapped groups of several sequences, such
 # as parallel samples, and recomputed single ones; kvlab applies the mode you choose to every sequence). On
 # a GPU that is a copy over PCIe; on this CPU run both pools are host memory. The timeline below shows both
-# kinds of work; notebook 10 compares the two modes on a whole workload.
+# kinds of work; notebook 10a compares the two modes on a whole workload.
 #
 # ### Exercise 3.1: what swap copies
 #
@@ -339,15 +340,6 @@ def replay(spare_blocks=SPARE_BLOCKS, preemption_mode=PREEMPTION_MODE):
     return other.step_dataframe()
 
 
-def grade(yours, truth, why):
-    """An exercise's check. None means not answered yet (the notebook as committed, so that CI runs it as is)."""
-    if yours is None:
-        print("Not answered yet: replace None with your prediction and run the cells again (the answer is below).")
-    elif yours == truth and type(yours) is type(truth):
-        print(f"Right: {truth}. {why}")
-    else:
-        print(f"Not quite: you said {yours!r}. Try again, or read the answer below.")
-
 
 swap_run = replay(preemption_mode="swap")
 first_swap = swap_run[swap_run["blocks_swapped_out"] > 0].iloc[0]
@@ -358,7 +350,7 @@ WHY_SWAPPED_OUT = (f"At step {first_swap['step']} {victim} held {victim_tokens} 
                    f"({len(PROMPTS[victim])} of prompt, {victim_tokens - len(PROMPTS[victim])} generated): "
                    f"ceil({victim_tokens} / {BLOCK_SIZE}) = {-(-victim_tokens // BLOCK_SIZE)} blocks, all copied out; "
                    f"the swap run copied {int(swap_run['blocks_swapped_in'].sum())} blocks back in over the run.")
-grade(MY_SWAPPED_OUT, SWAPPED_OUT, WHY_SWAPPED_OUT)
+answer(MY_SWAPPED_OUT, SWAPPED_OUT, WHY_SWAPPED_OUT)
 
 # %% [markdown]
 # #### Answer to 3.1 (read after you have tried)
@@ -386,7 +378,7 @@ WHY_PREEMPTIONS = (f"The pool has {pool_size(16)} blocks; A-D at their longest n
                    f"({longest}) less {2 * (shared // BLOCK_SIZE)} shared ones = "
                    f"{sum(longest.values()) - 2 * (shared // BLOCK_SIZE)}, and the run used at most "
                    f"{int(big_run['blocks_used'].max())} at once.")
-grade(MY_PREEMPTIONS, PREEMPTIONS, WHY_PREEMPTIONS)
+answer(MY_PREEMPTIONS, PREEMPTIONS, WHY_PREEMPTIONS)
 
 # %% [markdown]
 # #### Answer to 3.2 (read after you have tried)
@@ -539,7 +531,7 @@ if torch.cuda.is_available():
 # This notebook pinned `scheduling="v0"`: each step was either a prefill or a decode, never both, as in
 # vLLM V0 and nano-vllm, and a prompt had to fit one step's token budget. The engine's default,
 # `scheduling="v1"`, chunks long prompts and mixes prefill chunks with decodes in one step, as vLLM V1 does:
-# notebook 10 compares the two. The engine also serves sliding-window layers (Qwen3's `layer_types`, each kind
+# notebook 10b compares the two. The engine also serves sliding-window layers (Qwen3's `layer_types`, each kind
 # of layer a KV cache group: notebook 11) and model-free speculative decoding, n-gram and suffix (notebook 13).
 # What it leaves out, on purpose or for now: CUDA graphs and `torch.compile`, tensor parallelism, stop strings
 # (it stops on token ids), logprobs and beam search.

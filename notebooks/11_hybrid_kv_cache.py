@@ -57,6 +57,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from kvlab import Sequence, viz
+from kvlab.course import answer
 from kvlab.blocks.hybrid_manager import HybridBlockManager
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
 from kvlab.blocks.kv_events import BlockStored, CachedHashes
@@ -96,15 +97,6 @@ def draw_groups(manager, seq, ax, title, width, window_end=None, hits=0):
     ax.set_axis_off()
     ax.set_title(title, fontsize=9)
 
-
-def answer(yours, truth, why):
-    """Grade an exercise: None (not answered yet), right, or what the run gives instead; ``why`` explains it."""
-    if yours is None:
-        print("Not answered yet: replace None with your prediction, then run this cell again.")
-    elif yours == truth:
-        print(f"Right: {truth!r}. {why}")
-    else:
-        print(f"Not quite: you said {yours!r}, the run gives {truth!r}. {why}")
 
 
 # %% [markdown]

@@ -68,6 +68,7 @@ import numpy as np
 import pandas as pd
 
 from kvlab import BlockManager, Sequence, viz
+from kvlab.course import answer
 from kvlab.blocks.kv_events import CachedHashes
 from kvlab.studies.fleet_cli import ROUTER_COLORS, plot_fleet
 from kvlab.studies.fleet_study import fleet_study
@@ -352,15 +353,6 @@ print(f"Reading: every router's hit rate falls with memory, the affinity routers
 PREDICTED_MOST_CHANGED = None   # "hit rate", "imbalance" or "p99"
 PREDICTED_AFFINITY_IMBALANCE = None   # "above 2" or "below 2"
 
-
-def answer(yours, truth, why):
-    """Grade an exercise: None (not answered yet), right, or what the run gives instead; ``why`` explains it."""
-    if yours is None:
-        print("Not answered yet: replace None with your prediction, then run this cell again.")
-    elif str(yours).strip().lower() == truth:
-        print(f"Right: {truth!r}. {why}")
-    else:
-        print(f"Not quite: you said {yours!r}, the run gives {truth!r}. {why}")
 
 
 eager = replay([REPLICAS], [CAPACITY], ["cache_aware"], RouterSettings(balance_abs_threshold=4)).iloc[0]
