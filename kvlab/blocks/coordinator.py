@@ -3,9 +3,8 @@
 ``BlockManager`` (kvlab.blocks.manager) and ``HybridBlockManager`` (kvlab.blocks.hybrid_manager) both are a
 ``Coordinator``: ``allocate``, ``append_slots``, ``accept_drafts``, ``free``, ``fork``, ``reset_prefix_cache``
 and ``check_invariants`` (and, in kvlab.blocks.manager_swap, ``swap_out`` / ``swap_in``) are implemented here
-and nowhere else. A
-``BlockManager`` is the one-group case: its one group is itself (``GroupManager(self)``) and its sequences are
-their own group's view. A hybrid manager has one group per KV cache group, each seeing a sequence through a
+and nowhere else. A ``BlockManager`` is the one-group case: its one group is itself (``GroupManager(self)``)
+and its sequences are their own group's view. A hybrid manager has one group per KV cache group, each seeing a sequence through a
 *shadow* (kvlab.blocks.sequence.group_shadow) that carries the group's record and counters.
 
 Every call runs in two phases, so a failed call changes nothing in any group: it plans every group (checks,
