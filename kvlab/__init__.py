@@ -8,8 +8,8 @@ from kvlab.errors import (EvictionPolicyError, InvalidArgumentError, InvariantVi
 
 __all__ = [
     "AllocStatus", "BlockManager", "Event", "EvictionPolicy", "POLICIES", "PrefixCacheStats", "Sequence",
-    "SequenceStatus", "EvictionPolicyError", "InvalidArgumentError", "InvariantViolation", "KvlabError", "NeedsGPUError",
-    "OutOfBlocksError", "SequenceStateError", "TraceFormatError", "report",
+    "SequenceStatus", "EvictionPolicyError", "InvalidArgumentError", "InvariantViolation", "KvlabError",
+    "NeedsGPUError", "OutOfBlocksError", "SequenceStateError", "TraceFormatError", "report",
 ]
 
 

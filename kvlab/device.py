@@ -51,9 +51,11 @@ def report() -> str:
     """A few lines saying which mode is active and with which versions (``python -m kvlab info``)."""
     import triton  # imported here so that `import kvlab.device` stays cheap
 
+    how_kernels_run = ("compiled Triton kernels on " + torch.cuda.get_device_name() if ON_GPU
+                       else "TRITON_INTERPRET=1, kernels run on CPU")
     lines = [
         f"kvlab {__version__}",
-        f"mode: {mode()} ({'compiled Triton kernels on ' + torch.cuda.get_device_name() if ON_GPU else 'TRITON_INTERPRET=1, kernels run on CPU'})",
+        f"mode: {mode()} ({how_kernels_run})",
         f"engine attention backend: {default_attention_backend()} (LLM(attention_backend=None))",
         f"python {platform.python_version()}, torch {torch.__version__}, triton {triton.__version__}",
     ]

@@ -74,7 +74,8 @@ def test_the_renderer_keeps_figures_at_its_dpi_and_drops_widgets(tmp_path: Path,
         monkeypatch.setenv(var, value)
     nb = nbformat.v4.new_notebook(metadata={"jupytext": {"formats": "ipynb,py:percent"}}, cells=[
         nbformat.v4.new_code_cell("%matplotlib inline\nimport matplotlib.pyplot as plt\nfrom tqdm.auto import tqdm"),
-        nbformat.v4.new_code_cell("for _ in tqdm(range(3)):\n    pass\nplt.figure(figsize=(2, 1))\nplt.plot([0, 1])\nplt.show()")])
+        nbformat.v4.new_code_cell("for _ in tqdm(range(3)):\n    pass\n"
+                                  "plt.figure(figsize=(2, 1))\nplt.plot([0, 1])\nplt.show()")])
     ipynb = tmp_path / "tiny.ipynb"
     nbformat.write(nb, ipynb)
     out = render_notebooks.render(ipynb)

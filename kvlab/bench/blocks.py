@@ -116,5 +116,6 @@ def main(argv=None) -> int:
             run = min((replay_kvlab(token_lists, pool, args.block_size, **tier) for _ in range(args.repeat)),
                       key=lambda r: r["us_per_block"])
             print(f"{'':>12} {'+ tier ' + tier['offload_policy'] + '/' + tier['offload_admission']:>22} "
-                  f"{run['us_per_block']:>8.3f} us/block: {run['us_per_block'] / ours['us_per_block']:.2f}x the single tier")
+                  f"{run['us_per_block']:>8.3f} us/block: "
+                  f"{run['us_per_block'] / ours['us_per_block']:.2f}x the single tier")
     return 0

@@ -111,7 +111,8 @@ def write(frame: pd.DataFrame, out: Path, provenance: dict) -> None:
 
 def provenance(argv: list[str], started: datetime, load_before, load_after) -> dict:
     """``argv``: the engine command's arguments, as ``kvlab.bench.engine.main`` got them."""
-    return dict(command=shlex.join(["python", "-m", "kvlab.bench", "engine", *argv]), date=started.isoformat(timespec="seconds"),
+    return dict(command=shlex.join(["python", "-m", "kvlab.bench", "engine", *argv]),
+                date=started.isoformat(timespec="seconds"),
                 machine=machine(), load_average_before=load_before, load_average_after=load_after)
 
 

@@ -170,9 +170,9 @@ def show(frame: pd.DataFrame, out) -> None:
     print(f"\n{step['model']} ({step['dtype']}, {step['threads']} torch threads) on {step['device']}; "
           f"{len(e2e) and e2e['measurement'].iloc[0]}, prompts of ~{step['prompt_tokens']} tokens; medians")
     print(f"decode step of 8 sequences: {step['step_s_ms']:.1f} ms over {step['repeats']} rounds; floor "
-          f"{step['floor_s_ms']:.1f} ms = max(stream {step['weight_mb']:.0f} MB of weights {step['stream_s_ms']:.1f} ms, "
-          f"{step['step_gflop']:.2f} GFLOP of square GEMM {step['gemm_s_ms']:.1f} ms); step = {step['x_floor']:.2f}x "
-          "the floor measured beside it")
+          f"{step['floor_s_ms']:.1f} ms = max(stream {step['weight_mb']:.0f} MB of weights "
+          f"{step['stream_s_ms']:.1f} ms, {step['step_gflop']:.2f} GFLOP of square GEMM {step['gemm_s_ms']:.1f} ms); "
+          f"step = {step['x_floor']:.2f}x the floor measured beside it")
     print(e2e[["system", "repeats", "wall_s", "min_s", "kvlab_speedup"]].to_string(
         index=False, float_format=lambda v: f"{v:.3g}"))
     print(f"wrote {out}")

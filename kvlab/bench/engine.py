@@ -127,14 +127,15 @@ def main(argv=None) -> int:
     intro, details = __doc__.split("\n\n", 1)
     parser = argparse.ArgumentParser(prog="python -m kvlab.bench engine", description=intro, epilog=details,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=("serving", "throughput", "scheduling", "speculative", "decode", "chat"), help="default: throughput on a GPU, "
-                        "serving without one")
+    parser.add_argument("--suite", choices=("serving", "throughput", "scheduling", "speculative", "decode", "chat"),
+                        help="default: throughput on a GPU, serving without one")
     parser.add_argument("--model", help="local HF model directory; default: a random model (see above)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", help="where to write <device>.csv (default: data/bench/<suite>/, "
                         "data/bench/engine/ for chat)")
-    parser.add_argument("--threads", type=int, help="torch CPU threads for the run (decode, speculative, chat; default: "
-                        "torch's). On a shared CPU whose load exceeds its cores, 1 thread was 18x faster than 2")
+    parser.add_argument("--threads", type=int, help="torch CPU threads for the run (decode, speculative, chat; "
+                        "default: torch's). On a shared CPU whose load exceeds its cores, 1 thread was 18x "
+                        "faster than 2")
     parser.add_argument("--requests", type=int, help="number of requests per workload (throughput, scheduling)")
     serving = parser.add_argument_group("serving and decode suites")
     serving.add_argument("--backends", default="torch,triton", help="comma-separated attention backends (serving)")

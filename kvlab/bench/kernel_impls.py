@@ -81,8 +81,8 @@ def paged_block_mask(block_tables, seq_lens, q_len, block_size, num_blocks):
         return (owner[page] == b) & (position <= query_start[b] + q_idx)
 
     as_mask = (lambda t: t[:, None].to(torch.int32).contiguous())
-    return BlockMask.from_kv_blocks(as_mask(num_seen - num_full), as_mask(partial), as_mask(num_full), as_mask(expanded),
-                                    BLOCK_SIZE=(FLEX_Q_BLOCK, block_size), mask_mod=mask_mod,
+    return BlockMask.from_kv_blocks(as_mask(num_seen - num_full), as_mask(partial), as_mask(num_full),
+                                    as_mask(expanded), BLOCK_SIZE=(FLEX_Q_BLOCK, block_size), mask_mod=mask_mod,
                                     seq_lengths=(q_len, num_blocks * block_size))
 
 

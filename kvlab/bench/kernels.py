@@ -14,8 +14,9 @@ what the smaller cache buys in time (the same bandwidth would halve the time). `
 sequences for attention, of tokens written for reshape_and_cache, of (src, dst) pairs for copy_blocks
 (always ``COPY_LAYERS`` layers) and of blocks moved for swap_out / swap_in (one layer, device <-> host);
 ``context`` is each sequence's length (0 for the cache kernels). Prefill cases append ``query_len`` new
-tokens (``PREFILL_QUERY_LEN`` in the grid) to a cached prefix, so context = prefix + new tokens. Swaps cross the host link, so their
-fraction is of the measured pinned host <-> device copy in the same direction, not of the device copy.
+tokens (``PREFILL_QUERY_LEN`` in the grid) to a cached prefix, so context = prefix + new tokens. Swaps cross
+the host link, so their fraction is of the measured pinned host <-> device copy in the same direction, not of
+the device copy.
 Cases: kernel_cases.py; implementations: kernel_impls.py.
 """
 
@@ -264,7 +265,8 @@ def run(cases, out_dir, *, dry_run=False, deadline=None, failures=None):
             if not dry_run and not fits(case, torch.cuda.mem_get_info()[0]):
                 print(f"skip (does not fit in GPU memory): {case}")
                 continue
-            impls = attention_impls(case, device) if case.kernel in ("decode", "prefill") else cache_op_impls(case, device)
+            impls = (attention_impls(case, device) if case.kernel in ("decode", "prefill")
+                     else cache_op_impls(case, device))
             for impl, fn in impls.items():
                 try:
                     median_us = timer.median_us(fn)

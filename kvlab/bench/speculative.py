@@ -102,7 +102,8 @@ def _summary(config, outs, wall: float) -> dict:
                     dtype=float) * 1e3
     return dict(config=_label(config), method=config["method"] if config else "none",
                 k=config["num_speculative_tokens"] if config else 0,
-                draft_acceptance_floor=(config or {}).get("draft_acceptance_floor", float("nan")), requests=len(outs), generated_tokens=generated, wall_s=wall, tok_s=generated / wall,
+                draft_acceptance_floor=(config or {}).get("draft_acceptance_floor", float("nan")),
+                requests=len(outs), generated_tokens=generated, wall_s=wall, tok_s=generated / wall,
                 itl_ms_p50=itl.median(), itl_ms_p99=itl.quantile(0.99), drafts=drafts, accepted=accepted,
                 acceptance_rate=accepted / drafts if drafts else float("nan"),
                 mean_accepted_length=1 + accepted / verifications if verifications else float("nan"),

@@ -1,4 +1,5 @@
-"""Residency metrics of cached blocks, sampled, as vLLM V1's ``KVCacheMetricsCollector`` (``vllm/v1/core/kv_cache_metrics.py``).
+"""Residency metrics of cached blocks, sampled, as vLLM V1's ``KVCacheMetricsCollector``
+(``vllm/v1/core/kv_cache_metrics.py``).
 
 ``BlockManager(..., kv_cache_metrics=KVCacheMetricsCollector(sample_rate=0.01))`` (vLLM: ``--kv-cache-metrics``
 with ``--kv-cache-metrics-sample 0.01``). The collector is one more consumer of the manager's event sink

@@ -18,8 +18,9 @@ same cache, block tables and slot mappings:
 A quantized cache (``LLM(kv_cache_dtype=...)``): each layer's ``kv_quantizer`` (its format and scales,
 ``kvlab.kernels.kv_quant``) encodes K/V on write and decodes them on read, with the same plans
 (``kvlab.kernels.torch_paged_quant``); None ("auto") runs exactly the unquantized code. With "triton" (fp8
-formats, on GPUs with fp8: ``settings.resolve_quantized_backend``) the kernels take the quantizer's scales. ``kv_observer``, set
-only during a calibration pass (``kvlab.engine.kv_calibration``), sees every K/V the layer writes.
+formats, on GPUs with fp8: ``settings.resolve_quantized_backend``) the kernels take the quantizer's scales.
+``kv_observer``, set only during a calibration pass (``kvlab.engine.kv_calibration``), sees every K/V the
+layer writes.
 """
 
 from dataclasses import dataclass

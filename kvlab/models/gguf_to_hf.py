@@ -34,7 +34,7 @@ def convert(gguf_file: Path, out: Path) -> None:
     packed = [name for name, t in model.state_dict().items() if not t.is_floating_point()]
     if packed:  # a transformers that keeps GGUF blocks (e.g. with the `kernels` package) instead of unpacking
         raise ModelFetchError(f"transformers {transformers.__version__} kept {gguf_file.name}'s weights packed "
-                              f"({packed[0]}, ...); kvlab needs plain weights (transformers unpacks them when the `kernels` "
-                              "package is absent)")
+                              f"({packed[0]}, ...); kvlab needs plain weights (transformers unpacks them when the "
+                              "`kernels` package is absent)")
     model.float().save_pretrained(out)  # safetensors, and generation_config.json
     tokenizer.save_pretrained(out)

@@ -57,11 +57,11 @@ def directory(text: str) -> Path:
 
 
 def check_out(out: Path, names=("study.csv", "study.png")) -> str | None:
-    """Why ``out`` cannot take the files ``names`` (study.csv and study.png), or None: checked before the replays, not after, and
-    without leaving anything behind (a study refused for bad input leaves no directory): ``out`` must take
-    new files, or, when it does not exist yet, the nearest existing directory on the way to it must take a
-    new directory. Some file systems refuse with odd reasons (/proc says "No such file or directory"), so
-    the message says what was tried."""
+    """Why ``out`` cannot take the files ``names`` (study.csv and study.png), or None: checked before the
+    replays, not after, and without leaving anything behind (a study refused for bad input leaves no
+    directory): ``out`` must take new files, or, when it does not exist yet, the nearest existing directory on
+    the way to it must take a new directory. Some file systems refuse with odd reasons (/proc says "No such
+    file or directory"), so the message says what was tried."""
     if out.exists() and not out.is_dir():
         return f"{out} exists and is not a directory"
     existing = out

@@ -6,8 +6,9 @@ would not even fit a block manager. The costs below were measured on a 2-core CP
 trace at block sizes 16 to 512, pools of 1,000 blocks to infinite): a sequential replay takes about 20 us
 per request plus 1.2 us per full prompt block; an overlap replay, which runs the engine's scheduler over the
 whole batch in every step where something changes (``kvlab.studies.overlap``), about 4 ms of CPU per request
-plus 15 us per block (measured at block size 512, 3,000 requests, pools of 1,000 and 8,000 blocks); preparing a trace (once per block size, in this process) about 0.25 us per block; a block manager
-holds about 350 bytes per block of its pool. Rough, on a quiet machine (one shared with other jobs takes
+plus 15 us per block (measured at block size 512, 3,000 requests, pools of 1,000 and 8,000 blocks);
+preparing a trace (once per block size, in this process) about 0.25 us per block; a block manager holds
+about 350 bytes per block of its pool. Rough, on a quiet machine (one shared with other jobs takes
 longer): enough to tell a 20-second study from a 20-minute one before it starts.
 """
 

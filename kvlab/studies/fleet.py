@@ -18,7 +18,8 @@ prompt tokens of the trace; full prompt blocks hit / all full prompt blocks), su
 load_imbalance = max over mean of the replicas' prefill tokens (the uncached prompt tokens each computed,
 recomputations included; 1.0 is perfect balance); ttft_p50_s / ttft_p99_s: arrival to the end of the step
 that samples the request's first token (queueing, then the steps that compute its prompt, the last chunk's
-step included: each ``decode_step_ms`` plus the prompt tokens it computes), over the requests that got one; evictions, preemptions and requests summed; makespan_s the last replica's clock.
+step included: each ``decode_step_ms`` plus the prompt tokens it computes), over the requests that got one;
+evictions, preemptions and requests summed; makespan_s the last replica's clock.
 Per tier (``fleet_tier.tier_columns``): gpu_hit_blocks + tier_hit_blocks = the full prompt blocks hit,
 tier_hit_rate_blocks the tier's share of all full prompt blocks, tier_capacity_blocks the tier memory held.
 """

@@ -3,9 +3,10 @@ row per replay.
 
 ``fleet_study("mooncake_conversation", replicas=[1, 8], routers=ROUTERS)`` replays each combination
 (``kvlab.studies.fleet``; ``tiers``: ``fleet_tier.TierSettings``, e.g. none, local and shared at one tier
-capacity; ``scheduling_policies``: "fcfs" and/or "lpm", as ``EngineModel.scheduling_policy``) and returns a DataFrame in ``FLEET_COLUMNS`` order. Replays share nothing, so each
-is one joblib task: ``jobs`` local processes, or a Dask cluster (``kvlab.studies.sweep.backend``); the rows
-are the same either way, ``wall_s`` aside.
+capacity; ``scheduling_policies``: "fcfs" and/or "lpm", as ``EngineModel.scheduling_policy``) and returns a
+DataFrame in ``FLEET_COLUMNS`` order. Replays share nothing, so each is one joblib task: ``jobs`` local
+processes, or a Dask cluster (``kvlab.studies.sweep.backend``); the rows are the same either way, ``wall_s``
+aside.
 """
 
 import dataclasses

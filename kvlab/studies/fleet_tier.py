@@ -49,9 +49,8 @@ class TierSettings:
         check_tier_kind(self.kind)
         check_int("tier capacity", self.capacity, 0)
         if (self.kind == "none") != (self.capacity == 0):
-            raise InvalidArgumentError(f"a {self.kind!r} tier needs "
-                                       f"{'no capacity' if self.kind == 'none' else 'a tier capacity of 1 block or more'}"
-                                       f", got capacity {self.capacity}")
+            needs = "no capacity" if self.kind == "none" else "a tier capacity of 1 block or more"
+            raise InvalidArgumentError(f"a {self.kind!r} tier needs {needs}, got capacity {self.capacity}")
         check_offload_options(self.policy, "always")
         check_number("host_gbps", self.host_gbps, 0, min_open=True)
         check_number("network_gbps", self.network_gbps, 0, min_open=True)

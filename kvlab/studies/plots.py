@@ -28,7 +28,8 @@ def plot_hit_rates(table: pd.DataFrame, x: str = "capacity_blocks"):
         for key, rows in finite.groupby(["policy", *tiers], sort=False):
             policy, *tier = key if isinstance(key, tuple) else (key,)
             rows = rows.sort_values(x)
-            ax.plot(rows[x], 100 * rows["hit_rate_tokens"], marker="o", label=policy + (tier_label(*tier) if tier else ""))
+            ax.plot(rows[x], 100 * rows["hit_rate_tokens"], marker="o",
+                    label=policy + (tier_label(*tier) if tier else ""))
         ceiling = 100 * group["ceiling_hit_rate_tokens"].iloc[0]
         ax.axhline(ceiling, color="k", linestyle="--", linewidth=1, label=f"infinite cache ({ceiling:.1f}%)")
         if len(finite):

@@ -208,7 +208,8 @@ def _replay_one(prepared, capacity, policy_name, policy_class, tier, engine, seq
     per_tier = tier_columns(tier, metrics.pop("gpu_hit_blocks", hit_blocks), metrics.pop("tier_hit_blocks", 0),
                             metrics.pop("offloaded_blocks", 0), prepared.full_blocks, prepared.prompt_tokens, bs)
     residency = {} if metrics_collector is None else {
-        f"{medium.lower()}_{key}": value for medium in MEDIA for key, value in metrics_collector.summary(medium).items()}
+        f"{medium.lower()}_{key}": value
+        for medium in MEDIA for key, value in metrics_collector.summary(medium).items()}
     return {
         "trace": prepared.label, "mode": prepared.mode, "block_size": bs, "capacity_blocks": capacity,
         "capacity_tokens": capacity * bs, "policy": policy_name, "pool_blocks": pool,

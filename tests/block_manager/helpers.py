@@ -5,7 +5,8 @@ from kvlab import BlockManager, Sequence
 
 def snapshot(manager: BlockManager) -> tuple:
     """Everything a failed operation must leave unchanged."""
-    return (manager.num_free_blocks, manager.free_block_ids(), [manager.ref_count(b) for b in range(manager.num_blocks)],
+    return (manager.num_free_blocks, manager.free_block_ids(),
+            [manager.ref_count(b) for b in range(manager.num_blocks)],
             [manager.block_hash(b) for b in range(manager.num_blocks)], vars(manager.stats).copy(),
             manager.num_free_cpu_blocks)
 

@@ -101,8 +101,9 @@ def test_swap_misuse(busy):
 
 @pytest.mark.parametrize("call, match", [
     (lambda m, s: m.ref_count(12), "block id"), (lambda m, s: m.ref_count(-1), "block id"),
-    (lambda m, s: m.block_hash("3"), "block id"), (lambda m, s: m.cpu_ref_count(4), "CPU block id"), (lambda m, s: m.slot_mapping(s, 0, 13), "start <= end"),
-    (lambda m, s: m.slot_mapping(s, 3, 2), "start <= end"), (lambda m, s: m.slot_mapping(s, True, 3), "start must be an int"),
+    (lambda m, s: m.block_hash("3"), "block id"), (lambda m, s: m.cpu_ref_count(4), "CPU block id"),
+    (lambda m, s: m.slot_mapping(s, 0, 13), "start <= end"), (lambda m, s: m.slot_mapping(s, 3, 2), "start <= end"),
+    (lambda m, s: m.slot_mapping(s, True, 3), "start must be an int"),
     (lambda m, s: m.can_allocate(Sequence([1], 4), -1), "num_lookahead_slots"),
     (lambda m, s: m.append_slots(s, -2), "num_lookahead_slots"),
 ])

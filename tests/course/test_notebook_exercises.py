@@ -1,6 +1,6 @@
-"""Every exercise in a notebook graded by ``kvlab.course.answer`` has its three parts: the question, a cell the learner edits that is checked by
-``answer`` (committed unanswered, so the notebook runs top to bottom in CI), and the answer, clearly marked.
-Fast and static: the notebook runs themselves are tests/test_notebooks.py's."""
+"""Every exercise in a notebook graded by ``kvlab.course.answer`` has its three parts: the question, a cell the
+learner edits that is checked by ``answer`` (committed unanswered, so the notebook runs top to bottom in CI),
+and the answer, clearly marked. Fast and static: the notebook runs themselves are tests/test_notebooks.py's."""
 
 from pathlib import Path
 

@@ -21,7 +21,8 @@ def test_a_row_sums_drafts_over_requests_as_vllm_reports_them():
     assert row["acceptance_rate"] == 0.5 and row["mean_accepted_length"] == 1 + 6 / 3
     assert row["itl_ms_p50"] == 100.0  # 1 s of decode over 10 gaps
     assert _summary(None, metrics, wall=2.0)["k"] == 0
-    assert math.isnan(row["draft_acceptance_floor"]) and _summary(CONFIGS[4], metrics, 2.0)["draft_acceptance_floor"] == 0.3
+    assert (math.isnan(row["draft_acceptance_floor"])
+            and _summary(CONFIGS[4], metrics, 2.0)["draft_acceptance_floor"] == 0.3)
 
 
 def test_the_suite_runs_every_config_the_issue_asks_for_each_valid():

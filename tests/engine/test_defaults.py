@@ -86,4 +86,5 @@ def test_the_log_line_states_a_given_pool_and_its_swap_space(llama, caplog):
         make_llm(llama[0], num_blocks=64, preemption_mode="swap", num_cpu_blocks=128)
     device = kvlab.device.DEVICE.type + (":0" if kvlab.device.ON_GPU else "")
     assert caplog.messages == [f"KV cache: 64 blocks of 8 tokens (512 tokens, 0.5 MiB; 1,024 bytes per token = "
-                               f"512 x 2 layers) on {device}, plus 128 CPU blocks for swapping (1.0 MiB) (num_blocks=64)"]
+                               f"512 x 2 layers) on {device}, plus 128 CPU blocks for swapping (1.0 MiB) "
+                               "(num_blocks=64)"]

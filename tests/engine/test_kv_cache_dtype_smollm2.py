@@ -1,7 +1,8 @@
 """Quantized KV caches on the real SmolLM2-135M-Instruct (CPU, torch path): every format serves a chat prompt end
 to end (not always with the same answer: calibrated e5m2 continues "What is the capital of France?" with
-"L'Étoile, la Cité"), and its next-token choices, teacher-forced over a 256-token passage of Python's help text, mostly agree
-with the unquantized cache's, more so the more bits it keeps (kvlab.studies.kv_accuracy measures it at length)."""
+"L'Étoile, la Cité"), and its next-token choices, teacher-forced over a 256-token passage of Python's help
+text, mostly agree with the unquantized cache's, more so the more bits it keeps (kvlab.studies.kv_accuracy
+measures it at length)."""
 
 import pytest
 import torch

@@ -1,6 +1,7 @@
 """A step's slots and tables are checked once, not once per layer: the tensor -> host reads of a step (each
-one a GPU sync) do not grow with the number of layers, with either attention backend. ``KVLAB_CHECK_EVERY_LAYER=1`` brings the
-per-layer checks back. A decode step copies no sequence's whole token list to take its newest token."""
+one a GPU sync) do not grow with the number of layers, with either attention backend.
+``KVLAB_CHECK_EVERY_LAYER=1`` brings the per-layer checks back. A decode step copies no sequence's whole token
+list to take its newest token."""
 
 import pytest
 import torch

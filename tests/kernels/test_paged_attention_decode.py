@@ -15,7 +15,8 @@ from kvlab.kernels.paged_attention_decode import (MAX_PARTITIONS, MIN_PARTITION_
 from kvlab.kernels.reference import paged_attention_decode_ref
 from kvlab.kernels.split_k_reduce import split_k_reduce
 
-module = importlib.import_module("kvlab.kernels.paged_attention_decode")  # the module; kvlab.kernels.paged_attention_decode is the function
+# The module; kvlab.kernels.paged_attention_decode is the function.
+module = importlib.import_module("kvlab.kernels.paged_attention_decode")
 
 # 1-token sequence, lengths that are and are not block multiples; 70 tokens cross several tiles and blocks.
 SEQ_LENS = [37, 1, 70, 16]
@@ -123,7 +124,8 @@ def test_heuristic_does_not_split_a_full_grid_or_a_short_context():
 def test_heuristic_splits_long_contexts_on_an_idle_gpu():
     # 8 programs on 132 SMs: split to about 2 programs per SM, but no partition shorter than the minimum.
     assert choose_num_partitions(num_seqs=1, num_kv_heads=8, context_len=32768, num_sms=132) == 33
-    assert choose_num_partitions(num_seqs=1, num_kv_heads=8, context_len=2048, num_sms=132) == 2048 // MIN_PARTITION_TOKENS
+    assert (choose_num_partitions(num_seqs=1, num_kv_heads=8, context_len=2048, num_sms=132)
+            == 2048 // MIN_PARTITION_TOKENS)
     assert choose_num_partitions(num_seqs=1, num_kv_heads=1, context_len=10**7, num_sms=1000) == MAX_PARTITIONS
 
 

@@ -65,7 +65,8 @@ def test_prefix_hit_equals_full_prefill(case):
     c, args = case(seqs=seqs, num_heads=4, num_kv_heads=1, head_dim=64, block_size=16, dtype=F32)
     full = paged_prefill(*args)
     new_tokens = [9, 1]
-    rows = torch.cat([torch.arange(c.cu_query_lens[s + 1] - n, c.cu_query_lens[s + 1]) for s, n in enumerate(new_tokens)])
+    rows = torch.cat([torch.arange(c.cu_query_lens[s + 1] - n, c.cu_query_lens[s + 1])
+                      for s, n in enumerate(new_tokens)])
     cu_new = torch.tensor([0] + new_tokens, device=DEVICE).cumsum(0).to(torch.int32)
     hit = paged_prefill(c.query[rows.to(DEVICE)], c.kv_cache, c.block_tables, c.seq_lens, cu_new)
     torch.testing.assert_close(hit, full[rows.to(DEVICE)], atol=1e-5, rtol=1e-5)
@@ -94,7 +95,8 @@ def test_query_tile_map_covers_every_new_token_once():
     seq_lens = torch.tensor([50, 7, 9, 30], dtype=torch.int32)
     cu = torch.tensor([0, 20, 27, 27, 31], dtype=torch.int32)  # q_lens 20, 7, 0, 4
     tiles = query_tile_map(cu, seq_lens, block_q=8)
-    covered = sorted((seq, t) for seq, start in tiles.tolist() for t in range(start, min(start + 8, int(cu[seq + 1] - cu[seq]))))
+    covered = sorted((seq, t) for seq, start in tiles.tolist()
+                     for t in range(start, min(start + 8, int(cu[seq + 1] - cu[seq]))))
     assert covered == sorted((s, t) for s in range(4) for t in range(int(cu[s + 1] - cu[s])))
     prefix_ends = [int(seq_lens[s] - (cu[s + 1] - cu[s])) + start for s, start in tiles.tolist()]
     assert prefix_ends == sorted(prefix_ends, reverse=True)  # heaviest tiles first

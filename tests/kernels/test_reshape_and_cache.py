@@ -12,7 +12,8 @@ from kvlab.kernels._checks import SUPPORTED_BLOCK_SIZES
 from kvlab.kernels.reference import reshape_and_cache_ref
 from kvlab.kernels.reshape_and_cache import reshape_and_cache
 
-module = importlib.import_module("kvlab.kernels.reshape_and_cache")  # the module; kvlab.kernels.reshape_and_cache is the function
+# The module; kvlab.kernels.reshape_and_cache is the function.
+module = importlib.import_module("kvlab.kernels.reshape_and_cache")
 
 # A pure copy: bf16 bits move exactly in the interpreter.
 BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(ON_GPU and not torch.cuda.is_bf16_supported(),

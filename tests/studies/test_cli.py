@@ -157,7 +157,8 @@ def test_an_out_directory_without_write_permission_fails_before_the_study_runs(m
     monkeypatch.setattr("kvlab.studies.cli.cache_hit_study", refuse_to_run)
     with pytest.raises(SystemExit) as exit_info:
         main(["--out", "/sys"])
-    assert exit_info.value.code == 2 and "error: argument --out: cannot create files in /sys (" in capsys.readouterr().err
+    assert (exit_info.value.code == 2
+            and "error: argument --out: cannot create files in /sys (" in capsys.readouterr().err)
 
 
 def can_make_a_directory_in(path) -> bool:
@@ -207,7 +208,8 @@ def test_an_unreachable_dask_scheduler_is_one_line(tmp_path, capsys):
 def test_an_unknown_trace_is_reported_with_every_trace_name(tmp_path, capsys):
     assert main(["--trace", "no_such_trace", "--out", str(tmp_path), "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("kvlab study: error: trace 'no_such_trace' is neither a trace name (") and "Traceback" not in err
+    assert (err.startswith("kvlab study: error: trace 'no_such_trace' is neither a trace name (")
+            and "Traceback" not in err)
     assert all(name in err for name in [*BUNDLED, *WORKLOADS]), err
 
 

@@ -148,9 +148,11 @@ def random_trace(seed: int, n: int, block_size: int, capacity: int) -> pd.DataFr
     spread over 200 ms with idle gaps, and shared prefixes (prefix hits)."""
     rng = np.random.default_rng(seed)
     shared = list(rng.integers(0, 30, size=3 * block_size))
-    prompts = [(shared if rng.random() < 0.5 else []) + list(rng.integers(0, 30, size=int(rng.integers(1, capacity * block_size))))
+    prompts = [(shared if rng.random() < 0.5 else [])
+               + list(rng.integers(0, 30, size=int(rng.integers(1, capacity * block_size))))
                for _ in range(n)]
-    return trace_of(prompts, list(rng.integers(0, capacity * block_size, size=n)), np.sort(rng.uniform(0, 2000, size=n)))
+    return trace_of(prompts, list(rng.integers(0, capacity * block_size, size=n)),
+                    np.sort(rng.uniform(0, 2000, size=n)))
 
 
 @pytest.mark.parametrize("scheduler, budget, policy", [("v1", 8192, "fcfs"), ("v1", 7, "fcfs"), ("v0", 8192, "fcfs"),
@@ -181,8 +183,8 @@ def test_plain_decode_steps_run_in_one_go_give_the_same_replay(scheduler, budget
 
 
 def test_a_block_promoted_from_an_offload_tier_costs_tier_ms_per_block():
-    # A (3 full blocks + 1 token) finishes; B (6 blocks: the whole pool) evicts A's blocks into the tier; A again (same 3
-    # blocks, another last token) hits them in the tier: its step promotes 3 blocks, 3 x 7 ms more.
+    # A (3 full blocks + 1 token) finishes; B (6 blocks: the whole pool) evicts A's blocks into the tier; A again
+    # (same 3 blocks, another last token) hits them in the tier: its step promotes 3 blocks, 3 x 7 ms more.
     a, b = list(range(1, 13)), list(range(20, 44))
     trace = trace_of([a + [90], b, a + [91]], outputs=[1, 1, 1], times_ms=[0.0, 100.0, 200.0])
     runs = []
@@ -229,9 +231,11 @@ def test_the_replay_runs_the_scheduler_it_is_given():
 def test_a_sequential_study_never_imports_the_engine():
     # The engine package imports torch (seconds per process): a sequential study, `make study`, does not need
     # it, so only an overlap replay imports kvlab.engine (kvlab.studies.engine_model).
-    code = ("import sys, math; from kvlab.studies import cache_hit_study, EngineModel; from kvlab.studies.cli import main; "
+    code = ("import sys, math; from kvlab.studies import cache_hit_study, EngineModel; "
+            "from kvlab.studies.cli import main; "
             "cache_hit_study('synthetic_parallel', limit=8, capacities=[math.inf], policies=['lru'], jobs=1, "
-            "progress=False, engine=EngineModel(scheduler='v0')); print('torch' in sys.modules, 'kvlab.engine' in sys.modules)")
+            "progress=False, engine=EngineModel(scheduler='v0')); "
+            "print('torch' in sys.modules, 'kvlab.engine' in sys.modules)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["False", "False"]

@@ -88,5 +88,6 @@ def test_each_trace_is_read_before_any_replay(monkeypatch):
 @pytest.mark.parametrize("full_blocks, chunks", [(LONG_REPLAY_BLOCKS - 1, 4), (LONG_REPLAY_BLOCKS, 12)])
 def test_long_replays_are_chunks_of_their_own_so_the_bar_moves_per_replay(full_blocks, chunks):
     prepared = PreparedTrace("t", "sequential", 16, distinct_blocks=1, prompt_tokens=1, full_blocks=full_blocks)
-    tasks = [(prepared, capacity, policy) for capacity in (10, 100, 1000, math.inf) for policy in ("lru", "fifo", "lfu")]
+    tasks = [(prepared, capacity, policy)
+             for capacity in (10, 100, 1000, math.inf) for policy in ("lru", "fifo", "lfu")]
     assert len(plan(tasks, workers=2)) == chunks

@@ -29,7 +29,8 @@ def parse_time_boxes(values, defaults):
     for value in values:
         name, _, seconds = value.partition("=")
         if name not in boxes or not seconds.replace(".", "", 1).isdigit() or float(seconds) <= 0:
-            raise argparse.ArgumentTypeError(f"--time-box takes STAGE=SECONDS with STAGE one of {STAGES}, got {value!r}")
+            raise argparse.ArgumentTypeError(f"--time-box takes STAGE=SECONDS with STAGE one of {STAGES}, "
+                                             f"got {value!r}")
         boxes[name] = float(seconds)
     return boxes
 

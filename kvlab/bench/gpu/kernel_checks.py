@@ -34,9 +34,11 @@ class Check:
 
     @property
     def name(self):
-        sizes = f"b{self.batch}" + (f" ctx{self.context}" if self.context else "") + \
-            (f" q{self.q_len}" if self.kernel == "prefill" else "") + (f" x{self.layers} layers" if self.layers > 1 else "") + (" split-K" if self.split_k else "")
-        return f"{self.kernel} {sizes} h{self.num_heads}/{self.num_kv_heads} d{self.head_dim} bs{self.block_size} {self.dtype}"
+        sizes = (f"b{self.batch}" + (f" ctx{self.context}" if self.context else "")
+                 + (f" q{self.q_len}" if self.kernel == "prefill" else "")
+                 + (f" x{self.layers} layers" if self.layers > 1 else "") + (" split-K" if self.split_k else ""))
+        return (f"{self.kernel} {sizes} h{self.num_heads}/{self.num_kv_heads} d{self.head_dim} "
+                f"bs{self.block_size} {self.dtype}")
 
 
 GPU_CHECKS = [
@@ -119,7 +121,8 @@ def kernel_and_twin(check, device):
     on_device = torch.randn(2 * check.batch, 2, check.block_size, check.num_kv_heads, check.head_dim,
                             device=device).to(dtype)
     src, dst = (on_device, on_device.cpu()) if check.kernel == "swap_out" else (on_device.cpu(), on_device)
-    pairs = torch.stack([torch.randperm(2 * check.batch)[:check.batch], torch.randperm(2 * check.batch)[:check.batch]], 1)
+    pairs = torch.stack([torch.randperm(2 * check.batch)[:check.batch],
+                         torch.randperm(2 * check.batch)[:check.batch]], 1)
     return (lambda: swap_blocks(src, torch.full_like(dst, math.nan), pairs),
             lambda: ref.swap_blocks_ref(src, torch.full_like(dst, math.nan), pairs))
 

@@ -15,7 +15,8 @@ FIELDS = [f.name for f in fields(Case)]
 INT_FIELDS = {f.name for f in fields(Case) if f.type is int}
 
 #: Tiny cases for the dry run: every kernel and every implementation, in the interpreter.
-DRY_RUN_CASES = [Case("decode", "fp16", 2, 40, 4, 2, head_dim=32), Case("prefill", "fp16", 2, 20, 4, 2, head_dim=32, query_len=8),
+DRY_RUN_CASES = [Case("decode", "fp16", 2, 40, 4, 2, head_dim=32),
+                 Case("prefill", "fp16", 2, 20, 4, 2, head_dim=32, query_len=8),
                  Case("decode", "fp8_e4m3", 2, 40, 4, 2, head_dim=32),  # fp8 reads run in the interpreter;
                  Case("prefill", "fp8_e4m3", 2, 20, 4, 2, head_dim=32, query_len=8),
                  Case("reshape_and_cache", "fp16", 8, 0, 4, 2, head_dim=32),  # its fp8 writes do not (GPU only)
