@@ -178,6 +178,7 @@ def test_a_bad_router_is_refused_with_a_clear_error(router, match):
 def test_plot_fleet_gives_each_router_its_colour_and_the_tail_a_log_axis():
     """Whatever order the rows come in, a router has ROUTER_COLORS' colour in every panel (notebook 12's bars
     use the same), and the p99 panel is logarithmic (minutes overloaded, seconds balanced)."""
+    import matplotlib.pyplot as plt
     from matplotlib.colors import to_hex
 
     rows = [dict(block_size=512, capacity_blocks=100, replicas=n, router=router, scheduling_policy="fcfs",
@@ -189,3 +190,4 @@ def test_plot_fleet_gives_each_router_its_colour_and_the_tail_a_log_axis():
         assert colours == {"kv_cost": to_hex(ROUTER_COLORS["kv_cost"]), "my_router": to_hex("C4"),
                            "round_robin": to_hex(ROUTER_COLORS["round_robin"])}
     assert [ax.get_yscale() for ax in figure.axes] == ["linear", "linear", "log"]
+    plt.close(figure)

@@ -32,6 +32,7 @@ def frontend(monkeypatch):
 
     for var in interactive.STATIC_ENV:
         monkeypatch.delenv(var, raising=False)
+    plt.close("all")  # figures other tests left open must not count as explore's
 
     def use(allow_stdin):
         monkeypatch.setattr(IPython, "get_ipython", lambda: FakeShell(FakeKernel(allow_stdin)))
