@@ -5,7 +5,6 @@ scripts/sync_notebooks.py installs by module.
 A module is "hidden" by a meta-path finder that refuses it, in a fresh interpreter, as if it were not installed.
 """
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -14,18 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from repo_scripts import load_script
+
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.py"))
-
-
-def load_sync_script():
-    spec = importlib.util.spec_from_file_location("sync_notebooks", REPO / "scripts" / "sync_notebooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-sync_notebooks = load_sync_script()
+sync_notebooks = load_script("sync_notebooks")
 HIDE = '''
 import importlib, importlib.abc, sys
 HIDDEN = set(sys.argv[1].split(","))

@@ -6,7 +6,6 @@ kernel's info reply; a save PUTs the notebook back and jupytext rewrites both fi
 jupytext's contents manager in-process, so a generated pair must already be what a save writes.
 """
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -16,18 +15,13 @@ from ipykernel.ipkernel import IPythonKernel
 from ipykernel.kernelspec import get_kernel_dict
 from jupytext import TextFileContentsManager
 
+from repo_scripts import load_script
+
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = sorted((REPO / "notebooks").glob("*.py"))
 
 
-def load_sync_script():
-    spec = importlib.util.spec_from_file_location("sync_notebooks", REPO / "scripts" / "sync_notebooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-sync_notebooks = load_sync_script()
+sync_notebooks = load_script("sync_notebooks")
 
 
 def what_jupyterlab_sets() -> dict:

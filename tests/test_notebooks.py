@@ -13,7 +13,6 @@
 Fix a failing sync test by editing the .py and running `make notebooks`.
 """
 
-import importlib.util
 import json
 import os
 import re
@@ -27,6 +26,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from repo_scripts import load_script
+
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS_DIR = REPO / "notebooks"
 SOURCES = sorted(NOTEBOOKS_DIR.glob("*.py"))
@@ -39,14 +40,7 @@ KERNEL_STARTUP_TIMEOUT_S = 180
 SHOWS_A_FIGURE = re.compile(r"^plt\.show\(\)", re.MULTILINE)
 
 
-def load_sync_script():
-    spec = importlib.util.spec_from_file_location("sync_notebooks", REPO / "scripts" / "sync_notebooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-sync_notebooks = load_sync_script()
+sync_notebooks = load_script("sync_notebooks")
 
 
 def cells(nb: nbformat.NotebookNode) -> list[tuple[str, str]]:

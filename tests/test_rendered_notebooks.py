@@ -10,7 +10,6 @@ The last test runs the renderer itself on a tiny notebook.
 """
 
 import base64
-import importlib.util
 import re
 import struct
 from pathlib import Path
@@ -19,20 +18,13 @@ import jupytext
 import nbformat
 import pytest
 
+from repo_scripts import load_script
+
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = sorted((REPO / "notebooks").glob("*.py"))
 RENDER = "run `make render` (or scripts/render_notebooks.py notebooks/NAME.py) and commit docs/rendered/"
 SHOWS_A_FIGURE = re.compile(r"^plt\.show\(\)", re.MULTILINE)  # as in tests/test_notebooks.py
-
-
-def load_render_script():
-    spec = importlib.util.spec_from_file_location("render_notebooks", REPO / "scripts" / "render_notebooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-render_notebooks = load_render_script()
+render_notebooks = load_script("render_notebooks")
 RENDERED = sorted(render_notebooks.RENDERED_DIR.glob("*.ipynb"))
 
 
