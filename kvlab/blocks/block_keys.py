@@ -19,8 +19,9 @@ into every block; with chained, verified blocks that draws the same lines and co
 
 The encoding is canonical and unambiguous: each field has its own tag (so a salt never equals an adapter or a
 block key with the same value), each value a type tag and a length (so 1, "1", b"1" and (1,) differ, and
-("ab", "c") differs from ("a", "bc")). The fields are ``S`` (salt), ``A`` (adapter) and ``K`` (a block key);
-the hybrid manager puts a KV cache group's number before them all under ``G`` (``group_keys``).
+("ab", "c") differs from ("a", "bc")). The fields are ``S`` (salt), ``A`` (adapter) and ``K`` (a block key).
+(A hybrid model's KV cache groups are not keys: the same bytes in two groups are kept apart by the prefix
+index, one namespace per group: kvlab.blocks.prefix_index.)
 """
 
 import struct
@@ -73,18 +74,6 @@ def cache_keys(cache_salt, adapter_key, extra_keys, max_block: int) -> Optional[
     if not block_bytes:
         return None
     return CacheKeys(cache_salt, adapter_key, keys, block_bytes)
-
-
-def group_keys(keys: Optional[CacheKeys], group: int) -> CacheKeys:
-    """A sequence's ``keys`` as KV cache group ``group`` of a hybrid manager sees them: block 0's bytes start
-    with the group under a tag of its own, so no two groups' blocks have equal bytes (and every later block
-    differs through its parent), while blocks the sequence's own keys kept apart stay apart. The keys are
-    taken as validated: wrapping block 0's key in a tuple with the group would nest it one level deeper and
-    refuse the deepest keys ``Sequence`` accepts."""
-    tag = b"G" + encode_key(group)
-    if keys is None:
-        return CacheKeys(None, None, {}, {0: tag})
-    return keys._replace(block_bytes={**keys.block_bytes, 0: tag + keys.block_bytes.get(0, b"")})
 
 
 def encode_key(key, name: str = "key") -> bytes:

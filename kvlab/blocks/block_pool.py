@@ -64,11 +64,12 @@ class BlockPool:
         return freed
 
     # ---- bookkeeping, after the transaction made the policy calls ----------------------------------------
-    def fill(self, taken, hashes=(), contents=(), parent: int = ROOT) -> int:
+    def fill(self, taken, hashes=(), contents=(), parent: int = ROOT, group: int = 0) -> int:
         """Blocks the policy handed out for new content: ref count 1 each, their old prefixes evicted from the
         index (reported to the sink: each block, its hash and its bytes; then offered to the offload tier, if
         any); the first ``len(hashes)`` are full with ``contents[i]``, chained after the prefix whose content id
-        is ``parent``, and sealed (see ``seal``). Returns the content id the next block chains after."""
+        is ``parent``, and sealed in KV cache ``group`` (see ``seal``). Returns the content id the next block
+        chains after."""
         ref, index = self.ref, self.index
         for block in taken:
             ref[block] = 1
@@ -77,7 +78,7 @@ class BlockPool:
             self.tier.offer(evicted)
         index.clear(taken[len(hashes):])  # the rest hold no sealed content now (seal overwrites the others)
         self.num_free -= len(taken)
-        return self.seal(taken[:len(hashes)], hashes, contents, parent) if hashes else parent
+        return self.seal(taken[:len(hashes)], hashes, contents, parent, group) if hashes else parent
 
     def unseal(self, blocks) -> None:
         """``blocks`` (each in use by the one sequence about to overwrite it) stop holding sealed content: the
@@ -110,11 +111,12 @@ class BlockPool:
         if self.sink is not None and freed:
             self.sink.released(freed)
 
-    def seal(self, blocks, hashes, contents, parent: int) -> int:
-        """Seal ``blocks`` in the index (``PrefixIndex.seal``) and report those with new content to the sink
-        (a duplicate of a cached prefix has none). Returns the content id the next block chains after."""
+    def seal(self, blocks, hashes, contents, parent: int, group: int = 0) -> int:
+        """Seal ``blocks`` in the index (``PrefixIndex.seal``, in KV cache ``group``'s namespace) and report those
+        with new content to the sink (a duplicate of a cached prefix has none). Returns the content id the next
+        block chains after."""
         first_new = self.index.ids.next
-        parent = self.index.seal(blocks, hashes, contents, parent)
+        parent = self.index.seal(blocks, hashes, contents, parent, group)
         if self.sink is not None and self.index.ids.interned is not None:  # ids interned across managers:
             self.sink.sealed([b for b in blocks if self.index.registered[b]])  # those not twins of a cached one
         elif self.sink is not None:

@@ -104,7 +104,8 @@ class SpeculativeDrafts(ManagerState):
             if sealed_already:
                 alloc.last_content = index.content_id(blocks[j - 1])
             else:
-                alloc.last_content = pool.seal(blocks[i:j], hashes[i:j], contents[i:j], alloc.last_content)
+                alloc.last_content = pool.seal(blocks[i:j], hashes[i:j], contents[i:j], alloc.last_content,
+                                             self.group)
                 if sink is not None:
                     sink.stored(index, blocks[i:j], hashes[i:j], contents[i:j], hashes[i - 1] if i else alloc.last_hash)
             i = j

@@ -20,8 +20,8 @@ changes nothing in any group. This class offers each call's two halves: its plan
 ``plan_step`` and ``hashes_to_seal``, ``plan_accept``, ``plan_release``, ``moving_out``, ``swap_in_needs``)
 and its bookkeeping (``admit``, ``apply_step``, ``accept``, ``release``, ``moved_out``, ``moved_in``,
 ``fork``); the policy calls between them are the coordinator's, made from the plans. (Blocks never move
-between groups: a group's keys make its blocks' bytes its own, so one group's plan never depends on another
-group's bookkeeping.)
+between groups: each group looks up and seals in its own namespace of the prefix index, so one group's plan
+never depends on another group's bookkeeping.)
 """
 
 from kvlab.blocks.invariants import check_records

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import xxhash
 
-from kvlab.blocks.sequence import block_hash_cache, key_bytes, token_buffer
+from kvlab.blocks.sequence import block_hashes_box, key_bytes, token_buffer
 from kvlab.errors import InvalidArgumentError
 
 #: ``hash_fn(parent_hash_or_None, token_ids_tuple) -> int``, to replace the default in experiments/tests.
@@ -110,11 +110,11 @@ class BlockHashes:
 def hashes_of(seq, block_size: int, hash_fn: Optional[HashFn]) -> BlockHashes:
     """``seq``'s block hashes for this block size, ``hash_fn`` and its keys: the cached ones, or new (empty)
     ones where they were computed under others (the sequence moved to another manager)."""
-    cache, slot = block_hash_cache(seq)
-    keys, entry = key_bytes(seq), cache.get(slot)
+    box = block_hashes_box(seq)
+    keys, entry = key_bytes(seq), box[0]
     if (entry is None or entry.block_size != block_size or entry.hash_fn is not hash_fn
             or (entry.keys is not keys and entry.keys != keys)):
-        entry = cache[slot] = BlockHashes(block_size, hash_fn, keys)
+        entry = box[0] = BlockHashes(block_size, hash_fn, keys)
     return entry
 
 
@@ -140,7 +140,6 @@ def hashes_to_seal(seq, start: int, stop: int, block_size: int, hash_fn: Optiona
 
 def sealed_through(seq, num_sealed: int) -> None:
     """``seq``'s first ``num_sealed`` blocks are sealed: drop the bytes once none of them waits any more."""
-    cache, slot = block_hash_cache(seq)
-    entry = cache.get(slot)
+    entry = block_hashes_box(seq)[0]
     if entry is not None and entry.contents is not None and num_sealed >= len(entry.contents):
         entry.contents = None

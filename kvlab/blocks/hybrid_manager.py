@@ -5,9 +5,10 @@ block table per sequence and all groups draw from ONE pool of equal-size pages. 
 ``GroupManager`` per group (kvlab.blocks.group_manager): a ``BlockManager`` of the group's attention spec, built on
 the parts all groups share (``shared_parts``: one ``BlockPool``, one ``SwapSpace``, one event sink), so every rule
 of the single-group manager (chunked prompts, window release, copy-on-write, sealing, swapping) holds per group. A
-sequence is allocated here once; each group holds a *shadow* of it (``group_shadow``: its id and token array, with
-the group added to block 0's keys), so the same tokens in two groups, different layers' K/V, are different blocks
-(other hashes and bytes): the verified prefix cache never gives one group another's block.
+sequence is allocated here once and hashed once; each group holds a *shadow* of it (``group_shadow``: its id,
+token array, keys and hashes, with the group's record and counters). Each group is a namespace of the pool's
+prefix index (vLLM V1's ``BlockHashWithGroupId``): the same tokens in two groups, different layers' K/V, are
+two blocks under one hash, and a lookup in one group never hits another's block.
 
 Its lifecycle calls (``allocate``, ``append_slots``, ``accept_drafts``, ``free``, ``fork``, ``swap_out``,
 ``swap_in``) are the coordinator's (kvlab.blocks.coordinator), the same code a ``BlockManager`` runs for its
@@ -66,7 +67,7 @@ class HybridBlockManager(Coordinator):
         self._kv_queue = self.kv_events.queue if kv_events else ()  # delivered after each call (locking.py)
         self._pool, self._swap, self._sink = shared.pool, shared.swap, shared.sink
         self._usable, self._watermark_blocks = shared.usable, shared.watermark_blocks
-        self._members = [GroupManager(BlockManager.joined(shared, spec, _group_sink(shared.sink, g)))
+        self._members = [GroupManager(BlockManager.joined(shared, spec, _group_sink(shared.sink, g), g))
                          for g, spec in enumerate(self.groups)]
         self._lock = threading.RLock()
 
@@ -78,7 +79,7 @@ class HybridBlockManager(Coordinator):
     @property
     def num_cached_blocks(self) -> int:
         """Blocks a prefix lookup of any group can hit now (the groups share one pool)."""
-        return len(self._pool.index.cached)
+        return self._pool.index.num_cached
 
     @property
     def usable_blocks(self) -> int:
@@ -130,7 +131,7 @@ class HybridBlockManager(Coordinator):
     # ---- lifecycle, reset and check_invariants: the coordinator's (kvlab.blocks.coordinator) ---------------
     # ---- internals: the coordinator's views of a sequence, its group shadows --------------------------------
     def _new_views(self, seq):
-        return [group_shadow(seq, g) for g in range(len(self._members))]
+        return [group_shadow(seq) for _ in self._members]
 
     def _shadows(self, seq) -> list:
         record = allocation_record(check_sequence(seq))

@@ -20,8 +20,9 @@ vLLM's hybrid-allocator fields: ``group_idx`` is the KV cache group the blocks b
 hybrid manager's ``groups``), on both BlockStored and BlockRemoved; a store also describes its group with
 ``kv_cache_spec_kind`` (``"full_attention"`` or ``"sliding_window"``, vLLM's KVCacheSpecKind values) and
 ``kv_cache_spec_sliding_window`` (the window in tokens, None for full attention), so a consumer learns the
-groups from the stream (a group's block 0 hashes the group's tag, ``block_keys.group_keys``, so its
-``extra_keys`` entry holds that tag). A ``HybridBlockManager`` fills all three; a single-group
+groups from the stream. A block's hash is the same in every group (vLLM's events carry the plain block hash
+and ``group_idx``; its pool keys blocks by hash and group, ``BlockHashWithGroupId``), so the same prompt
+stores the same hashes once per group. A ``HybridBlockManager`` fills all three; a single-group
 ``BlockManager`` leaves them None and its events encode without them (vLLM's structs omit fields at their
 None default), as before.
 ``medium`` (vLLM's field) says which tier: ``"GPU"`` for the pool's prefix cache, ``"CPU"`` for the offload tier
@@ -29,10 +30,10 @@ None default), as before.
 offloading connector's) and always carry one block. The swap space holds swapped sequences, never events.
 
 Events are exact: applying them in order to a set of hashes (``CachedHashes``) gives, after every manager
-call, the set of hashes a prefix lookup can hit, per group for a hybrid manager (a group's blocks are
-hashed with the group in block 0's keys: a lookup in one group never hits another's). A duplicate of a
-block already cached (kvlab keeps one block per hash) is not stored twice, so a ``BlockRemoved`` always
-removes a hash that was stored.
+call, the set of hashes a prefix lookup can hit, per group for a hybrid manager (each group is its own
+namespace of the prefix index: a lookup in one group never hits another's). A duplicate of a block already
+cached (kvlab keeps one block per hash and group) is not stored twice, so a ``BlockRemoved`` always removes
+a hash that was stored in its group.
 
 Subscribers: ``kv_events.subscribe(callback)`` calls ``callback(event)`` for every event;
 ``kv_events.subscribe()`` returns a subscription to iterate (each event once, in order);

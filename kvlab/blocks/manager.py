@@ -172,7 +172,7 @@ class BlockManager(Coordinator, BlockManagerSteps, BlockManagerQueries, VLLMV0In
             parent = self._promote(plan, new_blocks[:len(plan.tier_hits)])
             new_blocks, start = new_blocks[len(plan.tier_hits):], start + len(plan.tier_hits)
         hashes, contents = plan.hashes[start:stop], plan.contents[start:stop]
-        parent = pool.fill(new_blocks, hashes, contents, parent)
+        parent = pool.fill(new_blocks, hashes, contents, parent, self.group)
         if self._sink is not None:
             self._sink.stored(pool.index, new_blocks[:stop - start], hashes, contents,
                               plan.hashes[start - 1] if start else None)
@@ -190,4 +190,4 @@ class BlockManager(Coordinator, BlockManagerSteps, BlockManagerQueries, VLLMV0In
     def _plan_allocation(self, seq, lookahead, num_new_tokens, max_hits=None):
         hashes, contents = prompt_blocks(seq, self.block_size, self.hash_fn) if self.enable_prefix_caching else ([], [])
         return plan_allocation(self._pool, seq, hashes, contents, self.block_size, self.spec, lookahead,
-                               num_new_tokens, max_hits)
+                               num_new_tokens, max_hits, self.group)

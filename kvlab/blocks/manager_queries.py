@@ -14,6 +14,7 @@ from kvlab.blocks.hashing import prompt_blocks
 from kvlab.blocks.locking import serialized
 from kvlab.blocks.manager_state import ManagerState
 from kvlab.blocks.planning import least_peak_blocks
+from kvlab.blocks.prefix_index import ROOT
 from kvlab.blocks.sequence import Sequence
 from kvlab.errors import InvalidArgumentError
 from kvlab.validation import check_int
@@ -44,7 +45,7 @@ class BlockManagerQueries(ManagerState):
     @property
     def num_cached_blocks(self) -> int:
         """Blocks a prefix lookup can hit now (in use or free-but-warm)."""
-        return len(self._pool.index.cached)
+        return self._pool.index.num_cached
 
     @property
     def num_cpu_blocks(self) -> int:
@@ -142,6 +143,6 @@ class BlockManagerQueries(ManagerState):
             return 0
         hashes, contents = prompt_blocks(seq, self.block_size, self.hash_fn)
         limit, pool = (seq.num_tokens - 1) // self.block_size, self._pool
-        hits = pool.index.lookup(hashes, contents, limit)
+        hits = pool.index.lookup(hashes, contents, limit, ROOT, self.group)
         tier_hits = pool.tier.lookup(hashes, contents, limit, hits, pool.index) if pool.tier is not None else ()
         return (len(hits) + len(tier_hits)) * self.block_size

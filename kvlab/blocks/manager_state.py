@@ -104,7 +104,9 @@ def shared_parts(num_blocks: int, block_size: int, *, num_cpu_blocks: int, water
     publisher = KVEventPublisher(block_size, groups) if kv_events else None
     sink = make_sink(log, publisher, kv_cache_metrics)  # the one sink the groups and the pool report to
     first_block = NULL_BLOCK + 1 if sliding_window is not None else 0
-    index = PrefixIndex(num_blocks, shared_tier.index.ids) if shared_tier is not None else None
+    # One namespace of the prefix index per KV cache group (kvlab.blocks.prefix_index).
+    index = PrefixIndex(num_blocks, shared_tier.index.ids if shared_tier is not None else None,
+                        num_groups=len(groups) if groups else 1)
     pool = BlockPool(num_blocks, eviction, first_block, sink, index)
     tier = shared_tier if shared_tier is not None else make_tier(num_offload_blocks, pool.index, offload_policy,
                                                                  offload_admission)
@@ -144,17 +146,19 @@ class ManagerState:
         self.kv_cache_metrics = kv_cache_metrics  # residency metrics (kvlab.blocks.kv_cache_metrics), or None
 
     @classmethod
-    def joined(cls, shared: SharedParts, spec: KVCacheSpec, sink: Optional[EventSink]):
-        """A manager that is one group of ``shared`` (see ``_join``), its settings checked by ``shared_parts``."""
+    def joined(cls, shared: SharedParts, spec: KVCacheSpec, sink: Optional[EventSink], group: int):
+        """A manager that is group ``group`` of ``shared`` (see ``_join``), its settings checked by
+        ``shared_parts``."""
         manager = cls.__new__(cls)
-        manager._join(shared, spec, sink)
+        manager._join(shared, spec, sink, group=group)
         return manager
 
     def _join(self, shared: SharedParts, spec: KVCacheSpec, sink: Optional[EventSink], events=None,
-              kv_events=None) -> None:
-        """Become one group of ``shared``, of attention ``spec``, reporting to ``sink``; ``events`` and
-        ``kv_events`` are the consumers this manager shows (a hybrid manager's groups show none: their
-        coordinator holds and delivers them)."""
+              kv_events=None, group: int = 0) -> None:
+        """Become group ``group`` of ``shared`` (its namespace of the prefix index), of attention ``spec``,
+        reporting to ``sink``; ``events`` and ``kv_events`` are the consumers this manager shows (a hybrid
+        manager's groups show none: their coordinator holds and delivers them)."""
+        self.group = group
         self.block_size, self.num_blocks = shared.block_size, shared.num_blocks
         self.spec, self.sliding_window = spec, spec.sliding_window
         self.enable_prefix_caching, self.hash_fn = shared.enable_prefix_caching, shared.hash_fn

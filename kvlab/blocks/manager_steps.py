@@ -64,7 +64,7 @@ class BlockManagerSteps(ManagerState):
             hashes, contents = seals
             stop = alloc.num_sealed + len(hashes)
             sealed = table[alloc.num_sealed:stop]
-            alloc.last_content = pool.seal(sealed, hashes, contents, alloc.last_content)
+            alloc.last_content = pool.seal(sealed, hashes, contents, alloc.last_content, self.group)
             if sink is not None:
                 sink.stored(pool.index, sealed, hashes, contents, alloc.last_hash)
             alloc.num_sealed, alloc.last_hash = stop, hashes[-1]

@@ -63,14 +63,14 @@ class AllocationPlan(NamedTuple):
 
 
 def plan_allocation(pool, seq, hashes, contents, block_size, spec, lookahead,
-                    num_new_tokens, max_hits=None) -> AllocationPlan:
-    """Prefix hits are looked up once, here at admission (at most ``max_hits`` blocks: the hybrid manager's
-    hit every group can serve); the first step computes the first ``num_new_tokens`` tokens after them (None:
-    the whole rest of the prompt)."""
+                    num_new_tokens, max_hits=None, group: int = 0) -> AllocationPlan:
+    """Prefix hits are looked up once, here at admission, in KV cache ``group``'s namespace of the index (at
+    most ``max_hits`` blocks: the hybrid manager's hit every group can serve); the first step computes the
+    first ``num_new_tokens`` tokens after them (None: the whole rest of the prompt)."""
     n = seq.num_tokens
     # Never share the whole prompt: at least one token must be computed to produce logits.
     limit = (n - 1) // block_size
-    hits = pool.index.lookup(hashes, contents, limit if max_hits is None else min(limit, max_hits))
+    hits = pool.index.lookup(hashes, contents, limit if max_hits is None else min(limit, max_hits), ROOT, group)
     tier_hits = pool.tier.lookup(hashes, contents, limit, hits, pool.index) if pool.tier is not None else ()
     cached = (len(hits) + len(tier_hits)) * block_size
     scheduled = cached + new_tokens(seq, num_new_tokens, cached)

@@ -7,6 +7,12 @@ image; see ``kvlab.blocks.block_keys``) after that exact prefix", the content id
 was computed after; ``ROOT`` for a sequence's first block), and the bytes themselves. A slot is *cached*
 (hittable) when the hash map points at it; at most one slot per hash is.
 
+KV cache groups (a hybrid model's layer kinds: kvlab.blocks.hybrid_manager) are namespaces of the index, as
+vLLM V1's ``BlockHashWithGroupId`` keys its ``BlockPool``: one hash map per group, and each sealed slot records
+its group. The same tokens have the same hash (and bytes) in every group, but a lookup in group g sees only
+group g's map, so no group is ever handed another's block: the layers differ, and so does their K/V. A
+single-group manager has one namespace, ``cached``.
+
 Why content ids: a lookup shares slot c for logical block i only if c holds the same bytes AND c's parent
 holds exactly the content the lookup matched for block i - 1. Comparing content ids (not slot ids, which are
 reused) makes that check O(1) and immune to hash collisions at this block or any earlier one: a weak hash only
@@ -68,8 +74,9 @@ class Evicted(NamedTuple):
 
 
 class PrefixIndex:
-    def __init__(self, num_slots: int, ids: Optional[ContentIds] = None, name: str = "GPU block"):
-        self.num_slots = num_slots
+    def __init__(self, num_slots: int, ids: Optional[ContentIds] = None, name: str = "GPU block",
+                 num_groups: int = 1):
+        self.num_slots, self.num_groups = num_slots, num_groups
         self.ids = ids if ids is not None else ContentIds()
         self.name = name  # how error messages call a slot
         self.forget_all()
@@ -81,8 +88,17 @@ class PrefixIndex:
         self.content = [NO_CONTENT] * n
         self.parent_content = [NO_CONTENT] * n
         self.block_bytes: list[Optional[bytes]] = [None] * n
-        self.cached: dict[int, int] = {}  # hash -> the one registered slot with that hash
-        self.registered = [False] * n  # registered[s] == (cached.get(hash of s) == s), kept for speed
+        # Per group: hash -> the one registered slot with that hash in that group. ``cached`` is group 0's.
+        self.namespaces: list[dict[int, int]] = [{} for _ in range(self.num_groups)]
+        self.cached = self.namespaces[0]
+        self.group = [0] * n  # the group a sealed slot's content belongs to
+        # registered[s] == (namespaces[group[s]].get(hash of s) == s), kept for speed
+        self.registered = [False] * n
+
+    @property
+    def num_cached(self) -> int:
+        """Slots a lookup of some group can hit now."""
+        return sum(map(len, self.namespaces))
 
     def is_cached(self, slot: int) -> bool:
         return self.registered[slot]
@@ -93,12 +109,13 @@ class PrefixIndex:
     def content_id(self, slot: int) -> int:
         return self.content[slot]
 
-    def lookup(self, hashes: list[int], contents: list[bytes], limit: int, parent: int = ROOT) -> list[int]:
-        """The cached slots matching the first full blocks of a prompt (chained after content ``parent``), in
-        order, stopping at the first miss (at most ``limit``). Pure: changes nothing."""
+    def lookup(self, hashes: list[int], contents: list[bytes], limit: int, parent: int = ROOT,
+               group: int = 0) -> list[int]:
+        """The cached slots of ``group`` matching the first full blocks of a prompt (chained after content
+        ``parent``), in order, stopping at the first miss (at most ``limit``). Pure: changes nothing."""
         hits: list[int] = []
-        cached, block_bytes, parent_content, content = (self.cached, self.block_bytes, self.parent_content,
-                                                        self.content)
+        cached, block_bytes, parent_content, content = (self.namespaces[group], self.block_bytes,
+                                                        self.parent_content, self.content)
         for i in range(min(limit, len(hashes))):
             slot = cached.get(hashes[i])
             if slot is None or parent_content[slot] != parent or block_bytes[slot] != contents[i]:
@@ -107,14 +124,19 @@ class PrefixIndex:
             parent = content[slot]
         return hits
 
-    def seal(self, slots, hashes, contents, parent: int) -> int:
-        """Record that each of ``slots`` is full with ``contents[i]`` (hash ``hashes[i]``), chained after the
-        prefix whose content id is ``parent``, and register each unless another slot already holds its hash
-        (then only the first stays hittable). Returns the last slot's content id, the next slot's ``parent``.
-        The slots that got a new content id are those with ``content[s] >=`` the ids' ``next`` before."""
+    def seal(self, slots, hashes, contents, parent: int, group: int = 0) -> int:
+        """Record that each of ``slots`` is full with ``contents[i]`` (hash ``hashes[i]``) in ``group``, chained
+        after the prefix whose content id is ``parent``, and register each unless another slot of the group
+        already holds its hash (then only the first stays hittable). Returns the last slot's content id, the
+        next slot's ``parent``. The slots that got a new content id are those with ``content[s] >=`` the ids'
+        ``next`` before."""
+        if self.num_groups > 1:
+            group_of = self.group
+            for slot in slots:
+                group_of[slot] = group
         if self.ids.interned is not None:
-            return self._seal_interned(slots, hashes, contents, parent)
-        setdefault, registered, block_hash = self.cached.setdefault, self.registered, self.hash
+            return self._seal_interned(slots, hashes, contents, parent, group)
+        setdefault, registered, block_hash = self.namespaces[group].setdefault, self.registered, self.hash
         content_id, parent_content, block_bytes = self.content, self.parent_content, self.block_bytes
         cid = self.ids.next
         for slot, h, content in zip(slots, hashes, contents):
@@ -134,9 +156,9 @@ class PrefixIndex:
         self.ids.next = cid
         return parent
 
-    def _seal_interned(self, slots, hashes, contents, parent: int) -> int:
+    def _seal_interned(self, slots, hashes, contents, parent: int, group: int) -> int:
         """``seal`` with interned ids: each slot's id is the one its (parent, bytes) has everywhere."""
-        intern, setdefault = self.ids.intern, self.cached.setdefault
+        intern, setdefault = self.ids.intern, self.namespaces[group].setdefault
         for slot, h, content in zip(slots, hashes, contents):
             self.hash[slot] = h
             self.registered[slot] = setdefault(h, slot) == slot  # else a twin holds the hash (see seal)
@@ -147,7 +169,8 @@ class PrefixIndex:
 
     def put(self, slots, hashes, contents, content_ids, parents) -> None:
         """Record entries that keep the content ids they had in another tier (a block moved between tiers
-        holds the same bytes after the same prefix); each is registered unless another slot holds its hash."""
+        holds the same bytes after the same prefix); each is registered unless another slot holds its hash.
+        Group 0's: only a single-group manager has a second tier."""
         setdefault, registered = self.cached.setdefault, self.registered
         for slot, h, content, cid, parent in zip(slots, hashes, contents, content_ids, parents):
             self.hash[slot], self.content[slot] = h, cid
@@ -161,14 +184,23 @@ class PrefixIndex:
         dropped = [slot for slot in slots if registered[slot]]
         if not dropped:
             return None
-        cached, block_hash, block_bytes = self.cached, self.hash, self.block_bytes
+        block_hash, block_bytes = self.hash, self.block_bytes
         content, parent_content = self.content, self.parent_content
         hashes = []
-        for slot in dropped:
-            registered[slot] = False
-            h = block_hash[slot]
-            del cached[h]
-            hashes.append(h)
+        if self.num_groups == 1:
+            cached = self.cached
+            for slot in dropped:
+                registered[slot] = False
+                h = block_hash[slot]
+                del cached[h]
+                hashes.append(h)
+        else:
+            namespaces, group_of = self.namespaces, self.group
+            for slot in dropped:
+                registered[slot] = False
+                h = block_hash[slot]
+                del namespaces[group_of[slot]][h]
+                hashes.append(h)
         return Evicted(dropped, hashes, [block_bytes[s] for s in dropped], [content[s] for s in dropped],
                        [parent_content[s] for s in dropped])
 
@@ -182,11 +214,14 @@ class PrefixIndex:
     def check(self) -> None:
         """Raise InvariantViolation unless the hash map, the registered flags and the content ids agree.
         O(number of slots)."""
-        for h, slot in self.cached.items():
-            if self.hash[slot] != h or self.content[slot] <= ROOT:
-                _fail(f"prefix cache maps hash {h} to block {slot}, which does not hold that sealed content")
-        if sum(self.registered) != len(self.cached) or any(
-                self.registered[s] != (self.cached.get(self.hash[s]) == s) for s in range(self.num_slots)):
+        for group, cached in enumerate(self.namespaces):
+            for h, slot in cached.items():
+                if self.hash[slot] != h or self.content[slot] <= ROOT or self.group[slot] != group:
+                    _fail(f"prefix cache maps hash {h} of group {group} to block {slot}, which does not hold "
+                          "that sealed content in that group")
+        if sum(self.registered) != self.num_cached or any(
+                self.registered[s] != (self.namespaces[self.group[s]].get(self.hash[s]) == s)
+                for s in range(self.num_slots)):
             _fail("a block's registered flag disagrees with the prefix cache map")
         # A lookup trusts a content id to stand for one parent and one run of bytes (tokens and keys): were it
         # to stand for two, a hit could hand out K/V of other tokens, or of another tenant.

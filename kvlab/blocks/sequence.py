@@ -9,7 +9,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from kvlab.blocks.block_keys import cache_keys, group_keys
+from kvlab.blocks.block_keys import cache_keys
 from kvlab.errors import InvalidArgumentError, SequenceStateError
 from kvlab.validation import check_int
 
@@ -125,10 +125,9 @@ class Sequence:
         self.prefill_end = 0
         self.last_token: int | None = self._tokens[-1] if self._tokens else None
         self._allocation = None  # the owning manager's record (kvlab.blocks.allocations.Allocation) while allocated
-        # Its full blocks' hashes (kvlab.blocks.hashing.BlockHashes), computed once for its whole life, under
-        # slot None; a hybrid manager's group shadows keep theirs in the same dict under their group.
-        self._hash_cache: dict = {}
-        self._hash_slot = None
+        # Its full blocks' hashes (kvlab.blocks.hashing.BlockHashes), computed once for its whole life, in a
+        # one-item box that a hybrid manager's group shadows share: every group hashes a prompt once.
+        self._hashes_box: list = [None]
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -243,33 +242,29 @@ def key_bytes(seq: Sequence):
     return seq._keys.block_bytes if seq._keys is not None else None
 
 
-def block_hash_cache(seq: Sequence):
-    """(the dict holding ``seq``'s block hashes, its slot there): see kvlab.blocks.hashing.prompt_blocks."""
-    return seq._hash_cache, seq._hash_slot
+def block_hashes_box(seq: Sequence) -> list:
+    """The one-item list holding ``seq``'s block hashes (or None): see kvlab.blocks.hashing.prompt_blocks."""
+    return seq._hashes_box
 
 
 def copy_tokens(parent: Sequence, child: Sequence) -> None:
     """Give ``child`` the parent's tokens, counters, salt and keys (``fork``), and its block hashes with them:
-    the child's own ones were of other tokens (a group shadow's siblings' are the fresh ones of the same fork)."""
+    the child's own ones were of other tokens."""
     child._tokens, child._keys = array("Q", parent._token_array()), parent._keys
-    if child._hash_slot is None:
-        child._hash_cache = {}
-    hashes = parent._hash_cache.get(parent._hash_slot)
-    if hashes is not None:
-        child._hash_cache[child._hash_slot] = hashes.copy()
+    hashes = parent._hashes_box[0]
+    child._hashes_box = [hashes.copy() if hashes is not None else None]
     child.num_tokens, child.num_prompt_tokens = parent.num_tokens, parent.num_prompt_tokens
     child.last_token, child.num_cached_tokens = parent.last_token, parent.num_cached_tokens
     child.num_computed_tokens, child.prefill_end = parent.num_computed_tokens, parent.prefill_end
     child.num_draft_tokens = parent.num_draft_tokens
 
 
-def group_shadow(seq: Sequence, group: int) -> Sequence:
-    """``seq``'s stand-in in KV cache group ``group`` of a hybrid manager (kvlab.blocks.hybrid_manager): its
-    id and token array (so appended tokens show), and its keys with the group added to block 0's, so that no
-    two groups' blocks ever have equal bytes: the layers differ, and so does their K/V."""
+def group_shadow(seq: Sequence) -> Sequence:
+    """``seq``'s stand-in in one KV cache group of a hybrid manager (kvlab.blocks.hybrid_manager), which holds
+    the group's allocation record and counters: its id, token array (so appended tokens show), keys and block
+    hashes, the same in every group (the group is a namespace of the prefix index, kvlab.blocks.prefix_index,
+    not part of a block's bytes)."""
     shadow = Sequence((), seq.block_size)
-    shadow._keys = group_keys(seq._keys, group)
-    shadow._hash_cache, shadow._hash_slot = seq._hash_cache, group
     shadow.seq_id, shadow.num_preemptions = seq.seq_id, seq.num_preemptions
     sync_shadow(seq, shadow)
     return shadow
@@ -278,4 +273,5 @@ def group_shadow(seq: Sequence, group: int) -> Sequence:
 def sync_shadow(seq: Sequence, shadow: Sequence) -> None:
     """Bring a shadow's tokens up to its sequence's (``append_token`` and ``fork`` change only the sequence)."""
     shadow._tokens, shadow.num_tokens, shadow.last_token = seq._tokens, seq.num_tokens, seq.last_token
+    shadow._keys, shadow._hashes_box = seq._keys, seq._hashes_box
     shadow.num_prompt_tokens = seq.num_prompt_tokens

@@ -93,13 +93,21 @@ def test_a_fork_child_takes_its_parents_hashes():
     manager.check_invariants()
 
 
-def test_a_hybrid_manager_hashes_each_groups_blocks_once(hashed):
+def test_a_hybrid_manager_hashes_a_prompt_once_for_all_groups(hashed):
     manager = HybridBlockManager(32, 2, groups=[FullAttentionSpec(), SlidingWindowSpec(2)])
     seq = Sequence([1, 2, 3, 4, 5], 2)
     assert manager.can_allocate(seq)
     manager.allocate(seq)
-    assert len(hashed) == 4                 # two full blocks in each of two groups (their bytes differ)
+    assert len(hashed) == 2                 # two full blocks, one hash each: a group is a namespace, not bytes
     manager.free(seq, preempted=True)
     manager.allocate(seq)
-    assert len(hashed) == 4
+    seq.append_token(6)
+    manager.append_slots(seq)               # seals block [5, 6] in both groups, hashed once
+    assert len(hashed) == 3
+    child = Sequence([])
+    manager.fork(seq, child)
+    child.append_token(7)
+    child.append_token(8)
+    manager.append_slots(child)
+    assert len(hashed) == 4                 # [7, 8], once: a fork's group shadows share the child's hashes
     manager.check_invariants()

@@ -2,9 +2,9 @@
 
 The property test reuses the hybrid model-checking machine of test_stateful_hybrid (chunked admissions with
 prefix hits in every group, steps, forks, frees, swaps, resets, constant hashes, a user policy) and checks
-after every operation that the (group, hash) pairs rebuilt from the events are the manager's own: the pool's
-cached hashes, each in exactly one group, and each cached block under the group its content was stored in
-(read from its chain back to block 0, whose keys start with the group's tag: ``block_keys.group_keys``). A
+after every operation that the (group, hash) pairs rebuilt from the events are the manager's own: each group's
+namespace of the prefix index (the same hash may be cached in several groups), with every cached block a
+group's sequences hold in that group's namespace. A
 healthy subscriber checks at every event that the whole call is over (the hybrid manager's invariants hold,
 no manager's lock is held); faulty subscribers ahead of it (raising, or closing themselves, at a random
 event) never cost it an event.
@@ -21,8 +21,6 @@ from test_kv_events import Faulty
 from test_stateful_hybrid import MACHINES, STEPS
 
 from kvlab import BlockManager, Sequence
-from kvlab.blocks.block_keys import encode_key
-from kvlab.blocks.prefix_index import NO_CONTENT, ROOT
 from kvlab.blocks.hybrid_manager import HybridBlockManager
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
 from kvlab.blocks.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, CachedHashes, event_dict
@@ -31,23 +29,17 @@ from kvlab.blocks.sequence import SequenceStatus
 FULL, W2 = FullAttentionSpec(), SlidingWindowSpec(2)
 
 
-def cached_groups(manager: HybridBlockManager) -> tuple[set, dict]:
-    """The manager's own answer, from its pool: (every cached hash, cached block -> its group where its chain
-    of contents back to block 0 is still in the pool). A block 0's bytes are its tokens, then its group's tag."""
-    pool, width = manager._pool.index, 8 * manager.block_size
-    holder = {pool.content[b]: b for b in range(pool.num_slots) if pool.content[b] != NO_CONTENT}
-    tags = [b"G" + encode_key(g) for g in range(len(manager.groups))]
-
-    def group(block):
-        while pool.parent_content[block] != ROOT:
-            block = holder.get(pool.parent_content[block])
-            if block is None:
-                return None   # an ancestor was evicted: no lookup reaches this block any more
-        [g] = [g for g, tag in enumerate(tags) if pool.block_bytes[block][width:].startswith(tag)]
-        return g
-
-    cached = [b for b in range(pool.num_slots) if pool.is_cached(b)]
-    return {pool.hash[b] for b in cached}, {b: group(b) for b in cached if group(b) is not None}
+def cached_pairs(manager: HybridBlockManager) -> set:
+    """The manager's own answer, from its pool: the (group, hash) of every cached block. Checked against the
+    groups' records too: a cached block a group's sequence holds is cached in that group's namespace."""
+    index = manager._pool.index
+    pairs = {(g, h) for g, namespace in enumerate(index.namespaces) for h in namespace}
+    assert len(pairs) == index.num_cached == sum(index.registered)
+    for g, member in enumerate(manager._members):
+        for alloc in member._core._allocs:
+            if not alloc.on_cpu:
+                assert all(index.namespaces[g].get(index.hash[b]) == b for b in alloc.table if index.is_cached(b))
+    return pairs
 
 
 class Consistent:
@@ -89,12 +81,9 @@ def _event_machine(machine):
 
         @invariant()
         def events_rebuild_every_groups_cached_hashes(self):
-            hashes, groups = cached_groups(self.manager)
             pairs = {(g, h) for g, group_hashes in self.replayed.groups.items() for h in group_hashes}
             assert not self.replayed.hashes   # every hybrid event names its group
-            assert {h for _, h in pairs} == hashes and len(pairs) == len(hashes)
-            pool = self.manager._pool.index
-            assert {(g, pool.hash[b]) for b, g in groups.items()} <= pairs
+            assert pairs == cached_pairs(self.manager)
 
         @invariant()
         def faulty_subscribers_are_dropped_when_they_break_and_only_then(self):
@@ -139,9 +128,10 @@ def test_a_prompt_is_stored_in_every_group_with_its_spec():
         full, window = list(events)
     assert group_fields(full) == (0, "full_attention", None) and group_fields(window) == (1, "sliding_window", 2)
     assert full.token_ids == window.token_ids == [1, 2, 3, 4]
-    assert not set(full.block_hashes) & set(window.block_hashes)   # other layers' K/V: other blocks
-    assert index.groups == {0: set(full.block_hashes), 1: set(window.block_hashes)}
-    assert index.prefix_match(full.block_hashes, 2, group=0) == 2 and index.prefix_match(full.block_hashes, 2, 1) == 0
+    # vLLM's events: the plain block hash, the same in every group, and the group beside it.
+    assert full.block_hashes == window.block_hashes
+    assert index.groups == {0: set(full.block_hashes), 1: set(full.block_hashes)}
+    assert index.prefix_match(full.block_hashes, 2, group=0) == index.prefix_match(full.block_hashes, 2, 1) == 2
     line = json.loads(json.dumps(event_dict(window)))
     assert {k: line[k] for k in ("group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")} == \
         {"group_idx": 1, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 2}
@@ -206,8 +196,8 @@ def test_a_callback_may_call_the_hybrid_manager():
     manager.kv_events.subscribe(allocate_once)
     manager.kv_events.subscribe(index)
     manager.allocate(Sequence([1, 2, 3, 4, 5], 2))
-    hashes, _ = cached_groups(manager)
-    assert {h for g in index.groups.values() for h in g} == hashes and len(hashes) == 6
+    pairs = cached_pairs(manager)
+    assert {(g, h) for g, hashes in index.groups.items() for h in hashes} == pairs and len(pairs) == 6
 
 
 def test_single_group_lines_are_unchanged():

@@ -54,8 +54,8 @@ def test_hit_is_cut_to_what_the_window_group_can_serve():
     m.free(a)
     m.allocate(Sequence([99] * 8, BS))  # evicts the window group's released blocks (freed first)
     probe = Sequence(range(13), BS)
-    full_hit = m._members[0].get_num_cached_tokens(group_shadow(probe, 0))
-    window_hit = m._members[1].get_num_cached_tokens(group_shadow(probe, 1))
+    full_hit = m._members[0].get_num_cached_tokens(group_shadow(probe))
+    window_hit = m._members[1].get_num_cached_tokens(group_shadow(probe))
     assert full_hit == 12 and window_hit < full_hit
     assert m.get_num_cached_tokens(probe) == window_hit
     m.allocate(probe)
@@ -203,7 +203,7 @@ def test_a_group_offers_its_two_halves_and_queries_not_the_single_group_managers
     m = make(num_cpu_blocks=8)
     seq = Sequence(range(10), BS)
     m.allocate(seq)
-    for group, shadow in zip(m._members, (group_shadow(seq, g) for g in range(len(GROUPS)))):
+    for group, shadow in zip(m._members, (group_shadow(seq) for _ in GROUPS)):
         assert not isinstance(group, BlockManager)
         for call in ("allocate", "can_allocate", "append_slots", "free", "swap_out", "swap_in", "accept_drafts",
                      "mark_blocks_as_computed", "get_common_computed_block_ids", "access_all_blocks_in_seq",
