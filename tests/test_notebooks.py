@@ -26,6 +26,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from notebook_cells import SHOWS_A_FIGURE, cells, cells_missing_figures
 from repo_scripts import load_script
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,15 +37,9 @@ FIX = "edit the .py only, then run `make notebooks`"
 # Per cell. Generous: on CPU the kernels run in the Triton interpreter on two shared cores.
 CELL_TIMEOUT_S = 900
 KERNEL_STARTUP_TIMEOUT_S = 180
-# A line that shows a figure whenever its cell runs: not indented (so not inside an if, loop or function).
-SHOWS_A_FIGURE = re.compile(r"^plt\.show\(\)", re.MULTILINE)
 
 
 sync_notebooks = load_script("sync_notebooks")
-
-
-def cells(nb: nbformat.NotebookNode) -> list[tuple[str, str]]:
-    return [(cell.cell_type, cell.source) for cell in nb.cells]
 
 
 @pytest.mark.parametrize("py", SOURCES, ids=lambda path: path.stem)
@@ -179,12 +174,6 @@ def kernel_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVLAB_CI", "1")  # notebooks may shorten optional demos under test
     # What headless CI runners set: without `%matplotlib inline` the executed notebook would keep no figure.
     monkeypatch.setenv("MPLBACKEND", "Agg")
-
-
-def cells_missing_figures(nb: nbformat.NotebookNode) -> list[int]:
-    """Code cells that show a figure unconditionally but kept no PNG output."""
-    return [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code" and SHOWS_A_FIGURE.search(cell.source)
-            and not any("image/png" in out.get("data", {}) for out in cell.outputs)]
 
 
 @pytest.mark.notebooks

@@ -10,7 +10,6 @@ The last test runs the renderer itself on a tiny notebook.
 """
 
 import base64
-import re
 import struct
 from pathlib import Path
 
@@ -18,18 +17,14 @@ import jupytext
 import nbformat
 import pytest
 
+from notebook_cells import cells, cells_missing_figures
 from repo_scripts import load_script
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = sorted((REPO / "notebooks").glob("*.py"))
 RENDER = "run `make render` (or scripts/render_notebooks.py notebooks/NAME.py) and commit docs/rendered/"
-SHOWS_A_FIGURE = re.compile(r"^plt\.show\(\)", re.MULTILINE)  # as in tests/test_notebooks.py
 render_notebooks = load_script("render_notebooks")
 RENDERED = sorted(render_notebooks.RENDERED_DIR.glob("*.ipynb"))
-
-
-def cells(nb: nbformat.NotebookNode) -> list[tuple[str, str]]:
-    return [(cell.cell_type, cell.source) for cell in nb.cells]
 
 
 @pytest.mark.parametrize("py", SOURCES, ids=lambda path: path.stem)
@@ -40,8 +35,7 @@ def test_every_notebook_has_a_fresh_rendering(py: Path) -> None:
     assert cells(nb) == cells(jupytext.read(py)), f"{rendered.name} is stale: {py.name} changed since: {RENDER}"
     counts = [c.execution_count for c in nb.cells if c.cell_type == "code" and c.source.strip()]
     assert None not in counts and counts == sorted(counts), f"{rendered.name} was not run top to bottom: {RENDER}"
-    bare = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and SHOWS_A_FIGURE.search(c.source)
-            and not any("image/png" in out.get("data", {}) for out in c.outputs)]
+    bare = cells_missing_figures(nb)
     assert not bare, f"{rendered.name}: cells {bare} show a figure but kept none: {RENDER}"
 
 
