@@ -211,7 +211,7 @@ class Sequence:
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_allocation"] = None
-        state["_hash_cache"] = {}  # as long as the prompt again, and cheap to recompute
+        state["_hashes_box"] = [None]  # as long as the prompt again, and cheap to recompute
         if self.num_completion_tokens > 0:
             state["_tokens"] = None
         return state

@@ -1,6 +1,8 @@
 """A sequence carries its block hashes for its whole life (kvlab.blocks.hashing.BlockHashes): a block is
 hashed once, however often the sequence is checked, admitted, preempted and admitted again."""
 
+import pickle
+
 import pytest
 
 from kvlab import BlockManager, Sequence
@@ -111,3 +113,16 @@ def test_a_hybrid_manager_hashes_a_prompt_once_for_all_groups(hashed):
     manager.append_slots(child)
     assert len(hashed) == 4                 # [7, 8], once: a fork's group shadows share the child's hashes
     manager.check_invariants()
+
+
+def test_a_pickled_sequence_leaves_its_hashes_behind():
+    """A decoding sequence sent to a worker is a flat-size message: its prompt's hashes stay home too."""
+    sizes = []
+    for prompt_len in (8, 4000):
+        seq = Sequence(range(prompt_len), 16)
+        manager = BlockManager(300, 16)
+        manager.allocate(seq)                # hashes the prompt's full blocks
+        seq.append_token(1)
+        sizes.append(len(pickle.dumps(seq)))
+        manager.free(seq)
+    assert sizes[1] - sizes[0] < 100
