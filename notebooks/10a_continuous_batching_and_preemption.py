@@ -77,6 +77,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvlab import AllocStatus, BlockManager, Sequence, viz
+from kvlab.course import answer
 from kvlab.device import DEVICE
 from kvlab.engine import LLM, SamplingParams
 from kvlab.engine.random_model import save_random_model
@@ -249,23 +250,22 @@ print(f"Reading: the watermark reserves {reserve} of the 20 blocks, so with 6 fr
       f"becomes NEVER.")
 
 # %% [markdown]
-# ### Exercise 1: a bigger reserve
+# ### Exercise: a bigger reserve
 #
 # Predict before you run anything: with `watermark=0.3` (a reserve of 6 of the 20 blocks), how many of the
-# five sizes in the table get a different answer than with no watermark? Replace `None` with your number and
-# run the cell; it checks your answer against `admission(0.3)`.
+# five sizes in the table get a different answer than with no watermark? Set `PREDICTED_CHANGED_AT_0_3` to
+# your number and run the cell; it checks your answer against `admission(0.3)`.
 
 # %%
-changed_answers_at_0_3 = None   # your prediction: an int from 0 to 5
+PREDICTED_CHANGED_AT_0_3 = None   # your prediction: an int from 0 to 5
 
-truth = int((pd.Series(admission(0.3)) != pd.Series(admission(0.0))).sum())
-if changed_answers_at_0_3 is None:
-    print("Not answered yet: replace None with your prediction, then run this cell again.")
-else:
-    print("Right." if changed_answers_at_0_3 == truth else f"Not quite: you said {changed_answers_at_0_3}.")
+at_0_3, at_0 = pd.Series(admission(0.3)), pd.Series(admission(0.0))
+moved = [f"{size.removeprefix('needs ')} {at_0[size]} -> {at_0_3[size]}" for size in at_0.index[at_0_3 != at_0]]
+answer(PREDICTED_CHANGED_AT_0_3, len(moved), "With 6 of the 20 blocks free, a reserve of 0.3 x 20 blocks moves "
+       f"these answers: {'; '.join(moved) or 'none'}.")
 
 # %% [markdown]
-# **Answer** (read it after you have tried): **4**. A reserve of 6 blocks with 6 free leaves no room at all,
+# **Answer.** **4**. A reserve of 6 blocks with 6 free leaves no room at all,
 # so the sizes 4, 5 and 6, OK without a watermark, become LATER; 19 blocks fit the empty pool but not the
 # 14 it may fill while keeping 6 free, so LATER becomes NEVER; 21 blocks never fit either way.
 
@@ -417,28 +417,31 @@ print(f"Reading: recompute prefilled {recompute_tokens} tokens again (and found 
 # > the front of the waiting queue. nano-vllm (`nanovllm/engine/scheduler.py`, `preempt`) does the same.
 
 # %% [markdown]
-# ### Exercise 2: a tighter pool
+# ### Exercise: a tighter pool
 #
 # Predict before you run anything: in a pool of 10 blocks instead of 14 (the longest request still fits),
-# does each number below grow, shrink or stay the same? Answer `"more"`, `"fewer"` or `"same"` for each,
-# then run the cell; it runs the 10-block pool and compares.
+# does each number below grow, shrink or stay the same? Set each `PREDICTED_` value to `"more"`, `"fewer"`
+# or `"same"`, then run the cell; it runs the 10-block pool and compares.
 
 # %%
-at_10_blocks = {"preemptions (recompute)": None, "recomputed tokens": None, "blocks swapped (swap)": None}
+PREDICTED_PREEMPTIONS_AT_10 = None   # preemptions (recompute): "more", "fewer" or "same"
+PREDICTED_RECOMPUTED_AT_10 = None    # recomputed tokens (recompute): "more", "fewer" or "same"
+PREDICTED_SWAPPED_AT_10 = None       # blocks swapped out + in (swap): "more", "fewer" or "same"
 
 tighter = {mode_name: summary(run(10, mode_name)) for mode_name in ("recompute", "swap")}
 now = {"preemptions (recompute)": (tighter["recompute"]["preemptions"], costs.loc["preemptions", "recompute"]),
        "recomputed tokens": (tighter["recompute"]["recomputed tokens"], recompute_tokens),
        "blocks swapped (swap)": (tighter["swap"]["blocks swapped out + in"], swapped_blocks)}
-for name, (at_10, at_tight) in now.items():
-    truth = "more" if at_10 > at_tight else "fewer" if at_10 < at_tight else "same"
-    if at_10_blocks[name] is None:
-        print(f"{name}: not answered yet")
-    else:
-        print(f"{name}: {'right' if at_10_blocks[name] == truth else 'not quite'} ({at_10_blocks[name]!r})")
+whys = {"preemptions (recompute)": "a tighter pool also admits fewer requests at once, so who is preempted changes",
+        "recomputed tokens": "recompute pays per token of the victim not found in the prefix cache",
+        "blocks swapped (swap)": "swap pays per block the victim holds"}
+for (name, (at_10, at_tight)), yours in zip(now.items(), (PREDICTED_PREEMPTIONS_AT_10, PREDICTED_RECOMPUTED_AT_10,
+                                                          PREDICTED_SWAPPED_AT_10)):
+    answer(yours, "more" if at_10 > at_tight else "fewer" if at_10 < at_tight else "same",
+           f"{name}: {at_tight:.0f} in {TIGHT_POOL} blocks, {at_10:.0f} in 10; {whys[name]}.")
 
 # %% [markdown]
-# **Answer** (read it after you have tried): with the default knobs, preemptions stay the **same** (one),
+# **Answer.** With the default knobs, preemptions stay the **same** (one),
 # recomputed tokens are **more** and swapped blocks **fewer**. The numbers:
 
 # %%

@@ -73,6 +73,7 @@ import pandas as pd
 import torch
 
 from kvlab import viz
+from kvlab.course import answer
 from kvlab.device import DEVICE
 from kvlab.engine import LLM, SamplingParams
 from kvlab.engine.random_model import save_random_model
@@ -323,25 +324,28 @@ print(f"Reading: at budget {MIX_BUDGET}, V0 makes A or B wait {v0['longest decod
 # > scheduling` measures the same comparison in wall time on nano-vllm's workload shape.
 
 # %% [markdown]
-# ### Exercise 3: a longer prompt
+# ### Exercise: a longer prompt
 #
 # Predict before you run anything: if C's and D's prompts had 120 tokens instead of 64, which budgets of
 # `BUDGET_SWEEP` could V0 still run, and, at the largest of them, about how many tokens would the engine
-# compute between two tokens of A or B (V0's longest decode gap, in tokens)? Replace the two `None`s and run
-# the cell; it runs the 120-token workload and compares (the token count is right within 10 tokens).
+# compute between two tokens of A or B (V0's longest decode gap, in tokens)? Set the two `PREDICTED_` values
+# and run the cell; it runs the 120-token workload and compares (the token count is right within 10%).
 
 # %%
-v0_budgets_at_120 = None        # your prediction: a list of budgets from BUDGET_SWEEP, e.g. [64, 96]
-v0_stall_tokens_at_120 = None   # your prediction: an int, tokens computed between two tokens of A or B
+PREDICTED_V0_BUDGETS_AT_120 = None    # a list of budgets from BUDGET_SWEEP in increasing order, e.g. [64, 96]
+PREDICTED_V0_STALL_AT_120 = None      # an int: tokens computed between two tokens of A or B
 
 fits_120 = [b for b in BUDGET_SWEEP if b >= 120]
-stall_120 = stall_summary("v0", max(fits_120), long_prompt=120)["longest decode gap (tokens)"]
-for name, yours, right in (("budgets", v0_budgets_at_120, lambda x: sorted(x) == fits_120),
-                           ("stall", v0_stall_tokens_at_120, lambda x: abs(x - stall_120) <= 10)):
-    print(f"{name}: " + ("not answered yet" if yours is None else "right" if right(yours) else f"not quite ({yours})"))
+at_120 = stall_summary("v0", max(fits_120), long_prompt=120)
+stall_120 = int(at_120["longest decode gap (tokens)"])
+answer(PREDICTED_V0_BUDGETS_AT_120, fits_120, f"V0 prefills a prompt in one step, so only a budget of at least "
+       f"120 tokens can run it: {fits_120} of {BUDGET_SWEEP}.")
+answer(PREDICTED_V0_STALL_AT_120, stall_120, f"At budget {max(fits_120)} A and B wait "
+       f"{at_120['longest decode gap (steps)']:.0f} steps: a whole prefill step of a 120-token prompt, which gives "
+       "them nothing, and the decode step that gives them their next token.", rel_tol=0.1)
 
 # %% [markdown]
-# **Answer** (read it after you have tried): only budget **128** holds a 120-token prompt whole, and V0's
+# **Answer.** Only budget **128** holds a 120-token prompt whole, and V0's
 # longest decode gap there is printed below: a whole step of the long prompt's prefill, which gives A and B
 # nothing, plus the decode step that finally gives them their token (about 120 + 4 tokens). V1 at any budget
 # of the sweep still gives A and B a token every step.
