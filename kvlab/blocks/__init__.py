@@ -5,10 +5,11 @@ One module per part, in the manner of vLLM V1's ``vllm/v1/core/``:
     coordinator.py         the lifecycle calls (allocate, append_slots, accept_drafts, fork, free), written once
                            over KV cache groups, atomic across them: both managers below are a Coordinator
     manager_swap.py        the coordinator's swap_out and swap_in (vLLM V0's preemption by swapping)
+    coordinator_queries.py the coordinator's queries (the pool's; a sequence's tables, slots, place in every group)
     manager.py             BlockManager, the public API: the coordinator of one group, itself; here its halves
     manager_state.py       its constructor: the shared parts (pools, sink, settings) and the state every part reads
     manager_steps.py       a group's halves of append_slots (window release, copy-on-write, new blocks, seals)
-    manager_queries.py     its queries (block tables, slot mappings, ref counts, cached tokens)
+    manager_queries.py     a group's queries (its block table, slot mapping, cached tokens)
     vllm_v0.py             vLLM V0's block-space-manager calls and the cross-attention tables' calls
     hybrid_manager.py      HybridBlockManager: KV cache groups (full and sliding-window layers) sharing one pool,
                            the coordinator over one GroupManager per group

@@ -1,11 +1,12 @@
 """The coordinator (vLLM V1's ``KVCacheCoordinator``): each lifecycle call, written once, over KV cache groups.
 
 ``BlockManager`` (kvlab.blocks.manager) and ``HybridBlockManager`` (kvlab.blocks.hybrid_manager) both are a
-``Coordinator``: ``allocate``, ``append_slots``, ``accept_drafts``, ``free``, ``fork``, ``reset_prefix_cache``
-and ``check_invariants`` (and, in kvlab.blocks.manager_swap, ``swap_out`` / ``swap_in``) are implemented here
-and nowhere else. A ``BlockManager`` is the one-group case: its one group is itself (``GroupManager(self)``)
-and its sequences are their own group's view. A hybrid manager has one group per KV cache group, each seeing a sequence through a
-*shadow* (kvlab.blocks.sequence.group_shadow) that carries the group's record and counters.
+``Coordinator``: ``allocate``, ``append_slots``, ``accept_drafts``, ``free``, ``fork``, ``reset_prefix_cache``,
+``take_tier_moves`` and ``check_invariants`` (and, in kvlab.blocks.manager_swap, ``swap_out`` / ``swap_in``;
+in kvlab.blocks.coordinator_queries, the queries) are implemented here and nowhere else. A ``BlockManager`` is
+the one-group case: its one group is itself (``GroupManager(self)``) and its sequences are their own group's
+view. A hybrid manager has one group per KV cache group, each seeing a sequence through a *shadow*
+(kvlab.blocks.sequence.group_shadow) that carries the group's record and counters.
 
 Every call runs in two phases, so a failed call changes nothing in any group: it plans every group (checks,
 hashes: a failing ``hash_fn`` raises here), checks room for all of them, makes EVERY group's eviction-policy
@@ -24,6 +25,7 @@ from collections import Counter
 from typing import Optional
 
 from kvlab.blocks.allocations import check_unallocated
+from kvlab.blocks.coordinator_queries import CoordinatorQueries
 from kvlab.blocks.group_manager import HybridRecord
 from kvlab.blocks.group_planning import free_blocks_needed, hit_pins, plan_admissions, step_needs
 from kvlab.blocks.locking import serialized
@@ -36,7 +38,7 @@ from kvlab.validation import check_int
 
 
 @serialized
-class Coordinator(Swapping):
+class Coordinator(CoordinatorQueries, Swapping):
     # ---- admission and allocation ------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_lookahead_slots: int = 0, encoder_seq=None, *,
                      num_new_tokens: Optional[int] = None) -> AllocStatus:
@@ -209,6 +211,13 @@ class Coordinator(Swapping):
         for member in self._members:
             member.reset_stats()
         return True
+
+    def take_tier_moves(self) -> list[tuple[str, int, int]]:
+        """The offload tier's copies made since the last call, in order: ``("offload", gpu_block, cpu_slot)``
+        (an evicted cached block kept in the tier) and ``("promote", cpu_slot, gpu_block)`` (a tier hit brought
+        back by ``allocate``). Apply them in this order, before the moves the same calls returned (copy-on-write
+        pairs, swap mappings) and before the step's forward pass ([] without a tier: a hybrid manager has none)."""
+        return self._pool.tier.take_moves() if self._pool.tier is not None else []
 
     def check_invariants(self) -> None:
         """Raise InvariantViolation if the bookkeeping is inconsistent: every group's records on their own, then

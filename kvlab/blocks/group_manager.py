@@ -9,9 +9,10 @@ reports to through a ``GroupSink`` that adds its group) and show no event consum
 coordinator delivers every group's events once its own call is over.
 
 A group composes its core instead of being one: it offers the two halves below, ``fork``'s bookkeeping (no
-policy call) and the group's queries (``QUERIES``), never a whole lifecycle call (``allocate``,
-``append_slots``, ``free``, ``swap_out``: the coordinator's, across groups), vLLM V0's interface or the
-encoder-decoder cross-attention tables.
+policy call) and the group's own queries (its tables, slots, hits and stats; the pool's are the coordinator's,
+kvlab.blocks.coordinator_queries), never a whole lifecycle call (``allocate``, ``append_slots``, ``free``,
+``swap_out``: the coordinator's, across groups), vLLM V0's interface or the encoder-decoder cross-attention
+tables.
 
 Two phases. The coordinator plans every group (hashing every group's blocks, so a ``hash_fn`` that raises
 does so before anything changed), checks room for all of them, makes EVERY group's policy calls in one
@@ -28,12 +29,7 @@ from kvlab.blocks.invariants import check_records
 from kvlab.blocks.records import PrefixCacheStats
 from kvlab.blocks.sequence import SequenceStatus, allocation_record
 
-__all__ = ["GroupManager", "HybridRecord", "QUERIES"]
-
-
-#: The group's own questions, answered by its core's methods of that name.
-QUERIES = ("get_block_table", "slot_mapping", "blocks_for_prompt", "get_num_cached_tokens", "ref_count", "is_cached",
-           "block_hash", "free_block_ids", "make_prefix_cache_stats")
+__all__ = ["GroupManager", "HybridRecord"]
 
 
 class GroupManager:
@@ -43,7 +39,7 @@ class GroupManager:
 
     def __init__(self, core):
         self._core = core
-        self.block_size, self.num_blocks = core.block_size, core.num_blocks
+        self.block_size, self.num_blocks, self.spec = core.block_size, core.num_blocks, core.spec
 
     @property
     def stats(self) -> PrefixCacheStats:
@@ -54,20 +50,33 @@ class GroupManager:
         self._core.stats, self._core._stats_mark = PrefixCacheStats(), PrefixCacheStats()
 
     @property
-    def num_free_blocks(self) -> int:
-        return self._core.num_free_blocks
-
-    @property
-    def num_free_cpu_blocks(self) -> int:
-        return self._core.num_free_cpu_blocks
-
-    @property
     def num_sequences(self) -> int:
         return len(self._core._allocs)
+
+    def record(self, shadow):
+        """The shadow's record (kvlab.blocks.allocations); SequenceStateError if it is not allocated here."""
+        return self._core._alloc(shadow)
 
     def gpu_record(self, shadow):
         """The shadow's record; SequenceStateError if it is swapped out."""
         return self._core._on_gpu(shadow)
+
+    # ---- the group's own questions (the pool's are the coordinator's: kvlab.blocks.coordinator_queries) ------
+    def get_block_table(self, shadow) -> list[int]:
+        """A copy of the shadow's block table in this group (CPU block ids while it is swapped out)."""
+        return self._core._block_table(shadow)
+
+    def slot_mapping(self, shadow, start: int, end: int) -> list[int]:
+        """The shadow's cache slots in this group of positions start..end-1 (see ``BlockManager.slot_mapping``)."""
+        return self._core.slot_mapping(shadow, start, end)
+
+    def get_num_cached_tokens(self, shadow) -> int:
+        """Tokens of the shadow's leading full blocks this group's prefix cache holds now."""
+        return self._core.get_num_cached_tokens(shadow)
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """This group's lookup counters since the last call (see ``BlockManager.make_prefix_cache_stats``)."""
+        return self._core.make_prefix_cache_stats()
 
     # ---- allocate ------------------------------------------------------------------------------------------
     def plan_admission(self, shadow, lookahead: int, num_new_tokens, max_hits=None):
@@ -156,18 +165,6 @@ class GroupManager:
         coordinator checks the shared pools against every group's together)."""
         core = self._core
         return check_records(core._allocs, core._cross, core._pool, self.block_size, core.enable_prefix_caching)
-
-
-def _ask_core(name: str):
-    def ask(self, *args, **kwargs):
-        return getattr(self._core, name)(*args, **kwargs)
-    ask.__name__ = ask.__qualname__ = name
-    ask.__doc__ = f"The group's ``BlockManager.{name}`` (asked of its core)."
-    return ask
-
-
-for _name in QUERIES:
-    setattr(GroupManager, _name, _ask_core(_name))
 
 
 class HybridRecord:

@@ -42,7 +42,7 @@ from kvlab.blocks.drafts import SpeculativeDrafts, share_drafts
 from kvlab.blocks.group_manager import GroupManager
 from kvlab.blocks.hashing import prompt_blocks, sealed_through
 from kvlab.blocks.locking import serialized
-from kvlab.blocks.manager_queries import BlockManagerQueries
+from kvlab.blocks.manager_queries import GroupQueries
 from kvlab.blocks.manager_state import MAX_BLOCKS, NULL_BLOCK
 from kvlab.blocks.manager_steps import BlockManagerSteps
 from kvlab.blocks.planning import plan_allocation
@@ -55,7 +55,7 @@ __all__ = ["BlockManager", "AllocStatus", "PrefixCacheStats", "NULL_BLOCK", "MAX
 
 
 @serialized
-class BlockManager(Coordinator, BlockManagerSteps, BlockManagerQueries, VLLMV0Interface, SpeculativeDrafts):
+class BlockManager(Coordinator, BlockManagerSteps, GroupQueries, VLLMV0Interface, SpeculativeDrafts):
     """The coordinator (kvlab.blocks.coordinator) of one KV cache group: itself. Its lifecycle calls
     (``allocate``, ``append_slots``, ``free``, ``fork``, swapping) are the coordinator's, driving this manager's
     own halves below through ``GroupManager(self)``; a sequence is its own group's view."""
@@ -95,14 +95,6 @@ class BlockManager(Coordinator, BlockManagerSteps, BlockManagerQueries, VLLMV0In
         self._adopt(twin, child.num_cached_tokens)
         if self._sink is not None:
             self._sink.forked(child.seq_id, parent.seq_id)
-
-    # ---- maintenance -----------------------------------------------------------------------------------
-    def take_tier_moves(self) -> list[tuple[str, int, int]]:
-        """The offload tier's copies made since the last call, in order: ``("offload", gpu_block, cpu_slot)``
-        (an evicted cached block kept in the tier) and ``("promote", cpu_slot, gpu_block)`` (a tier hit brought
-        back by ``allocate``). Apply them in this order, before the moves the same calls returned (copy-on-write
-        pairs, swap mappings) and before the step's forward pass ([] without a tier)."""
-        return self._tier.take_moves() if self._tier is not None else []
 
     # ---- internals -------------------------------------------------------------------------------------
     def _adopt(self, alloc: Allocation, num_cached_tokens: int) -> None:
