@@ -89,7 +89,8 @@ class Coordinator(CoordinatorQueries, Swapping):
         if num_cross:
             taken[0] = taken[0][:plans[0].num_new]
         for member, view, plan, blocks in zip(self._members, views, plans, taken):
-            member.admit(view, plan, blocks, 0 if several else len(revived), encoder_seq, cross_blocks)
+            member.admit(view, plan, blocks, 0 if several else len(revived), cross_blocks)
+        self._attach_cross(seq, encoder_seq, cross_blocks)
         if several:
             pool.drop(pins, unpinned)  # the groups hold their live hits now
         self._follow_views(seq, views, adopted=True)
@@ -224,7 +225,7 @@ class Coordinator(CoordinatorQueries, Swapping):
         the shared pools (and the offload tier) against all groups' references together (O(pool); for tests)."""
         gpu_refs, cpu_refs = Counter(), Counter()
         for member in self._members:
-            gpu, cpu = member.check_records()
+            gpu, cpu = member.check_records(self._cross_tables())  # the tables are a one-group manager's
             gpu_refs.update(gpu)
             cpu_refs.update(cpu)
         counts = Counter(member.num_sequences for member in self._members)

@@ -1,9 +1,10 @@
 """One KV cache group of a coordinator: the two halves of each lifecycle call, over the group's core.
 
-The coordinator (kvlab.blocks.coordinator) drives one ``GroupManager`` per group. Each holds a ``BlockManager``
-of its group's spec (kvlab.blocks.kv_cache_groups), its core, so every rule of the single-group manager
-(chunked prompts, window release, copy-on-write, sealing, swapping) holds per group. A ``BlockManager`` is
-its own one group's core (``GroupManager(self)``). A ``HybridBlockManager``'s cores are built on its
+The coordinator (kvlab.blocks.coordinator) drives one ``GroupManager`` per group. Each holds a ``GroupCore``
+of its group's spec (kvlab.blocks.group_core, kvlab.blocks.kv_cache_groups), so every rule of the single-group
+manager (chunked prompts, window release, copy-on-write, sealing, swapping) holds per group. A ``BlockManager``
+is a ``GroupCore`` and its own one group's core (``GroupManager(self)``). A ``HybridBlockManager``'s cores are
+``GroupCore``s (no coordinator, no vLLM V0 interface, no cross-attention tables) built on its
 ``SharedParts`` (kvlab.blocks.manager_state: one ``BlockPool``, one ``SwapSpace``, one event sink, which each
 reports to through a ``GroupSink`` that adds its group) and show no event consumers of their own: the
 coordinator delivers every group's events once its own call is over.
@@ -33,7 +34,7 @@ __all__ = ["GroupManager", "HybridRecord"]
 
 
 class GroupManager:
-    """One KV cache group, over its ``core`` (a ``BlockManager`` of the group's spec). In a hybrid manager its
+    """One KV cache group, over its ``core`` (a ``GroupCore`` of the group's spec). In a hybrid manager its
     sequences are group shadows (``kvlab.blocks.sequence.group_shadow``): the coordinator's sequence, with the
     group in its keys; in a ``BlockManager`` the sequences themselves."""
 
@@ -84,11 +85,11 @@ class GroupManager:
         all that are cached): the coordinator cuts every group's to the hit all of them serve."""
         return self._core._plan_allocation(shadow, lookahead, num_new_tokens, max_hits)
 
-    def admit(self, shadow, plan, new_blocks, num_revived: int, encoder_seq=None, cross_blocks=()) -> None:
+    def admit(self, shadow, plan, new_blocks, num_revived: int, cross_blocks=()) -> None:
         """allocate's bookkeeping, once the policy handed out ``new_blocks`` for this group (and ``cross_blocks``
-        for ``encoder_seq``'s table: one group only) and took ``num_revived`` of its live hits out of the free
-        set (0 where the coordinator pinned every group's hits itself)."""
-        self._core._admit(shadow, plan, new_blocks, num_revived, encoder_seq, cross_blocks)
+        for an encoder's table: one group only) and took ``num_revived`` of its live hits out of the free set
+        (0 where the coordinator pinned every group's hits itself)."""
+        self._core._admit(shadow, plan, new_blocks, num_revived, cross_blocks)
 
     # ---- append_slots --------------------------------------------------------------------------------------
     def plan_step(self, shadow, lookahead: int, num_new_tokens, num_drafts: int):
@@ -160,11 +161,12 @@ class GroupManager:
         return mapping
 
     # ---- checks --------------------------------------------------------------------------------------------
-    def check_records(self):
-        """Check this group's records on their own; returns the (GPU, CPU) references they hold (the
-        coordinator checks the shared pools against every group's together)."""
+    def check_records(self, cross_tables=()):
+        """Check this group's records on their own, with the ``cross_tables`` its sequences read (a one-group
+        manager's); returns the (GPU, CPU) references they hold (the coordinator checks the shared pools
+        against every group's together)."""
         core = self._core
-        return check_records(core._allocs, core._cross, core._pool, self.block_size, core.enable_prefix_caching)
+        return check_records(core._allocs, cross_tables, core._pool, self.block_size, core.enable_prefix_caching)
 
 
 class HybridRecord:

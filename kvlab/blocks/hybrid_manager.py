@@ -2,7 +2,7 @@
 
 A model mixing layer kinds has one group per kind (``kvlab.blocks.kv_cache_groups``); each group keeps its own
 block table per sequence and all groups draw from ONE pool of equal-size pages. This manager coordinates one
-``GroupManager`` per group (kvlab.blocks.group_manager): a ``BlockManager`` of the group's attention spec, built on
+``GroupManager`` per group (kvlab.blocks.group_manager): a ``GroupCore`` of the group's attention spec, built on
 the parts all groups share (``shared_parts``: one ``BlockPool``, one ``SwapSpace``, one event sink), so every rule
 of the single-group manager (chunked prompts, window release, copy-on-write, sealing, swapping) holds per group. A
 sequence is allocated here once and hashed once; each group holds a *shadow* of it (``group_shadow``: its id,
@@ -33,14 +33,15 @@ groups are delivered once this manager's outermost call has finished, never by a
 """
 
 import threading
+
 from kvlab.blocks.allocations import check_sequence, check_unallocated
 from kvlab.blocks.coordinator import Coordinator
 from kvlab.blocks.event_sink import GroupSink
+from kvlab.blocks.group_core import GroupCore
 from kvlab.blocks.group_manager import GroupManager, HybridRecord
 from kvlab.blocks.group_planning import plan_admissions
 from kvlab.blocks.kv_cache_groups import check_group_specs
 from kvlab.blocks.locking import serialized
-from kvlab.blocks.manager import BlockManager
 from kvlab.blocks.manager_state import shared_parts
 from kvlab.blocks.records import PrefixCacheStats
 from kvlab.blocks.sequence import Sequence, allocation_record, group_shadow, sync_shadow
@@ -67,7 +68,7 @@ class HybridBlockManager(Coordinator):
         self._kv_queue = self.kv_events.queue if kv_events else ()  # delivered after each call (locking.py)
         self._pool, self._swap, self._sink = shared.pool, shared.swap, shared.sink
         self._usable, self._watermark_blocks = shared.usable, shared.watermark_blocks
-        self._members = [GroupManager(BlockManager.joined(shared, spec, _group_sink(shared.sink, g), g))
+        self._members = [GroupManager(GroupCore.joined(shared, spec, _group_sink(shared.sink, g), g))
                          for g, spec in enumerate(specs)]
         self._lock = threading.RLock()
 
@@ -114,6 +115,12 @@ class HybridBlockManager(Coordinator):
             raise InvalidArgumentError("a hybrid manager has no encoder-decoder cross-attention tables: "
                                        "encoder_seq must be None")
         return 0
+
+    def _attach_cross(self, seq, encoder_seq, blocks) -> None:
+        """No cross-attention tables (``_cross_blocks`` refused an encoder)."""
+
+    def _cross_tables(self):
+        return ()
 
 
 def _group_sink(sink, group: int):
