@@ -16,8 +16,9 @@ each group do its bookkeeping, which cannot fail (kvlab.blocks.group_manager off
 What a coordinator provides besides its groups (``_members``) and the shared parts (``_pool``, ``_swap``,
 ``_sink``, ``_usable``, ``_watermark_blocks``, ``block_size``): ``_views(seq)`` (each group's view of an allocated
 sequence), ``_gpu_views(seq)`` (the same, checked to be on the GPU), ``_new_views(seq)`` (of a sequence to
-allocate), ``_fork_views(child)`` and ``_cross_blocks(seq, encoder_seq)`` (encoder-decoder tables, one group
-only). Where the views are shadows, the sequence's own record and counters follow group 0's shadow
+allocate), ``_fork_views(child)``, and the encoder-decoder tables' hooks (one group only: kvlab.blocks.vllm_v0)
+``_cross_blocks(seq, encoder_seq)``, ``_attach_cross(seq, encoder_seq, blocks)`` and ``_cross_tables()``. Where
+the views are shadows, the sequence's own record and counters follow group 0's shadow
 (``_follow_views``): all groups schedule the same positions.
 """
 
