@@ -5,14 +5,15 @@ One module per part, in the manner of vLLM V1's ``vllm/v1/core/``:
     coordinator.py         the lifecycle calls (allocate, append_slots, accept_drafts, fork, free), written once
                            over KV cache groups, atomic across them: both managers below are a Coordinator
     manager_swap.py        the coordinator's swap_out and swap_in (vLLM V0's preemption by swapping)
-    manager.py             BlockManager, the public API: the coordinator of one group, itself; here its halves
+    coordinator_queries.py the coordinator's queries (the pool's; a sequence's tables, slots, place in every group)
+    manager.py             BlockManager, the public API: a group's core and the coordinator of that one group
     manager_state.py       its constructor: the shared parts (pools, sink, settings) and the state every part reads
+    group_core.py          GroupCore: one group's records, its halves of each call and its own queries
     manager_steps.py       a group's halves of append_slots (window release, copy-on-write, new blocks, seals)
-    manager_queries.py     its queries (block tables, slot mappings, ref counts, cached tokens)
-    vllm_v0.py             vLLM V0's block-space-manager calls and the cross-attention tables' calls
+    vllm_v0.py             vLLM V0's block-space-manager calls and the cross-attention tables (one group's only)
     hybrid_manager.py      HybridBlockManager: KV cache groups (full and sliding-window layers) sharing one pool,
                            the coordinator over one GroupManager per group
-    group_manager.py       GroupManager: one group's two halves of each call, over a BlockManager core of its spec
+    group_manager.py       GroupManager: one group's two halves of each call, offered over its GroupCore
     group_planning.py      what a call needs from every group (the common hit, pins, steps, CPU blocks)
     kv_cache_groups.py     the groups' specs: FullAttentionSpec, SlidingWindowSpec (vLLM's KVCacheSpec family),
                            each with its release rule (the planning asks the spec)

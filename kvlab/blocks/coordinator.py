@@ -1,11 +1,12 @@
 """The coordinator (vLLM V1's ``KVCacheCoordinator``): each lifecycle call, written once, over KV cache groups.
 
 ``BlockManager`` (kvlab.blocks.manager) and ``HybridBlockManager`` (kvlab.blocks.hybrid_manager) both are a
-``Coordinator``: ``allocate``, ``append_slots``, ``accept_drafts``, ``free``, ``fork``, ``reset_prefix_cache``
-and ``check_invariants`` (and, in kvlab.blocks.manager_swap, ``swap_out`` / ``swap_in``) are implemented here
-and nowhere else. A ``BlockManager`` is the one-group case: its one group is itself (``GroupManager(self)``)
-and its sequences are their own group's view. A hybrid manager has one group per KV cache group, each seeing a sequence through a
-*shadow* (kvlab.blocks.sequence.group_shadow) that carries the group's record and counters.
+``Coordinator``: ``allocate``, ``append_slots``, ``accept_drafts``, ``free``, ``fork``, ``reset_prefix_cache``,
+``take_tier_moves`` and ``check_invariants`` (and, in kvlab.blocks.manager_swap, ``swap_out`` / ``swap_in``;
+in kvlab.blocks.coordinator_queries, the queries) are implemented here and nowhere else. A ``BlockManager`` is
+the one-group case: its one group is itself (``GroupManager(self)``) and its sequences are their own group's
+view. A hybrid manager has one group per KV cache group, each seeing a sequence through a *shadow*
+(kvlab.blocks.sequence.group_shadow) that carries the group's record and counters.
 
 Every call runs in two phases, so a failed call changes nothing in any group: it plans every group (checks,
 hashes: a failing ``hash_fn`` raises here), checks room for all of them, makes EVERY group's eviction-policy
@@ -15,8 +16,9 @@ each group do its bookkeeping, which cannot fail (kvlab.blocks.group_manager off
 What a coordinator provides besides its groups (``_members``) and the shared parts (``_pool``, ``_swap``,
 ``_sink``, ``_usable``, ``_watermark_blocks``, ``block_size``): ``_views(seq)`` (each group's view of an allocated
 sequence), ``_gpu_views(seq)`` (the same, checked to be on the GPU), ``_new_views(seq)`` (of a sequence to
-allocate), ``_fork_views(child)`` and ``_cross_blocks(seq, encoder_seq)`` (encoder-decoder tables, one group
-only). Where the views are shadows, the sequence's own record and counters follow group 0's shadow
+allocate), ``_fork_views(child)``, and the encoder-decoder tables' hooks (one group only: kvlab.blocks.vllm_v0)
+``_cross_blocks(seq, encoder_seq)``, ``_attach_cross(seq, encoder_seq, blocks)`` and ``_cross_tables()``. Where
+the views are shadows, the sequence's own record and counters follow group 0's shadow
 (``_follow_views``): all groups schedule the same positions.
 """
 
@@ -24,6 +26,7 @@ from collections import Counter
 from typing import Optional
 
 from kvlab.blocks.allocations import check_unallocated
+from kvlab.blocks.coordinator_queries import CoordinatorQueries
 from kvlab.blocks.group_manager import HybridRecord
 from kvlab.blocks.group_planning import free_blocks_needed, hit_pins, plan_admissions, step_needs
 from kvlab.blocks.locking import serialized
@@ -36,7 +39,7 @@ from kvlab.validation import check_int
 
 
 @serialized
-class Coordinator(Swapping):
+class Coordinator(CoordinatorQueries, Swapping):
     # ---- admission and allocation ------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_lookahead_slots: int = 0, encoder_seq=None, *,
                      num_new_tokens: Optional[int] = None) -> AllocStatus:
@@ -87,7 +90,8 @@ class Coordinator(Swapping):
         if num_cross:
             taken[0] = taken[0][:plans[0].num_new]
         for member, view, plan, blocks in zip(self._members, views, plans, taken):
-            member.admit(view, plan, blocks, 0 if several else len(revived), encoder_seq, cross_blocks)
+            member.admit(view, plan, blocks, 0 if several else len(revived), cross_blocks)
+        self._attach_cross(seq, encoder_seq, cross_blocks)
         if several:
             pool.drop(pins, unpinned)  # the groups hold their live hits now
         self._follow_views(seq, views, adopted=True)
@@ -210,12 +214,19 @@ class Coordinator(Swapping):
             member.reset_stats()
         return True
 
+    def take_tier_moves(self) -> list[tuple[str, int, int]]:
+        """The offload tier's copies made since the last call, in order: ``("offload", gpu_block, cpu_slot)``
+        (an evicted cached block kept in the tier) and ``("promote", cpu_slot, gpu_block)`` (a tier hit brought
+        back by ``allocate``). Apply them in this order, before the moves the same calls returned (copy-on-write
+        pairs, swap mappings) and before the step's forward pass ([] without a tier: a hybrid manager has none)."""
+        return self._pool.tier.take_moves() if self._pool.tier is not None else []
+
     def check_invariants(self) -> None:
         """Raise InvariantViolation if the bookkeeping is inconsistent: every group's records on their own, then
         the shared pools (and the offload tier) against all groups' references together (O(pool); for tests)."""
         gpu_refs, cpu_refs = Counter(), Counter()
         for member in self._members:
-            gpu, cpu = member.check_records()
+            gpu, cpu = member.check_records(self._cross_tables())  # the tables are a one-group manager's
             gpu_refs.update(gpu)
             cpu_refs.update(cpu)
         counts = Counter(member.num_sequences for member in self._members)

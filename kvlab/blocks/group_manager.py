@@ -1,17 +1,19 @@
 """One KV cache group of a coordinator: the two halves of each lifecycle call, over the group's core.
 
-The coordinator (kvlab.blocks.coordinator) drives one ``GroupManager`` per group. Each holds a ``BlockManager``
-of its group's spec (kvlab.blocks.kv_cache_groups), its core, so every rule of the single-group manager
-(chunked prompts, window release, copy-on-write, sealing, swapping) holds per group. A ``BlockManager`` is
-its own one group's core (``GroupManager(self)``). A ``HybridBlockManager``'s cores are built on its
+The coordinator (kvlab.blocks.coordinator) drives one ``GroupManager`` per group. Each holds a ``GroupCore``
+of its group's spec (kvlab.blocks.group_core, kvlab.blocks.kv_cache_groups), so every rule of the single-group
+manager (chunked prompts, window release, copy-on-write, sealing, swapping) holds per group. A ``BlockManager``
+is a ``GroupCore`` and its own one group's core (``GroupManager(self)``). A ``HybridBlockManager``'s cores are
+``GroupCore``s (no coordinator, no vLLM V0 interface, no cross-attention tables) built on its
 ``SharedParts`` (kvlab.blocks.manager_state: one ``BlockPool``, one ``SwapSpace``, one event sink, which each
 reports to through a ``GroupSink`` that adds its group) and show no event consumers of their own: the
 coordinator delivers every group's events once its own call is over.
 
 A group composes its core instead of being one: it offers the two halves below, ``fork``'s bookkeeping (no
-policy call) and the group's queries (``QUERIES``), never a whole lifecycle call (``allocate``,
-``append_slots``, ``free``, ``swap_out``: the coordinator's, across groups), vLLM V0's interface or the
-encoder-decoder cross-attention tables.
+policy call) and the group's own queries (its tables, slots, hits and stats; the pool's are the coordinator's,
+kvlab.blocks.coordinator_queries), never a whole lifecycle call (``allocate``, ``append_slots``, ``free``,
+``swap_out``: the coordinator's, across groups), vLLM V0's interface or the encoder-decoder cross-attention
+tables.
 
 Two phases. The coordinator plans every group (hashing every group's blocks, so a ``hash_fn`` that raises
 does so before anything changed), checks room for all of them, makes EVERY group's policy calls in one
@@ -28,22 +30,17 @@ from kvlab.blocks.invariants import check_records
 from kvlab.blocks.records import PrefixCacheStats
 from kvlab.blocks.sequence import SequenceStatus, allocation_record
 
-__all__ = ["GroupManager", "HybridRecord", "QUERIES"]
-
-
-#: The group's own questions, answered by its core's methods of that name.
-QUERIES = ("get_block_table", "slot_mapping", "blocks_for_prompt", "get_num_cached_tokens", "ref_count", "is_cached",
-           "block_hash", "free_block_ids", "make_prefix_cache_stats")
+__all__ = ["GroupManager", "HybridRecord"]
 
 
 class GroupManager:
-    """One KV cache group, over its ``core`` (a ``BlockManager`` of the group's spec). In a hybrid manager its
+    """One KV cache group, over its ``core`` (a ``GroupCore`` of the group's spec). In a hybrid manager its
     sequences are group shadows (``kvlab.blocks.sequence.group_shadow``): the coordinator's sequence, with the
     group in its keys; in a ``BlockManager`` the sequences themselves."""
 
     def __init__(self, core):
         self._core = core
-        self.block_size, self.num_blocks = core.block_size, core.num_blocks
+        self.block_size, self.num_blocks, self.spec = core.block_size, core.num_blocks, core.spec
 
     @property
     def stats(self) -> PrefixCacheStats:
@@ -54,20 +51,33 @@ class GroupManager:
         self._core.stats, self._core._stats_mark = PrefixCacheStats(), PrefixCacheStats()
 
     @property
-    def num_free_blocks(self) -> int:
-        return self._core.num_free_blocks
-
-    @property
-    def num_free_cpu_blocks(self) -> int:
-        return self._core.num_free_cpu_blocks
-
-    @property
     def num_sequences(self) -> int:
         return len(self._core._allocs)
+
+    def record(self, shadow):
+        """The shadow's record (kvlab.blocks.allocations); SequenceStateError if it is not allocated here."""
+        return self._core._alloc(shadow)
 
     def gpu_record(self, shadow):
         """The shadow's record; SequenceStateError if it is swapped out."""
         return self._core._on_gpu(shadow)
+
+    # ---- the group's own questions (the pool's are the coordinator's: kvlab.blocks.coordinator_queries) ------
+    def get_block_table(self, shadow) -> list[int]:
+        """A copy of the shadow's block table in this group (CPU block ids while it is swapped out)."""
+        return self._core._block_table(shadow)
+
+    def slot_mapping(self, shadow, start: int, end: int) -> list[int]:
+        """The shadow's cache slots in this group of positions start..end-1 (see ``BlockManager.slot_mapping``)."""
+        return self._core.slot_mapping(shadow, start, end)
+
+    def get_num_cached_tokens(self, shadow) -> int:
+        """Tokens of the shadow's leading full blocks this group's prefix cache holds now."""
+        return self._core.get_num_cached_tokens(shadow)
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """This group's lookup counters since the last call (see ``BlockManager.make_prefix_cache_stats``)."""
+        return self._core.make_prefix_cache_stats()
 
     # ---- allocate ------------------------------------------------------------------------------------------
     def plan_admission(self, shadow, lookahead: int, num_new_tokens, max_hits=None):
@@ -75,11 +85,11 @@ class GroupManager:
         all that are cached): the coordinator cuts every group's to the hit all of them serve."""
         return self._core._plan_allocation(shadow, lookahead, num_new_tokens, max_hits)
 
-    def admit(self, shadow, plan, new_blocks, num_revived: int, encoder_seq=None, cross_blocks=()) -> None:
+    def admit(self, shadow, plan, new_blocks, num_revived: int, cross_blocks=()) -> None:
         """allocate's bookkeeping, once the policy handed out ``new_blocks`` for this group (and ``cross_blocks``
-        for ``encoder_seq``'s table: one group only) and took ``num_revived`` of its live hits out of the free
-        set (0 where the coordinator pinned every group's hits itself)."""
-        self._core._admit(shadow, plan, new_blocks, num_revived, encoder_seq, cross_blocks)
+        for an encoder's table: one group only) and took ``num_revived`` of its live hits out of the free set
+        (0 where the coordinator pinned every group's hits itself)."""
+        self._core._admit(shadow, plan, new_blocks, num_revived, cross_blocks)
 
     # ---- append_slots --------------------------------------------------------------------------------------
     def plan_step(self, shadow, lookahead: int, num_new_tokens, num_drafts: int):
@@ -151,23 +161,12 @@ class GroupManager:
         return mapping
 
     # ---- checks --------------------------------------------------------------------------------------------
-    def check_records(self):
-        """Check this group's records on their own; returns the (GPU, CPU) references they hold (the
-        coordinator checks the shared pools against every group's together)."""
+    def check_records(self, cross_tables=()):
+        """Check this group's records on their own, with the ``cross_tables`` its sequences read (a one-group
+        manager's); returns the (GPU, CPU) references they hold (the coordinator checks the shared pools
+        against every group's together)."""
         core = self._core
-        return check_records(core._allocs, core._cross, core._pool, self.block_size, core.enable_prefix_caching)
-
-
-def _ask_core(name: str):
-    def ask(self, *args, **kwargs):
-        return getattr(self._core, name)(*args, **kwargs)
-    ask.__name__ = ask.__qualname__ = name
-    ask.__doc__ = f"The group's ``BlockManager.{name}`` (asked of its core)."
-    return ask
-
-
-for _name in QUERIES:
-    setattr(GroupManager, _name, _ask_core(_name))
+        return check_records(core._allocs, cross_tables, core._pool, self.block_size, core.enable_prefix_caching)
 
 
 class HybridRecord:

@@ -2,7 +2,7 @@
 
 A model mixing layer kinds has one group per kind (``kvlab.blocks.kv_cache_groups``); each group keeps its own
 block table per sequence and all groups draw from ONE pool of equal-size pages. This manager coordinates one
-``GroupManager`` per group (kvlab.blocks.group_manager): a ``BlockManager`` of the group's attention spec, built on
+``GroupManager`` per group (kvlab.blocks.group_manager): a ``GroupCore`` of the group's attention spec, built on
 the parts all groups share (``shared_parts``: one ``BlockPool``, one ``SwapSpace``, one event sink), so every rule
 of the single-group manager (chunked prompts, window release, copy-on-write, sealing, swapping) holds per group. A
 sequence is allocated here once and hashed once; each group holds a *shadow* of it (``group_shadow``: its id,
@@ -12,8 +12,10 @@ two blocks under one hash, and a lookup in one group never hits another's block.
 
 Its lifecycle calls (``allocate``, ``append_slots``, ``accept_drafts``, ``free``, ``fork``, ``swap_out``,
 ``swap_in``) are the coordinator's (kvlab.blocks.coordinator), the same code a ``BlockManager`` runs for its
-one group: a failed call changes nothing, in any group. This class gives the coordinator its groups and its
-views of a sequence (the shadows), and answers the queries across groups.
+one group: a failed call changes nothing, in any group; so are its queries (kvlab.blocks.coordinator_queries).
+This class gives the coordinator its groups and its views of a sequence (the shadows), and answers what is
+not the same for one group and several: ``stats`` (group 0's: every group counts the same hits) and
+``get_num_cached_tokens`` (the hit every group serves, for a sequence it could allocate).
 
 Hits: the longest prefix every group serves (kvlab.blocks.group_planning plans every group's part). Invariants:
 each group's records check out on their own, the pools agree with the sum of every group's references, and
@@ -31,16 +33,15 @@ groups are delivered once this manager's outermost call has finished, never by a
 """
 
 import threading
-from typing import Optional
 
 from kvlab.blocks.allocations import check_sequence, check_unallocated
 from kvlab.blocks.coordinator import Coordinator
 from kvlab.blocks.event_sink import GroupSink
+from kvlab.blocks.group_core import GroupCore
 from kvlab.blocks.group_manager import GroupManager, HybridRecord
 from kvlab.blocks.group_planning import plan_admissions
 from kvlab.blocks.kv_cache_groups import check_group_specs
 from kvlab.blocks.locking import serialized
-from kvlab.blocks.manager import BlockManager
 from kvlab.blocks.manager_state import shared_parts
 from kvlab.blocks.records import PrefixCacheStats
 from kvlab.blocks.sequence import Sequence, allocation_record, group_shadow, sync_shadow
@@ -54,37 +55,24 @@ class HybridBlockManager(Coordinator):
     def __init__(self, num_blocks: int, block_size: int = 16, *, groups, num_cpu_blocks: int = 0,
                  watermark: float = 0.0, enable_prefix_caching: bool = True, hash_fn=None, eviction="lru",
                  record_events: bool = False, kv_events: bool = False):
-        self.groups = check_group_specs(groups)
-        windows = [spec.sliding_window for spec in self.groups if spec.sliding_window is not None]
+        specs = check_group_specs(groups)
+        windows = [spec.sliding_window for spec in specs if spec.sliding_window is not None]
         # One set of parts for all groups (reserving the null block if any group has a window).
         shared = shared_parts(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, watermark=watermark,
                               enable_prefix_caching=enable_prefix_caching,
                               sliding_window=windows[0] if windows else None, hash_fn=hash_fn, eviction=eviction,
-                              record_events=record_events, kv_events=kv_events, groups=self.groups)
+                              record_events=record_events, kv_events=kv_events, groups=specs)
         self.block_size, self.num_blocks = shared.block_size, shared.num_blocks
         self.enable_prefix_caching = shared.enable_prefix_caching
         self.events, self.kv_events = shared.events, shared.kv_events
         self._kv_queue = self.kv_events.queue if kv_events else ()  # delivered after each call (locking.py)
         self._pool, self._swap, self._sink = shared.pool, shared.swap, shared.sink
         self._usable, self._watermark_blocks = shared.usable, shared.watermark_blocks
-        self._members = [GroupManager(BlockManager.joined(shared, spec, _group_sink(shared.sink, g), g))
-                         for g, spec in enumerate(self.groups)]
+        self._members = [GroupManager(GroupCore.joined(shared, spec, _group_sink(shared.sink, g), g))
+                         for g, spec in enumerate(specs)]
         self._lock = threading.RLock()
 
-    # ---- queries -----------------------------------------------------------------------------------------
-    @property
-    def num_free_blocks(self) -> int:
-        return self._pool.num_free
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks a prefix lookup of any group can hit now (the groups share one pool)."""
-        return self._pool.index.num_cached
-
-    @property
-    def usable_blocks(self) -> int:
-        return self._usable - self._watermark_blocks
-
+    # ---- queries: the coordinator's (kvlab.blocks.coordinator_queries), but for these -----------------------
     @property
     def stats(self) -> PrefixCacheStats:
         """``allocate``'s lookups: every group counts the same hits (cut to the hit all groups serve)."""
@@ -92,36 +80,6 @@ class HybridBlockManager(Coordinator):
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         return self._members[0].make_prefix_cache_stats()
-
-    def blocks_for_prompt(self, num_tokens: int, num_new_tokens: Optional[int] = None) -> int:
-        """Every group's blocks together (see BlockManager.blocks_for_prompt): ``can_allocate`` sums them."""
-        return sum(member.blocks_for_prompt(num_tokens, num_new_tokens) for member in self._members)
-
-    def ref_count(self, block_id: int) -> int:
-        return self._members[0].ref_count(block_id)
-
-    def is_cached(self, block_id: int) -> bool:
-        return self._members[0].is_cached(block_id)
-
-    def block_tables(self, seq: Sequence) -> list[list[int]]:
-        """Each group's block table (CPU ids while swapped; the null block 0 where a window released it)."""
-        return [member.get_block_table(shadow) for member, shadow in zip(self._members, self._shadows(seq))]
-
-    def slot_mappings(self, seq: Sequence, start: int, end: int) -> list[list[int]]:
-        """Each group's slots for positions start..end-1 (-1 where its window released the block)."""
-        return [member.slot_mapping(shadow, start, end) for member, shadow in zip(self._members, self._shadows(seq))]
-
-    def get_block_table(self, seq: Sequence) -> list[int]:
-        """Every group's table, group after group: each block the sequence holds (and a window's null blocks)."""
-        return [block for table in self.block_tables(seq) for block in table]
-
-    def take_tier_moves(self) -> list:
-        """[]: a hybrid manager has no offload tier (see BlockManager.take_tier_moves)."""
-        return []
-
-    def num_scheduled_tokens(self, seq: Sequence) -> int:
-        self._shadows(seq)  # allocated here
-        return seq.num_computed_tokens
 
     def get_num_cached_tokens(self, seq: Sequence) -> int:
         """Prompt tokens an ``allocate`` now would take from the prefix cache: the hit every group serves."""
@@ -157,6 +115,12 @@ class HybridBlockManager(Coordinator):
             raise InvalidArgumentError("a hybrid manager has no encoder-decoder cross-attention tables: "
                                        "encoder_seq must be None")
         return 0
+
+    def _attach_cross(self, seq, encoder_seq, blocks) -> None:
+        """No cross-attention tables (``_cross_blocks`` refused an encoder)."""
+
+    def _cross_tables(self):
+        return ()
 
 
 def _group_sink(sink, group: int):

@@ -24,41 +24,36 @@ WAITING with ``preempted=True``); ``fork`` shares a running sequence's blocks wi
 valid from its own records, never from a status a caller set. Every public method holds one lock, so
 threads may share a manager (each Sequence belongs to one thread at a time). A failed call changes nothing.
 
-``BlockManager`` is the coordinator (kvlab.blocks.coordinator) of one KV cache group, itself: the lifecycle
-calls (``allocate``, ``append_slots``, ``accept_drafts``, ``free``, ``fork``; ``swap_out`` / ``swap_in`` in
-kvlab.blocks.manager_swap) are the coordinator's, written once for any number of groups, and this module holds
-the group's halves of them (admission, free, fork: plan first, bookkeeping after the coordinator's policy
-calls) and the maintenance. It is built from parts that each add calls over the state ``ManagerState``
-creates (kvlab.blocks.manager_state, where its constructor lives): a step's halves
-(kvlab.blocks.manager_steps), the queries (kvlab.blocks.manager_queries), speculative decoding's verification
-(kvlab.blocks.drafts: draft tokens get slots, only verified ones are sealed) and vLLM V0's interface with the
-encoder-decoder cross-attention tables (kvlab.blocks.vllm_v0). Every part reports its changes to the
-manager's one event sink (kvlab.blocks.event_sink), when anything listens.
+``BlockManager`` is a group's core and the coordinator of that one group: ``BlockManager(Coordinator, GroupCore,
+VLLMV0Interface)``. The lifecycle calls (``allocate``, ``append_slots``, ``accept_drafts``, ``free``, ``fork``;
+``swap_out`` / ``swap_in`` in kvlab.blocks.manager_swap) and the queries (kvlab.blocks.coordinator_queries) are
+the coordinator's (kvlab.blocks.coordinator), written once for any number of groups; the group's halves of
+them (plan first, bookkeeping after the coordinator's policy calls: admission, a step's growth, drafts'
+verification, free, fork) and its own queries are ``GroupCore``'s (kvlab.blocks.group_core), which a hybrid
+manager's groups are too. This module gives the coordinator its one group, itself, and its views of a sequence:
+the sequence itself. vLLM V0's interface and the encoder-decoder cross-attention tables, which only a
+one-group manager has, are kvlab.blocks.vllm_v0's. Its state is created in one place (kvlab.blocks.manager_state,
+where its constructor lives), and every part reports its changes to the manager's one event sink
+(kvlab.blocks.event_sink), when anything listens.
 """
 
-from kvlab.blocks.allocations import Allocation
 from kvlab.blocks.coordinator import Coordinator
-from kvlab.blocks.drafts import SpeculativeDrafts, share_drafts
+from kvlab.blocks.group_core import GroupCore
 from kvlab.blocks.group_manager import GroupManager
-from kvlab.blocks.hashing import prompt_blocks, sealed_through
 from kvlab.blocks.locking import serialized
-from kvlab.blocks.manager_queries import BlockManagerQueries
 from kvlab.blocks.manager_state import MAX_BLOCKS, NULL_BLOCK
-from kvlab.blocks.manager_steps import BlockManagerSteps
-from kvlab.blocks.planning import plan_allocation
-from kvlab.blocks.prefix_index import ROOT
 from kvlab.blocks.records import AllocStatus, PrefixCacheStats
-from kvlab.blocks.sequence import Sequence, SequenceStatus, copy_tokens, set_allocation_record
 from kvlab.blocks.vllm_v0 import VLLMV0Interface
 
 __all__ = ["BlockManager", "AllocStatus", "PrefixCacheStats", "NULL_BLOCK", "MAX_BLOCKS"]
 
 
 @serialized
-class BlockManager(Coordinator, BlockManagerSteps, BlockManagerQueries, VLLMV0Interface, SpeculativeDrafts):
-    """The coordinator (kvlab.blocks.coordinator) of one KV cache group: itself. Its lifecycle calls
-    (``allocate``, ``append_slots``, ``free``, ``fork``, swapping) are the coordinator's, driving this manager's
-    own halves below through ``GroupManager(self)``; a sequence is its own group's view."""
+class BlockManager(Coordinator, GroupCore, VLLMV0Interface):
+    """The coordinator (kvlab.blocks.coordinator) of one KV cache group: itself, a ``GroupCore``. Its lifecycle
+    calls (``allocate``, ``append_slots``, ``free``, ``fork``, swapping) and queries are the coordinator's,
+    driving its own halves (kvlab.blocks.group_core) through ``GroupManager(self)``; a sequence is its own
+    group's view."""
 
     def _join(self, *args, **kwargs) -> None:
         super()._join(*args, **kwargs)
@@ -76,118 +71,3 @@ class BlockManager(Coordinator, BlockManagerSteps, BlockManagerQueries, VLLMV0In
 
     def _fork_views(self, child, num_groups: int):
         return (child,)
-
-    def _cross_blocks(self, seq, encoder_seq) -> int:
-        return self._cross.blocks_for(seq, encoder_seq)
-
-    # ---- fork's half ---------------------------------------------------------------------------------------
-    def _fork(self, parent: Sequence, child: Sequence) -> None:
-        """fork's bookkeeping (no policy call): ``child`` takes the parent's tokens and counters and shares its
-        blocks, drafts in flight too (kvlab.blocks.drafts) and its group's cross-attention table."""
-        alloc = self._on_gpu(parent)
-        child.block_size = parent.block_size
-        copy_tokens(parent, child)
-        twin = alloc.copy_for(child)
-        if parent.num_draft_tokens:
-            share_drafts(alloc, twin)
-        self._pool.claim(twin.live_blocks(), 0)  # all in use by the parent: none was free
-        self._cross.share(alloc, twin)
-        self._adopt(twin, child.num_cached_tokens)
-        if self._sink is not None:
-            self._sink.forked(child.seq_id, parent.seq_id)
-
-    # ---- maintenance -----------------------------------------------------------------------------------
-    def take_tier_moves(self) -> list[tuple[str, int, int]]:
-        """The offload tier's copies made since the last call, in order: ``("offload", gpu_block, cpu_slot)``
-        (an evicted cached block kept in the tier) and ``("promote", cpu_slot, gpu_block)`` (a tier hit brought
-        back by ``allocate``). Apply them in this order, before the moves the same calls returned (copy-on-write
-        pairs, swap mappings) and before the step's forward pass ([] without a tier)."""
-        return self._tier.take_moves() if self._tier is not None else []
-
-    # ---- internals -------------------------------------------------------------------------------------
-    def _adopt(self, alloc: Allocation, num_cached_tokens: int) -> None:
-        self._allocs.add(alloc)
-        seq = alloc.seq
-        set_allocation_record(seq, alloc)
-        seq.num_cached_tokens, seq.status = num_cached_tokens, SequenceStatus.RUNNING
-
-    def _admit(self, seq, plan, new_blocks, num_revived: int, encoder_seq=None, cross_blocks=()) -> None:
-        """allocate's bookkeeping, once the policy handed out ``new_blocks`` (and ``cross_blocks``) and took
-        ``num_revived`` of the plan's live hits out of the free set (cannot fail): pin the live hits, seal the
-        prompt's blocks this step writes, and record the sequence."""
-        self._pool.claim(plan.hits[plan.first_live:], num_revived)
-        if self._sink is not None:
-            self._sink.looked_up(seq.seq_id, plan.hits, new_blocks)
-        recomputing = seq.num_preemptions > 0  # its own blocks again: not prefix hits (PrefixCacheStats)
-        if self._tier is not None:
-            self._tier.looked_up(seq.num_tokens, plan.hashes, len(plan.hits), len(plan.tier_hits), self.block_size,
-                                 counted=not recomputing)
-        last_content = self._seal_prompt(plan, new_blocks)
-        if self.enable_prefix_caching:
-            sealed_through(seq, plan.num_sealed)
-            self.stats.count_lookup(seq.num_tokens, len(plan.hashes), len(plan.hits), self.block_size, recomputing)
-        self._pool.fill(cross_blocks)
-        if self._sink is not None:
-            self._sink.allocated(seq.seq_id)
-        # Hits outside the sliding window prove the chain but are not pinned: the table points at the null block.
-        table = [NULL_BLOCK] * plan.first_live + plan.hits[plan.first_live:] + new_blocks
-        alloc = Allocation.admitted(self, seq, plan, table, last_content)
-        self._cross.attach(alloc, encoder_seq, cross_blocks)
-        seq.num_computed_tokens, seq.prefill_end = plan.scheduled, seq.num_tokens
-        self._adopt(alloc, alloc.num_computed)
-
-    def _plan_release(self, seq):
-        """(record, its live blocks tail first, the GPU ones of them that become free, whether each is cached)."""
-        alloc = self._alloc(seq)
-        live = alloc.live_blocks()[::-1]
-        return (alloc, live, *(((), ()) if alloc.on_cpu else self._pool.freed_by(live)))
-
-    def _release(self, alloc, live, freed, preempted: bool) -> None:
-        """free's bookkeeping, once the policy took back ``freed`` (cannot fail): drop the references to
-        ``live`` (GPU or CPU blocks, tail first) and forget the sequence."""
-        if alloc.on_cpu:
-            self._swap.release(live)
-        else:
-            self._pool.drop(live, freed)
-            self._swap.forget_gpu(freed)
-        self._cross.detach(alloc)
-        self._allocs.discard(alloc)
-        seq = alloc.seq
-        set_allocation_record(seq, None)
-        seq.num_computed_tokens = seq.prefill_end = seq.num_draft_tokens = 0  # no slots: recomputed, it starts over
-        seq.status = SequenceStatus.WAITING if preempted else SequenceStatus.FINISHED
-        if preempted:
-            seq.num_cached_tokens = 0
-            seq.num_preemptions += 1
-        if self._sink is not None:
-            self._sink.freed(seq.seq_id)
-
-    def _seal_prompt(self, plan, new_blocks: list[int]):
-        """Promote the tier hits into the first new blocks, then seal the new blocks this step writes to the end
-        (they become hittable, see the ordering rule); returns the content id of the chain's tail, which the
-        next seal extends."""
-        pool, stop, start = self._pool, plan.num_sealed, len(plan.hits)
-        parent = pool.index.content[plan.hits[-1]] if start else ROOT
-        if plan.tier_hits:
-            parent = self._promote(plan, new_blocks[:len(plan.tier_hits)])
-            new_blocks, start = new_blocks[len(plan.tier_hits):], start + len(plan.tier_hits)
-        hashes, contents = plan.hashes[start:stop], plan.contents[start:stop]
-        parent = pool.fill(new_blocks, hashes, contents, parent, self.group)
-        if self._sink is not None:
-            self._sink.stored(pool.index, new_blocks[:stop - start], hashes, contents,
-                              plan.hashes[start - 1] if start else None)
-        return parent
-
-    def _promote(self, plan, blocks: list[int]):
-        """Bring the plan's tier hits into ``blocks`` (kvlab.blocks.offload_tier); returns the last one's content id."""
-        parent = self._tier.promote(self._pool, plan.tier_hits, blocks)
-        if self._sink is not None:
-            first = len(plan.hits)
-            self._sink.stored(self._pool.index, blocks, plan.hashes[first:first + len(blocks)],
-                              plan.contents[first:first + len(blocks)], plan.hashes[first - 1] if first else None)
-        return parent
-
-    def _plan_allocation(self, seq, lookahead, num_new_tokens, max_hits=None):
-        hashes, contents = prompt_blocks(seq, self.block_size, self.hash_fn) if self.enable_prefix_caching else ([], [])
-        return plan_allocation(self._pool, seq, hashes, contents, self.block_size, self.spec, lookahead,
-                               num_new_tokens, max_hits, self.group)

@@ -1,19 +1,19 @@
 """The block manager's state, created in one place, and the record lookups every part of it shares.
 
-``BlockManager`` (kvlab.blocks.manager) is built from parts that each add calls over the same state: its group's
-halves of the lifecycle calls (manager.py, manager_steps.py, drafts.py: the calls themselves are the
-coordinator's, kvlab.blocks.coordinator), its queries (manager_queries.py) and vLLM V0's interface
-(vllm_v0.py). Each part derives from ``ManagerState``, so the state a part reads is created by its own base
-class, here, never by a subclass that happens to combine it: the components below and the settings, nothing
-else. The components are built (and the settings checked) by ``shared_parts``; a
-manager joins them as one group of attention ``spec`` (``_join``): a ``BlockManager`` joins parts of its own,
-each group of a hybrid manager the one set its coordinator built (kvlab.blocks.group_manager).
+A group's core (``GroupCore``, kvlab.blocks.group_core) is built from parts that each add calls over the same
+state: its halves of the lifecycle calls (group_core.py, manager_steps.py, drafts.py: the calls themselves are
+the coordinator's, kvlab.blocks.coordinator) and its own queries; a ``BlockManager`` (kvlab.blocks.manager) is a
+``GroupCore`` with vLLM V0's interface (vllm_v0.py, which creates the cross-attention tables it reads). Each part
+derives from ``ManagerState``, so the state a part reads is created by its own base class, here, never by a
+subclass that happens to combine it: the components below and the settings, nothing else. The components are
+built (and the settings checked) by ``shared_parts``; a core joins them as one group of attention ``spec``
+(``_join``): a ``BlockManager`` joins parts of its own, each group of a hybrid manager the one set its
+coordinator built (``GroupCore.joined``, kvlab.blocks.group_manager).
 
     _pool          BlockPool: the GPU pool and its ref counts (kvlab.blocks.block_pool); ``_pool.index`` its
                    PrefixIndex, the prefix cache (kvlab.blocks.prefix_index)
     _swap          SwapSpace: the CPU pool (kvlab.blocks.swap)
     _tier          OffloadTier: the CPU tier of cached blocks, None without one (kvlab.blocks.offload_tier)
-    _cross         CrossTables: encoder-decoder cross-attention tables (kvlab.blocks.cross_attention)
     _allocs        the Allocation of every sequence allocated here (kvlab.blocks.allocations)
     _sink          the EventSink every change is reported to, None when nobody listens (kvlab.blocks.event_sink)
     spec           the attention spec whose rules the planning follows (kvlab.blocks.kv_cache_groups)
@@ -29,7 +29,6 @@ from typing import NamedTuple, Optional
 
 from kvlab.blocks.allocations import Allocation, allocation_of
 from kvlab.blocks.block_pool import BlockPool
-from kvlab.blocks.cross_attention import CrossTables
 from kvlab.blocks.event_sink import EventLog, EventSink, make_sink
 from kvlab.blocks.eviction import make_policy
 from kvlab.blocks.hashing import HashFn
@@ -147,7 +146,7 @@ class ManagerState:
 
     @classmethod
     def joined(cls, shared: SharedParts, spec: KVCacheSpec, sink: Optional[EventSink], group: int):
-        """A manager that is group ``group`` of ``shared`` (see ``_join``), its settings checked by
+        """A core that is group ``group`` of ``shared`` (see ``_join``), its settings checked by
         ``shared_parts``."""
         manager = cls.__new__(cls)
         manager._join(shared, spec, sink, group=group)
@@ -165,7 +164,6 @@ class ManagerState:
         self.events, self.kv_events = events, kv_events
         self._kv_queue = kv_events.queue if kv_events is not None else ()  # delivered after each call (locking.py)
         self._sink, self._pool, self._swap, self._tier = sink, shared.pool, shared.swap, shared.tier
-        self._cross = CrossTables(self.block_size)
         self._usable, self._watermark_blocks = shared.usable, shared.watermark_blocks
         self._allocs: set[Allocation] = set()
         self._lock = threading.RLock()

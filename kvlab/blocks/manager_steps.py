@@ -1,7 +1,7 @@
 """A scheduled step's growth (vLLM's ``append_slots``): a running sequence's next tokens get their slots.
 
-``BlockManagerSteps`` is one of the parts ``BlockManager`` is built from (kvlab.blocks.manager); it reads only
-the state its base (``kvlab.blocks.manager_state.ManagerState``) creates. It holds one group's two halves of
+``GroupSteps`` is one of the parts a group's core is built from (kvlab.blocks.group_core); it reads only the
+state its base (``kvlab.blocks.manager_state.ManagerState``) creates. It holds one group's two halves of
 ``append_slots``, which the coordinator (kvlab.blocks.coordinator) calls for every group. A step is planned first
 (kvlab.blocks.planning.plan_step: the blocks that left the sliding window, the shared blocks about to be
 written, the new blocks), its seals hashed, then the eviction policy takes back the released blocks and
@@ -17,7 +17,7 @@ from kvlab.blocks.planning import plan_step
 from kvlab.validation import check_int
 
 
-class BlockManagerSteps(ManagerState):
+class GroupSteps(ManagerState):
     # ---- internals: the two halves --------------------------------------------------------------------
     def _plan_step(self, alloc, lookahead, num_new_tokens, num_drafts=0):
         check_int("num_lookahead_slots", lookahead, 0)

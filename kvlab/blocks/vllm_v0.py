@@ -2,17 +2,17 @@
 runner make that kvlab's lifecycle does not need, and the encoder-decoder cross-attention tables.
 
 ``VLLMV0Interface`` is one of the parts ``BlockManager`` is built from (it reads only the state its base,
-``kvlab.blocks.manager_state.ManagerState``, creates), so code written against V0's
-``BlockSpaceManager`` calls them on a ``BlockManager``. Nothing here allocates a decoder block: the V0 calls
-note which steps ran and when blocks were used, and report hit rates (with V1's per-run counters,
-``make_prefix_cache_stats``); the cross-attention calls read and
-free a request group's table. The table itself (kvlab.blocks.cross_attention) is made by
+``kvlab.blocks.manager_state.ManagerState``, creates, and the cross-attention tables it creates itself), so
+code written against V0's ``BlockSpaceManager`` calls them on a ``BlockManager``. A hybrid manager's groups
+have neither: the tables are a one-group manager's. Nothing here allocates a decoder block: the V0 calls note
+which steps ran and when blocks were used, and report hit rates; the cross-attention calls read and free a
+request group's table. The table itself (kvlab.blocks.cross_attention) is made by
 ``allocate(seq, encoder_seq)``: its blocks are taken in the same atomic step as the decoder's, so the
-lifecycle keeps that hook.
+coordinator (kvlab.blocks.coordinator) asks the hooks below (``_cross_blocks``, ``_attach_cross``,
+``_cross_tables``), which a hybrid manager answers with none.
 """
 
-import dataclasses
-
+from kvlab.blocks.cross_attention import CrossTables
 from kvlab.blocks.locking import serialized
 from kvlab.blocks.manager_state import ManagerState
 from kvlab.blocks.sequence import Sequence
@@ -22,6 +22,10 @@ from kvlab.validation import check_number
 
 @serialized
 class VLLMV0Interface(ManagerState):
+    def _join(self, *args, **kwargs) -> None:
+        super()._join(*args, **kwargs)
+        self._cross = CrossTables(self.block_size)  # encoder-decoder cross-attention tables, by root sequence
+
     # ---- computed blocks and recency ---------------------------------------------------------------------
     def mark_blocks_as_computed(self, seq: Sequence) -> None:
         """The step that wrote ``seq``'s new slots ran. (``append_slots`` implies it for the step before.) Draft
@@ -70,14 +74,6 @@ class VLLMV0Interface(ManagerState):
             return tier.tier_hit_blocks / asked if asked else 0.0
         return self.stats.hit_blocks / self.stats.queried_blocks if self.stats.queried_blocks else 0.0
 
-    def make_prefix_cache_stats(self):
-        """The prefix-cache counters of this run: a ``PrefixCacheStats`` of the lookups since the last call
-        (or since the manager was made or ``reset_prefix_cache``), then a new run starts. vLLM V1's
-        ``KVCacheManager.make_prefix_cache_stats()`` ("get (and reset)"); ``stats`` stays cumulative."""
-        run = self.stats.since(self._stats_mark)
-        self._stats_mark = dataclasses.replace(self.stats)
-        return run
-
     # ---- encoder-decoder: the group's cross-attention table ----------------------------------------------
     def get_cross_block_table(self, seq: Sequence) -> tuple:
         """The encoder's blocks of ``seq``'s group (CPU ids while swapped out), for any member or its root."""
@@ -87,3 +83,16 @@ class VLLMV0Interface(ManagerState):
         """Free the cross-attention table of ``seq``'s group (call it with any live member, or with the
         sequence that was allocated with the encoder, even after it was freed)."""
         self._cross.free(self._cross.table_of(self, seq), self._pool, self._swap)
+
+    # ---- the coordinator's hooks: the tables are made and checked with allocate and check_invariants -------
+    def _cross_blocks(self, seq, encoder_seq) -> int:
+        """New blocks ``allocate(seq, encoder_seq)`` takes for a cross table (raises if the call is not valid)."""
+        return self._cross.blocks_for(seq, encoder_seq)
+
+    def _attach_cross(self, seq, encoder_seq, blocks) -> None:
+        """The just-allocated ``seq`` gets its request group's table: a new one of ``blocks`` (with
+        ``encoder_seq``), or the one it kept from before a recompute preemption."""
+        self._cross.attach(self._alloc(seq), encoder_seq, blocks)
+
+    def _cross_tables(self):
+        return self._cross

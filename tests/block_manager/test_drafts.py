@@ -122,11 +122,11 @@ def test_the_bonus_token_is_never_counted_as_computed(make, bonus_first, accepte
 def test_a_sequence_with_drafts_in_flight_gets_no_other_step(make):
     m = make()
     seq = proposed(m, 2)
-    before = snapshot(m._members[0] if make is hybrid else m), m.block_tables(seq)
+    before = snapshot(m), m.block_tables(seq)
     for call in (m.append_slots, m.can_append_slots):
         with pytest.raises(SequenceStateError, match="accept_drafts"):
             call(seq)
-    assert (snapshot(m._members[0] if make is hybrid else m), m.block_tables(seq)) == before
+    assert (snapshot(m), m.block_tables(seq)) == before
     assert (seq.num_computed_tokens, seq.num_draft_tokens) == (9, 2)
 
 
@@ -145,7 +145,7 @@ def test_a_sequence_with_drafts_in_flight_gets_no_other_step(make):
 def test_bad_draft_calls_change_nothing(make, setup, call, error, match):
     m = make()
     seq = setup(m)
-    state = lambda: (snapshot(m._members[0] if make is hybrid else m), seq.num_computed_tokens,  # noqa: E731
+    state = lambda: (snapshot(m), seq.num_computed_tokens,  # noqa: E731
                      seq.num_draft_tokens, seq.block_table)
     if seq.block_table:
         before = state()

@@ -4,6 +4,8 @@ import pytest
 
 from kvlab import AllocStatus, BlockManager, InvalidArgumentError, OutOfBlocksError, PrefixCacheStats, Sequence
 from kvlab.blocks.block_keys import MAX_KEY_DEPTH
+from kvlab.blocks.coordinator import Coordinator
+from kvlab.blocks.group_core import GroupCore
 from kvlab.blocks.hybrid_manager import HybridBlockManager
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
 from kvlab.blocks.sequence import group_shadow
@@ -210,7 +212,20 @@ def test_a_group_offers_its_two_halves_and_queries_not_the_single_group_managers
                      "get_cross_block_table", "free_cross", "take_tier_moves"):
             assert not hasattr(group, call), call
     assert [g.get_block_table(s) for g, s in zip(m._members, m._shadows(seq))] == m.block_tables(seq)
-    assert all(g.num_free_blocks == m.num_free_blocks and g.stats == m.stats for g in m._members)
+    assert all(g.stats == m.stats for g in m._members)
+
+
+def test_a_hybrid_managers_groups_stand_on_group_cores_not_whole_block_managers():
+    """A group's core used to be a whole BlockManager: a coordinator of its own, with vLLM V0's interface and
+    encoder-decoder tables, none of which a hybrid manager ever calls. Now it is a GroupCore, which a
+    BlockManager is too (its one group is itself)."""
+    m = make()
+    assert isinstance(BlockManager(8, BS), GroupCore)
+    for group in m._members:
+        core = group._core
+        assert type(core) is GroupCore and not isinstance(core, Coordinator)
+        for name in ("allocate", "free", "block_tables", "mark_blocks_as_computed", "free_cross", "_cross"):
+            assert not hasattr(core, name), name
 
 
 COORDINATED = ("can_allocate", "allocate", "can_append_slots", "append_slots", "accept_drafts", "free", "fork",
