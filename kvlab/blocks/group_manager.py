@@ -35,8 +35,8 @@ __all__ = ["GroupManager", "HybridRecord"]
 
 class GroupManager:
     """One KV cache group, over its ``core`` (a ``GroupCore`` of the group's spec). In a hybrid manager its
-    sequences are group shadows (``kvlab.blocks.sequence.group_shadow``): the coordinator's sequence, with the
-    group in its keys; in a ``BlockManager`` the sequences themselves."""
+    sequences are group shadows (``kvlab.blocks.sequence.group_shadow``): the coordinator's sequence's tokens,
+    keys and hashes, with the group's record and counters; in a ``BlockManager`` the sequences themselves."""
 
     def __init__(self, core):
         self._core = core
