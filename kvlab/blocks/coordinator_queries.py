@@ -14,8 +14,8 @@ pools (``_pool``, ``_swap``), its groups (``_members``) and a sequence's views (
 * Per-spec questions add up the groups: ``blocks_for_prompt`` (``can_allocate`` counts every group's blocks).
 
 A ``BlockManager`` answers each of them for its one group, exactly as before the groups. What stays per class:
-``get_num_cached_tokens`` (a ``BlockManager`` answers it for allocated sequences too, from its group's lookup;
-a hybrid manager plans the hit every group serves, so only for a sequence it could allocate), ``stats`` and
+``get_num_cached_tokens`` (a ``BlockManager`` asks its group's lookup; a hybrid manager plans the hit every
+group serves: the same answer for allocated and waiting sequences), ``stats`` and
 ``make_prefix_cache_stats`` (a ``BlockManager``'s own group's; a hybrid manager's group 0's: every group counts
 the same hits), ``slot_mapping`` (one group's slots: a ``BlockManager``'s) and vLLM V0's interface
 (kvlab.blocks.vllm_v0).

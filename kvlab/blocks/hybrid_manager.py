@@ -15,7 +15,7 @@ Its lifecycle calls (``allocate``, ``append_slots``, ``accept_drafts``, ``free``
 one group: a failed call changes nothing, in any group; so are its queries (kvlab.blocks.coordinator_queries).
 This class gives the coordinator its groups and its views of a sequence (the shadows), and answers what is
 not the same for one group and several: ``stats`` (group 0's: every group counts the same hits) and
-``get_num_cached_tokens`` (the hit every group serves, for a sequence it could allocate).
+``get_num_cached_tokens`` (the hit every group serves).
 
 Hits: the longest prefix every group serves (kvlab.blocks.group_planning plans every group's part). Invariants:
 each group's records check out on their own, the pools agree with the sum of every group's references, and
@@ -34,7 +34,7 @@ groups are delivered once this manager's outermost call has finished, never by a
 
 import threading
 
-from kvlab.blocks.allocations import check_sequence, check_unallocated
+from kvlab.blocks.allocations import check_block_size_matches, check_sequence
 from kvlab.blocks.coordinator import Coordinator
 from kvlab.blocks.event_sink import GroupSink
 from kvlab.blocks.group_core import GroupCore
@@ -82,8 +82,12 @@ class HybridBlockManager(Coordinator):
         return self._members[0].make_prefix_cache_stats()
 
     def get_num_cached_tokens(self, seq: Sequence) -> int:
-        """Prompt tokens an ``allocate`` now would take from the prefix cache: the hit every group serves."""
-        check_unallocated(self, seq)
+        """Tokens of ``seq``'s leading full blocks every group's prefix cache holds now (the hit an ``allocate``
+        would take: at most all but the last token); for allocated and waiting sequences, as a
+        ``BlockManager``'s. Pure: it plans an admission of fresh group shadows and keeps nothing."""
+        check_block_size_matches(self, check_sequence(seq))
+        if not self.enable_prefix_caching or seq.num_tokens == 0:
+            return 0
         return plan_admissions(self._members, self._new_views(seq), 0, None)[0] * self.block_size
 
     # ---- lifecycle, reset and check_invariants: the coordinator's (kvlab.blocks.coordinator) ---------------

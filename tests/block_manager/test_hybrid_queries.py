@@ -3,7 +3,7 @@
 
 import pytest
 
-from kvlab import BlockManager, Sequence, SequenceStateError
+from kvlab import BlockManager, InvalidArgumentError, Sequence, SequenceStateError
 from kvlab.blocks.hybrid_manager import HybridBlockManager
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
 
@@ -102,3 +102,17 @@ def test_a_hybrid_manager_answers_the_sequence_queries_it_lacked():
         with pytest.raises(SequenceStateError, match="not allocated"):
             query(seq)
     m.check_invariants()
+
+
+def test_get_num_cached_tokens_answers_for_allocated_sequences_as_a_block_managers_does():
+    hybrid, single = make(), BlockManager(32, BS)
+    for m in (hybrid, single):
+        seq = Sequence(range(13), BS)
+        assert m.get_num_cached_tokens(seq) == 0
+        m.allocate(seq)
+        assert m.get_num_cached_tokens(seq) == 12              # its own sealed blocks: all but the last token
+        assert m.get_num_cached_tokens(Sequence(range(9), BS)) == 8
+        assert m.get_num_cached_tokens(Sequence([], BS)) == 0
+        m.check_invariants()
+    with pytest.raises(InvalidArgumentError, match="block_size"):
+        hybrid.get_num_cached_tokens(Sequence(range(9), BS + 1))
