@@ -59,8 +59,7 @@ def _check_positive(name, value):
 
 def draw_pool(pool, seqs=(), ax=None, *, max_boxes: int = 256, title=None):
     """Draw the GPU pool of ``pool`` (a BlockManager or HybridBlockManager, or a PoolView from ``snapshot``);
-    returns the Axes.
-    Boxes up to ``max_boxes`` blocks, a state heatmap above."""
+    returns the Axes. Boxes up to ``max_boxes`` blocks, a state heatmap above."""
     _check_positive("max_boxes", max_boxes)
     view = as_view(pool, seqs)
     if view.num_blocks > max_boxes:
