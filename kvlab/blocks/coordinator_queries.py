@@ -9,8 +9,9 @@ pools (``_pool``, ``_swap``), its groups (``_members``) and a sequence's views (
 * Per-sequence questions are answered per group where there are several: ``block_tables`` and
   ``slot_mappings`` (a group's layers read its own), ``get_block_table`` (every group's table, group after
   group), ``num_released_blocks`` (every group's released entries together, so it counts the null blocks of
-  ``get_block_table``). A sequence's place and progress are the same in every group (they move and schedule
-  together), so ``is_swapped`` and ``num_scheduled_tokens`` read group 0's record.
+  ``get_block_table``; ``num_released_blocks_per_group`` has each group's). A sequence's place and progress
+  are the same in every group (they move and schedule together), so ``is_swapped`` and
+  ``num_scheduled_tokens`` read group 0's record.
 * Per-spec questions add up the groups: ``blocks_for_prompt`` (``can_allocate`` counts every group's blocks).
 
 A ``BlockManager`` answers each of them for its one group, exactly as before the groups. What stays per class:
@@ -129,7 +130,12 @@ class CoordinatorQueries:
     def num_released_blocks(self, seq: Sequence) -> int:
         """Table entries the sliding windows released, every group's together: the entries of
         ``get_block_table(seq)`` that point at the null block (on the GPU); 0 without a window."""
-        return sum(member.record(view).num_released for member, view in zip(self._members, self._views(seq)))
+        return sum(self.num_released_blocks_per_group(seq))
+
+    def num_released_blocks_per_group(self, seq: Sequence) -> list[int]:
+        """Each group's released entries: the leading entries of its ``block_tables(seq)`` table that hold the
+        null block 0. Read this, not the value 0, while ``seq`` is swapped out (CPU block 0 is a real block)."""
+        return [member.record(view).num_released for member, view in zip(self._members, self._views(seq))]
 
     def num_scheduled_tokens(self, seq: Sequence) -> int:
         """How many of ``seq``'s tokens have slots: their K/V is written by now or by the step just scheduled

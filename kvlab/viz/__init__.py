@@ -3,8 +3,9 @@ event timeline, a step-through of recorded snapshots, a serving engine's step ti
 plus what makes a notebook usable by a class: widgets that fall back to a static run when nobody is
 watching (``explore``) and checks that explain instead of failing when a student turns a knob (``check``).
 
-Every drawing takes a manager (plus the sequences whose tables to draw) or a recorded ``snapshot``, and an
-optional Axes; it returns the Axes (``ax.figure`` is the Figure) and never calls ``plt.show()``.
+Every drawing takes a manager (plus the sequences whose tables to draw; the pool and the block tables also
+a HybridBlockManager's, a row per group) or a recorded ``snapshot``, and an optional Axes; it returns the Axes
+(``ax.figure`` is the Figure) and never calls ``plt.show()``.
 """
 
 from kvlab.viz.checks import NotebookCheckError, check

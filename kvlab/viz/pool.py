@@ -5,10 +5,11 @@ either its ref count (used) or its place in the reuse order (free: #0 is reused 
 ``max_boxes`` is drawn as a heatmap of states instead (one pixel per block), so a 10k-block pool stays
 legible. ``draw_block_tables``: one row per sequence (logical blocks left to right, each cell filled in
 proportion to the tokens it holds) with arrows to the physical blocks, the pool underneath and, when some
-sequence is swapped out, the CPU blocks it uses.
+sequence is swapped out, the CPU blocks it uses. A hybrid manager's sequence gets one row per KV cache group,
+labelled with the group ("seq 3 · window 8"), in its sequence's colour; entries a window released show as null.
 
-Artists carry gids (``pool-<id>``, ``table-<seq>-<i>``, ``cpu-<id>``, ``arrow-<seq>-<i>``) so tests and curious
-readers can find what was drawn for a given block.
+Artists carry gids (``pool-<id>``, ``table-<seq>-<i>``, ``cpu-<id>``, ``arrow-<seq>-<i>``; a group's row is
+``<seq>g<group>``: ``table-3g1-0``) so tests and curious readers can find what was drawn for a given block.
 """
 
 import math
@@ -57,8 +58,8 @@ def _check_positive(name, value):
 
 
 def draw_pool(pool, seqs=(), ax=None, *, max_boxes: int = 256, title=None):
-    """Draw the GPU pool of ``pool`` (a BlockManager, or a PoolView from ``snapshot``); returns the Axes.
-    Boxes up to ``max_boxes`` blocks, a state heatmap above."""
+    """Draw the GPU pool of ``pool`` (a BlockManager or HybridBlockManager, or a PoolView from ``snapshot``);
+    returns the Axes. Boxes up to ``max_boxes`` blocks, a state heatmap above."""
     _check_positive("max_boxes", max_boxes)
     view = as_view(pool, seqs)
     if view.num_blocks > max_boxes:
@@ -132,11 +133,11 @@ def draw_block_tables(pool, seqs=(), ax=None, *, names=None, max_pool_boxes: int
                       arrows=None, title=None, pool_label: str = "GPU pool", swap_label: str = "CPU pool"):
     """Draw each sequence's block table above the pool, with arrows from logical to physical blocks.
 
-    ``pool`` is a BlockManager (then ``seqs`` says whose tables to draw, and ``names`` what to call them: a
-    list parallel to ``seqs`` or a dict from sequence id to name) or a PoolView. A pool of more
-    than ``max_pool_boxes`` blocks shows only the blocks the tables use. Swapped-out sequences are drawn
-    on top, under the CPU blocks they point at. ``arrows`` defaults to on while there
-    are at most 48 table entries. Tables longer than ``max_cells`` are drawn compactly instead (one
+    ``pool`` is a BlockManager or HybridBlockManager (then ``seqs`` says whose tables to draw, a row per
+    group in a hybrid one, and ``names`` what to call them: a list parallel to ``seqs`` or a dict from sequence
+    id to name) or a PoolView. A pool of more than ``max_pool_boxes`` blocks shows only the blocks the tables
+    use. Swapped-out sequences are drawn on top, under the CPU blocks they point at. ``arrows`` defaults to on
+    while there are at most 48 table entries. Tables longer than ``max_cells`` are drawn compactly instead (one
     coloured cell per logical block, no pool row). ``pool_label`` and ``swap_label`` name the two pools where
     they live somewhere else (an engine on a CPU keeps its KV pool in host memory). Returns the Axes."""
     for name, label in (("pool_label", pool_label), ("swap_label", swap_label)):
@@ -149,14 +150,16 @@ def draw_block_tables(pool, seqs=(), ax=None, *, names=None, max_pool_boxes: int
         return _draw_compact_tables(view, ax, title)
     # Swapped tables go on top, next to the CPU row they point up to; GPU tables below, next to the pool.
     tables = [t for t in view.tables if t.on_cpu] + [t for t in view.tables if not t.on_cpu]
-    color_of = {t.seq_id: SEQ_COLORS[k % len(SEQ_COLORS)] for k, t in enumerate(view.tables)}
+    # One colour per sequence (a hybrid manager's group rows share their sequence's): its first row's order.
+    firsts = [t for t in view.tables if t.group in (None, 0)]
+    color_of = {t.seq_id: SEQ_COLORS[k % len(SEQ_COLORS)] for k, t in enumerate(firsts)}
     columns, compressed = _pool_columns(view, max_pool_boxes)
     cpu_blocks = sorted(view.cpu_refs)
     cpu_x = {c: x for x, c in enumerate(cpu_blocks)}
     width = max([len(columns), len(cpu_blocks)] + [len(t.blocks) for t in tables] + [1])
     if arrows is None:
         arrows = sum(len(t.blocks) for t in tables) <= 48
-    row_y = {t.seq_id: 2.0 + 1.3 * (len(tables) - 1 - k) for k, t in enumerate(tables)}
+    row_y = {t.key: 2.0 + 1.3 * (len(tables) - 1 - k) for k, t in enumerate(tables)}
     top = 2.0 + 1.3 * len(tables)
     cpu_y = top + 0.4
     if cpu_blocks:
@@ -181,24 +184,24 @@ def draw_block_tables(pool, seqs=(), ax=None, *, names=None, max_pool_boxes: int
                 fontsize=8)
 
     for table in tables:
-        y, color = row_y[table.seq_id], color_of[table.seq_id]
+        y, color = row_y[table.key], color_of[table.seq_id]
         ax.text(-0.3, y + 0.5, f"{table.display_name}\n{table.status}, {table.num_tokens} tok", ha="right",
                 va="center", fontsize=8, color=color)
         for i, block in enumerate(table.blocks):
             released = i < table.num_released
             fill_color, label = _cell_look(view, table, i, block)
-            _box(ax, i, y, "white", f"table-{table.seq_id}-{i}", edge=color, linewidth=1.2)
+            _box(ax, i, y, "white", f"table-{table.key}-{i}", edge=color, linewidth=1.2)
             fill = table.tokens_in(i, bs) / bs
             ax.add_patch(Rectangle((i + PAD, y + PAD), (1 - 2 * PAD) * fill, 1 - 2 * PAD, facecolor=fill_color,
-                                   edgecolor="none", gid=f"fill-{table.seq_id}-{i}"))
+                                   edgecolor="none", gid=f"fill-{table.key}-{i}"))
             dark = fill > 0.5 and fill_color != STATE_COLORS[WARM]
             ax.text(i + 0.5, y + 0.5, label, ha="center", va="center", fontsize=8,
-                    color="white" if dark else TEXT_DARK, gid=f"table-label-{table.seq_id}-{i}")
+                    color="white" if dark else TEXT_DARK, gid=f"table-label-{table.key}-{i}")
             if not arrows or released:
                 continue
             start, end = ((i + 0.5, y + 1 - PAD), (cpu_x[block] + 0.5, cpu_y + PAD)) if table.on_cpu else \
                 ((i + 0.5, y + PAD), (columns[block] + 0.5, 1 - PAD))
-            ax.annotate("", xy=end, xytext=start, gid=f"arrow-{table.seq_id}-{i}", zorder=0.5,
+            ax.annotate("", xy=end, xytext=start, gid=f"arrow-{table.key}-{i}", zorder=0.5,
                         arrowprops=dict(arrowstyle="-|>", mutation_scale=7, color=color, alpha=0.55, linewidth=0.9,
                                         shrinkA=0, shrinkB=0))
     ax.set_xlim(-3.2, width + 0.2)

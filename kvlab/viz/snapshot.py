@@ -2,15 +2,19 @@
 
 Drawings work on a ``PoolView`` rather than on the live manager so that a sequence of steps can be recorded
 (``snapshot`` after each operation) and drawn later side by side or in a step-through widget. Every public
-drawing function also accepts a live ``BlockManager`` and takes the snapshot itself.
+drawing function also accepts a live ``BlockManager`` or ``HybridBlockManager`` and takes the snapshot itself.
 
-Only the manager's public API is read.
+A hybrid manager's groups share one pool, so its pool reads as a ``BlockManager``'s; its tables are one
+``TableView`` per (sequence, group), sequence after sequence, each labelled with its group ("full", "window 8").
+Only the managers' public queries (kvlab.blocks.coordinator_queries, the same for both) are read.
 """
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
+from kvlab.blocks.hybrid_manager import HybridBlockManager
 from kvlab.blocks.manager import NULL_BLOCK, BlockManager
 from kvlab.blocks.sequence import Sequence
 from kvlab.errors import InvalidArgumentError
@@ -21,11 +25,13 @@ FREE, WARM, USED, SHARED, NULL = range(5)
 STATE_NAMES = ("free", "warm (free, cached)", "used", "shared (ref > 1)", "null (sliding window)")
 STATE_COLORS = ("#e4e4e4", "#f2b447", "#4e79a7", "#d1495b", "#2b2b2b")
 CPU_COLOR = "#59a89c"  # blocks of swapped-out sequences, in the CPU pool
+MANAGERS = (BlockManager, HybridBlockManager)
 
 
 @dataclass(frozen=True)
 class TableView:
-    """One sequence's block table at snapshot time. ``blocks`` are CPU block ids when ``on_cpu``."""
+    """One sequence's block table at snapshot time (a hybrid manager's: one group's). ``blocks`` are CPU block
+    ids when ``on_cpu``."""
     seq_id: int
     status: str
     num_tokens: int
@@ -33,10 +39,18 @@ class TableView:
     on_cpu: bool
     num_released: int = 0  # leading entries the sliding window released (they point at the null block)
     name: str = ""         # the notebook's name for the sequence ("A", "chat"); drawings fall back to its id
+    group: Optional[int] = None  # the KV cache group of a hybrid manager's table; None for a BlockManager's
+    group_label: str = ""        # what the drawings call that group ("full", "window 8")
 
     @property
     def display_name(self) -> str:
-        return self.name or f"seq {self.seq_id}"
+        name = self.name or f"seq {self.seq_id}"
+        return f"{name} · {self.group_label}" if self.group_label else name
+
+    @property
+    def key(self) -> str:
+        """What the drawings' gids call this table: ``"<seq id>"``, or ``"<seq id>g<group>"`` for a group's."""
+        return str(self.seq_id) if self.group is None else f"{self.seq_id}g{self.group}"
 
     def tokens_in(self, i: int, block_size: int) -> int:
         """How many token slots of logical block ``i`` are filled (block_size except maybe the last)."""
@@ -90,12 +104,21 @@ def names_for(seqs: list, names) -> list[str]:
     return names
 
 
-def snapshot(manager: BlockManager, seqs=(), label: str = "", *, names=None) -> PoolView:
-    """Copy the pool state of ``manager`` and the block tables of ``seqs`` (any iterable of Sequence; a
-    finished or waiting sequence shows as an empty table). ``names``: what the drawings call each sequence,
-    as a list parallel to ``seqs`` or a dict from sequence id to name (default ``seq <id>``). O(num_blocks)."""
-    if not isinstance(manager, BlockManager):
-        raise InvalidArgumentError(f"expected a kvlab.BlockManager, got {type(manager).__name__}")
+def group_labels(specs) -> list[str]:
+    """What the drawings call each KV cache group (specs from ``manager.groups``): "full" or "window <W>",
+    with "(group g)" added where two groups would read alike."""
+    labels = ["full" if spec.sliding_window is None else f"window {spec.sliding_window}" for spec in specs]
+    return [f"{label} (group {g})" if labels.count(label) > 1 else label for g, label in enumerate(labels)]
+
+
+def snapshot(manager, seqs=(), label: str = "", *, names=None) -> PoolView:
+    """Copy the pool state of ``manager`` (a BlockManager or a HybridBlockManager) and the block tables of
+    ``seqs`` (any iterable of Sequence; a finished or waiting sequence shows as an empty table; a hybrid
+    manager's sequence as one table per group). ``names``: what the drawings call each sequence, as a list
+    parallel to ``seqs`` or a dict from sequence id to name (default ``seq <id>``). O(num_blocks)."""
+    if not isinstance(manager, MANAGERS):
+        raise InvalidArgumentError("expected a kvlab.BlockManager or a kvlab.blocks.hybrid_manager.HybridBlockManager, "
+                                   f"got {type(manager).__name__}")
     seqs = _check_seqs(seqs)
     seq_names = names_for(seqs, names)
     n = manager.num_blocks
@@ -105,21 +128,30 @@ def snapshot(manager: BlockManager, seqs=(), label: str = "", *, names=None) -> 
     states[refs > 0] = USED
     states[refs > 1] = SHARED
     states[(refs == 0) & cached] = WARM
-    if manager.sliding_window is not None:
+    if any(spec.sliding_window is not None for spec in manager.groups):
         states[NULL_BLOCK] = NULL  # reserved: released table entries point at it; never free, never used
     reuse_rank = np.full(n, -1, dtype=np.int32)
     free = manager.free_block_ids()
     reuse_rank[free] = np.arange(len(free), dtype=np.int32)
-    tables = []
-    for seq, name in zip(seqs, seq_names):
-        blocks = tuple(seq.block_table)
-        allocated = bool(blocks)  # allocate always gives at least one block; free empties the table
-        on_cpu = allocated and manager.is_swapped(seq)
-        released = manager.num_released_blocks(seq) if allocated else 0
-        tables.append(TableView(seq.seq_id, seq.status.name.lower(), seq.num_tokens, blocks, on_cpu, released, name))
+    # A BlockManager's one table per sequence is unlabelled (group None); a hybrid manager's are per group.
+    groups = list(enumerate(group_labels(manager.groups))) if isinstance(manager, HybridBlockManager) else [(None, "")]
+    tables = tuple(table for seq, name in zip(seqs, seq_names) for table in _tables(manager, seq, name, groups))
     cpu_refs = {b: manager.cpu_ref_count(b) for b in range(manager.num_cpu_blocks) if manager.cpu_ref_count(b)}
-    return PoolView(n, manager.block_size, states, refs, cached, reuse_rank, tuple(tables),
+    return PoolView(n, manager.block_size, states, refs, cached, reuse_rank, tables,
                     manager.num_free_cpu_blocks, label, cpu_refs)
+
+
+def _tables(manager, seq: Sequence, name: str, groups: list) -> list[TableView]:
+    """``seq``'s table in each of ``groups`` ((group, label) pairs, in group order). Released entries are
+    counted by the manager, never read off the table: a swapped-out table's null entries and CPU block 0
+    both read 0."""
+    allocated = bool(seq.block_table)  # allocate gives every group at least one block; free empties the tables
+    on_cpu = allocated and manager.is_swapped(seq)
+    blocks = manager.block_tables(seq) if allocated else [()] * len(groups)
+    released = manager.num_released_blocks_per_group(seq) if allocated else [0] * len(groups)
+    status = seq.status.name.lower()
+    return [TableView(seq.seq_id, status, seq.num_tokens, tuple(table), on_cpu, num_released, name, group, label)
+            for table, num_released, (group, label) in zip(blocks, released, groups)]
 
 
 def as_view(pool, seqs=(), names=None) -> PoolView:

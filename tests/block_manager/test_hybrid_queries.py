@@ -15,7 +15,8 @@ GROUPS = [FullAttentionSpec(), SlidingWindowSpec(4)]
 POOL_QUERIES = ("num_free_blocks", "num_evictions", "num_cached_blocks", "tier_stats", "num_offload_blocks",
                 "num_cpu_blocks", "num_free_cpu_blocks", "usable_blocks", "groups")
 BLOCK_QUERIES = ("ref_count", "block_hash", "is_cached")
-SEQUENCE_QUERIES = ("get_block_table", "block_tables", "is_swapped", "num_released_blocks", "num_scheduled_tokens")
+SEQUENCE_QUERIES = ("get_block_table", "block_tables", "is_swapped", "num_released_blocks",
+                    "num_released_blocks_per_group", "num_scheduled_tokens")
 
 
 def make(num_blocks=32, **kw):
@@ -116,3 +117,22 @@ def test_get_num_cached_tokens_answers_for_allocated_sequences_as_a_block_manage
         m.check_invariants()
     with pytest.raises(InvalidArgumentError, match="block_size"):
         hybrid.get_num_cached_tokens(Sequence(range(9), BS + 1))
+
+
+def test_each_groups_released_entries_are_counted_on_the_gpu_and_in_the_cpu_pool():
+    """The count, not the value 0, tells a window's released entries: a swapped-out table's CPU block 0 is real."""
+    m = make(num_cpu_blocks=16)
+    seq = Sequence(range(9), BS)
+    m.allocate(seq)
+    assert m.num_released_blocks_per_group(seq) == [0, 0]
+    grow(m, seq, range(100, 104))  # the query at 12 sees 9 on: the window group released its blocks 0 and 1
+    assert m.num_released_blocks_per_group(seq) == [0, 2]
+    assert sum(m.num_released_blocks_per_group(seq)) == m.num_released_blocks(seq)
+    m.swap_out(seq)
+    full, window = m.block_tables(seq)
+    assert full[0] == 0 and window[:2] == [0, 0]  # CPU block 0 (the full group's) and two null entries read alike
+    assert m.num_released_blocks_per_group(seq) == [0, 2]
+    m.free(seq)
+    with pytest.raises(SequenceStateError, match="not allocated"):
+        m.num_released_blocks_per_group(seq)
+    m.check_invariants()
