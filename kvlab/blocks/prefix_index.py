@@ -187,20 +187,12 @@ class PrefixIndex:
         block_hash, block_bytes = self.hash, self.block_bytes
         content, parent_content = self.content, self.parent_content
         hashes = []
-        if self.num_groups == 1:
-            cached = self.cached
-            for slot in dropped:
-                registered[slot] = False
-                h = block_hash[slot]
-                del cached[h]
-                hashes.append(h)
-        else:
-            namespaces, group_of = self.namespaces, self.group
-            for slot in dropped:
-                registered[slot] = False
-                h = block_hash[slot]
-                del namespaces[group_of[slot]][h]
-                hashes.append(h)
+        namespaces, group_of = self.namespaces, self.group
+        for slot in dropped:
+            registered[slot] = False
+            h = block_hash[slot]
+            del namespaces[group_of[slot]][h]
+            hashes.append(h)
         return Evicted(dropped, hashes, [block_bytes[s] for s in dropped], [content[s] for s in dropped],
                        [parent_content[s] for s in dropped])
 
