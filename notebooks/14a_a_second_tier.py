@@ -73,7 +73,8 @@ from matplotlib.patches import FancyArrow, Patch, Rectangle
 
 from kvlab import BlockManager, Sequence, viz
 from kvlab.blocks.records import TierHitStats
-from kvlab.course.tiers import tier_hit_runs
+from kvlab.course import answer
+from kvlab.course.tiers import replay_through_tier, tier_hit_runs
 from kvlab.sizing.hf_config import read_model_shape
 from kvlab.studies import reuse_profile
 from kvlab.studies.traces import load_trace, mooncake_token_ids
@@ -337,6 +338,44 @@ viz.check(abs(at["LRU", large] - ceiling) < 1e-3 and abs(at["ARC", large] - ceil
 # > hashes seen `store_threshold` times. It is **off by default**: `CPUOffloadingSpec` wraps the manager in it
 # > only when `kv_connector_extra_config` sets `store_threshold` >= 2. vLLM counts the hashes its connector is
 # > asked about (past the GPU's hits); kvlab counts every full block a prompt looks up.
+
+# %% [markdown]
+# ### Exercise: a bigger pool or a tier?
+#
+# Two predictions about the replays above. First, as the LRU tier grows from none to 64,000 blocks, does the
+# **GPU's own** share of hits (`gpu_hit`) get larger, smaller or stay the same? Second, you have `GPU_BLOCKS`
+# more blocks to spend: double the GPU pool (no tier), or keep the pool and put an **LRU** tier of
+# `GPU_BLOCKS` blocks behind it. Which serves more prompt tokens from cache (GPU + tier)? Edit the two values
+# and run the cell: the first is read from `runs`, the second replays the trace twice more (under a second).
+
+# %%
+PREDICTED_GPU_HITS_WITH_TIER = None   # the GPU's hits as the LRU tier grows: "larger", "smaller" or "same"
+PREDICTED_BETTER_SPEND = None         # GPU_BLOCKS more blocks, as "pool" (a doubled pool) or "tier" (LRU)
+
+lru_gpu = runs[runs.tier.isin(["none", "LRU"])].gpu_hit_tokens / prompt_tokens   # tokens: an exact "same"
+spent = {"pool": replay_through_tier(seqs, 2 * GPU_BLOCKS),
+         "tier": replay_through_tier(seqs, GPU_BLOCKS, GPU_BLOCKS, "lru"),
+         "ARC tier": replay_through_tier(seqs, GPU_BLOCKS, GPU_BLOCKS, "arc")}
+spent_hit = {k: (s.gpu_hit_tokens + s.tier_hit_tokens) / prompt_tokens for k, s in spent.items()}
+answer(PREDICTED_GPU_HITS_WITH_TIER, "same" if lru_gpu.nunique() == 1 else
+       "larger" if lru_gpu.iloc[-1] > lru_gpu.iloc[0] else "smaller",
+       f"GPU hits: {lru_gpu.iloc[0]:.2%} with no tier, {lru_gpu.iloc[-1]:.2%} with the largest. A tier hit is "
+       "promoted into a fresh GPU block exactly where a miss would have been computed, so the pool allocates "
+       "and evicts the same blocks with or without a tier: the tier only adds hits on what the GPU lost.")
+answer(PREDICTED_BETTER_SPEND, "pool" if spent_hit["pool"] > spent_hit["tier"] else "tier",
+       f"A doubled pool serves {spent_hit['pool']:.2%}, the pool plus an LRU tier of {GPU_BLOCKS} blocks "
+       f"{spent_hit['tier']:.2%} (an ARC tier of that size: {spent_hit['ARC tier']:.2%}). An LRU tier behind an "
+       "LRU pool is roughly one longer LRU list, less the blocks it holds twice (it is inclusive).")
+
+# %% [markdown]
+# **Answer.** With the defaults, **same** and **pool**, narrowly. The GPU's hits do not move at all: a tier
+# hit's block is promoted into the fresh block a miss would have taken, so the GPU pool sees the same
+# allocations and evictions as without a tier, and every point of the sweep adds tier hits on top of the same
+# GPU hits (14b prices them). An LRU tier of the pool's size then acts as the doubled pool's second half, only
+# slightly worse: a promoted block keeps its CPU copy, so some slots hold blocks the GPU holds too. The tier's
+# case is not slot for slot but size and price: host memory is ten or a hundred times larger and cheaper than
+# the GPU's (the sweep's largest tier is over 80 times the pool), and a different policy can use the slots better:
+# the ARC tier of the same size beats the doubled pool.
 
 # %% [markdown]
 # ## Takeaways

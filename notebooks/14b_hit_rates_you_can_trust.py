@@ -73,6 +73,7 @@ from tqdm.auto import tqdm
 
 from kvlab import BlockManager, Sequence, viz
 from kvlab.blocks.records import TierHitStats
+from kvlab.course import answer
 from kvlab.course.tiers import tier_hit_runs
 from kvlab.device import ON_GPU
 from kvlab.sizing.hf_config import read_model_shape
@@ -263,6 +264,51 @@ viz.check(last.load_all_ms_slow > first.load_all_ms_slow and (lru_runs.gain_ms_s
 # slow link however many hits the tier has: an engine that recomputes whenever that is cheaper is never worse
 # than no tier, one that loads every hit is. `kvlab study --offload-capacity 0,8000 --h2d-gb-per-s 2.5 ...` prints
 # the same columns for any trace.
+
+# %% [markdown]
+# ### Exercise: copy or recompute?
+#
+# Two predictions from this section's cost model. First, small models rarely reach the MFU of big ones: if
+# SmolLM2-135M's prefill reached only `MFU = 0.1`, would a tier hit over PCIe 5.0 (`H2D_BANDWIDTH`) be
+# quicker to **copy** or to **recompute**? Second, over a link of 10 GB/s (between the slow tier and PCIe), if
+# the engine loads every tier hit of `MODEL` whatever it costs, is the mean prefill time with the largest LRU
+# tier **lower** or **higher** than with no tier? Edit the two values and run the cell: it prices both with
+# the functions and replays above.
+
+# %%
+PREDICTED_SMOL_AT_MFU_0_1 = None     # SmolLM2-135M at MFU 0.1 over H2D_BANDWIDTH: "copy" or "recompute"
+PREDICTED_LOAD_ALL_AT_10_GBPS = None  # loading every hit at 10 GB/s, largest tier vs none: "lower" or "higher"
+
+smol_shape = read_model_shape(CONFIGS / "SmolLM2-135M")
+smol_bytes = smol_shape.layout("bfloat16").bytes_per_token * TRACE_BS
+smol_recompute = recompute_s(TRACE_BS, smol_shape) * MFU / 0.1   # prefill time scales as 1 / MFU
+smol_copy = transfer_s(smol_bytes, H2D_BANDWIDTH)
+answer(PREDICTED_SMOL_AT_MFU_0_1, "copy" if smol_copy < smol_recompute else "recompute",
+       f"At MFU 0.1 a {TRACE_BS}-token block takes {1e3 * smol_recompute:.2f} ms to recompute and "
+       f"{1e3 * smol_copy:.2f} ms to copy: a lower MFU lowers the break-even bandwidth in proportion, to "
+       f"{smol_bytes / TRACE_BS * prefill_tokens_per_s(smol_shape) * 0.1 / MFU / 1e9:.1f} GB/s.")
+
+
+def load_all_ms(row, bandwidth):
+    """Mean prefill ms per request when every tier hit is loaded at ``bandwidth``: misses recomputed."""
+    return (row.miss_tokens * 1e3 / llama_tok_s + row.tier_hit_blocks * 1e3 * transfer_s(block_bytes, bandwidth)
+            ) / len(prompts)
+
+
+none_ms, largest_ms = load_all_ms(lru_runs.iloc[0], 10e9), load_all_ms(lru_runs.iloc[-1], 10e9)
+answer(PREDICTED_LOAD_ALL_AT_10_GBPS, "lower" if largest_ms < none_ms else "higher",
+       f"{none_ms:.1f} ms with no tier, {largest_ms:.1f} ms with {TIER_BLOCKS[-1]:,} blocks: 10 GB/s is above "
+       f"{MODEL}'s break-even of {llama.break_even_GB_per_s:.1f} GB/s, so each loaded hit replaces a recompute "
+       "with a cheaper copy, and more hits can only help.")
+
+# %% [markdown]
+# **Answer.** With the defaults, **copy** and **lower**. The break-even bandwidth is bytes per token x prefill
+# tokens/s, and prefill tokens/s is proportional to MFU: SmolLM2-135M's falls from about 54 GB/s at MFU 0.5 to
+# about 11 GB/s at 0.1, well under PCIe 5.0's 50, so the copy wins (the slower the compute, the more a copy is
+# worth). For the second, the per-block comparison decides the whole curve: at 10 GB/s a Llama-3-8B block
+# copies in about 6.7 ms and recomputes in about 14.5 ms, so every tier hit saves time whatever the tier's size,
+# and the mean prefill time falls as the tier grows; below the break-even (about 4.6 GB/s, as on the slow link
+# above) every loaded hit costs time and the curve rises instead.
 
 # %% [markdown]
 # ## 2. Hit-rate pitfalls
