@@ -24,7 +24,7 @@ from kvlab.blocks.hashing import prompt_blocks, sealed_through
 from kvlab.blocks.locking import serialized
 from kvlab.blocks.manager_state import NULL_BLOCK
 from kvlab.blocks.manager_steps import GroupSteps
-from kvlab.blocks.planning import plan_allocation
+from kvlab.blocks.planning import cached_prefix, plan_allocation
 from kvlab.blocks.prefix_index import ROOT
 from kvlab.blocks.sequence import Sequence, SequenceStatus, copy_tokens, set_allocation_record
 from kvlab.errors import InvalidArgumentError
@@ -58,9 +58,8 @@ class GroupCore(GroupSteps, SpeculativeDrafts):
         if not self.enable_prefix_caching or seq.num_tokens == 0:
             return 0
         hashes, contents = prompt_blocks(seq, self.block_size, self.hash_fn)
-        limit, pool = (seq.num_tokens - 1) // self.block_size, self._pool
-        hits = pool.index.lookup(hashes, contents, limit, ROOT, self.group)
-        tier_hits = pool.tier.lookup(hashes, contents, limit, hits, pool.index) if pool.tier is not None else ()
+        hits, tier_hits = cached_prefix(self._pool, hashes, contents, (seq.num_tokens - 1) // self.block_size,
+                                        self.group)
         return (len(hits) + len(tier_hits)) * self.block_size
 
     def make_prefix_cache_stats(self):

@@ -62,6 +62,13 @@ class AllocationPlan(NamedTuple):
     tier_hits: tuple = ()  # offload-tier slots continuing the hits: promoted into the first new blocks
 
 
+def cached_prefix(pool, hashes, contents, limit: int, group: int = 0) -> tuple[list[int], tuple]:
+    """(the GPU blocks of KV cache ``group`` holding the prompt's first full blocks, then the offload tier's
+    slots continuing them): its cached prefix, at most ``limit`` blocks in all. Pure."""
+    hits = pool.index.lookup(hashes, contents, limit, ROOT, group)
+    return hits, (pool.tier.lookup(hashes, contents, limit, hits, pool.index) if pool.tier is not None else ())
+
+
 def plan_allocation(pool, seq, hashes, contents, block_size, spec, lookahead,
                     num_new_tokens, max_hits=None, group: int = 0) -> AllocationPlan:
     """Prefix hits are looked up once, here at admission, in KV cache ``group``'s namespace of the index (at
@@ -70,8 +77,7 @@ def plan_allocation(pool, seq, hashes, contents, block_size, spec, lookahead,
     n = seq.num_tokens
     # Never share the whole prompt: at least one token must be computed to produce logits.
     limit = (n - 1) // block_size
-    hits = pool.index.lookup(hashes, contents, limit if max_hits is None else min(limit, max_hits), ROOT, group)
-    tier_hits = pool.tier.lookup(hashes, contents, limit, hits, pool.index) if pool.tier is not None else ()
+    hits, tier_hits = cached_prefix(pool, hashes, contents, limit if max_hits is None else min(limit, max_hits), group)
     cached = (len(hits) + len(tier_hits)) * block_size
     scheduled = cached + new_tokens(seq, num_new_tokens, cached)
     # The step's first query is the first uncached token.
