@@ -2,7 +2,9 @@
 
 Sampling uses the exponential race: with E_i ~ Exp(1) independent, argmax_i p_i / E_i is token i with
 probability p_i. One vectorised draw serves the whole batch, and a seeded sequence draws its own noise row
-from its own generator, so its samples do not depend on what else is in the batch.
+from its own generator, so its samples do not depend on what else is in the batch: its t-th sampled token
+uses the t-th noise row its generator gives (``noise_row``), whichever step produces it. Speculative
+verification (``kvlab.engine.speculative.accept``) draws its rows the same way, one per token it keeps.
 
 Nothing here can overflow or produce NaN from valid parameters: the temperature divides the logits minus
 their row maximum (all <= 0, the most likely token exactly 0), so a tiny temperature gives the most likely
@@ -27,6 +29,18 @@ def sample_generator(seed: int, sample_index: int, device) -> torch.Generator:
     NumPy's SeedSequence so that samples of one request, and requests with nearby seeds, draw unrelated noise."""
     state = int(np.random.SeedSequence([seed, sample_index]).generate_state(1, np.uint64)[0]) >> 1
     return torch.Generator(device=device).manual_seed(state)
+
+
+def noise_row(generator: torch.Generator, probs: torch.Tensor) -> torch.Tensor:
+    """One sampled token's Exp(1) noise from a sequence's own ``generator``, shaped as ``probs [V]``. Every
+    token of a seeded sequence takes exactly one such row, drawn alone (a row's values and the generator's
+    next state depend only on its length), so its t-th token always gets its generator's t-th row."""
+    return torch.empty_like(probs).exponential_(generator=generator)
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The exponential race's winners: argmax over the last dimension of ``probs / noise`` (same shapes)."""
+    return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
 def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -82,6 +96,6 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, generator in enumerate(generators):
             if generator is not None:
-                noise[row].exponential_(generator=generator)
-        sampled = (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+                noise[row] = noise_row(generator, probs[row])
+        sampled = race(probs, noise)
         return torch.where(greedy, argmax, sampled).tolist()

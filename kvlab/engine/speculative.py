@@ -19,6 +19,15 @@ removed and renormalised** (the residual p - q is 0 at d and p elsewhere). The f
 after a run of accepted drafts the bonus token is sampled from p as usual. p is the sampler's own
 distribution (temperature, top-k, top-p: ``kvlab.engine.sampler.probabilities``), so every token is
 distributed as without speculation.
+
+kvlab draws that rule as the sampler draws a token: row i's token x is sampled from p_i with the sequence's
+next noise row (``kvlab.engine.sampler.noise_row``), and d is accepted exactly when x = d; otherwise x is the
+correction. That is the rule above (x = d with probability p(d); given x != d, x is distributed as p with d
+removed), and it consumes one noise row per token kept, whatever the drafts. So a seeded sequence's t-th
+token always comes from its generator's t-th row: its samples are the ones decoding without speculation
+draws, whatever k, the proposer, the drafts it got this step (which the budget and the pool, so the rest of
+the batch, can cut) or preemption. A draw per draft (a uniform for acceptance, then a multinomial) would
+shift its stream by every draft it was or was not given.
 """
 
 from dataclasses import dataclass
@@ -28,7 +37,7 @@ import torch
 from kvlab.blocks.sequence import Sequence
 from kvlab.engine.draft_control import DraftControl
 from kvlab.engine.proposers import PROPOSERS, Proposer
-from kvlab.engine.sampler import probabilities
+from kvlab.engine.sampler import noise_row, probabilities, race
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.errors import InvalidArgumentError
 from kvlab.validation import check_int
@@ -100,7 +109,8 @@ def accept(logits: torch.Tensor, drafts: tuple[int, ...], params: SamplingParams
            generator: torch.Generator) -> list[int]:
     """The tokens one verification keeps: the accepted drafts, then the target's own token (the correction of
     the first rejected draft, or the bonus token after them all). ``logits`` fp32 ``[len(drafts) + 1, vocab]``,
-    row i the target's logits after the context and drafts ``[:i]``. Raises FloatingPointError on unusable
+    row i the target's logits after the context and drafts ``[:i]``. Sampling takes one noise row from
+    ``generator`` (the sequence's) per token kept, as the sampler would. Raises FloatingPointError on unusable
     logits, as the sampler does."""
     if not bool((logits.isfinite() | (logits == float("-inf"))).all() and (logits > float("-inf")).any(-1).all()):
         raise FloatingPointError("the model's logits hold NaN or +inf, or are all -inf: no token can be chosen")
@@ -111,13 +121,12 @@ def accept(logits: torch.Tensor, drafts: tuple[int, ...], params: SamplingParams
             kept += 1
         return list(drafts[:kept]) + [choice[kept]]
     probs = probabilities(logits, [params] * len(logits))  # [d + 1, vocab], the sampler's distribution
-    device = probs.device
+
+    def sample(row: torch.Tensor) -> int:  # distributed as the row's p; takes the sequence's next noise row
+        return int(race(row, noise_row(generator, row)))
+
     for i, draft in enumerate(drafts):
-        u = torch.rand((), generator=generator, device=device)
-        if bool(u < probs[i, draft]):
-            continue
-        residual = probs[i].clone()
-        residual[draft] = 0.0  # p(d) < 1 here (u < 1), so some mass is left
-        token = torch.multinomial(residual, 1, generator=generator)  # renormalises
-        return list(drafts[:i]) + [int(token)]
-    return list(drafts) + [int(torch.multinomial(probs[-1], 1, generator=generator))]
+        token = sample(probs[i])
+        if token != draft:  # rejected (draft i is kept with probability p_i(draft)): token is its correction
+            return list(drafts[:i]) + [token]
+    return list(drafts) + [sample(probs[-1])]

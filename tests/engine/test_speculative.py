@@ -182,6 +182,38 @@ def test_a_stop_token_or_max_tokens_inside_an_accepted_run_ends_it_there(llama):
     assert_pool_clean(llm)
 
 
+@pytest.mark.parametrize("config", [ngram(3), {"method": "suffix", "num_speculative_tokens": 4}],
+                         ids=["ngram", "suffix"])
+def test_a_seeded_request_samples_the_same_whatever_else_runs(llama, config):
+    """vLLM's seed contract with speculation: a seeded request (n = 2: a stream per sample) gets the same
+    samples alone, beside other requests, in a pool small enough to preempt it (recompute or swap) and under a
+    budget that cuts drafts; and they are the samples decoding without speculation draws. The drafts a
+    sequence gets differ between these runs (the budget, the pool and, for suffix decoding, other requests'
+    outputs decide them); before, each draft took its own random draws, so the stream shifted with them."""
+    path, _ = llama
+    prompts = copy_heavy_prompts(1, 4)
+    seeded = SamplingParams(n=2, temperature=0.3, seed=1234, max_tokens=24, ignore_eos=True)
+    others = [SamplingParams(n=2, temperature=1.0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True),
+              SamplingParams(max_tokens=12, **GREEDY)]
+
+    def samples(num_others: int, speculative_config=config, **settings):
+        llm = make_llm(path, speculative_config=speculative_config, **settings)
+        outs = llm.generate(prompts[:1 + num_others], [seeded] + others[:num_others], use_tqdm=False)
+        assert_pool_clean(llm)
+        return [c.token_ids for c in outs[0].outputs], outs[0].metrics, llm.step_dataframe()
+
+    alone, metrics, _ = samples(0)
+    assert alone[0] != alone[1] and metrics.num_accepted_tokens > 0
+    for num_others, settings in [(2, {}), (3, dict(max_num_batched_tokens=6, max_num_seqs=6)),
+                                 (3, dict(num_blocks=14)), (3, dict(num_blocks=14, preemption_mode="swap"))]:
+        batched, _, records = samples(num_others, **settings)
+        assert batched == alone, (num_others, settings)
+        if "num_blocks" in settings:
+            assert records["preempted"].sum() > 0
+    assert samples(0, speculative_config=None)[0] == alone
+
+
 def test_sampled_next_token_distribution_is_the_targets(llama):
     """Temperature 0.7, many seeds: after a 128-token prompt holding every token once, prompt lookup proposes
     for every first token t1 what followed t1 in the prompt, so the second token is always verified against a

@@ -7,7 +7,7 @@ from scipy.stats import chisquare
 
 from engine_helpers import hf_greedy, make_llm
 from kvlab.engine.proposers import PROPOSERS, NgramProposer, Proposer, SuffixProposer
-from kvlab.engine.sampler import probabilities
+from kvlab.engine.sampler import Sampler, probabilities, sample_generator
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.speculative import accept, resolve_speculative_config
 from kvlab.errors import InvalidArgumentError
@@ -130,6 +130,26 @@ def _check_fits(counts: torch.Tensor, probs: torch.Tensor) -> None:
     expected = probs[allowed].double().numpy()
     expected *= observed.sum() / expected.sum()
     assert chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_sampled_acceptance_keeps_the_tokens_and_the_stream_the_sampler_would_draw():
+    """A seeded sequence's verification keeps the tokens the sampler draws from the same generator, one per
+    token kept, and leaves the generator where that many draws would: whatever the drafts, so the next
+    token's noise does not depend on how many drafts this step had. Before, each draft took a uniform draw and
+    the target's token a multinomial draw from the residual or from p."""
+    vocab, params = 20, SamplingParams(temperature=0.7)
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(3))
+    sampler, plain = Sampler(0, "cpu"), sample_generator(9, 0, "cpu")
+    expected, states = [], [plain.get_state()]
+    for row in logits:
+        expected += sampler(row[None], [params], [plain])
+        states.append(plain.get_state())
+    wrong = [(t + 1) % vocab for t in expected]
+    for drafts, kept in [(tuple(expected[:3]), 4), (tuple(expected[:2]) + (wrong[2],), 3),
+                         ((expected[0], wrong[1]), 2), ((wrong[0],), 1), ((), 1)]:
+        generator = sample_generator(9, 0, "cpu")
+        assert accept(logits[:len(drafts) + 1], drafts, params, generator) == expected[:kept]
+        assert generator.get_state().equal(states[kept])
 
 
 def suffix(**options) -> SuffixProposer:
