@@ -4,21 +4,30 @@ A notebook must run top to bottom in CI as committed, with every exercise still 
 never raises on the learner's input: it prints "not answered yet", "right" or what is wrong, and returns
 ``None``, ``True`` or ``False``. The truth comes from the notebook's machinery, never from a constant typed
 next to the question, so a changed knob changes the truth with it.
+
+How two values compare (both sides alike, so a truth computed with NumPy or pandas grades as it reads):
+
+* NumPy scalars are the Python numbers they hold (``np.True_`` is True, ``np.int64(3)`` is 3);
+* a bool matches only a bool: ``True == 1`` in Python, but True is no count;
+* numbers match within ``rel_tol``, exactly (as fractions, so ``10**20 + 1`` is not ``10**20``, and an int too
+  large for a float is still compared) when it is 0;
+* strings match ignoring case and surrounding spaces;
+* sequences (lists, tuples, NumPy arrays, pandas Series by their values in order) match element by element
+  by these same rules, with the same shape; when one side is a sequence and the other a single value, or the
+  shapes differ, the message says so;
+* anything else by ``==``. The comparison runs as the puzzles run the learner's code
+  (``kvlab.puzzles.grading.call_learner``): an ``__eq__`` that raises, loops or exits is a wrong answer that
+  says what happened, not a crash.
 """
 
 import math
+from fractions import Fraction
 
 from kvlab.errors import InvalidArgumentError
+from kvlab.puzzles.grading import LearnerCodeFailed, as_python, call_learner, describe
+from kvlab.validation import check_number
 
-
-def _matches(yours, truth, rel_tol: float) -> bool:
-    if isinstance(truth, bool) or isinstance(yours, bool):  # True == 1 must not pass for a count
-        return type(yours) is type(truth) and yours == truth
-    if isinstance(truth, (int, float)) and isinstance(yours, (int, float)):
-        return math.isclose(yours, truth, rel_tol=rel_tol, abs_tol=0 if rel_tol == 0 else 1e-12)
-    if isinstance(truth, str) and isinstance(yours, str):
-        return yours.strip().lower() == truth.strip().lower()
-    return yours == truth
+ABS_TOL = 1e-12  # with a tolerance, numbers this close to 0 match 0
 
 
 def answer(yours, truth, why: str, *, rel_tol: float = 0.0) -> bool | None:
@@ -26,18 +35,70 @@ def answer(yours, truth, why: str, *, rel_tol: float = 0.0) -> bool | None:
 
     ``yours``: the learner's value; ``None`` means not answered yet (the committed state). ``truth``: what
     the notebook measured. ``why``: one sentence, printed either way, that explains the truth. ``rel_tol``:
-    relative tolerance for numbers (0: exact). Strings compare case-insensitively. Returns ``None`` when
-    unanswered, else whether the answer is right.
+    relative tolerance for numbers (a finite number >= 0; 0: exact). How values compare: the module
+    docstring. Returns ``None`` when unanswered, else whether the answer is right.
     """
     if not isinstance(why, str) or not why.strip():
         raise InvalidArgumentError("answer(why=...) must explain the truth in a non-empty sentence")
-    if not rel_tol >= 0:
-        raise InvalidArgumentError(f"rel_tol must be a number >= 0, got {rel_tol!r}")
+    rel_tol = check_number("rel_tol (the relative tolerance; 0: exact)", rel_tol, 0)
     if yours is None:
         print("Not answered yet: replace None with your prediction, then run this cell again.")
         return None
-    if _matches(yours, truth, rel_tol):
-        print(f"Right: {truth!r}. {why}")
+    yours, truth = as_python(yours), as_python(truth)
+    try:
+        right = call_learner(lambda: _matches(yours, truth, rel_tol))
+        hint = "" if right else _shape_hint(yours, truth)
+    except LearnerCodeFailed as failed:
+        right, hint = False, f" (the comparison {failed})"
+    if right:
+        print(f"Right: {describe(truth)}. {why}")
         return True
-    print(f"Not quite: you said {yours!r}, the run gives {truth!r}. {why}")
+    print(f"Not quite: you said {describe(yours)}, the run gives {describe(truth)}{hint}. {why}")
     return False
+
+
+def _matches(yours, truth, rel_tol: float) -> bool:
+    """``yours`` against ``truth``, both Python values (``as_python``'s), by the module docstring's rules."""
+    if isinstance(truth, bool) or isinstance(yours, bool):  # True == 1 must not pass for a count
+        return type(yours) is type(truth) and yours == truth
+    if isinstance(truth, (int, float)) and isinstance(yours, (int, float)):
+        return _close(yours, truth, rel_tol)
+    if isinstance(truth, str) and isinstance(yours, str):
+        return yours.strip().lower() == truth.strip().lower()
+    if isinstance(truth, (list, tuple)) or isinstance(yours, (list, tuple)):
+        return (isinstance(truth, (list, tuple)) and isinstance(yours, (list, tuple)) and len(yours) == len(truth)
+                and all(_matches(y, t, rel_tol) for y, t in zip(yours, truth)))
+    return bool(yours == truth)
+
+
+def _close(yours, truth, rel_tol: float) -> bool:
+    if not all(math.isfinite(x) for x in (yours, truth) if isinstance(x, float)):
+        return yours == truth  # inf matches only itself, nan nothing (as math.isclose says)
+    # Fractions, not floats: exact for ints of any size (a float has 53 bits: 10**20 + 1 would be 10**20)
+    y, t = Fraction(yours), Fraction(truth)
+    return abs(y - t) <= max(Fraction(rel_tol) * max(abs(y), abs(t)), Fraction(ABS_TOL) if rel_tol else 0)
+
+
+def _shape(value) -> tuple:
+    """The lengths along a sequence's first elements: () for a single value."""
+    shape = []
+    while isinstance(value, (list, tuple)):
+        shape.append(len(value))
+        if not value:
+            break
+        value = value[0]
+    return tuple(shape)
+
+
+def _shape_hint(yours, truth) -> str:
+    """Why a wrong answer cannot be right whatever its numbers: one value for many, or another shape."""
+    yours_shape, truth_shape = _shape(yours), _shape(truth)
+    if yours_shape == truth_shape:
+        return ""
+    if not truth_shape:
+        return f" (the run gives one value; you gave {yours_shape[0]})"
+    if not yours_shape:
+        return f" (the run gives {truth_shape[0]} values, not one: answer with a list of them)"
+    if len(yours_shape) == len(truth_shape) == 1:
+        return f" (you gave {yours_shape[0]} values, the run gives {truth_shape[0]})"
+    return f" (your answer has shape {yours_shape}, the run's has shape {truth_shape})"

@@ -4,8 +4,9 @@ Each puzzle is a module here holding its spec (the module's docstring), a stub t
 NotImplementedError) and ``check(your_code) -> Report``: your code runs on random cases from a seed against
 kvlab's own behaviour, and the report says which case fails first, its inputs, and what was expected against
 what came back. ``check(..., strict=True)`` raises ``kvlab.errors.PuzzleNotSolvedError`` instead of returning a
-failed report. The solutions are in ``kvlab.puzzles.solutions``, one module per puzzle, so that you can look at
-one without seeing the others.
+failed report. Whatever your code does (loops forever, calls ``sys.exit()``, answers with NumPy values), the
+check comes back with a report: ``kvlab.puzzles.grading`` says how. The solutions are in
+``kvlab.puzzles.solutions``, one module per puzzle, so that you can look at one without seeing the others.
 
 ``PUZZLES`` lists them in course order, each with what it teaches and the notebook to read first::
 

@@ -19,9 +19,10 @@ at random.
 """
 
 import random
+from collections.abc import Iterable
 
 from kvlab.blocks import BlockManager, Sequence
-from kvlab.puzzles.grading import Case, Report, grade, seeded
+from kvlab.puzzles.grading import Case, Report, grade, not_an_int, same, seeded
 
 NAME = "copy_on_write"
 STEPS_PER_POOL = 8
@@ -76,11 +77,16 @@ def _step(manager, seq) -> Case:
 
 
 def _judge(table, refs, computed, n, bs, expected, got):
-    if got == expected or (isinstance(got, tuple) and len(got) == 2 and (list(got[0]), got[1]) == expected):
+    if isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], Iterable) and not isinstance(got[0], str):
+        got = (list(got[0]), got[1])  # copies in any sequence
+    if same(got, expected):
         return None
-    if not (isinstance(got, tuple) and len(got) == 2):
+    if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], list)):
         return f"expected a tuple (copies, num_new_blocks) = {expected}, got {got!r}"
-    copies, num_new = list(got[0]), got[1]
+    copies, num_new = got
+    wrong = not_an_int(copies + [num_new])
+    if wrong:
+        return f"expected (copies, num_new_blocks) = {expected}, got {got!r}: {wrong}"
     want_copies, want_new = expected
     for i in sorted(set(copies) ^ set(want_copies)):
         if i >= len(table):

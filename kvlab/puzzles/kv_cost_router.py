@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass
 
 from kvlab.blocks.kv_events import CachedHashes
-from kvlab.puzzles.grading import Case, Report, grade, seeded
+from kvlab.puzzles.grading import Case, Report, grade, not_an_int, same, seeded
 from kvlab.studies.routers import ROUTERS, Router, RouterSettings
 
 NAME = "kv_cost_router"
@@ -98,10 +98,11 @@ def _route(kvlab_router, theirs: dict, settings, bs, replicas, num_tokens, hashe
 
 
 def _judge(keys, expected, got):
-    if got == expected:
+    if same(got, expected):
         return None
-    if not isinstance(got, int) or not 0 <= got < len(keys):
-        return f"expected replica {expected}, got {got!r}: return a replica's index, 0 .. {len(keys) - 1}"
+    if not_an_int([got]) or not 0 <= got < len(keys):
+        return (f"expected replica {expected}, got {got!r}: return a replica's index, an int in 0 .. "
+                f"{len(keys) - 1}")
     if keys[got] == keys[expected]:
         return (f"expected replica {expected}, got {got}: both cost {keys[got][0]:g} with {keys[got][1]} in flight; "
                 "equal keys go to the first replica after the one chosen last (return self.pick(keys))")

@@ -23,7 +23,7 @@ block tables after every operation.
 import random
 
 from kvlab.blocks import BlockManager, EvictionPolicy, Sequence
-from kvlab.puzzles.grading import Case, Report, grade, seeded
+from kvlab.puzzles.grading import Case, Report, grade, not_an_int, same, seeded
 
 NAME = "lru_policy"
 OPS_PER_POOL = 25
@@ -143,13 +143,17 @@ def _grow(manager, seq, tokens, room=None) -> bool:
 
 def _judge(free, cached, tables, got):
     their_free, their_tables = got
-    if their_free != free:
-        extra, missing = sorted(set(their_free) - set(free)), sorted(set(free) - set(their_free))
-        why = (f": blocks {extra} are in use, not free (a prefix hit takes a free block back through remove)" if extra
-               else f": blocks {missing} are free but missing from yours" if missing else "")
+    if not same(their_free, free):
+        wrong = not_an_int(their_free)
+        if wrong:
+            why = f": {wrong}"
+        else:
+            extra, missing = sorted(set(their_free) - set(free)), sorted(set(free) - set(their_free))
+            why = (f": blocks {extra} are in use, not free (a prefix hit takes a free block back through remove)"
+                   if extra else f": blocks {missing} are free but missing from yours" if missing else "")
         marked = ", ".join(f"{block}{' (cached)' if block in cached else ''}" for block in free)
         return (f"the free blocks in reuse order should be [{marked}] (never-cached first, oldest first; then "
                 f"cached, least recently freed first), yours are {their_free}{why}")
-    if their_tables != tables:
+    if not same(their_tables, tables):
         return f"the running sequences' block tables should be {tables}, yours are {their_tables}"
     return None

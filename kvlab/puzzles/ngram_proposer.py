@@ -18,7 +18,7 @@ on random contexts over a small vocabulary, so that matches are common.
 import random
 
 from kvlab.engine.proposers import NgramProposer
-from kvlab.puzzles.grading import Case, Report, grade, seeded
+from kvlab.puzzles.grading import Case, Report, grade, not_an_int, same, seeded
 
 NAME = "ngram_proposer"
 
@@ -46,10 +46,11 @@ def _case(rng: random.Random) -> Case:
 
 
 def _judge(tokens, max_tokens, min_n, max_n, expected, got):
-    if got == expected:
+    if same(got, expected):
         return None
-    if not isinstance(got, list):
-        return f"expected a list of token ids {expected}, got {got!r}"
+    why = not_an_int(got) if isinstance(got, list) else None
+    if not isinstance(got, list) or why:
+        return f"expected a list of token ids {expected}, got {got!r}" + (f": {why}" if why else "")
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
         suffix = tokens[-n:]
         starts = [i for i in range(len(tokens) - n) if tokens[i:i + n] == suffix]  # each ends before the last token

@@ -14,7 +14,7 @@ sequences came and went from, so their tables are not in order.
 import random
 
 from kvlab.blocks import BlockManager, Sequence
-from kvlab.puzzles.grading import Case, Report, grade, seeded
+from kvlab.puzzles.grading import Case, Report, grade, not_an_int, same, seeded
 
 NAME = "slot_mapping"
 
@@ -55,10 +55,12 @@ def _case(rng: random.Random) -> Case:
 
 
 def _judge(table, bs, start, end, expected, got):
-    if got == expected:
+    if same(got, expected):
         return None
-    if not isinstance(got, list) or len(got) != len(expected):
-        return f"expected a list of {len(expected)} slots (positions {start} .. {end - 1}), got {got!r}"
+    why = not_an_int(got) if isinstance(got, list) else None
+    if not isinstance(got, list) or why or len(got) != len(expected):
+        return (f"expected a list of {len(expected)} slots (positions {start} .. {end - 1}), got {got!r}"
+                + (f": {why}" if why else ""))
     i = next(i for i, (e, g) in enumerate(zip(expected, got)) if e != g)
     p = start + i
     return (f"expected {expected}, got {got}: position {p} is in logical block {p // bs} at offset {p % bs}, and "

@@ -18,7 +18,7 @@ sequences grow.
 import random
 
 from kvlab.blocks import BlockManager, Sequence
-from kvlab.puzzles.grading import Case, Report, grade, seeded
+from kvlab.puzzles.grading import Case, Report, grade, not_an_int, same, seeded
 
 NAME = "window_release"
 STEPS_PER_SEQUENCE = 10
@@ -62,10 +62,11 @@ def _step(manager, seq, window) -> Case:
 
 
 def _judge(table, released, first, window, bs, expected, got):
-    if got == expected:
+    if same(got, expected):
         return None
-    if not isinstance(got, list):
-        return f"expected a list of block ids {expected}, got {got!r}"
+    why = not_an_int(got) if isinstance(got, list) else None
+    if not isinstance(got, list) or why:
+        return f"expected a list of block ids {expected}, got {got!r}" + (f": {why}" if why else "")
     seen = max(0, first - window + 1)
     sees = f"the step's first query, at {first}, sees positions {seen} .. {first}"
     for i, block in enumerate(table):

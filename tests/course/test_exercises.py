@@ -1,9 +1,14 @@
 """answer(): never raises on a learner's value, says which of unanswered / right / wrong, and why."""
 
+import sys
+
+import numpy as np
+import pandas as pd
 import pytest
 
 from kvlab.course import answer
 from kvlab.errors import InvalidArgumentError
+from kvlab.puzzles import grading
 
 
 def test_unanswered_prints_how_to_answer_and_returns_none(capsys):
@@ -35,7 +40,68 @@ def test_numbers_within_the_tolerance_and_strings_ignoring_case():
     assert answer([1, 2], [1, 2], "a list compares by value") is True
 
 
+def test_numpy_values_are_the_python_values_they_hold(capsys):
+    assert answer(np.True_, True, "numpy computed it") is True
+    assert answer(True, np.True_, "numpy computed it") is True
+    assert capsys.readouterr().out.startswith("Right: True. ")
+    assert answer(np.int64(3), 3, "a count") is True and answer(3, np.int64(3), "a count") is True
+    assert answer(np.float32(0.31), 0.3, "about a third", rel_tol=0.05) is True
+    assert answer(np.True_, 1, "one copy") is False  # still a bool, not a count
+
+
+def test_arrays_and_series_compare_element_wise_with_their_shape(capsys):
+    assert answer(np.array([1, 2]), [1, 2], "two counts") is True
+    assert answer([1, 2], pd.Series([1, 2], index=["a", "b"]), "a Series by its values, in order") is True
+    assert answer(np.array([[1.0, 2.01]]), np.array([[1, 2]]), "within 1%", rel_tol=0.01) is True
+    assert answer((1, 2), [1, 2], "a tuple is a sequence too") is True
+    capsys.readouterr()
+    for yours, truth, says in (([1, 2, 3], np.array([1, 2]), "(you gave 3 values, the run gives 2)"),
+                               (np.array([3]), 3, "(the run gives one value; you gave 1)"),
+                               (3, pd.Series([1, 2, 3]), "(the run gives 3 values, not one: answer with a list"),
+                               ([[1, 2]], [1, 2], "(your answer has shape (1, 2), the run's has shape (2,))"),
+                               ([1, True], np.array([1, 1]), "")):
+        assert answer(yours, truth, "why") is False
+        assert says in capsys.readouterr().out
+
+
+def test_ints_compare_exactly_whatever_their_size():
+    assert answer(10**400, 1.0, "a float is at most 1.8e308") is False
+    assert answer(10**400, 10**400, "exact") is True
+    assert answer(10**400, float("inf"), "inf is no number of blocks", rel_tol=0.5) is False
+    assert answer(10**20 + 1, 10**20, "a float would round both to 1e20") is False
+    assert answer(10**20 + 1, 10**20, "within the tolerance", rel_tol=1e-9) is True
+
+
+def test_a_value_whose_comparison_fails_loops_or_exits_is_a_wrong_answer_that_says_so(monkeypatch, capsys):
+    class Raises:
+        def __eq__(self, other):
+            raise TypeError("cannot compare")
+
+    class Loops:
+        def __eq__(self, other):
+            while True:
+                pass
+
+    class Exits:
+        def __eq__(self, other):
+            sys.exit(0)
+
+    monkeypatch.setattr(grading, "TIME_LIMIT_S", 0.2)
+    for yours, says in ((Raises(), "(the comparison raised TypeError: cannot compare)"),
+                        (Loops(), "(the comparison ran past the time limit of 0.2 s"),
+                        (Exits(), "(the comparison raised SystemExit(0)")):
+        assert answer(yours, 3, "three") is False
+        out = capsys.readouterr().out
+        assert out.startswith("Not quite: you said <") and says in out, out
+
+
 @pytest.mark.parametrize("kwargs", [dict(why=""), dict(why="x", rel_tol=-1)])
 def test_bad_arguments_from_the_notebook_raise(kwargs):
     with pytest.raises(InvalidArgumentError):
         answer(1, 1, **kwargs)
+
+
+@pytest.mark.parametrize("rel_tol", [None, "0.1", [0.1], True, float("inf")])
+def test_a_tolerance_that_is_no_finite_number_raises_saying_what_is_allowed(rel_tol):
+    with pytest.raises(InvalidArgumentError, match=r"rel_tol .*must be a finite number >= 0"):
+        answer(1, 1, "x", rel_tol=rel_tol)

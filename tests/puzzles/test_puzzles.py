@@ -3,17 +3,21 @@ saying "not yet", and plausible wrong solutions fail with a report that names th
 
 import inspect
 import re
+import signal
+import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvlab.errors import InvalidArgumentError, KvlabError, PuzzleNotSolvedError
-from kvlab.puzzles import PUZZLES, Report, puzzle
-from kvlab.puzzles.grading import NOT_YET, Case, equal, grade
+from kvlab.puzzles import PUZZLES, Report, grading, puzzle
+from kvlab.puzzles.grading import NOT_YET, WORKER_NAME, Case, equal, grade
 from wrong_solutions import WRONG
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 BY_NAME = {p.name: p for p in PUZZLES}
+WRONG_BY_NAME = {wrong.__name__: wrong for _, wrong, _ in WRONG}
 
 
 @pytest.mark.parametrize("p", PUZZLES, ids=lambda p: p.name)
@@ -38,12 +42,65 @@ def test_every_untouched_stub_fails_saying_not_yet(p):
         p.module.check(getattr(p.module, p.stub), strict=True)
 
 
+@pytest.fixture
+def time_limit(monkeypatch):
+    """Sets the grader's time limit per call for one test: a short one, so that a loop fails fast."""
+    return lambda seconds: monkeypatch.setattr(grading, "TIME_LIMIT_S", seconds)
+
+
 @pytest.mark.parametrize("name, wrong, words", WRONG, ids=[f"{n}-{w.__name__}" for n, w, _ in WRONG])
-def test_a_plausible_wrong_solution_fails_with_a_report_naming_the_mistake(name, wrong, words):
+def test_a_plausible_wrong_solution_fails_with_a_report_naming_the_mistake(name, wrong, words, time_limit):
+    time_limit(1.0)  # the solutions that loop forever; every real case takes milliseconds
     report = puzzle(name).module.check(wrong)
     assert not report.passed
     assert re.match(rf"{name}: not yet: case \d+ \(.+\): ", str(report)), str(report)  # the case and its inputs
     assert words in str(report), str(report)
+
+
+def as_numpy(p):
+    """``p``'s solution answering with NumPy values (arrays, np.int64) where a learner might."""
+    solution = p.solution()
+    if p.name == "copy_on_write":
+        return lambda *args: tuple(np.array(part, dtype=np.int64) for part in solution(*args))
+    if p.name == "kv_cost_router":
+        return type("NumpyRouter", (solution,), {"choose": lambda self, *args: np.int64(solution.choose(self, *args))})
+    if p.name == "lru_policy":
+        return type("NumpyLRU", (solution,), {"pop": lambda self: np.int64(solution.pop(self)),
+                                              "__iter__": lambda self: map(np.int64, solution.__iter__(self))})
+    return lambda *args: np.array(solution(*args), dtype=np.int64)
+
+
+def test_numpy_answers_are_graded_as_the_numbers_they_hold():
+    for p in PUZZLES:
+        if p.name not in ("can_allocate", "decode_attention"):  # an AllocStatus, a torch tensor
+            assert p.module.check(as_numpy(p), strict=True).passed
+
+
+def bool_for_1(value):
+    return True if value == 1 else value
+
+
+def with_a_bool_for_1(p):
+    """``p``'s solution answering True where it means 1 (a slot, a block, a token, a copy, an index)."""
+    solution = p.solution()
+    if p.name == "copy_on_write":
+        def plan_append(*args):
+            copies, num_new_blocks = solution(*args)
+            return list(map(bool_for_1, copies)), bool_for_1(num_new_blocks)
+        return plan_append
+    if p.name == "kv_cost_router":
+        return type("BoolRouter", (solution,), {"choose": lambda self, *args: bool_for_1(solution.choose(self, *args))})
+    if p.name == "lru_policy":
+        return type("BoolLRU", (solution,), {"__iter__": lambda self: map(bool_for_1, solution.__iter__(self))})
+    return lambda *args: list(map(bool_for_1, solution(*args)))
+
+
+@pytest.mark.parametrize("p", [p for p in PUZZLES if p.name not in ("can_allocate", "decode_attention")],
+                         ids=lambda p: p.name)
+def test_a_bool_never_passes_for_a_number(p):
+    report = p.module.check(with_a_bool_for_1(p))
+    assert not report.passed
+    assert re.search(r"True is a bool, not an int|got True: return a replica's index, an int", str(report))
 
 
 def test_every_puzzle_has_a_wrong_solution_in_the_tests():
@@ -102,6 +159,73 @@ def test_strict_raises_kvlabs_own_error_with_the_reports_message():
         grade("p", lambda x: 0, [Case("x=1", lambda fn: fn(1), equal(1))], strict=True)
     assert str(raised.value) == str(report) and isinstance(raised.value, AssertionError)
     assert isinstance(grade("p", lambda x: 1, [Case("x=1", lambda fn: fn(1), equal(1))], strict=True), Report)
+
+
+def test_what_the_code_returned_is_judged_within_the_time_limit_and_never_crashes_the_check(time_limit):
+    class Raises:
+        def __eq__(self, other):
+            raise TypeError("cannot compare")
+
+    class Loops:
+        def __eq__(self, other):
+            while True:
+                pass
+
+    time_limit(0.2)
+    for returned, why in ((Raises(), "raised TypeError: cannot compare"),
+                          (Loops(), "ran past the time limit of 0.2 s")):
+        report = grade("p", lambda x: returned, [Case("x=1", lambda fn: fn(1), equal(1))])
+        assert str(report).startswith("p: not yet: case 1 (x=1): your code returned ")
+        assert f"which kvlab could not compare with the answer: the comparison {why}" in str(report)
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="SIGALRM: POSIX only")
+def test_a_loop_fails_its_case_and_the_previous_alarm_handler_and_timer_come_back(time_limit):
+    def loops(x):
+        while True:
+            pass
+
+    def theirs(signum, frame):
+        raise AssertionError("the previous timer was not meant to fire during the test")
+
+    time_limit(0.2)
+    previous = signal.signal(signal.SIGALRM, theirs)
+    signal.setitimer(signal.ITIMER_REAL, 600)
+    try:
+        report = grade("p", loops, [Case("x=1", lambda fn: fn(1), equal(1))])
+        assert str(report) == ("p: not yet: case 1 (x=1): your code ran past the time limit of 0.2 s "
+                               "(kvlab.puzzles.grading.TIME_LIMIT_S): does it loop forever?")
+        assert signal.getsignal(signal.SIGALRM) is theirs and 0 < signal.getitimer(signal.ITIMER_REAL)[0] < 600
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_off_the_main_thread_a_loop_fails_its_case_too_and_is_stopped(time_limit):
+    time_limit(0.2)
+    reports = []
+    checking = threading.Thread(target=lambda: reports.append(puzzle("slot_mapping").module.check(
+        WRONG_BY_NAME["slots_forever"])))
+    checking.start()
+    checking.join()
+    assert "case 1 (" in str(reports[0]) and "your code ran past the time limit of 0.2 s" in str(reports[0])
+    for worker in [thread for thread in threading.enumerate() if thread.name == WORKER_NAME]:
+        worker.join(30)  # the loop was stopped (an exception raised into it), not left to burn a core
+        assert not worker.is_alive()
+
+
+def test_a_real_interrupt_stops_the_check_even_when_the_code_catches_it():
+    def catches_everything(x):
+        try:
+            signal.raise_signal(signal.SIGINT)  # the user presses Ctrl-C while the code runs
+        except KeyboardInterrupt:
+            pass
+        return 0
+
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        grade("p", catches_everything, [Case("x=1", lambda fn: fn(1), equal(1))])
+    assert signal.getsignal(signal.SIGINT) is handler
 
 
 # ---- the notebook's stubs -----------------------------------------------------------------------------------

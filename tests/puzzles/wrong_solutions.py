@@ -1,9 +1,15 @@
 """Plausible wrong solutions of each puzzle: what a learner might write, each with the words its check's
-report must use to name the mistake (tests/puzzles/test_puzzles.py)."""
+report must use to name the mistake (tests/puzzles/test_puzzles.py). Some are hostile to the grader: they loop
+forever, exit, interrupt themselves, answer with NumPy values or with a bool for an index; each must still be a
+failed case with a report, never a hang or a crash (the test runs them with a short time limit)."""
 
+import sys
+
+import numpy as np
 import torch
 
 from kvlab.blocks import AllocStatus
+from kvlab.puzzles.solutions.kv_cost_router import MyRouter
 from kvlab.puzzles.solutions.lru_policy import MyLRU
 from kvlab.studies.routers import Router
 
@@ -15,6 +21,27 @@ def slots_without_block_size(table, bs, start, end):
 
 def slots_one_too_many(table, bs, start, end):
     return [table[p // bs] * bs + p % bs for p in range(start, end + 1)]  # end is exclusive
+
+
+def slots_without_block_size_in_numpy(table, bs, start, end):
+    positions = np.arange(start, end)
+    return np.asarray(table)[positions // bs] + positions % bs  # an array of np.int64: graded as numbers
+
+
+def slots_forever(table, bs, start, end):
+    slots, p = [], start
+    while p < end:  # forgot p += 1
+        slots.append(table[p // bs] * bs + p % bs)
+    return slots
+
+
+def slots_then_exit(table, bs, start, end):
+    slots = [table[p // bs] * bs + p % bs for p in range(start, end)]
+    sys.exit(0 if slots else 1)  # a script's habit, which would stop the notebook's kernel
+
+
+def slots_interrupting_itself(table, bs, start, end):
+    raise KeyboardInterrupt  # a learner's own "stop here", not the user pressing Ctrl-C
 
 
 # ---- can_allocate -------------------------------------------------------------------------------------------
@@ -43,6 +70,19 @@ class ForgetsRemove(MyLRU):
 
     def remove(self, block_id):
         pass
+
+
+class PopsForever(MyLRU):
+    """Scans the free blocks for a never-cached one, but never moves on from a cached one."""
+
+    def pop(self):
+        blocks, i = list(self), 0
+        while i < len(blocks):
+            if blocks[i] in self.uncached:
+                del self.uncached[blocks[i]]
+                return blocks[i]
+            # forgot i += 1: when every free block is cached, this loops forever
+        return self.cached.popitem(last=False)[0]
 
 
 # ---- copy_on_write ------------------------------------------------------------------------------------------
@@ -101,6 +141,10 @@ def releases_again(table, released, first, window, bs):
     return table[:max(0, first - window + 1) // bs]  # forgets the entries released by earlier steps
 
 
+def releases_a_block_still_seen_in_numpy(table, released, first, window, bs):
+    return np.array(releases_a_block_still_seen(table, released, first, window, bs), dtype=np.int64)
+
+
 # ---- kv_cost_router -----------------------------------------------------------------------------------------
 class CountsBlocksAsTokens(Router):
     def choose(self, replicas, num_tokens, hashes):
@@ -115,6 +159,14 @@ class FirstOfEquals(Router):
         keys = [(s.prefill_weight * (num_tokens - bs * r.cached.prefix_match(hashes, len(hashes)))
                  + s.queue_weight * r.waiting_tokens, r.in_flight()) for r in replicas]
         return keys.index(min(keys))  # ties always to the first replica, not taking turns
+
+
+class AnswersTrueForReplicaOne(MyRouter):
+    """Replica 1 as ``True`` (say, from ``cost_1 < cost_0``): True == 1 in Python, but a bool is no index."""
+
+    def choose(self, replicas, num_tokens, hashes):
+        index = super().choose(replicas, num_tokens, hashes)
+        return True if index == 1 else index
 
 
 # ---- ngram_proposer -----------------------------------------------------------------------------------------
@@ -134,6 +186,10 @@ def shortest_n_first(tokens, max_tokens, min_n, max_n):
     return []
 
 
+def first_occurrence_in_numpy(tokens, max_tokens, min_n, max_n):
+    return np.array(first_occurrence(tokens, max_tokens, min_n, max_n), dtype=np.int64)
+
+
 def matches_itself(tokens, max_tokens, min_n, max_n):
     for n in range(min(max_n, len(tokens)), min_n - 1, -1):
         for start in range(len(tokens) - n, -1, -1):  # includes the last n tokens themselves
@@ -146,10 +202,15 @@ def matches_itself(tokens, max_tokens, min_n, max_n):
 WRONG = [
     ("slot_mapping", slots_without_block_size, "so its slot is"),
     ("slot_mapping", slots_one_too_many, "expected a list of"),
+    ("slot_mapping", slots_without_block_size_in_numpy, "so its slot is"),
+    ("slot_mapping", slots_forever, "your code ran past the time limit"),
+    ("slot_mapping", slots_then_exit, "your code raised SystemExit(0) (sys.exit), which would stop"),
+    ("slot_mapping", slots_interrupting_itself, "your code raised KeyboardInterrupt itself"),
     ("can_allocate", admits_without_watermark, "the watermark keeps"),
     ("can_allocate", admits_strictly_above_watermark, "which is >="),
     ("lru_policy", OneQueue, "never-cached first"),
     ("lru_policy", ForgetsRemove, "through remove"),
+    ("lru_policy", PopsForever, "your code ran past the time limit"),
     ("copy_on_write", copies_every_written_block, "held by this sequence alone: write in place"),
     ("copy_on_write", never_copies, "written by this step and shared: copy it"),
     ("copy_on_write", starts_one_position_early, "is not written by this step"),
@@ -158,9 +219,12 @@ WRONG = [
     ("window_release", releases_one_position_late, ": release it"),
     ("window_release", releases_a_block_still_seen, "is still seen"),
     ("window_release", releases_again, "released by an earlier step"),
+    ("window_release", releases_a_block_still_seen_in_numpy, "is still seen"),
     ("kv_cost_router", CountsBlocksAsTokens, "has the least (cost, in flight)"),
     ("kv_cost_router", FirstOfEquals, "return self.pick(keys)"),
+    ("kv_cost_router", AnswersTrueForReplicaOne, "expected replica 1, got True: return a replica's index, an int"),
     ("ngram_proposer", first_occurrence, "not the first"),
+    ("ngram_proposer", first_occurrence_in_numpy, "not the first"),
     ("ngram_proposer", shortest_n_first, "the longest n that matches wins"),
     ("ngram_proposer", matches_itself, "one must end before the last token"),
 ]
