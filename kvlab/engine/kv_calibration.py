@@ -18,9 +18,11 @@ import torch
 from kvlab.engine.attention import AttentionBatch
 from kvlab.engine.config import ModelConfig
 from kvlab.engine.hybrid import group_specs
+from kvlab.engine.settings import SCALE_GRANULARITIES
 from kvlab.errors import InvalidArgumentError
 from kvlab.kernels import allocate_kv_cache
 from kvlab.kernels.kv_quant import FP8_CODECS, INT4_LEVELS, MIN_SCALE, KVQuantizer
+from kvlab.sizing.kv_dtypes import KV_FORMATS
 
 CALIBRATION_BLOCK_SIZE = 16
 
@@ -85,8 +87,29 @@ def _fp8_scale(absmax, codec: str, granularity: str, num_kv_heads: int, device) 
 
 def make_quantizers(kv_cache_dtype: str, config: ModelConfig, ranges: list[KVRanges] | None,
                     granularity: str, device) -> list[KVQuantizer]:
-    """One ``KVQuantizer`` per layer for ``kv_cache_dtype`` (not "auto"), from ``calibrate``'s ranges or, with
-    ``ranges`` None, unit scales. Raises InvalidArgumentError when the format needs calibration."""
+    """One ``KVQuantizer`` per layer for ``kv_cache_dtype`` (not "auto"), from ``calibrate``'s ranges (one
+    ``KVRanges`` per layer) or, with ``ranges`` None, unit scales. ``granularity``: fp8's scales, one per layer
+    ("tensor") or per KV head ("head"). Raises InvalidArgumentError for a bad argument, or when the format
+    needs calibration and ``ranges`` is None."""
+    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_FORMATS:
+        raise InvalidArgumentError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_FORMATS))} (\"auto\" "
+                                   f"needs no quantizers), got {kv_cache_dtype!r}")
+    if not isinstance(config, ModelConfig):
+        raise InvalidArgumentError(f"config must be a kvlab.engine.config.ModelConfig, got {type(config).__name__}")
+    if ranges is not None and not (isinstance(ranges, (list, tuple)) and len(ranges) == config.num_layers
+                                   and all(isinstance(r, KVRanges) for r in ranges)):
+        got = (f"a {type(ranges).__name__} of {len(ranges)}: {', '.join(type(r).__name__ for r in ranges)}"
+               if isinstance(ranges, (list, tuple)) else repr(ranges))  # a KVRanges' repr is its tensors
+        raise InvalidArgumentError(f"ranges must be None (unit scales) or a list of {config.num_layers} KVRanges, "
+                                   f"one per layer (calibrate's result), got {got}")
+    if not isinstance(granularity, str) or granularity not in SCALE_GRANULARITIES:  # fp8 has no per-channel scales
+        raise InvalidArgumentError(f"granularity must be one of {', '.join(map(repr, SCALE_GRANULARITIES))} (fp8 "
+                                   f"scales per layer or per KV head), got {granularity!r}")
+    try:
+        device = None if device is None else torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidArgumentError(f"device must be None (torch's default), a torch.device or its name (\"cpu\", "
+                                   f"\"cuda\"), got {device!r}") from None
     quantizers = []
     for layer in range(config.num_layers):
         observed = ranges[layer] if ranges is not None else KVRanges()

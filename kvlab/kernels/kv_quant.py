@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.errors import InvalidArgumentError
-from kvlab.sizing.kv_dtypes import KV_FORMATS, row_bytes, value_group
+from kvlab.sizing.kv_dtypes import CODEC_BITS, KV_FORMATS, check_kv_format, row_bytes, value_group
+from kvlab.validation import check_int
 
 FLOAT_CODECS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FP8_CODECS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -82,6 +83,13 @@ class KVQuantizer:
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
     k_zero: torch.Tensor | None = None
+
+    def __post_init__(self):
+        check_kv_format(self.format)
+        check_int("head_dim", self.head_dim, 1)
+        if self.head_dim % 2 and any(CODEC_BITS[codec] == 4 for codec in self.codecs):
+            raise InvalidArgumentError(f"the {self.format} cache packs two 4-bit codes a byte, so head_dim must be "
+                                       f"even, got {self.head_dim}")
 
     @property
     def codecs(self) -> tuple:

@@ -9,6 +9,8 @@ from kvlab.errors import InvalidArgumentError
 
 #: vLLM's default share of the GPU's memory that it may use (``gpu_memory_utilization``).
 GPU_MEMORY_UTILIZATION = 0.9
+#: The most memory sizing takes: 2**64 bytes (16 EiB), all a 64-bit address reaches.
+MAX_MEMORY = 2**64
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -16,14 +18,15 @@ UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 def parse_memory(text: str) -> int:
     """Bytes in ``text``: a number with an optional unit, e.g. ``80GiB`` (2**30 bytes each), ``80GB`` (10**9),
     ``24e9``, ``512MiB``."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    match = isinstance(text, str) and re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
     unit = match and match.group(2).lower()
     if not match or unit not in UNITS:
         raise InvalidArgumentError(f"expected an amount of memory such as 80GiB, 80GB or 24e9 (units: B, KB, MB, "
                                    f"GB, TB, KiB, MiB, GiB, TiB), got {text!r}")
-    amount = float(match.group(1)) * UNITS[unit]
-    if amount < 1:
-        raise InvalidArgumentError(f"the memory must be at least one byte, got {text!r}")
+    amount = float(match.group(1)) * UNITS[unit]  # inf when the number is past float's range
+    if not 1 <= amount <= MAX_MEMORY:
+        raise InvalidArgumentError(f"the memory must be from one byte to 2**64 bytes (16 EiB, all a 64-bit address "
+                                   f"reaches), got {text!r}")
     return int(amount)
 
 

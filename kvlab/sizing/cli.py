@@ -11,13 +11,18 @@ import sys
 from kvlab.cli_options import option, whole_number
 from kvlab.errors import InvalidArgumentError, KvlabError
 from kvlab.sizing.budget import GPU_MEMORY_UTILIZATION, parse_memory
-from kvlab.sizing.hf_config import read_model_shape
+from kvlab.sizing.hf_config import MAX_TOKENS, read_model_shape
 from kvlab.sizing.kv_dtypes import KV_FORMATS
 from kvlab.sizing.plan import size_model
 from kvlab.sizing.report import format_sizing
 from kvlab.validation import check_int, check_number
 
 KV_CACHE_DTYPES = ("auto", *KV_FORMATS)
+
+
+def count(name: str):
+    """An option of tokens or sequences: a whole number from 1 to ``MAX_TOKENS``."""
+    return option(lambda text: check_int(name, whole_number(text), 1, MAX_TOKENS))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,15 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu-memory-utilization", default=GPU_MEMORY_UTILIZATION,
                         type=option(lambda t: check_number("gpu memory utilization", float(t), 0, 1, min_open=True)),
                         help="the share of that memory used, as vLLM's (default: %(default)s)")
-    parser.add_argument("--max-model-len", type=option(lambda t: check_int("max model len", whole_number(t), 1)),
-                        default=None, help="tokens per request (default: the config's max_position_embeddings)")
-    parser.add_argument("--block-size", type=option(lambda t: check_int("block size", whole_number(t), 1)), default=16,
+    parser.add_argument("--max-model-len", type=count("max model len"), default=None,
+                        help="tokens per request (default: the config's max_position_embeddings)")
+    parser.add_argument("--block-size", type=count("block size"), default=16,
                         help="tokens per block (default: %(default)s)")
-    parser.add_argument("--max-num-batched-tokens", default=8192,
-                        type=option(lambda t: check_int("max num batched tokens", whole_number(t), 1)),
+    parser.add_argument("--max-num-batched-tokens", type=count("max num batched tokens"), default=8192,
                         help="tokens per step, for the activations and the windows (default: %(default)s)")
-    parser.add_argument("--max-num-seqs", type=option(lambda t: check_int("max num seqs", whole_number(t), 1)),
-                        default=256, help="sequences per step, for the logits (default: %(default)s)")
+    parser.add_argument("--max-num-seqs", type=count("max num seqs"), default=256,
+                        help="sequences per step, for the logits (default: %(default)s)")
     return parser
 
 
@@ -53,7 +57,7 @@ def main(argv=None) -> int:
         shape = read_model_shape(args.model)
         if args.max_model_len is not None and args.max_model_len > shape.max_position_embeddings:
             raise InvalidArgumentError(f"--max-model-len {args.max_model_len} is longer than the model's context "
-                             f"({shape.max_position_embeddings} positions)")
+                                       f"({shape.max_position_embeddings} positions)")
         sizing = size_model(shape, kv_cache_dtype=args.kv_cache_dtype, gpu_memory=args.gpu_memory,
                             gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                             block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -11,6 +11,12 @@ Parameters (for the weight estimate, ``kvlab.sizing.plan``): embeddings (and an 
 attention projections (MLA's low-rank ones for DeepSeek), the MLP (SwiGLU: 3 matrices; for mixture-of-experts
 models every routed and shared expert plus the router). Not counted: norms and biases (under 0.1% for the
 models here), vision towers, and DeepSeek's multi-token-prediction layers.
+
+Every number sizing reads is checked first, once as the file states it and once as transformers resolved it
+(defaults and ``text_config`` included), against ``SIZE_FIELDS``: what the model's own code needs (no zero-width
+layer, every KV head serving the same number of query heads, even rotary dims) and bounds far past any
+published model that keep the figures within what sizing can hold. A model that is not a decoder of
+attention layers (Mamba and recurrent blocks, linear attention, encoders) is refused as not supported.
 """
 
 import json
@@ -22,9 +28,38 @@ from typing import NamedTuple
 from kvlab.errors import InvalidArgumentError
 from kvlab.extras import require
 from kvlab.sizing.layout import KVLayout
+from kvlab.validation import is_int
 
 #: Assumed when a config states no dtype.
 DEFAULT_DTYPE = "bfloat16"
+#: The largest context, window or token count sizing takes (4.3 billion tokens; published contexts reach 10M).
+MAX_TOKENS = 2**32
+#: config.json's sizes -> (smallest, largest) allowed. The upper bounds are far past any published model (at most
+#: ~128 layers and heads, head_dim 256, an MLA latent of 576, 53k-wide MLPs, 262k vocabularies, 256 experts)
+#: and keep sizing's figures in reach: it holds one entry per layer, and the memory budget is float arithmetic.
+SIZE_FIELDS = {
+    "num_hidden_layers": (1, 2**16), "num_attention_heads": (1, 2**16), "num_key_value_heads": (1, 2**16),
+    "head_dim": (1, 2**16), "hidden_size": (1, 2**20), "intermediate_size": (1, 2**20), "vocab_size": (1, 2**24),
+    "max_position_embeddings": (1, MAX_TOKENS),
+    # MLA (kv_lora_rank set): the latent's rank, the query's optional one, and each head's parts
+    "kv_lora_rank": (1, 2**16), "q_lora_rank": (1, 2**16), "qk_rope_head_dim": (1, 2**16),
+    "qk_nope_head_dim": (1, 2**16), "v_head_dim": (1, 2**16),
+    # mixture of experts: each model's name for its routed experts, shared experts, the leading dense layers
+    "moe_intermediate_size": (1, 2**20), "num_local_experts": (1, 2**16), "n_routed_experts": (1, 2**16),
+    "num_experts": (1, 2**16), "n_shared_experts": (0, 2**16), "first_k_dense_replace": (0, 2**16),
+}
+#: Sizes a config may leave null (absent: the class's default applies): as many kv heads as query heads,
+#: head_dim hidden / heads, no MLA, a full-rank query, a dense model.
+OPTIONAL_FIELDS = {"num_key_value_heads", "head_dim", "kv_lora_rank", "q_lora_rank", "moe_intermediate_size",
+                   "num_local_experts", "n_routed_experts", "num_experts", "n_shared_experts", "first_k_dense_replace"}
+MLA_FIELDS = ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")  # required when kv_lora_rank is set
+#: The layer kinds sizing describes; fields a text config must have to be sized.
+LAYER_KINDS = ("full_attention", "sliding_attention")
+REQUIRED_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
+                   "intermediate_size", "vocab_size", "max_position_embeddings")
+SUPPORTED = ("kvlab size supports decoder-only transformers whose config states num_key_value_heads and whose "
+             "every layer is full or sliding-window attention (e.g. llama, mistral, qwen2, qwen3, gemma2, gemma3, "
+             "gpt_oss, deepseek_v3)")
 
 
 class Parameters(NamedTuple):
@@ -66,15 +101,100 @@ def _config_file(path) -> Path:
     return file
 
 
+def _read_json_object(file: Path) -> dict:
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError) as e:  # ValueError: invalid JSON or invalid UTF-8
+        raise InvalidArgumentError(f"cannot read {file}: {e}") from None
+    if not isinstance(raw, dict):
+        raise InvalidArgumentError(f"{file} must hold a JSON object ({{\"field\": value, ...}}), got a "
+                                   f"{type(raw).__name__}")
+    return raw
+
+
+def _check_sizes(get, present, file: Path) -> None:
+    """The ``SIZE_FIELDS`` that ``present(name)``, read with ``get(name)``: the raw JSON's (before transformers
+    sees them, so the message names the field whatever transformers' version checks) or the parsed config's."""
+    mla = get("kv_lora_rank") is not None
+    for name, (low, high) in SIZE_FIELDS.items():
+        if not present(name) or (name in MLA_FIELDS and not mla):
+            continue
+        value, optional = get(name), name in OPTIONAL_FIELDS
+        if (value is None and not optional) or (value is not None and not (is_int(value) and low <= value <= high)):
+            raise InvalidArgumentError(f"{file}: {name} must be an int from {low:,} to {high:,}"
+                                       f"{' or null' if optional else ''}, got {value!r}")
+
+
+def _check_raw(raw: dict, file: Path) -> None:
+    """The fields sizing reads as the file states them: sizes, and the names it prints or weighs by."""
+    sections = [raw] + ([raw["text_config"]] if isinstance(raw.get("text_config"), dict) else [])
+    for section in sections:
+        _check_sizes(section.get, section.__contains__, file)
+        for name in ("dtype", "torch_dtype"):
+            if section.get(name) is not None and not isinstance(section[name], str):
+                raise InvalidArgumentError(f"{file}: {name} must be a dtype name such as \"bfloat16\" or absent, "
+                                           f"got {section[name]!r}")
+        if section.get("tie_word_embeddings") is not None and not isinstance(section["tie_word_embeddings"], bool):
+            raise InvalidArgumentError(f"{file}: tie_word_embeddings must be true, false or absent, got "
+                                       f"{section['tie_word_embeddings']!r}")
+    names = raw.get("architectures")
+    if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise InvalidArgumentError(f"{file}: architectures must be a list of class names such as "
+                                   f"[\"LlamaForCausalLM\"] or absent, got {names!r}")
+    quantization = raw.get("quantization_config")
+    if quantization is not None and not (isinstance(quantization, dict)
+                                         and isinstance(quantization.get("quant_method", ""), str)):
+        raise InvalidArgumentError(f"{file}: quantization_config must be a JSON object whose quant_method is a "
+                                   f"name such as \"fp8\", got {quantization!r}")
+
+
+def _check_supported(text, model_type: str, file: Path) -> None:
+    """Refuse what is not a decoder of attention layers, naming what sizing supports."""
+    missing = [name for name in REQUIRED_FIELDS if not hasattr(text, name)]
+    kinds = getattr(text, "layer_types", None)
+    other = dict.fromkeys(str(kind) for kind in kinds if kind not in LAYER_KINDS) if isinstance(
+        kinds, (list, tuple)) else {}
+    reason = ("it is an encoder-decoder model" if getattr(text, "is_encoder_decoder", False) else
+              f"its config has no {', '.join(missing)}" if missing else
+              f"layer_types has {', '.join(map(str, other))} layers" if other else None)
+    if reason:
+        raise InvalidArgumentError(f"{file}: {model_type} is not supported: {reason}; {SUPPORTED}")
+
+
+def _check_shape(text, file: Path) -> None:
+    """The parsed config's sizes, defaults included, and the rules the model's code relies on."""
+    _check_sizes(lambda name: getattr(text, name, None), lambda name: hasattr(text, name), file)
+    heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
+    tie = getattr(text, "tie_word_embeddings", None)
+    if tie is not None and not isinstance(tie, bool):
+        raise InvalidArgumentError(f"{file}: tie_word_embeddings must be true, false or absent, got {tie!r}")
+    if getattr(text, "kv_lora_rank", None) is not None:  # MLA: no KV heads; the rotary part is qk_rope_head_dim
+        rotary = ("qk_rope_head_dim", text.qk_rope_head_dim)
+    else:
+        if kv_heads is not None and heads % kv_heads:
+            raise InvalidArgumentError(f"{file}: num_attention_heads ({heads}) must be a multiple of "
+                                       f"num_key_value_heads ({kv_heads}): each KV head serves the same number of "
+                                       "query heads")
+        head_dim = getattr(text, "head_dim", None)  # None: hidden_size // heads, as the attention code takes it
+        rotary = ("head_dim", head_dim) if head_dim is not None else (
+            "head_dim (hidden_size // num_attention_heads)", text.hidden_size // heads)
+    if rotary[1] % 2:
+        raise InvalidArgumentError(f"{file}: {rotary[0]} must be even (rotary embeddings rotate pairs of "
+                                   f"features), got {rotary[1]}")
+
+
 def _layer_windows(text, file: Path) -> tuple:
     window = getattr(text, "sliding_window", None)
     kinds = getattr(text, "layer_types", None)
+    if kinds is not None and (not isinstance(kinds, (list, tuple)) or len(kinds) != text.num_hidden_layers):
+        raise InvalidArgumentError(f"{file}: layer_types must list one of {', '.join(LAYER_KINDS)} for each of "
+                                   f"the {text.num_hidden_layers} layers, got {kinds!r}")
+    used = window is not None and (kinds is None or "sliding_attention" in kinds)  # a full model's is unused
+    if used and not (is_int(window) and 1 <= window <= MAX_TOKENS):
+        raise InvalidArgumentError(f"{file}: sliding_window must be an int from 1 to {MAX_TOKENS:,} or null, got "
+                                   f"{window!r}")
     if kinds is None:
         return (window,) * text.num_hidden_layers
-    unknown = set(kinds) - {"full_attention", "sliding_attention"}
-    if unknown or len(kinds) != text.num_hidden_layers:
-        raise InvalidArgumentError(f"{file}: layer_types must give full_attention or sliding_attention for each of "
-                                   f"the {text.num_hidden_layers} layers; got {sorted(unknown) or len(kinds)}")
     # A sliding layer without a window (Qwen3 with use_sliding_window off) attends to everything.
     return tuple(window if kind == "sliding_attention" else None for kind in kinds)
 
@@ -109,36 +229,41 @@ def parameter_count(t) -> Parameters:
 
 def read_model_shape(path) -> ModelShape:
     """Read ``path`` (a model directory or a ``config.json``). Raises InvalidArgumentError for a missing or
-    unreadable file, a model_type transformers does not know, or layers sizing cannot describe."""
+    unreadable file, a model_type transformers does not know or sizing does not support, or a value the
+    model's code would not accept (the message names the file, the field and what is allowed)."""
     require(("transformers",), "engine", "reading a Hugging Face config.json")
     from transformers import CONFIG_MAPPING  # imported here: transformers is slow to import, and an extra
 
     file = _config_file(path)
-    try:
-        raw = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise InvalidArgumentError(f"cannot read {file}: {e}") from None
-    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    raw = _read_json_object(file)
+    model_type = raw.get("model_type")
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise InvalidArgumentError(f"{file}: needs a model_type that transformers knows (e.g. llama, qwen3, gemma3, "
                                    f"gpt_oss, deepseek_v3), got {model_type!r}")
+    _check_raw(raw, file)
     try:
         text = CONFIG_MAPPING[model_type].from_dict(raw).get_text_config()
-        heads, hidden = text.num_attention_heads, text.hidden_size
     except Exception as e:  # noqa: BLE001 - transformers' checks raise many types; each means a bad config
-        raise InvalidArgumentError(f"{file}: transformers rejects this {model_type} config: {e}") from None
+        message = " ".join(str(e).split())  # some span lines; kvlab size prints one
+        raise InvalidArgumentError(f"{file}: transformers rejects this {model_type} config: {message}") from None
+    _check_supported(text, model_type, file)
+    _check_shape(text, file)
+    layer_windows = _layer_windows(text, file)
+    heads, hidden = text.num_attention_heads, text.hidden_size
     mla = getattr(text, "kv_lora_rank", None) is not None
-    dtype = raw.get("dtype") or raw.get("torch_dtype") or (raw.get("text_config") or {}).get("torch_dtype")
+    text_raw = raw["text_config"] if isinstance(raw.get("text_config"), dict) else {}
+    dtype = raw.get("dtype") or raw.get("torch_dtype") or text_raw.get("torch_dtype")
     files = sorted(file.parent.glob("*.safetensors")) if Path(path).is_dir() else []
     quantization = (raw.get("quantization_config") or {}).get("quant_method")
+    head_dim = getattr(text, "head_dim", None)
     return ModelShape(
         name=file.parent.name if file.name == "config.json" else file.name, model_type=model_type,
-        architecture=(raw.get("architectures") or [None])[0], dtype=dtype if isinstance(dtype, str) else None,
-        num_heads=heads, num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        architecture=(raw.get("architectures") or [None])[0], dtype=dtype,
+        num_heads=heads, num_kv_heads=heads if text.num_key_value_heads is None else text.num_key_value_heads,
         head_dim=(text.qk_nope_head_dim + text.qk_rope_head_dim if mla
-                  else getattr(text, "head_dim", None) or hidden // heads),
+                  else hidden // heads if head_dim is None else head_dim),
         hidden_size=hidden, intermediate_size=text.intermediate_size, vocab_size=text.vocab_size,
-        max_position_embeddings=text.max_position_embeddings, layer_windows=_layer_windows(text, file),
+        max_position_embeddings=text.max_position_embeddings, layer_windows=layer_windows,
         mla_latent_dim=text.kv_lora_rank + text.qk_rope_head_dim if mla else None,
         parameters=parameter_count(text), quantization=quantization,
         weight_files_bytes=sum(f.stat().st_size for f in files) if files else None)

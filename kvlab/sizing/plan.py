@@ -11,9 +11,10 @@ sequences; a request holds the blocks of ``kvlab.sizing.groups.blocks_per_reques
 
 from dataclasses import dataclass
 
-from kvlab.sizing.budget import activation_bytes, kv_blocks, kv_memory
+from kvlab.errors import InvalidArgumentError
+from kvlab.sizing.budget import MAX_MEMORY, activation_bytes, kv_blocks, kv_memory
 from kvlab.sizing.groups import GroupLayout, engine_groups, vllm_groups
-from kvlab.sizing.hf_config import DEFAULT_DTYPE, ModelShape
+from kvlab.sizing.hf_config import DEFAULT_DTYPE, MAX_TOKENS, ModelShape
 from kvlab.sizing.kv_dtypes import check_kv_format
 from kvlab.sizing.layout import DTYPE_BYTES, KVLayout
 from kvlab.validation import check_int, check_number, check_optional_int
@@ -86,12 +87,15 @@ def weights_estimate(shape: ModelShape) -> tuple[int, str]:
 def size_model(shape: ModelShape, *, kv_cache_dtype: str = "auto", gpu_memory: int, gpu_memory_utilization: float,
                max_model_len: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 8192,
                max_num_seqs: int = 256) -> Sizing:
-    check_int("gpu_memory", gpu_memory, 1)
+    if not isinstance(shape, ModelShape):
+        raise InvalidArgumentError(f"shape must be a ModelShape (kvlab.sizing.hf_config.read_model_shape), got "
+                                   f"{type(shape).__name__}")
+    check_int("gpu_memory", gpu_memory, 1, MAX_MEMORY)
     check_number("gpu_memory_utilization", gpu_memory_utilization, 0, 1, min_open=True)
     for name, value in (("block_size", block_size), ("max_num_batched_tokens", max_num_batched_tokens),
                         ("max_num_seqs", max_num_seqs)):
-        check_int(name, value, 1)
-    check_optional_int("max_model_len", max_model_len, 1)
+        check_int(name, value, 1, MAX_TOKENS)
+    check_optional_int("max_model_len", max_model_len, 1, MAX_TOKENS)
     layout = shape.layout(resolve_kv_cache_dtype(kv_cache_dtype, shape))
     max_model_len = max_model_len or shape.max_position_embeddings
     weights, weights_source = weights_estimate(shape)

@@ -37,7 +37,8 @@ def describe_layers(s: Sizing) -> str:
     kinds += [f"{count} sliding-window ({window} tokens)" for window, count in layout.windows.items()]
     heads = (f"MLA: one latent of {layout.mla_latent_dim} per token for {shape.num_heads} heads"
              if layout.mla_latent_dim else f"{shape.num_heads} query heads share {shape.num_kv_heads} kv heads")
-    return (f"{shape.name}: {shape.model_type} ({shape.architecture}), {layout.num_layers} layers: "
+    architecture = f" ({shape.architecture})" if shape.architecture else ""
+    return (f"{shape.name}: {shape.model_type}{architecture}, {layout.num_layers} layers: "
             f"{', '.join(kinds)}; {heads}")
 
 

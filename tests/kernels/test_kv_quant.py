@@ -5,11 +5,15 @@ int4 rows), so a read of an unwritten slot would show. The Triton decode and pre
 the torch twin does (in the interpreter too); the fp8 write runs compiled only."""
 
 import importlib
+import json
+import re
 
 import pytest
 import torch
 
 from kvlab.device import DEVICE, ON_GPU
+from kvlab.engine.config import load_model_config
+from kvlab.engine.kv_calibration import KVRanges, make_quantizers
 from kvlab.errors import InvalidArgumentError, UnsupportedError
 from kvlab.kernels import paged_attention_decode, paged_prefill, reshape_and_cache
 from kvlab.kernels.kv_quant import FP8_CODECS, INT4_LEVELS, KVQuantizer
@@ -144,6 +148,55 @@ def test_bad_scales_and_a_mismatched_cache_are_refused():
     other = calibrated("int4_kivi", key, value)
     with pytest.raises(InvalidArgumentError, match="int4_kivi cache"):
         reshape_and_cache_quantized(key, value, poisoned_cache(q), torch.tensor([0, 1]), other)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("int7", HEAD_DIM), "unknown KV cache dtype 'int7'; known: float32, fp32,"),  # a KeyError later, before
+    ((None, HEAD_DIM), "unknown KV cache dtype None"),
+    (("fp8", 0), "head_dim must be an int >= 1, got 0"),
+    (("fp8", 32.0), "head_dim must be an int >= 1, got 32.0"),
+    (("int4_kivi", 15), "the int4_kivi cache packs two 4-bit codes a byte, so head_dim must be even, got 15"),
+])
+def test_a_quantizer_of_an_unknown_format_or_a_bad_head_dim_is_refused(args, message):
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        KVQuantizer(*args)
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory):
+    """A config.json of NUM_KV_HEADS kv heads of HEAD_DIM and two layers (no weights: make_quantizers reads none)."""
+    path = tmp_path_factory.mktemp("model")
+    (path / "config.json").write_text(json.dumps(dict(
+        model_type="llama", hidden_size=4 * HEAD_DIM, num_attention_heads=4, num_key_value_heads=NUM_KV_HEADS,
+        num_hidden_layers=2, intermediate_size=64, vocab_size=100, max_position_embeddings=64)))
+    return load_model_config(path)
+
+
+def observed(layers: int) -> list:
+    ranges = [KVRanges() for _ in range(layers)]
+    for layer_ranges in ranges:
+        layer_ranges.observe(*kv_sample())
+    return ranges
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(granularity="channel"), "granularity must be one of 'tensor', 'head' (fp8 scales per layer or per KV "
+                                  "head), got 'channel'"),  # silently per-head scales before
+    (dict(granularity=None), "granularity must be one of 'tensor', 'head'"),
+    (dict(kv_cache_dtype="bogus"), "kv_cache_dtype must be one of 'float32', 'fp32',"),  # KeyError before
+    (dict(kv_cache_dtype="auto"), "(\"auto\" needs no quantizers), got 'auto'"),
+    (dict(ranges=[]), "ranges must be None (unit scales) or a list of 2 KVRanges, one per layer (calibrate's "
+                      "result), got a list of 0"),  # IndexError before
+    (dict(ranges=observed(1)), "a list of 2 KVRanges, one per layer (calibrate's result), got a list of 1: KVRanges"),
+    (dict(ranges=[1, 2]), "got a list of 2: int, int"),
+    (dict(config=None), "config must be a kvlab.engine.config.ModelConfig, got NoneType"),
+    (dict(ranges=None, device="bogus"), "device must be None (torch's default), a torch.device or its name"),
+])
+def test_make_quantizers_refuses_each_bad_argument(model_config, change, message):
+    args = dict(kv_cache_dtype="fp8", config=model_config, ranges=observed(2), granularity="head", device="cpu")
+    assert len(make_quantizers(**args)) == 2
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        make_quantizers(**(args | change))
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
