@@ -21,6 +21,16 @@ A quantized cache (``LLM(kv_cache_dtype=...)``): each layer's ``kv_quantizer`` (
 formats, on GPUs with fp8: ``settings.resolve_quantized_backend``) the kernels take the quantizer's scales.
 ``kv_observer``, set only during a calibration pass (``kvlab.engine.kv_calibration``), sees every K/V the
 layer writes.
+
+MLA (DeepSeek-V3, ``PagedLatentAttention``): each layer's cache holds one latent row per token
+(``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``, no V) and attention is *absorbed*: each
+head's key and value up-projections (``kv_b_proj``) are folded into its query and its output, so every
+step attends over the cached rows themselves, never over per-head K/V (what vLLM's MLA does for decode;
+for prefill vLLM up-projects the context instead, which does less arithmetic on long prompts but gives the
+same result). The row is written with a torch indexed store on both backends. "torch" attends with
+``kvlab.kernels.torch_paged.latent_attention_torch``; "triton" runs ``kvlab.kernels.mla_decode`` for decode
+steps and the torch path for steps with several query rows per sequence (prompt chunks, drafts), since
+there is no Triton MLA prefill kernel yet.
 """
 
 from dataclasses import dataclass
@@ -30,14 +40,16 @@ from torch import nn
 
 from kvlab.engine.config import ModelConfig
 from kvlab.engine.layers import MergedLinear, RMSNorm, Rotation
-from kvlab.kernels import paged_attention_decode, paged_prefill, reshape_and_cache
+from kvlab.kernels import mla_decode, paged_attention_decode, paged_prefill, reshape_and_cache
+from kvlab.kernels.mla_decode import check_latent_decode_step, mla_decode_unchecked
 from kvlab.kernels.paged_attention_decode import paged_attention_decode_unchecked
 from kvlab.kernels.paged_prefill import paged_prefill_unchecked
 from kvlab.kernels.reshape_and_cache import reshape_and_cache_unchecked
 from kvlab.kernels.kv_quant import KVQuantizer
 from kvlab.kernels.step_checks import CheckedStep, check_paged_step
-from kvlab.kernels.torch_paged import (CacheWrite, PagedPlan, paged_attention_torch_unchecked, plan_cache_write,
-                                       plan_paged_attention, write_cache)
+from kvlab.kernels.torch_paged import (CacheWrite, PagedPlan, latent_attention_torch_unchecked,
+                                       paged_attention_torch_unchecked, plan_cache_write, plan_latent_attention,
+                                       plan_latent_write, plan_paged_attention, write_cache, write_latent_cache)
 from kvlab.kernels.torch_paged_quant import paged_attention_torch_quantized, write_cache_quantized
 
 
@@ -85,6 +97,25 @@ class AttentionBatch:
                                    max_seq_len=max_seq_len, sliding_window=sliding_window, query_dtype=query_dtype)
         return cls(is_prefill, slot_mapping, block_tables, seq_lens, cu_query_lens, checked=checked,
                    sliding_window=sliding_window, check_every_layer=check_every_layer)
+
+    @classmethod
+    def for_latent_cache(cls, backend: str, latent_cache: torch.Tensor, kv_lora_rank: int, *, is_prefill: bool,
+                         slot_mapping, block_tables, seq_lens, cu_query_lens,
+                         check_every_layer=False) -> "AttentionBatch":
+        """``for_backend`` for an MLA model (``latent_cache``: any layer's ``[num_blocks, block_size,
+        latent_dim]``). Both backends write rows by ``cache_write``; the torch backend, and any step with
+        several query rows per sequence, attend by ``plan``; the Triton backend's decode steps (``plan``
+        None) run ``mla_decode``, their tables checked here once."""
+        num_tokens = slot_mapping.shape[0]
+        cache_write = plan_latent_write(latent_cache, kv_lora_rank, slot_mapping, num_tokens)
+        if backend == "torch" or is_prefill:
+            plan = plan_latent_attention(latent_cache, kv_lora_rank, block_tables, seq_lens, cu_query_lens,
+                                         num_tokens)
+            return cls(is_prefill, slot_mapping, block_tables, seq_lens, cu_query_lens if is_prefill else None,
+                       plan=plan, cache_write=cache_write)
+        check_latent_decode_step(latent_cache, kv_lora_rank, block_tables, seq_lens)
+        return cls(is_prefill, slot_mapping, block_tables, seq_lens, cache_write=cache_write,
+                   check_every_layer=check_every_layer)
 
 
 class PagedSelfAttention(nn.Module):
@@ -155,3 +186,62 @@ class PagedSelfAttention(nn.Module):
                                  scale=self.scale, sliding_window=batch.sliding_window, **scales)
         return paged_attention_decode(q, kv_cache, batch.block_tables, batch.seq_lens, scale=self.scale,
                                       sliding_window=batch.sliding_window, **scales)
+
+
+class PagedLatentAttention(nn.Module):
+    """DeepSeek-V3's multi-head latent attention (``kvlab.engine.config.MLAConfig``) on a latent paged cache,
+    absorbed (see the module's docstring). Module names are transformers' (``q_a_proj`` and
+    ``kv_a_proj_with_mqa`` load into one merged GEMM of the hidden state, ``qkv_a_proj``, where the queries are
+    low-rank; ``q_proj`` and ``kv_a_proj_with_mqa`` otherwise)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        mla = self.mla = config.mla
+        self.num_heads, hidden, bias = config.num_heads, config.hidden_size, config.attention_bias
+        query_size = self.num_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+        if mla.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, query_size, bias=False)
+            self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=bias)
+        else:
+            self.qkv_a_proj = MergedLinear(hidden, {"q_a_proj": mla.q_lora_rank,
+                                                    "kv_a_proj_with_mqa": mla.latent_dim}, bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, 1e-6)  # transformers' default eps, not rms_norm_eps
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, query_size, bias=False)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+                                   bias=False)
+        self.o_proj = nn.Linear(self.num_heads * mla.v_head_dim, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor, rotation: Rotation, latent_cache: torch.Tensor,
+                batch: AttentionBatch) -> torch.Tensor:
+        """x ``[T, hidden]`` -> ``[T, hidden]``; latent_cache ``[num_blocks, block_size, latent_dim]``."""
+        mla, tokens = self.mla, x.shape[0]
+        if mla.q_lora_rank is None:
+            q, latent = self.q_proj(x), self.kv_a_proj_with_mqa(x)
+        else:
+            q_a, latent = self.qkv_a_proj(x)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
+        q_nope, q_rope = q.view(tokens, self.num_heads, -1).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], -1)
+        compressed, k_rope = latent.split([mla.kv_lora_rank, mla.qk_rope_head_dim], -1)
+        rotate = rotation.apply_interleaved if mla.rope_interleave else rotation.apply
+        q_rope, k_rope = rotate(q_rope, k_rope[:, None])
+        # The cache row: the normed compressed KV, then the rotated key part (shared by every head).
+        rows = torch.cat((self.kv_a_layernorm(compressed), k_rope[:, 0]), dim=-1)
+        # kv_b_proj maps the compressed KV to each head's no-rope key and value: [H, nope + v, kv_lora_rank].
+        w_uk, w_uv = self.kv_b_proj.weight.view(self.num_heads, -1, mla.kv_lora_rank).split(
+            [mla.qk_nope_head_dim, mla.v_head_dim], 1)
+        # q_nope . (W_UK c) = (W_UK^T q_nope) . c: each head's query in the latent space, then its rope part.
+        query = torch.cat((torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rope), dim=-1)
+        write_latent_cache(rows, latent_cache, batch.cache_write)  # before any query reads the cache
+        if batch.plan is not None:
+            out = latent_attention_torch_unchecked(query, latent_cache, batch.plan, mla.kv_lora_rank,
+                                                   mla.softmax_scale)
+        elif batch.check_every_layer:
+            out = mla_decode(query, latent_cache, batch.block_tables, batch.seq_lens, mla.kv_lora_rank,
+                             mla.softmax_scale)
+        else:  # checked once for the step by for_latent_cache
+            out = mla_decode_unchecked(query, latent_cache, batch.block_tables, batch.seq_lens, mla.kv_lora_rank,
+                                       mla.softmax_scale)
+        # Each head's weighted compressed KV through its value up-projection: [T, H, v_head_dim].
+        out = torch.einsum("thr,hvr->thv", out, w_uv)
+        return self.o_proj(out.reshape(tokens, self.num_heads * mla.v_head_dim))

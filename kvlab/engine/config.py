@@ -19,7 +19,8 @@ from kvlab.extras import require
 from kvlab.validation import is_int
 
 #: model_type in config.json -> whether attention normalises q and k per head (Qwen3's q_norm / k_norm).
-ARCHITECTURES = {"llama": False, "qwen3": True}
+#: deepseek_v3: multi-head latent attention and mixture-of-experts layers (``MLAConfig``, ``MoEConfig``).
+ARCHITECTURES = {"llama": False, "qwen3": True, "deepseek_v3": False}
 #: Rotary variants whose frequencies do not depend on the current length (so they are computed once).
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -55,6 +56,56 @@ class ModelConfig:
     dtype: torch.dtype | None  # the dtype the weights were saved in, if the config says
     sampling_defaults: dict    # SamplingParams fields set by generation_config.json (see sampling_defaults)
     layer_windows: tuple = ()  # [num_layers]: each layer's sliding window in tokens, None for full attention
+    mla: "MLAConfig | None" = None  # DeepSeek's multi-head latent attention; None: K/V heads (head_dim each)
+    moe: "MoEConfig | None" = None  # DeepSeek's mixture-of-experts MLP; None: every layer's MLP is dense
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features of a query / key head that rope rotates: all of ``head_dim``, or MLA's decoupled part."""
+        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek-V2/V3 multi-head latent attention. Each token's K and V of every head are projected
+    (``kv_b_proj``) from one compressed latent of ``kv_lora_rank`` features (after its RMSNorm), and each
+    head's key has ``qk_rope_head_dim`` more rotated features shared by all heads, so a layer caches one
+    ``latent_dim = kv_lora_rank + qk_rope_head_dim`` row per token. Queries come from ``q_proj``, or with
+    ``q_lora_rank`` from a low-rank ``q_a_proj`` -> RMSNorm -> ``q_b_proj``. ``rope_interleave``: the
+    rotated features pair as (0, 1), (2, 3) ... (DeepSeek's layout) instead of (i, i + D/2). ``softmax_scale``:
+    1/sqrt(qk_nope_head_dim + qk_rope_head_dim), times YaRN's mscale squared when the rope sets
+    ``mscale_all_dim``."""
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    softmax_scale: float
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """DeepSeek-V3's mixture of experts (sigmoid scores, "noaux_tc" routing). Layers from
+    ``first_k_dense_replace`` on replace the dense MLP with ``n_routed_experts`` SwiGLU experts of
+    ``moe_intermediate_size``, of which each token uses ``num_experts_per_tok``, plus ``n_shared_experts``
+    (one SwiGLU ``n_shared_experts`` times as wide) that every token uses. Routing: the experts are split into
+    ``n_group`` groups, a group scored by its two best (bias-corrected) scores; the best ``topk_group`` groups
+    compete for the token's experts; their weights are the uncorrected scores, normalised to sum to 1 when
+    ``norm_topk_prob``, times ``routed_scaling_factor``."""
+    first_k_dense_replace: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_shared_experts: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
 
 
 def _read_json_object(file: Path) -> dict:
@@ -162,6 +213,77 @@ def _layer_windows(hf, model_type: str, file: Path) -> tuple:
     return tuple(window if kind == "sliding_attention" else None for kind in kinds)
 
 
+def _int_field(hf, name: str, minimum: int, file: Path) -> int:
+    value = getattr(hf, name, None)
+    if not is_int(value) or value < minimum:
+        raise ModelFileError(f"{file}: {name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    """DeepSeek's YaRN attention-temperature factor (its reference code's ``yarn_get_mscale``)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _mla_config(hf, rope: dict, file: Path) -> MLAConfig:
+    """The MLA sizes and softmax scale of a DeepSeek config. YaRN's ``mscale_all_dim`` sharpens the softmax
+    by mscale squared (transformers' and vLLM's DeepSeek attention do the same); the rotary part's own
+    attention factor scales cos/sin (``kvlab.engine.layers.RotaryEmbedding``)."""
+    q_lora_rank = getattr(hf, "q_lora_rank", None)
+    if q_lora_rank is not None:
+        q_lora_rank = _int_field(hf, "q_lora_rank", 1, file)
+    nope, rope_dim = _int_field(hf, "qk_nope_head_dim", 1, file), _int_field(hf, "qk_rope_head_dim", 2, file)
+    if rope_dim % 2:
+        raise ModelFileError(f"{file}: qk_rope_head_dim must be even (rotary embeddings rotate pairs of features), "
+                             f"got {rope_dim}")
+    interleave = getattr(hf, "rope_interleave", True)
+    if not isinstance(interleave, bool):
+        raise ModelFileError(f"{file}: rope_interleave must be true or false, got {interleave!r}")
+    scale = (nope + rope_dim) ** -0.5
+    mscale_all_dim = rope.get("mscale_all_dim") or 0
+    if rope["rope_type"] != "default" and mscale_all_dim:
+        if not _number(mscale_all_dim) or not _positive_number(rope.get("factor")):
+            raise ModelFileError(f"{file}: rope mscale_all_dim and factor must be finite numbers (factor > 0), got "
+                                 f"{mscale_all_dim!r} and {rope.get('factor')!r}")
+        scale *= _yarn_mscale(rope["factor"], mscale_all_dim) ** 2
+    return MLAConfig(q_lora_rank=q_lora_rank, kv_lora_rank=_int_field(hf, "kv_lora_rank", 1, file),
+                     qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim,
+                     v_head_dim=_int_field(hf, "v_head_dim", 1, file), rope_interleave=interleave,
+                     softmax_scale=scale)
+
+
+def _moe_config(hf, raw: dict, file: Path) -> MoEConfig:
+    """DeepSeek-V3's routing settings, checked so that every layer can route a token as transformers does:
+    a group is scored by its best two experts, so each holds at least two, and the chosen groups hold at
+    least ``num_experts_per_tok`` experts. The original checkpoints' ``scoring_func`` and ``topk_method``
+    (which transformers ignores) must be V3's, sigmoid and noaux_tc: DeepSeek-V2's softmax routing is not
+    implemented."""
+    for name, wanted in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if raw.get(name, wanted) != wanted:
+            raise UnsupportedModelError(f"{file}: {name} {raw[name]!r} is not supported; kvlab's DeepSeek-V3 MoE "
+                                        f"routes with {name} {wanted!r}")
+    experts = _int_field(hf, "n_routed_experts", 1, file)
+    groups = _int_field(hf, "n_group", 1, file)
+    if experts % groups or experts // groups < 2:
+        raise ModelFileError(f"{file}: n_routed_experts ({experts}) must split into n_group ({groups}) groups of "
+                             "at least 2 experts each (a group is scored by its two best experts)")
+    topk_group = _int_field(hf, "topk_group", 1, file)
+    top_k = _int_field(hf, "num_experts_per_tok", 1, file)
+    if topk_group > groups or top_k > topk_group * (experts // groups):
+        raise ModelFileError(f"{file}: topk_group ({topk_group}) must be at most n_group ({groups}), and "
+                             f"num_experts_per_tok ({top_k}) at most the experts of topk_group groups "
+                             f"({topk_group} x {experts // groups})")
+    factor, norm = getattr(hf, "routed_scaling_factor", None), getattr(hf, "norm_topk_prob", None)
+    if not _positive_number(factor):
+        raise ModelFileError(f"{file}: routed_scaling_factor must be a finite number > 0, got {factor!r}")
+    if not isinstance(norm, bool):
+        raise ModelFileError(f"{file}: norm_topk_prob must be true or false, got {norm!r}")
+    return MoEConfig(first_k_dense_replace=_int_field(hf, "first_k_dense_replace", 0, file), n_routed_experts=experts,
+                     num_experts_per_tok=top_k, moe_intermediate_size=_int_field(hf, "moe_intermediate_size", 1, file),
+                     n_shared_experts=_int_field(hf, "n_shared_experts", 0, file), n_group=groups,
+                     topk_group=topk_group, routed_scaling_factor=float(factor), norm_topk_prob=norm)
+
+
 def load_model_config(path) -> ModelConfig:
     """Read and check ``path/config.json`` (and ``generation_config.json``'s end-of-sequence ids and sampling
     defaults). Raises
@@ -211,15 +333,23 @@ def load_model_config(path) -> ModelConfig:
     if not _positive_number(rope["rope_theta"]):
         raise ModelFileError(f"{file}: rope_theta must be a finite number > 0, got {rope['rope_theta']!r}")
     num_heads = hf.num_attention_heads
-    num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
-    if num_heads % num_kv_heads:
-        raise UnsupportedModelError(f"{file}: {num_heads} attention heads is not a multiple of {num_kv_heads} kv heads")
-    head_dim = getattr(hf, "head_dim", None)
-    if head_dim is None:
-        if hf.hidden_size % num_heads:
-            raise ModelFileError(f"{file}: hidden_size {hf.hidden_size} is not a multiple of num_attention_heads "
-                                 f"{num_heads}, and no head_dim is given")
-        head_dim = hf.hidden_size // num_heads
+    mla = moe = None
+    if model_type == "deepseek_v3":
+        mla, moe = _mla_config(hf, rope, file), _moe_config(hf, raw, file)
+        # Every head gets its own K and V from the one latent (num_key_value_heads says nothing), and a
+        # query / key head has both parts (transformers' DeepSeek config sets head_dim to the rotary part).
+        num_kv_heads, head_dim = num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    else:
+        num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
+        if num_heads % num_kv_heads:
+            raise UnsupportedModelError(f"{file}: {num_heads} attention heads is not a multiple of {num_kv_heads} "
+                                        "kv heads")
+        head_dim = getattr(hf, "head_dim", None)
+        if head_dim is None:
+            if hf.hidden_size % num_heads:
+                raise ModelFileError(f"{file}: hidden_size {hf.hidden_size} is not a multiple of num_attention_heads "
+                                     f"{num_heads}, and no head_dim is given")
+            head_dim = hf.hidden_size // num_heads
     eos = _eos_ids(getattr(hf, "eos_token_id", None), file)
     generation, defaults = path / "generation_config.json", {}
     if generation.is_file():
@@ -235,4 +365,4 @@ def load_model_config(path) -> ModelConfig:
         qk_norm=ARCHITECTURES[model_type], tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         max_position_embeddings=hf.max_position_embeddings, rope_type=rope["rope_type"],
         eos_token_ids=frozenset(eos), dtype=DTYPES.get(dtype_name), sampling_defaults=defaults,
-        layer_windows=layer_windows)
+        layer_windows=layer_windows, mla=mla, moe=moe)

@@ -1,5 +1,5 @@
-"""The parts of a Llama/Qwen3 decoder layer that are not attention: RMSNorm, rotary embeddings, SwiGLU, and the
-merged projections both use.
+"""The parts of a Llama/Qwen3/DeepSeek-V3 decoder layer that are not attention: RMSNorm, rotary embeddings,
+SwiGLU, DeepSeek-V3's mixture of experts, and the merged projections they use.
 
 Each computes exactly what ``transformers`` computes (same dtypes at the same places), so that fp32 logits
 match Hugging Face's to rounding.
@@ -42,11 +42,13 @@ class MergedLinear(nn.Linear):
 
 
 class SwiGLU(nn.Module):
-    """The MLP: down(silu(gate(x)) * up(x)); [T, hidden] -> [T, hidden]. gate and up are one GEMM."""
+    """The MLP: down(silu(gate(x)) * up(x)); [T, hidden] -> [T, hidden]. gate and up are one GEMM.
+    ``intermediate_size``: the config's unless given (an expert's)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        hidden, bias = config.hidden_size, config.mlp_bias
+        inner = config.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_up_proj = MergedLinear(hidden, {"gate_proj": inner, "up_proj": inner}, bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
 
@@ -55,12 +57,65 @@ class SwiGLU(nn.Module):
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
+class TopkRouter(nn.Module):
+    """DeepSeek-V3's router (``MoEConfig`` says how it routes): ``[T, hidden]`` -> each token's experts
+    ``[T, top_k]`` and their weights (fp32). Its weight and score-correction bias stay in fp32 whatever the
+    model's dtype (``FP32_PARAMETERS``: ``kvlab.engine.weights`` loads them so), as transformers and vLLM keep
+    them: the bias shifts scores by small amounts that bf16 would round away, changing which experts win."""
+
+    FP32_PARAMETERS = True
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.moe = config.moe
+        self.weight = nn.Parameter(torch.zeros(self.moe.n_routed_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(self.moe.n_routed_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        moe = self.moe
+        scores = nn.functional.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        corrected = scores + self.e_score_correction_bias                         # used to choose only
+        grouped = corrected.view(-1, moe.n_group, moe.n_routed_experts // moe.n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)                    # [T, n_group]
+        best_groups = group_scores.topk(moe.topk_group, dim=-1, sorted=False).indices
+        in_best = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+        corrected = grouped.masked_fill(~in_best[..., None], float("-inf")).flatten(1)
+        experts = corrected.topk(moe.num_experts_per_tok, dim=-1, sorted=False).indices
+        weights = scores.gather(1, experts)
+        if moe.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return experts, weights * moe.routed_scaling_factor
+
+
+class SparseMoE(nn.Module):
+    """DeepSeek-V3's MoE MLP: each token's routed experts' outputs, weighted, plus the shared experts' output.
+    A plain loop over the experts some token chose (as transformers' eager path): simple, and as fast as
+    anything on CPU for tiny models; a GPU would want grouped GEMMs. [T, hidden] -> [T, hidden]."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        moe = config.moe
+        self.gate = TopkRouter(config)
+        self.experts = nn.ModuleList(SwiGLU(config, moe.moe_intermediate_size) for _ in range(moe.n_routed_experts))
+        self.shared_experts = SwiGLU(config, moe.moe_intermediate_size * moe.n_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.gate(x)
+        out = torch.zeros_like(x)
+        for expert in experts.unique().tolist():
+            tokens, choice = (experts == expert).nonzero(as_tuple=True)
+            routed = self.experts[expert](x[tokens]) * weights[tokens, choice, None]
+            out.index_add_(0, tokens, routed.to(x.dtype))
+        return out + self.shared_experts(x)
+
+
 def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies ``[head_dim / 2]`` and the factor cos/sin are scaled by (1 except YaRN-like
-    types). The plain variant is one line; the scaled ones come from transformers' own helpers."""
+    """Inverse frequencies ``[rotary_dim / 2]`` and the factor cos/sin are scaled by (1 except YaRN-like
+    types). The plain variant is one line; the scaled ones come from transformers' own helpers (which read
+    the rotary dim from the config's ``head_dim``: DeepSeek's config sets it to ``qk_rope_head_dim``)."""
     params = rope_parameters(config.hf_config)
     if config.rope_type == "default":
-        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+        exponents = torch.arange(0, config.rotary_dim, 2, dtype=torch.int64).float() / config.rotary_dim
         return 1.0 / (params["rope_theta"] ** exponents), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -85,7 +140,8 @@ class RotaryEmbedding:
 
 
 class Rotation:
-    """One step's cos/sin ``[T, 1, D]``; ``apply`` rotates q ``[T, H, D]`` and k ``[T, KH, D]``."""
+    """One step's cos/sin ``[T, 1, D]``; ``apply`` rotates q ``[T, H, D]`` and k ``[T, KH, D]``, pairing
+    features (i, i + D/2); ``apply_interleaved`` pairs (2i, 2i + 1), DeepSeek's layout."""
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
         self.cos, self.sin = cos, sin
@@ -98,3 +154,16 @@ class Rotation:
     def apply(self, q: torch.Tensor, k: torch.Tensor):
         cos, sin = self.cos, self.sin
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+
+    def apply_interleaved(self, q: torch.Tensor, k: torch.Tensor):
+        """Rotate pairs (2i, 2i + 1) by frequency i, returned as [rotated evens, rotated odds] (transformers'
+        ``apply_rotary_pos_emb_interleave``): the same permutation of q and k, so q.k is that of the rotated
+        interleaved vectors; the cache keeps k in this order, and every query is rotated the same way."""
+        half = self.cos.shape[-1] // 2
+        cos, sin = self.cos[..., :half], self.sin[..., :half]
+
+        def rotate(x):
+            even, odd = x[..., 0::2], x[..., 1::2]
+            return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+
+        return rotate(q), rotate(k)

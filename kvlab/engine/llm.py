@@ -129,7 +129,7 @@ class LLM:
                                        f"({config.max_position_embeddings} positions)")
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.max_num_batched_tokens, self.scheduling = max_num_batched_tokens, scheduler_class.scheduling
-        check_kernel_support(config, block_size, self.dtype, self.device, self.attention_backend)
+        check_kernel_support(config, block_size, self.dtype, self.device, self.attention_backend, kv_cache_dtype)
         self.model = load_model(config, self.dtype, self.device)
         self.model.init_rope(self.dtype, self.device)
         self.kv_cache_dtype = kv_cache_dtype

@@ -1,23 +1,28 @@
-"""Llama / Qwen3 decoder-only models in plain torch. Module names follow Hugging Face's
+"""Llama / Qwen3 / DeepSeek-V3 decoder-only models in plain torch. Module names follow Hugging Face's
 (``model.layers.0.self_attn.o_proj.weight`` ...), so a checkpoint's tensors load by name, except the merged
-projections (``qkv_proj``, ``gate_up_proj``: ``kvlab.engine.layers.MergedLinear``), which load their parts'
-tensors (``q_proj``, ``k_proj``, ``v_proj``; ``gate_proj``, ``up_proj``) into their rows."""
+projections (``qkv_proj``, ``gate_up_proj``, DeepSeek's ``qkv_a_proj``: ``kvlab.engine.layers.MergedLinear``),
+which load their parts' tensors (``q_proj``, ``k_proj``, ``v_proj``; ``gate_proj``, ``up_proj``;
+``q_a_proj``, ``kv_a_proj_with_mqa``) into their rows."""
 
 import torch
 from torch import nn
 
-from kvlab.engine.attention import AttentionBatch, PagedSelfAttention
+from kvlab.engine.attention import AttentionBatch, PagedLatentAttention, PagedSelfAttention
 from kvlab.engine.config import ModelConfig
-from kvlab.engine.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from kvlab.engine.layers import RMSNorm, RotaryEmbedding, SparseMoE, SwiGLU
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """One layer: attention over the paged cache (K/V heads, or DeepSeek's latent attention), then the MLP
+    (DeepSeek-V3: a mixture of experts from layer ``first_k_dense_replace`` on)."""
+
+    def __init__(self, config: ModelConfig, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = PagedSelfAttention(config)
+        self.self_attn = PagedSelfAttention(config) if config.mla is None else PagedLatentAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config)
+        sparse = config.moe is not None and index >= config.moe.first_k_dense_replace
+        self.mlp = SparseMoE(config) if sparse else SwiGLU(config)
 
     def forward(self, h, rotation, kv_cache, batch):
         h = h + self.self_attn(self.input_layernorm(h), rotation, kv_cache, batch)
@@ -28,7 +33,7 @@ class DecoderStack(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, index) for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

@@ -63,12 +63,19 @@ class ModelRunner:
         longest = max(context_lens)  # known here, so no layer reads it back from seq_lens
         # a decode step with drafts has several query rows per sequence: the prefill path's layout
         multi_row = step.kind != "decode" or any(entry.num_draft_tokens for entry in entries)
-        batches = [AttentionBatch.for_backend(
-            self.attention_backend, self.kv_cache.gpu[0], is_prefill=multi_row,
-            slot_mapping=tensor(group_slots, torch.int64), block_tables=padded(group_tables), seq_lens=seq_lens,
-            cu_query_lens=cu_query_lens, max_seq_len=longest, num_heads=self.model.config.num_heads,
-            sliding_window=window, check_every_layer=self.check_every_layer, query_dtype=self.query_dtype)
-            for group_slots, group_tables, window in zip(slots, tables, self.windows)]
+        mla = self.model.config.mla
+        if mla is not None:  # one group of full-attention layers, each with its latent cache
+            batches = [AttentionBatch.for_latent_cache(
+                self.attention_backend, self.kv_cache.gpu[0], mla.kv_lora_rank, is_prefill=multi_row,
+                slot_mapping=tensor(slots[0], torch.int64), block_tables=padded(tables[0]), seq_lens=seq_lens,
+                cu_query_lens=cu_query_lens, check_every_layer=self.check_every_layer)]
+        else:
+            batches = [AttentionBatch.for_backend(
+                self.attention_backend, self.kv_cache.gpu[0], is_prefill=multi_row,
+                slot_mapping=tensor(group_slots, torch.int64), block_tables=padded(group_tables), seq_lens=seq_lens,
+                cu_query_lens=cu_query_lens, max_seq_len=longest, num_heads=self.model.config.num_heads,
+                sliding_window=window, check_every_layer=self.check_every_layer, query_dtype=self.query_dtype)
+                for group_slots, group_tables, window in zip(slots, tables, self.windows)]
         hidden = self.model(tensor(input_ids, torch.int64), tensor(positions, torch.int64),
                             [batches[g] for g in self.layer_groups], self.kv_cache.gpu)
         return self.model.compute_logits(hidden[_sampled_rows(entries, query_lens)])

@@ -123,8 +123,8 @@ def checkpoint_layout(model: CausalLM) -> dict[str, tuple[str, slice]]:
 
 
 def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """The model with its weights in ``dtype`` on ``device`` (built on the meta device first, so no memory is
-    spent on random initial weights)."""
+    """The model with its weights in ``dtype`` (fp32 for a module with ``FP32_PARAMETERS``) on ``device`` (built
+    on the meta device first, so no memory is spent on random initial weights)."""
     with torch.device("meta"):
         model = CausalLM(config)
     params = dict(model.named_parameters())
@@ -133,6 +133,9 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) ->
     if config.tie_word_embeddings:
         del expected["lm_head.weight"]  # tied: the output matrix is the embedding, not read from the files
     where = check_checkpoint(weight_files(config.path), config, expected)
+    # Parameters of modules that keep fp32 whatever the model's dtype (DeepSeek-V3's router: TopkRouter).
+    fp32 = {f"{module_name}.{name}" for module_name, module in model.named_modules()
+            if getattr(module, "FP32_PARAMETERS", False) for name, _ in module.named_parameters(recurse=False)}
     from safetensors import SafetensorError, safe_open  # the `engine` extra (see check_checkpoint)
 
     state = {}
@@ -140,7 +143,8 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) ->
         try:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in (n for n, w in where.items() if w == file):
-                    state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    state[name] = f.get_tensor(name).to(device=device,
+                                                        dtype=torch.float32 if name in fp32 else dtype)
         except (SafetensorError, OSError) as e:  # e.g. truncated after its header was checked
             raise WeightsError(f"cannot read {file}: {e}") from None
     if config.tie_word_embeddings:

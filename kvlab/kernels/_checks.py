@@ -26,6 +26,12 @@ SUPPORTED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 SUPPORTED_HEAD_DIMS = range(16, 257)
 #: What each dim of a cache ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` indexes, for messages.
 CACHE_DIM_NAMES = ("blocks", "K and V halves", "slots", "heads", "head_dim elements")
+#: MLA's latent cache ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` (``kvlab.kernels.mla_decode``):
+#: the compressed KV part's sizes and the rotary part's. The kernel tiles each part on a power of two of at
+#: least 16 and masks the padding; DeepSeek-V2/V3 use 512 + 64.
+SUPPORTED_KV_LORA_RANKS = range(16, 1025)
+SUPPORTED_ROPE_DIMS = range(1, 257)
+LATENT_CACHE_DIM_NAMES = ("blocks", "slots", "latent elements")
 
 
 def _fail(message: str):
@@ -145,6 +151,27 @@ def check_kv_cache(kv_cache, name="kv_cache", *, arithmetic=True, block_sizes=SU
     return num_blocks, block_size, num_kv_heads, head_dim
 
 
+def check_latent_cache(latent_cache, kv_lora_rank, name="latent_cache", *, arithmetic=True):
+    """Validate one MLA layer's cache ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` (any strides, last
+    dim contiguous), whose rows hold the compressed KV (``kv_lora_rank`` features, also the values) and then
+    the key's rotary part. Returns ``(num_blocks, block_size, latent_dim)``."""
+    check_tensor(latent_cache, name, ndim=3)
+    check_cache_dtype(latent_cache.dtype, name, arithmetic=arithmetic)
+    check_kernel_device(latent_cache, name)
+    num_blocks, block_size, latent_dim = latent_cache.shape
+    if not is_int(kv_lora_rank) or kv_lora_rank not in SUPPORTED_KV_LORA_RANKS:
+        _fail(f"kv_lora_rank must be an int, {_allowed(SUPPORTED_KV_LORA_RANKS)}, got {kv_lora_rank!r}")
+    if latent_dim - kv_lora_rank not in SUPPORTED_ROPE_DIMS:
+        _fail(f"{name} rows have {latent_dim} elements: kv_lora_rank {kv_lora_rank} plus a rotary part of "
+              f"{latent_dim - kv_lora_rank}; the rotary part must be {_allowed(SUPPORTED_ROPE_DIMS)}")
+    if num_blocks < 1:
+        _fail(f"{name} must have at least one block, got shape {tuple(latent_cache.shape)}")
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        _fail(f"{name} has block_size {block_size}; supported: {_allowed(SUPPORTED_BLOCK_SIZES)}")
+    check_no_overlap(latent_cache, name, LATENT_CACHE_DIM_NAMES)
+    return num_blocks, block_size, latent_dim
+
+
 def check_seq_lens(seq_lens, num_seqs, *, device=None, min_len=1, max_len=None):
     """int32 ``[num_seqs]`` with every entry in ``[min_len, max_len]``. Returns the longest length (an int:
     launchers need it for the grid anyway, and it costs the one sync this check already pays)."""
@@ -236,6 +263,19 @@ def check_query(query, kv_cache, name="query"):
         _fail(f"{name} has {num_heads} heads; it must be a positive multiple of the cache's "
               f"{num_kv_heads} kv heads")
     return num_heads
+
+
+def check_latent_query(query, latent_cache, name="query"):
+    """MLA's absorbed queries ``[num_seqs or tokens, num_heads, latent_dim]`` (each head's query in the latent
+    space, then its rotary part: one row of the latent cache's width), in the cache's dtype and on its device.
+    Returns num_heads."""
+    check_tensor(query, name, ndim=3, dtypes=(latent_cache.dtype,), device=latent_cache.device)
+    if query.shape[2] != latent_cache.shape[2]:
+        _fail(f"{name} has {query.shape[2]} features per head but the latent cache's rows have "
+              f"{latent_cache.shape[2]}; they must match (kv_lora_rank + the rotary part)")
+    if query.shape[1] < 1:
+        _fail(f"{name} must have at least one head, got shape {tuple(query.shape)}")
+    return query.shape[1]
 
 
 def check_attention_options(scale=None, sliding_window=None, soft_cap=None):

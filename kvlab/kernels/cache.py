@@ -1,4 +1,5 @@
-"""Allocating paged KV caches: one ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` tensor per layer.
+"""Allocating paged KV caches: one ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` tensor per layer
+(MLA's latent caches: ``[num_blocks, block_size, latent_dim]``).
 
 Memory comes from ``torch.empty`` on purpose: a fresh cache holds garbage, exactly as on a real server, so
 tests can poison it (fill with NaN) and prove a kernel only touched the slots it was told to.
@@ -88,3 +89,15 @@ def allocate_cpu_cache(num_layers, num_kv_heads, head_dim, *, num_blocks, block_
         raise InvalidArgumentError("pin_memory=True needs CUDA (pinned memory is for GPU DMA); pass pin_memory=False")
     shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
     return [torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin_memory) for _ in range(num_layers)]
+
+
+def allocate_latent_cache(num_layers, latent_dim, *, num_blocks, block_size=16, dtype, device,
+                          pin_memory=False) -> list:
+    """MLA (``kvlab.kernels.mla_decode``): one uninitialised ``[num_blocks, block_size, latent_dim]`` tensor per
+    layer, a row per token (compressed KV, then the rotated key part; no separate V). ``pin_memory``: page-lock
+    host memory, as ``allocate_cpu_cache`` does for swapping."""
+    num_layers, latent_dim, block_size, num_blocks = _positive_ints(
+        num_layers=num_layers, latent_dim=latent_dim, block_size=block_size, num_blocks=num_blocks)
+    _check_dtype(dtype)
+    return [torch.empty(num_blocks, block_size, latent_dim, dtype=dtype, device=device, pin_memory=pin_memory)
+            for _ in range(num_layers)]

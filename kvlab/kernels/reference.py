@@ -87,6 +87,21 @@ def paged_prefill_ref(query, kv_cache, block_tables, seq_lens, cu_query_lens, sc
     return out
 
 
+def mla_decode_ref(query, latent_cache, block_tables, seq_lens, kv_lora_rank, scale):
+    """MLA decode over a latent cache ``[num_blocks, block_size, latent_dim]``: each sequence's absorbed query
+    ``[num_heads, latent_dim]`` attends to its rows as keys (one latent head shared by all query heads) and to
+    their first ``kv_lora_rank`` features as values. Returns ``[num_seqs, num_heads, kv_lora_rank]``."""
+    out = query.new_empty(query.shape[0], query.shape[1], kv_lora_rank)
+    block_size = latent_cache.shape[1]
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        positions = torch.arange(seq_len, device=latent_cache.device)
+        rows = latent_cache[block_tables[s].to(latent_cache.device).long()[positions // block_size],
+                            positions % block_size][:, None]              # [seq_len, 1, latent_dim]
+        out[s] = attention_ref(query[s:s + 1], rows, rows[..., :kv_lora_rank], torch.tensor([seq_len - 1]),
+                               scale)[0]
+    return out
+
+
 def copy_blocks_ref(kv_caches, block_mapping):
     """Copy-on-write: for every layer's cache and every (src, dst) pair, block dst becomes a copy of block src."""
     pairs = torch.as_tensor(block_mapping, dtype=torch.long).reshape(-1, 2)

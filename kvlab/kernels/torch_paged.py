@@ -19,6 +19,11 @@ Unused memory is never read, as in the kernels: a padded key position (past a se
 sequence's last token, which is always written and inside any window, and is then masked. Gathering the
 padding's table entries instead would read stale blocks, and masking the scores alone would not save the
 output: NaN in V gives 0 * NaN = NaN in P @ V.
+
+MLA (DeepSeek-V2/V3) caches one latent row per token, ``[num_blocks, block_size, kv_lora_rank + rope_dim]``
+(``kvlab.kernels.mla_decode``): ``plan_latent_attention`` plans the same gather and mask over those rows,
+and ``latent_attention_torch`` attends with the absorbed queries, the rows as keys and their first
+``kv_lora_rank`` features as values (multi-query attention: one latent "head" shared by every query head).
 """
 
 import math
@@ -29,8 +34,10 @@ import torch.nn.functional as F
 
 from kvlab.errors import InvalidArgumentError
 from kvlab.kernels._checks import (check_attention_options, check_block_tables, check_cu_query_lens, check_kv_cache,
-                                   check_query, check_seq_lens, check_slot_mapping, check_tensor)
+                                   check_latent_cache, check_latent_query, check_query, check_seq_lens,
+                                   check_slot_mapping, check_tensor)
 from kvlab.kernels.kv_quant import STORAGE_DTYPES
+from kvlab.validation import check_number
 
 
 def check_cache(kv_cache, name="kv_cache"):
@@ -44,19 +51,21 @@ def check_cache(kv_cache, name="kv_cache"):
     return check_kv_cache(kv_cache, name, arithmetic=False)
 
 
-def row_view(kv_cache):
+def row_view(kv_cache, lead_dims=3):
     """Every ``[num_kv_heads, head_dim]`` row of the cache (one per block, K/V half and offset) in one view
     ``[R, num_kv_heads, head_dim]``, whatever the cache's strides, for ``index_select``. Row (b, kv, o) is
-    ``row_index(kv_cache, b, kv, o)``. Rows may overlap in memory (a head-major block layout): read only."""
-    step = _row_step(kv_cache)
-    last = sum((n - 1) * s for n, s in zip(kv_cache.shape[:3], kv_cache.stride()[:3])) // step
-    return kv_cache.as_strided((last + 1, *kv_cache.shape[3:]), (step, *kv_cache.stride()[3:]),
+    ``row_index(kv_cache, b, kv, o)``. Rows may overlap in memory (a head-major block layout): read only.
+    ``lead_dims``: the dims that pick a row; 2 for an MLA latent cache (block, offset: rows ``[R, latent_dim]``)."""
+    step = _row_step(kv_cache, lead_dims)
+    last = sum((n - 1) * s for n, s in zip(kv_cache.shape[:lead_dims], kv_cache.stride()[:lead_dims])) // step
+    return kv_cache.as_strided((last + 1, *kv_cache.shape[lead_dims:]), (step, *kv_cache.stride()[lead_dims:]),
                                kv_cache.storage_offset())
 
 
-def _row_step(kv_cache):
-    """The largest element count that divides the block, K/V and slot strides: rows of the view are this far apart."""
-    return math.gcd(*kv_cache.stride()[:3])
+def _row_step(kv_cache, lead_dims=3):
+    """The largest element count that divides the strides of the dims that pick a row (block, K/V half and
+    slot): rows of the view are this far apart."""
+    return math.gcd(*kv_cache.stride()[:lead_dims])
 
 
 def row_index(kv_cache, blocks, kv, offsets):
@@ -89,7 +98,11 @@ def plan_cache_write(kv_cache, slot_mapping, num_tokens: int) -> CacheWrite:
     """Check ``slot_mapping`` (int64 ``[num_tokens]``, -1 = skip) as ``reshape_and_cache`` does and work out
     where ``write_cache`` puts each token; ``kv_cache``: any layer's (they share a layout)."""
     num_blocks, block_size, _, _ = check_cache(kv_cache)
-    check_slot_mapping(slot_mapping, num_tokens, num_blocks * block_size, device=kv_cache.device)
+    return _plan_write(slot_mapping, num_tokens, num_blocks, block_size, kv_cache.device)
+
+
+def _plan_write(slot_mapping, num_tokens: int, num_blocks: int, block_size: int, device) -> CacheWrite:
+    check_slot_mapping(slot_mapping, num_tokens, num_blocks * block_size, device=device)
     rows = (slot_mapping >= 0).nonzero().flatten()
     slots = slot_mapping[rows]
     return CacheWrite(rows, slots // block_size, slots % block_size)
@@ -106,7 +119,7 @@ def write_cache(key, value, kv_cache, write: CacheWrite):
 class PagedPlan:
     """Where one step's contexts are, padded to a batch; shared by every layer of the step."""
     kv_rows: torch.Tensor            # int64 [2 * S * L]: row_view rows of K, then V, of context position j
-                                     # of sequence s (at s * L + j)
+                                     # of sequence s (at s * L + j); an MLA latent cache: [S * L], its rows
     cache_strides: tuple             # the strides kv_rows were computed for (every layer's cache has them)
     mask: torch.Tensor               # bool [S, 1, Q, L]: query row t of sequence s sees key j
     query_rows: torch.Tensor | None  # int64 [S * Q]: the query row each padded row copies; None: already [S, Q]
@@ -123,10 +136,20 @@ def plan_paged_attention(kv_cache, block_tables, seq_lens, cu_query_lens, num_to
     gathers and masks for ``num_tokens`` query rows. Sequence s owns rows ``cu_query_lens[s]:cu_query_lens[s + 1]``,
     its newest tokens (bottom-right aligned); ``kv_cache`` (any layer's) gives the block size and count."""
     num_blocks, block_size, _, _ = check_cache(kv_cache)
+    blocks, offsets, contexts = _plan_contexts(block_tables, seq_lens, cu_query_lens, num_tokens, sliding_window,
+                                               num_blocks, block_size, kv_cache.device)
+    kv_rows = torch.cat([row_index(kv_cache, blocks, kv, offsets) for kv in (0, 1)])
+    return PagedPlan(kv_rows, kv_cache.stride(), **contexts)
+
+
+def _plan_contexts(block_tables, seq_lens, cu_query_lens, num_tokens: int, sliding_window, num_blocks: int,
+                   block_size: int, device):
+    """The checks and the cache-independent part of a plan: the block and offset of every gathered context
+    position ``[S * L]`` (sequence s's position j at s * L + j), and the plan's other fields."""
     _, sliding_window, _ = check_attention_options(sliding_window=sliding_window)
     check_tensor(seq_lens, "seq_lens", ndim=1)
     num_seqs = seq_lens.shape[0]
-    check_seq_lens(seq_lens, num_seqs, device=kv_cache.device, min_len=1)
+    check_seq_lens(seq_lens, num_seqs, device=device, min_len=1)
     check_block_tables(block_tables, num_seqs, num_blocks, seq_lens, block_size)
     check_cu_query_lens(cu_query_lens, num_seqs, num_tokens, seq_lens)
 
@@ -142,7 +165,6 @@ def plan_paged_attention(kv_cache, block_tables, seq_lens, cu_query_lens, num_to
     read = torch.where(key_ok, pos, last)                             # padding reads the last (written) token
     blocks = block_tables.long().gather(1, read // block_size).flatten()
     offsets = (read % block_size).flatten()
-    kv_rows = torch.cat([row_index(kv_cache, blocks, kv, offsets) for kv in (0, 1)])
 
     t = torch.arange(query_len, device=lens.device)
     query_ok = t < q_lens[:, None]                                    # [S, Q]
@@ -154,8 +176,8 @@ def plan_paged_attention(kv_cache, block_tables, seq_lens, cu_query_lens, num_to
     if num_tokens != num_seqs * query_len:                            # unequal lengths: pad and unpad
         query_rows = torch.where(query_ok, cu_query_lens[:-1].long()[:, None] + t, 0).flatten()
         out_rows = query_ok.flatten().nonzero().flatten()
-    return PagedPlan(kv_rows, kv_cache.stride(), visible[:, None], query_rows, out_rows, num_seqs, query_len,
-                     context_len, num_tokens)
+    return blocks, offsets, dict(mask=visible[:, None], query_rows=query_rows, out_rows=out_rows, num_seqs=num_seqs,
+                                 query_len=query_len, context_len=context_len, num_tokens=num_tokens)
 
 
 def check_plan(query, kv_cache, plan: PagedPlan) -> None:
@@ -191,7 +213,8 @@ def paged_attention_torch_unchecked(query, kv_cache, plan: PagedPlan, scale=None
 
 def attend(query, k, v, plan: PagedPlan, scale=None, soft_cap=None):
     """The attention of ``paged_attention_torch`` once K and V ``[S, H_kv, L, D]`` (fp32) are gathered; also
-    the quantized path's, after decoding (``kvlab.kernels.torch_paged_quant``)."""
+    the quantized path's, after decoding (``kvlab.kernels.torch_paged_quant``), and MLA's, whose values are
+    narrower than its keys (``[S, 1, L, kv_lora_rank]``): the output has the values' width."""
     num_heads, head_dim, num_kv_heads = query.shape[1], query.shape[2], k.shape[1]
     S, Q = plan.num_seqs, plan.query_len
     q = query if plan.query_rows is None else query.index_select(0, plan.query_rows)
@@ -204,7 +227,7 @@ def attend(query, k, v, plan: PagedPlan, scale=None, soft_cap=None):
         scores = q @ k.repeat_interleave(group, 1).transpose(-1, -2) * scale
         scores = (soft_cap * torch.tanh(scores / soft_cap)).masked_fill(~plan.mask, float("-inf"))
         out = scores.softmax(-1) @ v.repeat_interleave(group, 1)
-    out = out.transpose(1, 2).reshape(S * Q, num_heads, head_dim)     # [S * Q, H, D]
+    out = out.transpose(1, 2).reshape(S * Q, num_heads, v.shape[-1])  # [S * Q, H, D_v]
     if plan.out_rows is not None:
         out = out.index_select(0, plan.out_rows)
     return out.to(query.dtype)
@@ -229,3 +252,60 @@ def paged_prefill_torch(query, kv_cache, block_tables, seq_lens, cu_query_lens, 
     check_tensor(query, "query", ndim=3)
     plan = plan_paged_attention(kv_cache, block_tables, seq_lens, cu_query_lens, query.shape[0], sliding_window)
     return paged_attention_torch(query, kv_cache, plan, scale, soft_cap)
+
+
+def plan_latent_write(latent_cache, kv_lora_rank: int, slot_mapping, num_tokens: int) -> CacheWrite:
+    """``plan_cache_write`` for an MLA latent cache ``[num_blocks, block_size, latent_dim]``."""
+    num_blocks, block_size, _ = check_latent_cache(latent_cache, kv_lora_rank, arithmetic=False)
+    return _plan_write(slot_mapping, num_tokens, num_blocks, block_size, latent_cache.device)
+
+
+def write_latent_cache(rows, latent_cache, write: CacheWrite):
+    """Put the tokens ``write`` names of ``rows [T, latent_dim]`` (each token's normed compressed KV, then its
+    rotated key part) in their slots (no check, no host read). Returns latent_cache."""
+    latent_cache[write.blocks, write.offsets] = rows[write.rows]
+    return latent_cache
+
+
+def plan_latent_attention(latent_cache, kv_lora_rank: int, block_tables, seq_lens, cu_query_lens,
+                          num_tokens: int) -> PagedPlan:
+    """``plan_paged_attention`` for an MLA latent cache: ``kv_rows [S * L]`` are rows of
+    ``row_view(latent_cache, lead_dims=2)``, one per context position (a row is both key and value)."""
+    num_blocks, block_size, _ = check_latent_cache(latent_cache, kv_lora_rank, arithmetic=False)
+    blocks, offsets, contexts = _plan_contexts(block_tables, seq_lens, cu_query_lens, num_tokens, None, num_blocks,
+                                               block_size, latent_cache.device)
+    s_block, s_slot = latent_cache.stride()[:2]
+    rows = (blocks * s_block + offsets * s_slot) // _row_step(latent_cache, lead_dims=2)
+    return PagedPlan(rows, latent_cache.stride(), **contexts)
+
+
+def latent_attention_torch(query, latent_cache, plan: PagedPlan, kv_lora_rank: int, scale: float):
+    """MLA attention of the absorbed ``query [T, H, latent_dim]`` over the latent rows ``plan`` describes
+    (``plan_latent_attention``): keys are whole rows, values their first ``kv_lora_rank`` features. ``scale``
+    is the model's (1/sqrt of its query-key head dim, not of the latent width). Returns a new
+    ``[T, H, kv_lora_rank]`` tensor in query's dtype (computed in fp32)."""
+    check_latent_cache(latent_cache, kv_lora_rank, arithmetic=False)
+    check_latent_query(query, latent_cache)
+    check_number("scale", scale, 0, min_open=True)
+    check_plan(query, latent_cache, plan)
+    return latent_attention_torch_unchecked(query, latent_cache, plan, kv_lora_rank, scale)
+
+
+def latent_attention_torch_unchecked(query, latent_cache, plan: PagedPlan, kv_lora_rank: int, scale: float):
+    """``latent_attention_torch`` without its checks (``plan_latent_attention`` checked the step once)."""
+    if plan.num_tokens == 0:
+        return query.new_empty(0, query.shape[1], kv_lora_rank)
+    rows = row_view(latent_cache, lead_dims=2).index_select(0, plan.kv_rows)
+    k = rows.view(plan.num_seqs, 1, plan.context_len, latent_cache.shape[2]).float()  # [S, 1, L, latent_dim]
+    return attend(query, k, k[..., :kv_lora_rank], plan, scale)
+
+
+def mla_decode_torch(query, latent_cache, block_tables, seq_lens, kv_lora_rank: int, scale: float):
+    """``kvlab.kernels.mla_decode`` in torch (its twin): one absorbed query per sequence, ``query [S, H,
+    latent_dim]`` at position seq_len - 1. Same arguments and result."""
+    check_tensor(query, "query", ndim=3)
+    num_seqs = query.shape[0]
+    check_seq_lens(seq_lens, num_seqs, device=query.device, min_len=1)
+    cu_query_lens = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
+    plan = plan_latent_attention(latent_cache, kv_lora_rank, block_tables, seq_lens, cu_query_lens, num_seqs)
+    return latent_attention_torch(query, latent_cache, plan, kv_lora_rank, scale)

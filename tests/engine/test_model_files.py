@@ -32,7 +32,7 @@ CASES = {  # name: (break the copy, error, match)
     "config is not UTF-8": (lambda p: (p / "config.json").write_bytes(b"\xff{"), ModelFileError,
                             r"cannot read .*config.json.*utf-8"),
     "model_type is a list": (lambda p: set_field(p / "config.json", model_type=["llama"]), UnsupportedModelError,
-                             r"config.json: model_type \['llama'\].*runs llama, qwen3"),
+                             r"config.json: model_type \['llama'\].*runs deepseek_v3, llama, qwen3"),
     "eos is a string": (lambda p: set_field(p / "generation_config.json", eos_token_id="abc"), ModelFileError,
                         r"generation_config.json: eos_token_id must be a token id.*got 'abc'"),
     "eos list holds null": (lambda p: set_field(p / "generation_config.json", eos_token_id=[1, None]),

@@ -2,10 +2,10 @@
 
 Every launch decision (grid, num_warps, constexprs, split-K partitions) comes from the kernel module's own
 config function (``decode_launch_config``, ``prefill_launch_config``, ``split_k_reduce_config``,
-``reshape_and_cache_config``, ``copy_blocks_config``), the one its launcher calls, given the target's compute
-capability and SM count; only the runtime arguments are built here. Small CPU tensors with the launch's
-dtypes and strides go through Triton's own JIT binder (``kernel.warmup``), so the signature is specialised
-exactly as for a real launch (16-byte aligned pointers, ints equal to 1 or divisible by 16); only the
+``reshape_and_cache_config``, ``copy_blocks_config``, ``mla_launch_config``), the one its launcher calls, given
+the target's compute capability and SM count; only the runtime arguments are built here. Small CPU tensors with
+the launch's dtypes and strides go through Triton's own JIT binder (``kernel.warmup``), so the signature is
+specialised exactly as for a real launch (16-byte aligned pointers, ints equal to 1 or divisible by 16); only the
 compile happens, nothing runs.
 
 Import this only in a process prepared by ``gpu_compile_check.prepare_process`` (interpreter off): the
@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kvlab.kernels.copy_blocks import _layer_offsets, copy_blocks_config, copy_blocks_kernel
+from kvlab.kernels.mla_decode import PRE_AMPERE_MAX_KV_LORA_RANK, mla_decode_kernel, mla_launch_config
 from kvlab.kernels.paged_attention_decode import GPU_TILE_N, decode_launch_config, paged_attention_decode_kernel
 from kvlab.kernels.paged_prefill import paged_prefill_kernel, prefill_launch_config
 from kvlab.kernels.reshape_and_cache import reshape_and_cache_config, reshape_and_cache_kernel
@@ -89,6 +90,15 @@ SPLIT_CASES = [Attention("fp16", 128, split=LONG), Attention("bf16", 80, split=S
                Attention("fp32", 256, split=LONG), Attention("bf16", 256, group=1, split=LONG),
                Attention("fp16", 64, split=SHORT, window=True, soft_cap=True),
                Attention("fp32", 16, block_size=128, split=SHORT), Attention("fp16", 17, block_size=4, split=LONG)]
+
+
+# MLA decode: (dtype, kv_lora_rank, rope_dim, num_heads, block_size). DeepSeek-V3's 512 + 64 latent with its 128
+# heads in every dtype and V2-Lite's 16 heads (not before Ampere: the launcher refuses them there); then smaller
+# and padded latents (17 + 6 on tiles of 32 + 16), and head counts that leave a head tile partly empty, over
+# block sizes 1 to 128.
+MLA_CASES = ([(dtype, 512, 64, 128, 16) for dtype in DTYPES]
+             + [("bf16", 512, 64, 16, 64), ("fp16", 256, 32, 20, 1), ("fp32", 256, 32, 16, 16),
+                ("fp32", 32, 16, 4, 128), ("fp16", 17, 6, 5, 2)])
 
 
 def _cache(dtype, head_dim, block_size, num_kv_heads):
@@ -168,6 +178,18 @@ def compile_prefill(case, target):
         *kv_cache.stride()[:4], *block_tables.stride(), grid=(1,), **config)
 
 
+def compile_mla_decode(dtype, kv_lora_rank, rope_dim, num_heads, block_size):
+    latent_cache = torch.empty(2, block_size, kv_lora_rank + rope_dim, dtype=DTYPES[dtype])
+    query = torch.empty(2, num_heads, kv_lora_rank + rope_dim, dtype=latent_cache.dtype)
+    out = torch.empty(2, num_heads, kv_lora_rank, dtype=latent_cache.dtype)
+    block_tables = torch.zeros(2, 64, dtype=torch.int32)
+    return mla_decode_kernel.warmup(
+        out, query, latent_cache, block_tables, torch.ones(2, dtype=torch.int32), 192 ** -0.5, num_heads,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), *latent_cache.stride()[:2],
+        *block_tables.stride(),
+        **mla_launch_config(2, num_heads, kv_lora_rank, rope_dim, block_size, latent_cache.dtype))
+
+
 def kernel_variants(target):
     """(kernel name, variant label, thunk returning its CompiledKernel) for every launch variant the launchers
     allow on ``target`` (``name``, ``capability``, ``num_sms``, ``bf16``): no bf16 where the GPU lacks it."""
@@ -187,6 +209,10 @@ def kernel_variants(target):
         yield "split_k_reduce_kernel", case.label, lambda case=case: compile_split_k_reduce(case, target)
     for case in attention:
         yield "paged_prefill_kernel", case.label, lambda case=case: compile_prefill(case, target)
+    for case in MLA_CASES:  # the launcher refuses kv_lora_rank > 256 before Ampere (mla_decode's docstring)
+        if allowed(case[0]) and (case[1] <= PRE_AMPERE_MAX_KV_LORA_RANK or target.capability >= (8, 0)):
+            label = "{}-r{}+{}-h{}-b{}".format(*case)
+            yield "mla_decode_kernel", label, lambda case=case: compile_mla_decode(*case)
 
 
 #: A plain Python float, not tl.constexpr: the interpreter accepts it inside a kernel, a GPU build does not.
