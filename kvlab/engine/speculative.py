@@ -22,16 +22,17 @@ distributed as without speculation.
 """
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvlab.blocks.sequence import Sequence
 from kvlab.engine.draft_control import DraftControl
 from kvlab.engine.proposers import PROPOSERS, Proposer
-from kvlab.engine.sampler import probabilities
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.errors import InvalidArgumentError
 from kvlab.validation import check_int
+
+if TYPE_CHECKING:  # ``accept`` imports torch when it runs (see there)
+    import torch
 
 _COMMON_KEYS = ("method", "num_speculative_tokens", "draft_acceptance_floor", "draft_acceptance_ema_weight")
 
@@ -96,12 +97,17 @@ def resolve_speculative_config(config) -> Speculation | None:
     return Speculation(method, k, cls(**{key: config[key] for key in cls.options if key in config}), control)
 
 
-def accept(logits: torch.Tensor, drafts: tuple[int, ...], params: SamplingParams,
-           generator: torch.Generator) -> list[int]:
+def accept(logits: "torch.Tensor", drafts: tuple[int, ...], params: SamplingParams,
+           generator: "torch.Generator") -> list[int]:
     """The tokens one verification keeps: the accepted drafts, then the target's own token (the correction of
     the first rejected draft, or the bonus token after them all). ``logits`` fp32 ``[len(drafts) + 1, vocab]``,
     row i the target's logits after the context and drafts ``[:i]``. Raises FloatingPointError on unusable
     logits, as the sampler does."""
+    # torch here only: the drafter (Speculation) runs in cost-model replays too, which import no torch
+    import torch
+
+    from kvlab.engine.sampler import probabilities
+
     if not bool((logits.isfinite() | (logits == float("-inf"))).all() and (logits > float("-inf")).any(-1).all()):
         raise FloatingPointError("the model's logits hold NaN or +inf, or are all -inf: no token can be chosen")
     if params.greedy:

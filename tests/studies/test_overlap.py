@@ -239,3 +239,20 @@ def test_a_sequential_study_never_imports_the_engine():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["False", "False"]
+
+
+def test_cost_model_replays_never_import_torch():
+    # The engine's scheduler, its step and its drafter are plain Python: `import kvlab.studies` and a sequential,
+    # an overlap and a fleet replay (the fleet of every router) load no torch; only LLM does (kvlab.engine).
+    code = ("import sys, math; import kvlab.studies; from kvlab.studies import EngineModel, replay; "
+            "from kvlab.studies.fleet import replay_fleet; from kvlab.studies.synthetic import multi_turn_chat; "
+            "trace = multi_turn_chat(num_conversations=4, turns=3, seed=0); "
+            "rows = [replay(trace, block_size=16, capacity=64, mode=mode, engine=EngineModel(scheduler=scheduler)) "
+            "        for mode in ('sequential', 'overlap') for scheduler in ('v1', 'v0')]; "
+            "fleet = replay_fleet(trace, block_size=16, capacity=64, replicas=2, router='cache_aware'); "
+            "assert all(row['requests'] for row in rows) and fleet['requests']; "
+            "print(sorted(name for name in sys.modules if name.split('.')[0] == 'torch')[:3], "
+            "'kvlab.engine.llm' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["[]", "False"]
