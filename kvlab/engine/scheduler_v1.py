@@ -33,6 +33,7 @@ from kvlab.engine.step import ScheduledStep, StepBuilder
 
 class V1Scheduler(Scheduler):
     scheduling = "v1"  # prompts in chunks: any prompt the pool holds is served
+    repeats_plain_decode = True  # a plain decode step repeats as V0's does (Scheduler.steady_decode_steps)
     drafter = None     # a kvlab.engine.speculative.Speculation (LLM sets it), or None: no speculation
     max_model_len = None  # set with the drafter: no draft goes past the context
 
@@ -47,7 +48,7 @@ class V1Scheduler(Scheduler):
                 self._schedule_waiting(step, budget)
         prefill = any(entry.prefill for entry in step.entries)
         decode = not all(entry.prefill for entry in step.entries)
-        return step.freeze("mixed" if prefill and decode else "decode" if decode else "prefill")
+        return self._note_steady(step.freeze("mixed" if prefill and decode else "decode" if decode else "prefill"))
 
     def _count(self, step: StepBuilder, seq: Sequence, start: int, drafts: tuple[int, ...] = ()) -> int:
         """Put ``seq`` in the step from position ``start`` (its slots are given: its progress counter is past

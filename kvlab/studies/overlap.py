@@ -35,7 +35,8 @@ requests named by their trace row) in ``engine.decisions``, the record ``LLM(rec
 a replay and an engine run of the same workload decide the same steps.
 
 Speed: between two steps where something changes, the built-in schedulers run plain decode steps that are
-all alike; ``kvlab.studies.fast_forward`` runs those in one go, with the same effect on the block manager.
+all alike; the scheduler says how many (``Scheduler.steady_decode_steps``) and ``kvlab.studies.fast_forward``
+runs those in one go, with the same effect on the block manager.
 ``advance(limit)`` runs only the steps that start before ``limit`` ms, so a fleet (``kvlab.studies.fleet``)
 can route each arrival to an engine whose clock stands at that arrival, knowing nothing of later ones.
 """
@@ -143,11 +144,12 @@ class Engine:
                     self.base_ms, self.steps_since, self.prefill_since, self.promoted_since = arrival, 0, 0, 0
             if self.now_ms >= limit:
                 return self.now_ms
-            steady = self._run_step()
-            if steady and self.fast_forward:
-                skipped = plain_decode_steps(self, limit)
-                if skipped:
-                    run_plain_decode_steps(self, skipped)
+            self._enqueue_arrivals()  # those up to the next step's start
+            skipped = plain_decode_steps(self, limit) if self.fast_forward else 0
+            if skipped:
+                run_plain_decode_steps(self, skipped)
+            else:
+                self._run_step()
 
     def in_flight(self) -> int:
         """Requests given to this engine and not finished: running, waiting, or not yet at a step."""
@@ -166,11 +168,9 @@ class Engine:
         self.waiting_tokens += job.prompt_len
 
     # ---- one step ------------------------------------------------------------------------------------------
-    def _run_step(self) -> bool:
-        """Schedule and cost one step; returns whether it was a plain decode step of every running sequence
-        that left the waiting queue as it was (``kvlab.studies.fast_forward`` may then repeat it)."""
+    def _run_step(self) -> None:
+        """Schedule and cost one step (its arrivals are in the queue)."""
         c, scheduler = self.c, self.scheduler
-        self._enqueue_arrivals()
         start_ms = self.now_ms
         step = scheduler.schedule()
         if not step.entries and not step.aborted:  # a learner's scheduler that would stall the replay
@@ -192,7 +192,7 @@ class Engine:
                 c["recomputed_tokens"] += max(0, min(entry.end, job.computed) - entry.start)
             job.computed = max(job.computed, entry.end)
         if not step.entries:
-            return False
+            return
         c["batch_steps"] += len(step.entries)
         c["steps"] += 1
         c["prefill_tokens"] += prefill
@@ -201,11 +201,7 @@ class Engine:
         self.promoted_since += step.moves.counts["promote"]  # blocks copied in from an offload tier
         if not math.isfinite(self.now_ms):
             raise InvalidArgumentError(f"the simulated clock overflowed ({self.model}); use smaller times")
-        finished = self._sample(step)
-        # Every sequence still running decoded one token (the finished ones were in the step too), and a
-        # finish freed blocks only if no one waits for them.
-        return (not prefill and not step.preempted and not step.aborted
-                and len(step.entries) - finished == len(scheduler.running) and not (finished and scheduler.waiting))
+        self._sample(step)
 
     def _first_admission(self, job: _Job, seq: Sequence, start_ms: float) -> None:
         c, cached = self.c, seq.num_cached_tokens

@@ -182,6 +182,24 @@ def test_plain_decode_steps_run_in_one_go_give_the_same_replay(scheduler, budget
     assert schedules[0] < schedules[1]  # it did skip steps
 
 
+def test_an_arrival_that_lpm_admits_ends_a_plain_decode_stretch_while_others_wait():
+    # Pool of 12 blocks. R0 (8 shared tokens + 1, 0 ms) leaves the 2 shared blocks cached. A (17 tokens, 12 to
+    # generate, 10 ms) decodes alone at 20, 30, ... ms; W (36 tokens: 9 blocks, 20 ms) never finds room beside
+    # it and waits. A's steps at 60, 70 and 80 ms (pos 21-23) fill its 6th block: a plain decode stretch. N
+    # (the shared blocks + 1 token, 65 ms) hits 2 blocks and needs 1: longest prefix first tries it before W,
+    # so the step at 70 ms admits it (queue 5 ms), with or without running the stretch in one go (which used to
+    # ignore arrivals while someone waits, and admitted N at 90 ms). W: after A's last step, at 130 ms.
+    shared = list(range(1, 9))
+    trace = trace_of([shared + [50], list(range(100, 117)), list(range(200, 236)), shared + [60]],
+                     outputs=[1, 12, 2, 2], times_ms=[0.0, 10.0, 20.0, 65.0])
+    model = EngineModel(decode_step_ms=10.0, prefill_ms_per_token=0.0, scheduling_policy="lpm")
+    for fast in (True, False):
+        engine = Engine(PromptTokens(trace), arrivals(trace, model), BlockManager(12, 4), model, tqdm(disable=True),
+                        record_decisions=not fast)
+        engine.advance()
+        assert engine.queue_ms == [0.0, 0.0, 5.0, 110.0]  # in admission order: R0, A, N, W
+
+
 def test_a_block_promoted_from_an_offload_tier_costs_tier_ms_per_block():
     # A (3 full blocks + 1 token) finishes; B (6 blocks: the whole pool) evicts A's blocks into the tier; A again
     # (same 3 blocks, another last token) hits them in the tier: its step promotes 3 blocks, 3 x 7 ms more.
