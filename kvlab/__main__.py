@@ -1,43 +1,8 @@
-"""The ``kvlab`` command (also ``python -m kvlab``): ``kvlab --help`` lists its commands."""
+"""``python -m kvlab``: the ``kvlab`` command (``kvlab.cli``)."""
 
-import argparse
 import sys
 
-from kvlab.commands import dispatch
-
-COMMANDS = {
-    "study": ("replay traces through the block manager and report prefix-cache hit rates (the main job)",
-              "kvlab.studies.cli:main"),
-    "fleet": ("route a trace across replicas (KV-event routers) and report hit rates, load imbalance and TTFT",
-              "kvlab.studies.fleet_cli:main"),
-    "size": ("KV cache bytes per token and per block, and the blocks, tokens and concurrent requests a GPU holds",
-             "kvlab.sizing.cli:main"),
-    "info": ("which kernel mode is active (GPU or Triton interpreter), with versions", "kvlab.__main__:info"),
-    "bench": ("benchmarks: blocks (block manager), kernels (GPU), engine (vs Hugging Face generate)",
-              "kvlab.__main__:bench"),
-}
-
-
-def main(argv=None) -> int:
-    return dispatch(sys.argv[1:] if argv is None else list(argv), prog="kvlab", commands=COMMANDS,
-                    description="kvlab: paged KV caches for teaching and research (a vLLM-style block manager, "
-                                "Triton kernels, trace studies, a small engine).")
-
-
-def info(argv: list[str]) -> int:
-    argparse.ArgumentParser(prog="kvlab info", description="Print which kernel mode is active (GPU or Triton "
-                                                           "interpreter), with versions.").parse_args(argv)
-    import kvlab
-
-    print(kvlab.report())
-    return 0
-
-
-def bench(argv: list[str]) -> int:
-    from kvlab.bench.__main__ import main as bench_main
-
-    return bench_main(argv, prog="kvlab bench")
-
+from kvlab.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -66,7 +66,7 @@ def test_the_extras_in_pyproject_are_the_ones_the_setup_cell_installs_by_module(
 def test_the_core_imports_without_any_extra() -> None:
     hidden = {m for modules in sync_notebooks.EXTRA_MODULES.values() for m in modules}
     core = ["kvlab", "kvlab.blocks", "kvlab.kernels", "kvlab.studies", "kvlab.studies.cli", "kvlab.studies.overlap",
-            "kvlab.studies.fleet_cli", "kvlab.sizing", "kvlab.viz", "kvlab.engine", "kvlab.__main__"]
+            "kvlab.studies.fleet_cli", "kvlab.sizing", "kvlab.viz", "kvlab.engine", "kvlab.cli", "kvlab.__main__"]
     run = import_without(hidden, core)
     assert run.returncode == 0, run.stderr[-2000:]
 

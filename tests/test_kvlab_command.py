@@ -2,7 +2,7 @@ import pytest
 
 import kvlab
 import kvlab.device
-from kvlab.__main__ import main
+from kvlab.cli import main
 from kvlab.bench.__main__ import main as bench_main
 
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from kvlab.commands import dispatch
+from kvlab.cli.commands import dispatch
 
 COMMANDS = {
     "blocks": ("block-manager speed on the Mooncake trace (optionally beside nano-vllm's)", "kvlab.bench.blocks:main"),

@@ -6,9 +6,9 @@ second sequence swapping out reuses c instead of copying g again, and a sequence
 is still there. So a shared block moves once each way. Twins are forgotten as soon as either side is freed
 or g is written (an append into a partial block), because then they no longer hold the same bytes.
 
-The swap space owns the CPU side. It moves a sequence's table (and its group's cross-attention table, which
-travels with the group's last sequence on the GPU) through the GPU pool's public calls, and returns the copy
-mappings for ``swap_blocks``. The manager calls ``forget_gpu`` for GPU blocks it frees or writes in place.
+The swap space owns the CPU side. Once the swap calls (kvlab.blocks.manager_swap) made the GPU pool's policy
+calls, it moves a sequence's table (and its group's cross-attention table, which travels with the group's last
+sequence on the GPU) with ``moved_out`` / ``moved_in``, and returns the copy mappings for ``swap_blocks``. The manager calls ``forget_gpu`` for GPU blocks it frees or writes in place.
 """
 
 from collections import Counter
@@ -43,25 +43,14 @@ class SwapSpace:
         cross = alloc.cross if alloc.cross is not None and alloc.cross.on_cpu else None
         return alloc.live_blocks() + (cross.blocks if cross else []), cross
 
-    def can_move_out(self, alloc) -> AllocStatus:
-        return self.admission(self.blocks_needed_out(self.moving_out(alloc)[0]))
-
     def admission(self, needed: int) -> AllocStatus:
         """Whether a swap-out taking ``needed`` CPU blocks fits now, once others swap in (LATER), or never."""
         if needed > self.num_blocks:
             return AllocStatus.NEVER
         return AllocStatus.OK if needed <= self.num_free else AllocStatus.LATER
 
-    def move_out(self, alloc, pool) -> list[tuple[int, int]]:
-        """Swap ``alloc``'s sequence out; returns the (gpu, cpu) copies. Raises before changing anything."""
-        moving = self.moving_out(alloc)
-        if self.blocks_needed_out(moving[0]) > self.num_free:
-            raise OutOfBlocksError(f"not enough free CPU blocks to swap out sequence {alloc.seq.seq_id}")
-        freed = pool.release(moving[0])  # the only policy call: if it raises, nothing changed
-        return self.moved_out(alloc, moving, freed)
-
     def moved_out(self, alloc, moving, freed) -> list[tuple[int, int]]:
-        """move_out's bookkeeping once the pool released the GPU blocks of ``moving`` (``moving_out(alloc)``),
+        """A swap-out's bookkeeping once the pool released the GPU blocks of ``moving`` (``moving_out(alloc)``),
         ``freed`` of them becoming free; returns the (gpu, cpu) copies. Cannot fail (the caller checked room)."""
         gpu_blocks, cross = moving
         cpu_blocks, mapping = self.swap_out(gpu_blocks)
@@ -74,14 +63,8 @@ class SwapSpace:
         cpu_blocks, _ = self.moving_in(alloc)
         return len(cpu_blocks), self.gpu_twins(cpu_blocks).count(None)
 
-    def move_in(self, alloc, pool) -> list[tuple[int, int]]:
-        """Swap ``alloc``'s sequence in (the caller checked admission); returns the (cpu, gpu) copies."""
-        with pool.transaction() as txn:
-            new_blocks = txn.pop(self.blocks_needed_in(alloc)[1])
-        return self.moved_in(alloc, pool, new_blocks)
-
     def moved_in(self, alloc, pool, new_blocks) -> list[tuple[int, int]]:
-        """move_in's bookkeeping once the policy handed out ``new_blocks``, one per CPU block without a GPU
+        """A swap-in's bookkeeping once the policy handed out ``new_blocks``, one per CPU block without a GPU
         twin; returns the (cpu, gpu) copies. Cannot fail."""
         cpu_blocks, cross = self.moving_in(alloc)
         twins = self.gpu_twins(cpu_blocks)

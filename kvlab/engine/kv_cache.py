@@ -1,13 +1,13 @@
 """The engine's KV memory: one paged cache per layer on the device, its CPU twin for swapping, the offload
 tier's CPU cache, and the block moves (swap out, copy-on-write, swap in, offload, promote) the scheduler asks
-for before a step's forward pass."""
-
-from collections import namedtuple
+for before a step's forward pass, applied to those tensors (the moves themselves, plain lists, are the step's:
+``kvlab.engine.step.BlockMoves``, so the scheduler imports no torch)."""
 
 import torch
 
 from kvlab.engine.config import ModelConfig
 from kvlab.engine.errors import UnsupportedModelError
+from kvlab.engine.step import BlockMoves
 from kvlab.errors import InvalidArgumentError
 from kvlab.kernels import (allocate_cpu_cache, allocate_kv_cache, allocate_latent_cache, copy_blocks, mla_decode,
                            mla_decode_torch, paged_attention_decode, paged_attention_decode_torch, swap_blocks)
@@ -18,33 +18,6 @@ from kvlab.sizing import KVLayout, activation_bytes, kv_blocks, kv_memory
 #: same on every machine so a notebook's pool is reproducible. SmolLM2-135M in fp32 (45 KiB of K and V per
 #: token) gets ~5,800 tokens, more than a CPU serves at a useful speed; pass ``num_blocks`` for more.
 CPU_KV_CACHE_BYTES = 256 << 20
-
-Round = namedtuple("Round", "kind pairs srcs dsts")
-
-
-class BlockMoves:
-    """One step's block moves, kept in the order the scheduler made them (a block swapped out may be reused
-    by a later copy in the same step, so order matters). Consecutive moves of one kind are grouped into a
-    single launch unless a block would be written twice, or (copy-on-write, inside one cache) be both read and
-    written in that launch."""
-
-    KINDS = ("swap_out", "copy", "swap_in", "offload", "promote")
-
-    def __init__(self):
-        self.rounds: list[Round] = []
-        self.counts = dict.fromkeys(self.KINDS, 0)
-
-    def add(self, kind: str, pairs) -> None:
-        for src, dst in pairs:
-            last = self.rounds[-1] if self.rounds else None
-            if (last is None or last.kind != kind or dst in last.dsts
-                    or (kind == "copy" and (src in last.dsts or dst in last.srcs))):
-                last = Round(kind, [], set(), set())
-                self.rounds.append(last)
-            last.pairs.append((src, dst))
-            last.srcs.add(src)
-            last.dsts.add(dst)
-            self.counts[kind] += 1
 
 
 def engine_layout(config: ModelConfig, dtype, kv_cache_dtype: str = "auto") -> KVLayout:

@@ -8,6 +8,7 @@ is returned exactly once: by the ``generate`` call that added it, else by ``step
 
 import itertools
 import logging
+from dataclasses import replace
 
 from tqdm.auto import tqdm
 
@@ -18,13 +19,11 @@ from kvlab.engine.hybrid import make_block_manager
 from kvlab.engine.intake import RequestIntake, load_tokenizer, prompt_token_ids
 from kvlab.engine.kv_calibration import quantize_kv_cache
 from kvlab.engine.kv_cache import CPU_KV_CACHE_BYTES, PagedKVCache, blocks_for_memory, check_kernel_support
-from kvlab.engine.queue_order import WaitingOrder, check_queue_policy
 from kvlab.engine.request import Request, RequestOutput
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampler import Sampler
 from kvlab.engine.sampling_params import SamplingParams
-from kvlab.engine.scheduler_v1 import V1Scheduler
-from kvlab.engine.schedulers import resolve_scheduler
+from kvlab.engine.schedulers import SchedulerConfig
 from kvlab.engine.settings import (check_every_layer_from_env, check_kv_cache_options, check_settings,
                                    resolve_device, resolve_dtype, resolve_quantized_backend)
 from kvlab.engine.speculative import resolve_speculative_config
@@ -112,12 +111,11 @@ class LLM:
         check_int("num_offload_blocks", num_offload_blocks, 0)
         check_offload_options(offload_policy, offload_admission)
         check_kv_cache_options(kv_cache_dtype, kv_scale_granularity, kv_calibration_prompts)
-        scheduler_class = resolve_scheduler(scheduler, scheduling)
-        check_queue_policy(scheduling_policy)
         self.speculation = resolve_speculative_config(speculative_config)
-        if self.speculation is not None and not issubclass(scheduler_class, V1Scheduler):
-            raise InvalidArgumentError(f"speculative_config needs V1 scheduling (a step that mixes decodes with "
-                                       f"drafts), got scheduler {scheduler_class.__name__}: use scheduling='v1'")
+        scheduler_config = SchedulerConfig(scheduler=scheduler, scheduling=scheduling,
+                                           scheduling_policy=scheduling_policy, preemption_mode=preemption_mode,
+                                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                           drafter=self.speculation)
         self.device = resolve_device(device)
         self.attention_backend = resolve_quantized_backend(attention_backend, kv_cache_dtype, self.device)
         check_every_layer = check_every_layer_from_env()
@@ -128,7 +126,9 @@ class LLM:
             raise InvalidArgumentError(f"max_model_len={max_model_len} is longer than the model's context "
                                        f"({config.max_position_embeddings} positions)")
         self.max_model_len = max_model_len or config.max_position_embeddings
-        self.max_num_batched_tokens, self.scheduling = max_num_batched_tokens, scheduler_class.scheduling
+        scheduler_config = replace(scheduler_config, max_model_len=self.max_model_len)  # no draft past it
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.scheduling = scheduler_config.scheduler_class.scheduling
         check_kernel_support(config, block_size, self.dtype, self.device, self.attention_backend, kv_cache_dtype)
         self.model = load_model(config, self.dtype, self.device)
         self.model.init_rope(self.dtype, self.device)
@@ -157,11 +157,7 @@ class LLM:
         self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.dtype, self.device, num_cpu_blocks,
                                      num_offload_blocks, kv_cache_dtype)
         logger.info("KV cache: %s (%s)", self.kv_cache.summary(), sized_by)
-        self.scheduler = scheduler_class(self.block_manager, max_num_seqs=max_num_seqs,
-                                         max_num_batched_tokens=max_num_batched_tokens, preemption_mode=preemption_mode)
-        self.scheduler.waiting_order = WaitingOrder(scheduling_policy)
-        if self.speculation is not None:
-            self.scheduler.drafter, self.scheduler.max_model_len = self.speculation, self.max_model_len
+        self.scheduler = scheduler_config.build(self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.attention_backend,
                                   check_every_layer=check_every_layer)
         self._loop = StepLoop(self.scheduler, self.runner, Sampler(seed, self.device), config.eos_token_ids,

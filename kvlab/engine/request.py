@@ -5,7 +5,6 @@ import time
 from dataclasses import dataclass, field
 
 from kvlab.blocks.sequence import Sequence
-from kvlab.engine.sampler import sample_generator
 from kvlab.engine.sampling_params import SamplingParams
 
 
@@ -107,6 +106,8 @@ class Request:
 
     @classmethod
     def create(cls, request_id, prompt, token_ids, params: SamplingParams, block_size: int, device):
+        from kvlab.engine.sampler import sample_generator  # torch: the scheduler's imports of Request must not load it
+
         seed = params.seed
         return cls(request_id, prompt, list(token_ids), params, [Sequence(token_ids, block_size)],
                    [None if seed is None else sample_generator(seed, k, device) for k in range(params.n)],

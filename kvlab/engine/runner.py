@@ -13,9 +13,9 @@ import torch
 
 from kvlab.engine.attention import AttentionBatch
 from kvlab.engine.hybrid import group_specs
-from kvlab.engine.kv_cache import BlockMoves, PagedKVCache
+from kvlab.engine.kv_cache import PagedKVCache
 from kvlab.engine.model import CausalLM
-from kvlab.engine.step import ScheduledStep, SeqStep
+from kvlab.engine.step import BlockMoves, ScheduledStep, SeqStep
 
 
 class ModelRunner:

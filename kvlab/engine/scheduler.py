@@ -19,6 +19,13 @@ After a sequence's forward pass failed, blocks it was to write may be in the pre
 them. The block manager can forget cached prefixes only when no device block is in use, so until then no
 waiting sequence is admitted (nothing can hit those blocks): the running and swapped sequences decode to
 the end, then the prefix cache is reset and admissions resume.
+
+Steady decode: after a plain decode step (every running sequence decodes one token; nothing is admitted,
+preempted, swapped, aborted or copied) the next steps are the same step again until a sequence needs a new
+block, as long as nothing joins or leaves in a way that could change admission (``add``, ``remove``).
+``steady_decode_steps`` says how many, from the scheduler's own record of its last step, and
+``advance_steady_decode`` runs them in one go: the overlap study replays long decode stretches that way
+(``kvlab.studies.fast_forward``).
 """
 
 from collections import deque
@@ -28,6 +35,8 @@ from kvlab.blocks.sequence import Sequence, SequenceStatus
 from kvlab.engine.queue_order import WaitingOrder
 from kvlab.engine.request import Request
 from kvlab.engine.step import ScheduledStep, StepBuilder
+from kvlab.errors import InvalidArgumentError
+from kvlab.validation import is_int
 
 
 def pool_text(manager) -> str:
@@ -53,6 +62,13 @@ def too_long_for_the_pool(manager, num_tokens: int, num_new_tokens: int | None) 
 
 class Scheduler:
     scheduling = "v0"  # whole prompts: a prompt longer than the token budget is refused (kvlab.engine.schedulers)
+    # Whether ``steady_decode_steps`` may promise repeated steps. A subclass may decide anything at any step, so
+    # it promises nothing unless its own class body sets this again (``__init_subclass__``).
+    repeats_plain_decode = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.repeats_plain_decode = cls.__dict__.get("repeats_plain_decode", False)
 
     def __init__(self, manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  preemption_mode: str):
@@ -66,9 +82,12 @@ class Scheduler:
         self.owner: dict[int, Request] = {}      # seq_id -> its request
         self.prefix_reset_pending = False        # admissions wait for the prefix cache reset (see above)
         self.waiting_order = WaitingOrder()      # FCFS; LLM(scheduling_policy="lpm") sets longest prefix first
+        self._steady = False                     # the last step was plain decode, nothing changed since
 
     def add(self, request: Request) -> None:
         self.owner[request.seqs[0].seq_id] = request
+        # Behind a waiting head that FCFS refused, a newcomer changes nothing: admission stops at the head.
+        self._steady = self._steady and bool(self.waiting) and self.waiting_order.policy == "fcfs"
         self.waiting.append(request.seqs[0])
 
     def add_fork(self, after: Sequence, child: Sequence) -> None:
@@ -76,9 +95,12 @@ class Scheduler:
         the previous fork), so a request's samples stay together in the running order."""
         self.owner[child.seq_id] = self.owner[after.seq_id]
         self.running.insert(self.running.index(after) + 1, child)
+        self._steady = False
 
     def remove(self, seq: Sequence) -> None:
         """Forget a finished or aborted sequence and free its blocks (between steps only)."""
+        # A running sequence leaving frees seats, budget and blocks: the rest decode as before unless someone waits.
+        self._steady = self._steady and seq in self.running and not self.waiting
         for queue in (self.running, self.waiting, self.swapped):
             if seq in queue:
                 queue.remove(seq)
@@ -92,6 +114,7 @@ class Scheduler:
         self.running.remove(seq)
         self.manager.free(seq, preempted=True)
         self.waiting.appendleft(seq)
+        self._steady = False
 
     def forget_unwritten_prefixes(self) -> None:
         """Admit nothing until the prefix cache is reset, as soon as no device block is in use."""
@@ -103,8 +126,59 @@ class Scheduler:
         if not self.swapped and not self.prefix_reset_pending:
             step = self._schedule_prefill()
             if step.entries or step.aborted:
-                return step.freeze()
-        return self._schedule_decode().freeze()
+                return self._note_steady(step.freeze())
+        return self._note_steady(self._schedule_decode().freeze())
+
+    def _note_steady(self, step: ScheduledStep) -> ScheduledStep:
+        """Record whether ``step`` is a plain decode step of every running sequence (``steady_decode_steps``)."""
+        self._steady = (step.kind == "decode" and not step.preempted and not step.aborted and not step.moves.rounds
+                       and len(step.entries) == len(self.running)
+                       and all(entry.num_tokens == 1 and not entry.num_draft_tokens for entry in step.entries))
+        return step
+
+    def steady_decode_steps(self) -> int:
+        """How many coming ``schedule()`` calls are certainly the plain decode step the last one was: every
+        running sequence decodes one token, nothing is admitted, preempted, swapped in, aborted or copied.
+        Provided each running sequence appends the one token its step samples after each of them, and nothing
+        joins or leaves but what keeps the step (``add`` behind a waiting head that FCFS refused, ``remove`` of
+        a running sequence while nothing waits), they repeat until a sequence needs a new block (the pool may
+        then be short): whatever refused the waiting head (seats, token budget, pool) stays as it was, since
+        the running set, the budget its decodes take and the free blocks do not change.
+        0: no promise (the last step was not one; drafts, which change every step; a swap or a prefix-cache
+        reset pending; a sliding window, which releases blocks; a subclass that did not opt in with
+        ``repeats_plain_decode``). ``advance_steady_decode`` runs them in one go."""
+        if (not self._steady or not self.repeats_plain_decode or self.swapped or self.prefix_reset_pending
+                or getattr(self, "drafter", None) is not None
+                or any(spec.sliding_window is not None for spec in self.manager.groups)):
+            return 0
+        bs, steps = self.manager.block_size, self.manager.block_size
+        for seq in self.running:
+            done = seq.num_computed_tokens  # the next step gives position `done` its slot
+            if done != seq.num_tokens - 1 or done % bs == 0:  # it did not sample, or it needs a new block
+                return 0
+            steps = min(steps, bs - done % bs)  # steps 1 .. bs - done % bs fill its last block
+        return steps
+
+    def advance_steady_decode(self, steps: int, sample) -> None:
+        """Run ``steps`` (1 .. ``steady_decode_steps()``) steady decode steps in one go, leaving the sequences
+        and the block manager as ``steps`` calls of ``schedule()``, each followed by appending ``sample(seq)``
+        to every running sequence, would: ``sample(seq)`` is the token ``seq``'s step samples (called in
+        position order for each sequence; none may finish before the last step). Two ``append_slots`` calls
+        (``steps - 1`` tokens, then one) leave the manager's records exactly as ``steps`` calls of one token
+        would: no block is taken, and a block that fills is sealed with the same tokens and hash. Only the
+        order of seals across sequences can differ: where two running sequences fill blocks of the same tokens,
+        the prefix cache may keep the other one's (a study's generated tokens are private to each request)."""
+        most = self.steady_decode_steps()
+        if not is_int(steps) or not 1 <= steps <= most:
+            raise InvalidArgumentError(f"steps must be a whole number from 1 to {most} (steady_decode_steps()), "
+                                       f"got {steps!r}")
+        for seq in self.running:
+            for _ in range(steps - 1):  # the tokens steps 1 .. steps - 1 sample, each stored by the step after
+                seq.append_token(sample(seq))
+            if steps > 1:
+                self.manager.append_slots(seq, num_new_tokens=steps - 1)
+            self.manager.append_slots(seq, num_new_tokens=1)  # the last step's: the records end as after `steps`
+            seq.append_token(sample(seq))
 
     def _seats(self, seq: Sequence) -> int:
         """Running slots a waiting sequence takes: a prompt with n samples becomes n sequences after prefill."""

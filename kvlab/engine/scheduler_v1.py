@@ -33,8 +33,9 @@ from kvlab.engine.step import ScheduledStep, StepBuilder
 
 class V1Scheduler(Scheduler):
     scheduling = "v1"  # prompts in chunks: any prompt the pool holds is served
-    drafter = None     # a kvlab.engine.speculative.Speculation (LLM sets it), or None: no speculation
-    max_model_len = None  # set with the drafter: no draft goes past the context
+    repeats_plain_decode = True  # a plain decode step repeats as V0's does (Scheduler.steady_decode_steps)
+    drafter = None     # a kvlab.engine.speculative.Speculation (SchedulerConfig.build sets it), or None
+    max_model_len = None  # set with the drafter: no draft goes past the context (None: no context limit)
 
     def schedule(self) -> ScheduledStep:
         if self.prefix_reset_pending and not self.running and not self.swapped:
@@ -47,7 +48,7 @@ class V1Scheduler(Scheduler):
                 self._schedule_waiting(step, budget)
         prefill = any(entry.prefill for entry in step.entries)
         decode = not all(entry.prefill for entry in step.entries)
-        return step.freeze("mixed" if prefill and decode else "decode" if decode else "prefill")
+        return self._note_steady(step.freeze("mixed" if prefill and decode else "decode" if decode else "prefill"))
 
     def _count(self, step: StepBuilder, seq: Sequence, start: int, drafts: tuple[int, ...] = ()) -> int:
         """Put ``seq`` in the step from position ``start`` (its slots are given: its progress counter is past
@@ -59,7 +60,9 @@ class V1Scheduler(Scheduler):
         """Draft tokens for a decoding ``seq`` this step: none past what the budget, its ``max_tokens`` or the
         context leave (a step keeps at most drafts + 1 tokens), none the pool has no room for as it is."""
         params = self.owner[seq.seq_id].params
-        left = min(params.max_tokens - seq.num_completion_tokens, self.max_model_len - seq.num_tokens)
+        left = params.max_tokens - seq.num_completion_tokens
+        if self.max_model_len is not None:
+            left = min(left, self.max_model_len - seq.num_tokens)
         drafts = self.drafter.drafts(seq, min(budget, left) - 1)
         if drafts and not self.manager.can_append_slots(seq, num_new_tokens=1, num_draft_tokens=len(drafts)):
             return ()

@@ -31,16 +31,17 @@ shift its stream by every draft it was or was not given.
 """
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvlab.blocks.sequence import Sequence
 from kvlab.engine.draft_control import DraftControl
 from kvlab.engine.proposers import PROPOSERS, Proposer
-from kvlab.engine.sampler import noise_row, probabilities, race
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.errors import InvalidArgumentError
 from kvlab.validation import check_int
+
+if TYPE_CHECKING:  # ``accept`` imports torch when it runs (see there)
+    import torch
 
 _COMMON_KEYS = ("method", "num_speculative_tokens", "draft_acceptance_floor", "draft_acceptance_ema_weight")
 
@@ -105,13 +106,16 @@ def resolve_speculative_config(config) -> Speculation | None:
     return Speculation(method, k, cls(**{key: config[key] for key in cls.options if key in config}), control)
 
 
-def accept(logits: torch.Tensor, drafts: tuple[int, ...], params: SamplingParams,
-           generator: torch.Generator) -> list[int]:
+def accept(logits: "torch.Tensor", drafts: tuple[int, ...], params: SamplingParams,
+           generator: "torch.Generator") -> list[int]:
     """The tokens one verification keeps: the accepted drafts, then the target's own token (the correction of
     the first rejected draft, or the bonus token after them all). ``logits`` fp32 ``[len(drafts) + 1, vocab]``,
     row i the target's logits after the context and drafts ``[:i]``. Sampling takes one noise row from
     ``generator`` (the sequence's) per token kept, as the sampler would. Raises FloatingPointError on unusable
     logits, as the sampler does."""
+    # the sampler (torch) here only: the drafter (Speculation) runs in cost-model replays too, which import no torch
+    from kvlab.engine.sampler import noise_row, probabilities, race
+
     if not bool((logits.isfinite() | (logits == float("-inf"))).all() and (logits > float("-inf")).any(-1).all()):
         raise FloatingPointError("the model's logits hold NaN or +inf, or are all -inf: no token can be chosen")
     if params.greedy:
@@ -122,7 +126,7 @@ def accept(logits: torch.Tensor, drafts: tuple[int, ...], params: SamplingParams
         return list(drafts[:kept]) + [choice[kept]]
     probs = probabilities(logits, [params] * len(logits))  # [d + 1, vocab], the sampler's distribution
 
-    def sample(row: torch.Tensor) -> int:  # distributed as the row's p; takes the sequence's next noise row
+    def sample(row: "torch.Tensor") -> int:  # distributed as the row's p; takes the sequence's next noise row
         return int(race(row, noise_row(generator, row)))
 
     for i, draft in enumerate(drafts):

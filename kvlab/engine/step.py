@@ -14,10 +14,37 @@ speculative decoding: kvlab.engine.speculative), which are not in the sequence's
 moves are applied before its forward pass.
 """
 
+from collections import namedtuple
 from dataclasses import dataclass, field
 
 from kvlab.blocks.sequence import Sequence
-from kvlab.engine.kv_cache import BlockMoves
+
+Round = namedtuple("Round", "kind pairs srcs dsts")
+
+
+class BlockMoves:
+    """One step's block moves, kept in the order the scheduler made them (a block swapped out may be reused
+    by a later copy in the same step, so order matters). Consecutive moves of one kind are grouped into a
+    single launch unless a block would be written twice, or (copy-on-write, inside one cache) be both read and
+    written in that launch."""
+
+    KINDS = ("swap_out", "copy", "swap_in", "offload", "promote")
+
+    def __init__(self):
+        self.rounds: list[Round] = []
+        self.counts = dict.fromkeys(self.KINDS, 0)
+
+    def add(self, kind: str, pairs) -> None:
+        for src, dst in pairs:
+            last = self.rounds[-1] if self.rounds else None
+            if (last is None or last.kind != kind or dst in last.dsts
+                    or (kind == "copy" and (src in last.dsts or dst in last.srcs))):
+                last = Round(kind, [], set(), set())
+                self.rounds.append(last)
+            last.pairs.append((src, dst))
+            last.srcs.add(src)
+            last.dsts.add(dst)
+            self.counts[kind] += 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ concurrent requests a GPU's memory holds (``kvlab.sizing.plan``), every figure w
 import argparse
 import sys
 
-from kvlab.cli_options import option, whole_number
+from kvlab.cli.options import option, whole_number
 from kvlab.errors import InvalidArgumentError, KvlabError
 from kvlab.sizing.budget import GPU_MEMORY_UTILIZATION, parse_memory
 from kvlab.sizing.hf_config import MAX_TOKENS, read_model_shape

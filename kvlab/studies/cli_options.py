@@ -1,5 +1,5 @@
 """The studies' option types (``kvlab study``, ``kvlab fleet``) and the check of their ``--out``, built on the
-option types every kvlab command shares (``kvlab.cli_options``).
+option types every kvlab command shares (``kvlab.cli.options``).
 
 Each type takes the option's text and returns its value, or raises ValueError (kvlab's InvalidArgumentError
 is one) with a message that reads well after argparse's "argument --name:"; ``option`` turns it into the
@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from kvlab.blocks.sequence import check_block_size
-from kvlab.cli_options import option, whole_number
+from kvlab.cli.options import option, whole_number
 from kvlab.validation import check_directory, check_int, check_number
 
 

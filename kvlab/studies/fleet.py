@@ -85,7 +85,7 @@ def replay_fleet(trace: pd.DataFrame, *, block_size: int = 512, capacity: int = 
     bs, capacity, n = check_block_size(block_size), check_capacity(capacity), check_replicas(replicas)
     (router, make_router), settings = router_factory(router), settings or RouterSettings()
     engine, (policy_name, policy_class) = engine or EngineModel(), policy_factory(policy)
-    engine.scheduler_class()  # an unknown scheduler fails before any replay
+    engine.scheduler_config()  # an unknown scheduler or a bad speculative_config fails before any replay
     tier = tier or TierSettings()
     if not isinstance(tier, TierSettings):
         raise InvalidArgumentError(f"tier must be a kvlab.studies.fleet_tier.TierSettings, got {tier!r}")

@@ -55,7 +55,7 @@ def fleet_study(trace="mooncake_conversation", *, block_sizes=(512,), capacities
             raise InvalidArgumentError(f"tiers must be kvlab.studies.fleet_tier.TierSettings, got {tier!r}")
     settings, engine, jobs = settings or RouterSettings(), engine or EngineModel(), check_jobs(jobs)
     engines = [dataclasses.replace(engine, scheduling_policy=p) for p in scheduling_policies]  # each checked
-    engine.scheduler_class()  # an unknown scheduler fails before any replay
+    engine.scheduler_config()  # an unknown scheduler or a bad speculative_config fails before any replay
     dask_timeout = check_timeout(dask_timeout)
     if dask_scheduler is not None:
         from kvlab.studies.dask_client import check_address  # imports distributed: a second

@@ -11,12 +11,18 @@ or one line below):
 1. Time: a step takes ``decode_step_ms`` + ``prefill_ms_per_token`` x the prompt (or recomputed) tokens it
    computes, after prefix hits: a cached prefix costs nothing, the decode part is fixed whatever the batch;
    with an offload tier, + ``tier_ms_per_block`` x the blocks it promotes from the tier (copies not
-   overlapped with compute; offloads are write-backs off the critical path and cost nothing).
+   overlapped with compute; offloads are write-backs off the critical path and cost nothing); with
+   speculative decoding, + ``draft_ms_per_token`` x the drafts it verifies.
 2. Sampling: every sequence whose step computes its last token gets one generated token, with a private id
    (the traces do not record them, so decode blocks occupy the cache but are never hit; a Mooncake prompt
    hits what earlier *prompts* left behind). A request stops after max(output_length, 1) tokens, as
    ``SamplingParams(max_tokens=output_length, ignore_eos=True)``: it stores the K/V of its prompt plus
    output_length - 1 tokens, and its blocks are freed after the step that samples its last token.
+   Speculative decoding (``EngineModel.speculative_config``): the scheduler gives a decoding sequence the
+   drafts of ``EngineModel.draft_acceptance_rate``'s model (``kvlab.studies.engine_model.StatedAcceptance``),
+   and the step keeps the leading drafts that are the tokens the replay generates there, plus one token
+   after them, as the engine's greedy verification does (``accept_drafts`` rolls the rest back). The
+   metrics then also count ``draft_tokens`` (verified) and ``accepted_draft_tokens``.
 3. Arrivals (trace timestamp x ``time_scale``) join the scheduler's waiting queue at the first step that
    starts at or after them (``scheduler.add``, as ``LLM.add_request``); with nothing running or waiting the
    clock jumps to the next arrival. Preemption is by recompute (no CPU pool).
@@ -35,7 +41,8 @@ requests named by their trace row) in ``engine.decisions``, the record ``LLM(rec
 a replay and an engine run of the same workload decide the same steps.
 
 Speed: between two steps where something changes, the built-in schedulers run plain decode steps that are
-all alike; ``kvlab.studies.fast_forward`` runs those in one go, with the same effect on the block manager.
+all alike; the scheduler says how many (``Scheduler.steady_decode_steps``) and ``kvlab.studies.fast_forward``
+runs those in one go, with the same effect on the block manager.
 ``advance(limit)`` runs only the steps that start before ``limit`` ms, so a fleet (``kvlab.studies.fleet``)
 can route each arrival to an engine whose clock stands at that arrival, knowing nothing of later ones.
 """
@@ -88,11 +95,12 @@ class Engine:
         self.jobs: dict[int, _Job] = {}  # seq_id -> its job, while the scheduler holds it
         self.decisions: list[StepDecision] | None = [] if record_decisions else None
         self.fast_forward = not record_decisions  # a decision is recorded for every step, so none is skipped
-        # The clock: the next step starts at base_ms + the steps and prefill tokens since (integers, so a
-        # run of steps taken in one go ends at exactly the time it would have one by one).
-        self.base_ms, self.steps_since, self.prefill_since, self.promoted_since = 0.0, 0, 0, 0
+        # The clock: the next step starts at base_ms + the steps, prefill tokens, promoted blocks and drafts
+        # since (integers, so a run of steps taken in one go ends at exactly the time it would have one by one).
+        self.base_ms, self.steps_since, self.prefill_since, self.promoted_since, self.drafts_since = 0.0, 0, 0, 0, 0
+        self.drafter = getattr(self.scheduler, "drafter", None)  # V1 only (EngineModel.speculative_config)
         self.c = dict(hit_tokens=0, hit_blocks=0, skipped=0, dropped=0, preemptions=0, recomputed_tokens=0,
-                      prefill_tokens=0, peak=0, batch_steps=0, steps=0)
+                      prefill_tokens=0, peak=0, batch_steps=0, steps=0, draft_tokens=0, accepted_draft_tokens=0)
         self.waiting_tokens = sum(job.prompt_len for job in jobs)  # prompts not admitted yet: a router's signal
         self.queue_ms: list[float] = []
         self.ttft_ms: list[float] = []
@@ -106,7 +114,8 @@ class Engine:
         """When a step would start after the next one and then ``plain_steps - 1`` more plain decode steps."""
         model = self.model
         return (self.base_ms + model.decode_step_ms * (self.steps_since + plain_steps)
-                + model.prefill_ms_per_token * self.prefill_since + model.tier_ms_per_block * self.promoted_since)
+                + model.prefill_ms_per_token * self.prefill_since + model.tier_ms_per_block * self.promoted_since
+                + model.draft_ms_per_token * self.drafts_since)
 
     def count_plain_decode_steps(self, steps: int, batch: int) -> None:
         """``steps`` plain decode steps of ``batch`` sequences ran (``kvlab.studies.fast_forward``)."""
@@ -141,13 +150,15 @@ class Engine:
                 arrival = self.arrivals[self.next_arrival].arrival_ms
                 if arrival > self.now_ms:  # idle: nothing to do until the next request arrives
                     self.base_ms, self.steps_since, self.prefill_since, self.promoted_since = arrival, 0, 0, 0
+                    self.drafts_since = 0
             if self.now_ms >= limit:
                 return self.now_ms
-            steady = self._run_step()
-            if steady and self.fast_forward:
-                skipped = plain_decode_steps(self, limit)
-                if skipped:
-                    run_plain_decode_steps(self, skipped)
+            self._enqueue_arrivals()  # those up to the next step's start
+            skipped = plain_decode_steps(self, limit) if self.fast_forward else 0
+            if skipped:
+                run_plain_decode_steps(self, skipped)
+            else:
+                self._run_step()
 
     def in_flight(self) -> int:
         """Requests given to this engine and not finished: running, waiting, or not yet at a step."""
@@ -166,11 +177,9 @@ class Engine:
         self.waiting_tokens += job.prompt_len
 
     # ---- one step ------------------------------------------------------------------------------------------
-    def _run_step(self) -> bool:
-        """Schedule and cost one step; returns whether it was a plain decode step of every running sequence
-        that left the waiting queue as it was (``kvlab.studies.fast_forward`` may then repeat it)."""
+    def _run_step(self) -> None:
+        """Schedule and cost one step (its arrivals are in the queue)."""
         c, scheduler = self.c, self.scheduler
-        self._enqueue_arrivals()
         start_ms = self.now_ms
         step = scheduler.schedule()
         if not step.entries and not step.aborted:  # a learner's scheduler that would stall the replay
@@ -190,22 +199,20 @@ class Engine:
                 if not job.admitted:
                     self._first_admission(job, entry.seq, start_ms)
                 c["recomputed_tokens"] += max(0, min(entry.end, job.computed) - entry.start)
-            job.computed = max(job.computed, entry.end)
+            job.computed = max(job.computed, entry.end - entry.num_draft_tokens)  # drafts: once accepted
         if not step.entries:
-            return False
+            return
         c["batch_steps"] += len(step.entries)
         c["steps"] += 1
         c["prefill_tokens"] += prefill
         self.steps_since += 1
         self.prefill_since += prefill
         self.promoted_since += step.moves.counts["promote"]  # blocks copied in from an offload tier
+        if self.drafter is not None:
+            self.drafts_since += sum(entry.num_draft_tokens for entry in step.entries)
         if not math.isfinite(self.now_ms):
             raise InvalidArgumentError(f"the simulated clock overflowed ({self.model}); use smaller times")
-        finished = self._sample(step)
-        # Every sequence still running decoded one token (the finished ones were in the step too), and a
-        # finish freed blocks only if no one waits for them.
-        return (not prefill and not step.preempted and not step.aborted
-                and len(step.entries) - finished == len(scheduler.running) and not (finished and scheduler.waiting))
+        self._sample(step)
 
     def _first_admission(self, job: _Job, seq: Sequence, start_ms: float) -> None:
         c, cached = self.c, seq.num_cached_tokens
@@ -215,23 +222,40 @@ class Engine:
         c["hit_blocks"] += cached // self.bs
         self.queue_ms.append(start_ms - job.arrival_ms)
 
-    def _sample(self, step) -> int:
-        """Give every sequence the step samples its next token; returns how many requests finished."""
-        finished = 0
+    def _sample(self, step) -> None:
+        """Give every sequence the step samples its next token, after the drafts it accepts, if any."""
         for entry in step.entries:
             if not entry.samples:  # a prompt chunk short of the end
                 continue
             seq, job = entry.seq, self.jobs[entry.seq.seq_id]
             if seq.num_completion_tokens == 0:
                 self.ttft_ms.append(self.now_ms - job.arrival_ms)
-            seq.append_token(generated_token(job.index, seq.num_tokens))
+            if entry.num_draft_tokens:
+                self._verify(entry, job)
+            else:
+                seq.append_token(generated_token(job.index, seq.num_tokens))
             if seq.num_completion_tokens >= job.max_tokens:
                 self._finish(job)
-                finished += 1
-        return finished
+
+    def _verify(self, entry, job: _Job) -> None:
+        """The engine's greedy verification (``kvlab.engine.step_loop``), with the replay's tokens as the
+        target's: the leading drafts that are the tokens generated there are kept, then one more token. The
+        scheduler's drafts stop before ``max_tokens`` (``V1Scheduler._drafts``), so all of them are appended."""
+        seq, drafts = entry.seq, entry.draft_token_ids
+        kept = 0
+        while kept < len(drafts) and drafts[kept] == generated_token(job.index, seq.num_tokens + kept):
+            kept += 1
+        for _ in range(kept + 1):
+            seq.append_token(generated_token(job.index, seq.num_tokens))
+        self.m.accept_drafts(seq, kept)
+        job.computed = max(job.computed, seq.num_computed_tokens)
+        self.c["draft_tokens"] += len(drafts)
+        self.c["accepted_draft_tokens"] += kept
 
     def _finish(self, job: _Job) -> None:
         seq = job.request.seqs[0]
+        if self.drafter is not None:  # as the engine's step loop: its draft control forgets the sequence
+            self.drafter.finished(seq)
         self.scheduler.remove(seq)
         del self.jobs[seq.seq_id]
         job.request = None
@@ -254,7 +278,8 @@ class Engine:
             "mean_queue_s": float(queue_s.mean()) if queue_s.size else 0.0,
             "p95_queue_s": float(np.percentile(queue_s, 95)) if queue_s.size else 0.0,
             "makespan_s": self.now_ms / 1000.0,
-        }
+        } | ({} if self.drafter is None else
+             {"draft_tokens": c["draft_tokens"], "accepted_draft_tokens": c["accepted_draft_tokens"]})
 
 
 def replay_overlap(trace, manager, model: EngineModel, bar) -> dict:

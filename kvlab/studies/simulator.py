@@ -175,7 +175,7 @@ def replay_prepared(prepared: PreparedTrace, configs, *, engine: EngineModel | N
     check_sequential_only(prepared.mode, [c[3] for c in configs], kv_cache_metrics_sample)
     engine = engine or EngineModel()
     if prepared.mode == "overlap":
-        engine.scheduler_class()  # an unknown scheduler fails before any replay
+        engine.scheduler_config()  # an unknown scheduler or a bad speculative_config fails before any replay
     started = time.perf_counter()
     sequences = prepared.compact.sequences() if prepared.mode == "sequential" else None
     shared_s = (time.perf_counter() - started) / max(len(configs), 1)
@@ -199,7 +199,7 @@ def _replay_one(prepared, capacity, policy_name, policy_class, tier, engine, seq
         if sequential:
             metrics = replay_sequential(prepared.compact, sequences, manager, bar, clock)
         else:
-            from kvlab.studies.overlap import replay_overlap  # the serving engine's scheduler (and torch)
+            from kvlab.studies.overlap import replay_overlap  # the serving engine's scheduler
 
             metrics = replay_overlap(prepared.frame, manager, engine, bar)
     # Rates over the whole trace: a skipped request's prompt counts as computed, so every row of a trace

@@ -89,7 +89,7 @@ def cache_hit_study(traces=("mooncake_conversation",), *, block_sizes=(16,), cap
     if not isinstance(ttft, TTFTModel):
         raise InvalidArgumentError(f"ttft must be a TTFTModel (kvlab.studies.ttft_model), got {type(ttft).__name__}")
     if mode == "overlap":
-        engine.scheduler_class()  # an unknown scheduler fails now, not in every replay
+        engine.scheduler_config()  # an unknown scheduler or a bad speculative_config fails now, not per replay
     dask_timeout = check_timeout(dask_timeout)
     if dask_scheduler is not None:  # a bad address fails before the traces are read, not after
         from kvlab.studies.dask_client import check_address  # imports distributed: a second

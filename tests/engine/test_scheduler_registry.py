@@ -6,11 +6,13 @@ from collections import deque
 import pytest
 
 from engine_helpers import hf_greedy, make_llm
+from kvlab.blocks.manager import BlockManager
 from kvlab.engine import SamplingParams
 from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.scheduler_v1 import V1Scheduler
 from kvlab.engine.schedulers import SCHEDULERS
 from kvlab.errors import InvalidArgumentError
+from kvlab.studies import EngineModel
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=5)
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7, 1], [8, 2, 8, 1, 8, 2, 8]]  # 11, 3 and 7 tokens
@@ -69,3 +71,33 @@ def test_scheduler_and_scheduling_agree(llama, settings, expected):
 def test_bad_scheduler_arguments_are_refused(llama, settings, match):
     with pytest.raises(InvalidArgumentError, match=match):
         make_llm(llama[0], **settings)
+
+
+def built_settings(scheduler) -> tuple:
+    drafter = getattr(scheduler, "drafter", None)
+    return (type(scheduler), scheduler.max_num_seqs, scheduler.max_num_batched_tokens, scheduler.preemption_mode,
+            scheduler.waiting_order.policy,
+            None if drafter is None else (drafter.method, drafter.num_speculative_tokens, drafter.control.floor))
+
+
+@pytest.mark.parametrize("scheduler", ["v1", "shortest_first"])
+def test_the_engine_and_the_overlap_study_build_one_scheduler(llama, monkeypatch, scheduler):
+    # SchedulerConfig builds both: the class (a learner's by name too), the batching knobs, the waiting order and
+    # the speculative drafter (the study's proposes by a stated acceptance model; its draft control is the same).
+    monkeypatch.setitem(SCHEDULERS, "shortest_first", ShortestPromptFirst)
+    speculation = ({"method": "ngram", "num_speculative_tokens": 3, "draft_acceptance_floor": 0.4}
+                   if scheduler == "v1" else None)
+    llm = make_llm(llama[0], scheduler=scheduler, max_num_seqs=3, max_num_batched_tokens=40,
+                   scheduling_policy="lpm", speculative_config=speculation)
+    study = EngineModel(scheduler=scheduler, max_num_seqs=3, max_num_batched_tokens=40, scheduling_policy="lpm",
+                        speculative_config=speculation, draft_acceptance_rate=speculation and 0.5)
+    built = study.make_scheduler(BlockManager(16, 8))
+    assert built_settings(built) == built_settings(llm.scheduler)
+    if speculation:  # no draft past the model's context; a replay has none
+        assert (built.max_model_len, llm.scheduler.max_model_len) == (None, 256)
+
+
+def test_the_study_refuses_speculation_without_v1_as_the_engine_does():
+    with pytest.raises(InvalidArgumentError, match="speculative_config needs V1 scheduling"):
+        EngineModel(scheduler="v0", speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+                    draft_acceptance_rate=0.5).scheduler_config()

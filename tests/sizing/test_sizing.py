@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.__main__ import main
+from kvlab.cli import main
 from kvlab.errors import InvalidArgumentError
 from kvlab.sizing import KVLayout, blocks_per_request, parse_memory, vllm_groups
 from kvlab.sizing.hf_config import read_model_shape

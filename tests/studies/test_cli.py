@@ -9,7 +9,7 @@ import tempfile
 import pandas as pd
 import pytest
 
-from kvlab.__main__ import main as kvlab_main
+from kvlab.cli import main as kvlab_main
 from kvlab.studies.cli import build_parser, main
 from kvlab.studies.synthetic import WORKLOADS
 from kvlab.studies.traces import BUNDLED

@@ -20,8 +20,9 @@ from kvlab import BlockManager
 from kvlab.engine.scheduler_v1 import V1Scheduler
 from kvlab.errors import InvalidArgumentError
 from kvlab.studies import EngineModel, replay
+from kvlab.studies.engine_model import WRONG_DRAFT, StatedAcceptance
 from kvlab.studies.overlap import Engine, arrivals, replay_overlap
-from kvlab.studies.traces import PromptTokens
+from kvlab.studies.traces import PRIVATE_TOKEN_BASE, PromptTokens
 
 ENGINE = EngineModel(decode_step_ms=10.0, prefill_ms_per_token=0.5)
 
@@ -182,6 +183,24 @@ def test_plain_decode_steps_run_in_one_go_give_the_same_replay(scheduler, budget
     assert schedules[0] < schedules[1]  # it did skip steps
 
 
+def test_an_arrival_that_lpm_admits_ends_a_plain_decode_stretch_while_others_wait():
+    # Pool of 12 blocks. R0 (8 shared tokens + 1, 0 ms) leaves the 2 shared blocks cached. A (17 tokens, 12 to
+    # generate, 10 ms) decodes alone at 20, 30, ... ms; W (36 tokens: 9 blocks, 20 ms) never finds room beside
+    # it and waits. A's steps at 60, 70 and 80 ms (pos 21-23) fill its 6th block: a plain decode stretch. N
+    # (the shared blocks + 1 token, 65 ms) hits 2 blocks and needs 1: longest prefix first tries it before W,
+    # so the step at 70 ms admits it (queue 5 ms), with or without running the stretch in one go (which used to
+    # ignore arrivals while someone waits, and admitted N at 90 ms). W: after A's last step, at 130 ms.
+    shared = list(range(1, 9))
+    trace = trace_of([shared + [50], list(range(100, 117)), list(range(200, 236)), shared + [60]],
+                     outputs=[1, 12, 2, 2], times_ms=[0.0, 10.0, 20.0, 65.0])
+    model = EngineModel(decode_step_ms=10.0, prefill_ms_per_token=0.0, scheduling_policy="lpm")
+    for fast in (True, False):
+        engine = Engine(PromptTokens(trace), arrivals(trace, model), BlockManager(12, 4), model, tqdm(disable=True),
+                        record_decisions=not fast)
+        engine.advance()
+        assert engine.queue_ms == [0.0, 0.0, 5.0, 110.0]  # in admission order: R0, A, N, W
+
+
 def test_a_block_promoted_from_an_offload_tier_costs_tier_ms_per_block():
     # A (3 full blocks + 1 token) finishes; B (6 blocks: the whole pool) evicts A's blocks into the tier; A again
     # (same 3 blocks, another last token) hits them in the tier: its step promotes 3 blocks, 3 x 7 ms more.
@@ -198,6 +217,49 @@ def test_a_block_promoted_from_an_offload_tier_costs_tier_ms_per_block():
     (hits, tier_hits, ttft), (hits_7, tier_hits_7, ttft_7) = runs
     assert hits == hits_7 == tier_hits == tier_hits_7 == 3
     assert ttft_7[:2] == ttft[:2] and ttft_7[2] == ttft[2] + 21.0
+
+
+NGRAM_4 = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+@pytest.mark.parametrize("rate, steps, drafts, accepted", [
+    (1.0, 3, 6, 6),   # after the prefill's token: 4 drafts + 1 (6 tokens), then 2 + 1 (no draft past max_tokens)
+    (0.0, 9, 22, 0),  # every draft missed: one token a step, drafts min(4, tokens left - 1): 4 x 4, 3, 2, 1, 0
+])
+def test_speculation_in_a_replay_follows_the_stated_acceptance(rate, steps, drafts, accepted):
+    # One request, a 4-token prompt and 9 tokens to generate; each step 10 ms, each draft verified 1 ms more.
+    trace = trace_of([[1, 2, 3, 4]], outputs=[9], times_ms=[0.0])
+    model = EngineModel(decode_step_ms=10.0, prefill_ms_per_token=0.0, speculative_config=NGRAM_4,
+                        draft_acceptance_rate=rate, draft_ms_per_token=1.0)
+    manager = BlockManager(8, 4)
+    metrics = replay_overlap(trace, manager, model, tqdm(disable=True))
+    assert (metrics["draft_tokens"], metrics["accepted_draft_tokens"]) == (drafts, accepted)
+    assert metrics["makespan_s"] == pytest.approx((10.0 * steps + drafts) / 1000.0)
+    assert manager.num_free_blocks == 8
+    manager.check_invariants()
+
+
+def test_a_stated_acceptance_rate_is_the_share_of_first_drafts_kept():
+    # Geometric: draft i is right with the rate if the ones before it were; a miss ends the run (WRONG_DRAFT on).
+    proposer = StatedAcceptance(0.6)
+    lasts = [PRIVATE_TOKEN_BASE + position for position in range(4000)]
+    runs = [proposer.propose([1, 2, last], 3) for last in lasts]
+    for last, run in zip(lasts, runs):  # the right drafts are the tokens after `last`; a miss ends them
+        right = len(run) - run.count(WRONG_DRAFT)
+        assert run == [last + 1 + i for i in range(right)] + [WRONG_DRAFT] * (3 - right)
+    first = np.mean([run[0] != WRONG_DRAFT for run in runs])
+    second = np.mean([run[1] != WRONG_DRAFT for run in runs if run[0] != WRONG_DRAFT])
+    assert abs(first - 0.6) < 0.03 and abs(second - 0.6) < 0.03
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(speculative_config=NGRAM_4), "speculative_config and draft_acceptance_rate go together"),
+    (dict(draft_acceptance_rate=0.5), "speculative_config and draft_acceptance_rate go together"),
+    (dict(speculative_config=NGRAM_4, draft_acceptance_rate=1.5), "draft_acceptance_rate must be"),
+])
+def test_a_replay_speculates_only_with_a_stated_acceptance_rate(kwargs, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        EngineModel(**kwargs)
 
 
 class NewestFirst(V1Scheduler):
@@ -229,8 +291,8 @@ def test_the_replay_runs_the_scheduler_it_is_given():
 
 
 def test_a_sequential_study_never_imports_the_engine():
-    # The engine package imports torch (seconds per process): a sequential study, `make study`, does not need
-    # it, so only an overlap replay imports kvlab.engine (kvlab.studies.engine_model).
+    # A sequential study, `make study`, needs no engine: only an overlap replay imports kvlab.engine
+    # (kvlab.studies.engine_model), and neither imports torch (test_cost_model_replays_never_import_torch).
     code = ("import sys, math; from kvlab.studies import cache_hit_study, EngineModel; "
             "from kvlab.studies.cli import main; "
             "cache_hit_study('synthetic_parallel', limit=8, capacities=[math.inf], policies=['lru'], jobs=1, "
@@ -239,3 +301,20 @@ def test_a_sequential_study_never_imports_the_engine():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["False", "False"]
+
+
+def test_cost_model_replays_never_import_torch():
+    # The engine's scheduler, its step and its drafter are plain Python: `import kvlab.studies` and a sequential,
+    # an overlap and a fleet replay (the fleet of every router) load no torch; only LLM does (kvlab.engine).
+    code = ("import sys, math; import kvlab.studies; from kvlab.studies import EngineModel, replay; "
+            "from kvlab.studies.fleet import replay_fleet; from kvlab.studies.synthetic import multi_turn_chat; "
+            "trace = multi_turn_chat(num_conversations=4, turns=3, seed=0); "
+            "rows = [replay(trace, block_size=16, capacity=64, mode=mode, engine=EngineModel(scheduler=scheduler)) "
+            "        for mode in ('sequential', 'overlap') for scheduler in ('v1', 'v0')]; "
+            "fleet = replay_fleet(trace, block_size=16, capacity=64, replicas=2, router='cache_aware'); "
+            "assert all(row['requests'] for row in rows) and fleet['requests']; "
+            "print(sorted(name for name in sys.modules if name.split('.')[0] == 'torch')[:3], "
+            "'kvlab.engine.llm' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["[]", "False"]
