@@ -6,6 +6,7 @@ template. Step by step (to watch the pool between steps):
 is returned exactly once: by the ``generate`` call that added it, else by ``step``.
 """
 
+import dataclasses
 import itertools
 import logging
 
@@ -161,6 +162,8 @@ class LLM:
                                          max_num_batched_tokens=max_num_batched_tokens, preemption_mode=preemption_mode)
         self.scheduler.waiting_order = WaitingOrder(scheduling_policy)
         if self.speculation is not None:
+            # drafts are proposals: one that is not a token id of this model is refused (kvlab.engine.speculative)
+            self.speculation = dataclasses.replace(self.speculation, vocab_size=config.vocab_size)
             self.scheduler.drafter, self.scheduler.max_model_len = self.speculation, self.max_model_len
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.attention_backend,
                                   check_every_layer=check_every_layer)
