@@ -52,6 +52,13 @@ class KVEventSubscriberWarning(RuntimeWarning):
     """A KV-event subscriber raised; it was dropped, and the manager and every other subscriber carried on."""
 
 
+class ProposerWarning(RuntimeWarning):
+    """A speculative-decoding proposer raised or broke its contract in a hook (``kvlab.engine.proposers``): the
+    drafts it was making were dropped, or what it would have learnt was lost, and the engine and every request
+    carried on (greedy output is unchanged). Warned once per hook and kind of failure; each one is counted in
+    ``LLM.speculation.failures``."""
+
+
 class PuzzleNotSolvedError(KvlabError, AssertionError):
     """A puzzle's ``check(fn, strict=True)`` found a case the learner's code gets wrong (kvlab.puzzles); the
     message names the case, its inputs, and what was expected against what came back."""

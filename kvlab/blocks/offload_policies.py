@@ -194,7 +194,7 @@ class ReuseFilter:
 
 
 def check_offload_options(policy: str, admission: str) -> None:
-    if policy not in OFFLOAD_POLICIES:
+    if not isinstance(policy, str) or policy not in OFFLOAD_POLICIES:  # a list would be unhashable in the dict
         raise InvalidArgumentError(f"offload_policy must be one of {sorted(OFFLOAD_POLICIES)}, got {policy!r}")
-    if admission not in OFFLOAD_ADMISSIONS:
+    if not isinstance(admission, str) or admission not in OFFLOAD_ADMISSIONS:
         raise InvalidArgumentError(f"offload_admission must be 'always' or 'reused', got {admission!r}")

@@ -126,7 +126,10 @@ class LLM:
             raise InvalidArgumentError(f"max_model_len={max_model_len} is longer than the model's context "
                                        f"({config.max_position_embeddings} positions)")
         self.max_model_len = max_model_len or config.max_position_embeddings
-        scheduler_config = replace(scheduler_config, max_model_len=self.max_model_len)  # no draft past it
+        if self.speculation is not None:  # drafts are proposals: one that is no token id of this model is refused
+            self.speculation = replace(self.speculation, vocab_size=config.vocab_size)
+        scheduler_config = replace(scheduler_config, drafter=self.speculation,
+                                   max_model_len=self.max_model_len)  # no draft past it
         self.max_num_batched_tokens = max_num_batched_tokens
         self.scheduling = scheduler_config.scheduler_class.scheduling
         check_kernel_support(config, block_size, self.dtype, self.device, self.attention_backend, kv_cache_dtype)

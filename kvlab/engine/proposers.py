@@ -3,9 +3,12 @@ sequence's next tokens, which the target model then verifies in one forward pass
 
 ``PROPOSERS`` maps a ``method`` to a ``Proposer`` subclass; add yours there to pick it by name. The engine
 builds it once, as ``cls(**options)`` with the config's keys other than ``method`` and
-``num_speculative_tokens`` (``cls.options`` names the keys it takes), and then only calls ``propose``. A
-proposer must be cheap (it runs for every decoding sequence at every step, between forward passes) and may
-return fewer tokens than asked, or none: a sequence with no drafts decodes one token as usual.
+``num_speculative_tokens`` (``cls.options`` names the keys it takes), and then only calls ``propose`` and
+``finished``. A proposer must be cheap (it runs for every decoding sequence at every step, between forward
+passes) and may return fewer tokens than asked, or none: a sequence with no drafts decodes one token as usual.
+One that raises, or returns anything but token ids of the model, costs only that sequence's drafts for the
+step (or, in ``finished``, what it would have learnt), with a ``kvlab.errors.ProposerWarning``
+(``kvlab.engine.speculative.Speculation``; docs/speculative_decoding.md).
 
 ``ngram`` is prompt lookup (vLLM's ``method="ngram"``, the same keys and defaults): the context's last n tokens,
 n from ``prompt_lookup_max`` down to ``prompt_lookup_min``, are looked up earlier in the context (prompt and
@@ -44,8 +47,9 @@ DEFAULT_PROMPT_LOOKUP = 5
 
 class Proposer:
     """Base class: ``propose(tokens, max_tokens)`` returns at most ``max_tokens`` draft token ids that may
-    follow ``tokens`` (a sequence's whole context, prompt and output); ``options``: the config keys it takes.
-    ``finished`` is told every sequence that finishes, for proposers that learn from earlier outputs."""
+    follow ``tokens`` (a copy of a sequence's whole context, prompt and output): a list or tuple of ints or a
+    1-D integer NumPy array, each in ``[0, vocab_size)``; ``options``: the config keys it takes (a tuple of
+    strings). ``finished`` is told every sequence that finishes, for proposers that learn from earlier outputs."""
     options: tuple[str, ...] = ()
 
     def propose(self, tokens: list[int], max_tokens: int) -> list[int]:

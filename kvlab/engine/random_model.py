@@ -30,7 +30,7 @@ def save_random_model(path, shape: str = "tiny", *, seed: int = 0, dtype=torch.f
     ``path`` as ``config.json`` + ``model.safetensors``. Returns the path."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    if shape not in SHAPES:
+    if not isinstance(shape, str) or shape not in SHAPES:
         from kvlab.errors import InvalidArgumentError
 
         raise InvalidArgumentError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")

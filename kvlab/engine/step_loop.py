@@ -204,11 +204,12 @@ class StepLoop:
         request.finishes[k] = finish
         if k == 0 and request.needs_fork:  # the prompt never ran: its samples will never exist
             request.finishes[1:] = [finish] * (request.params.n - 1)
+        self.scheduler.remove(seq)
+        self._finished_samples += 1
+        # After the engine's own bookkeeping: a proposer is user code (its tokens are still there to learn from).
         drafter = getattr(self.scheduler, "drafter", None)  # V1 scheduling only (kvlab.engine.speculative)
         if drafter is not None:
             drafter.finished(seq)
-        self.scheduler.remove(seq)
-        self._finished_samples += 1
         return request
 
     def _collect(self, touched: list[Request]) -> list[Request]:

@@ -65,10 +65,10 @@ def tier_configs(capacities=(0,), policies=("lru",), admissions=("always",)) -> 
     if not (capacities and policies and admissions):
         raise InvalidArgumentError("need at least one offload capacity, offload policy and offload admission")
     for policy in policies:
-        if policy not in OFFLOAD_POLICIES:
+        if not isinstance(policy, str) or policy not in OFFLOAD_POLICIES:
             raise InvalidArgumentError(f"unknown offload policy {policy!r}; known: {', '.join(OFFLOAD_POLICIES)}")
     for admission in admissions:
-        if admission not in OFFLOAD_ADMISSIONS:
+        if not isinstance(admission, str) or admission not in OFFLOAD_ADMISSIONS:
             raise InvalidArgumentError(f"unknown offload admission {admission!r}; known: "
                                        f"{', '.join(OFFLOAD_ADMISSIONS)}")
     configs = []

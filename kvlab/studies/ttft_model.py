@@ -47,9 +47,9 @@ class TTFTModel:
     h2d_gb_per_s: float = 25.0
 
     def __post_init__(self):
-        if self.model not in MODELS:
+        if not isinstance(self.model, str) or self.model not in MODELS:
             raise InvalidArgumentError(f"unknown TTFT model {self.model!r}; known: {', '.join(MODELS)}")
-        if self.kv_cache_dtype not in KV_FORMATS:
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_FORMATS:
             raise InvalidArgumentError(f"unknown KV cache dtype {self.kv_cache_dtype!r}; known: "
                                        f"{', '.join(KV_FORMATS)}")
         check_number("prefill_tokens_per_s", self.prefill_tokens_per_s, 0, min_open=True)

@@ -218,6 +218,7 @@ def test_check_invariants_sees_a_content_id_that_means_two_prefixes_across_tiers
 @pytest.mark.parametrize("options, match", [
     (dict(num_offload_blocks=-1), "num_offload_blocks"),
     (dict(num_offload_blocks=4, offload_policy="mru"), "offload_policy"),
+    (dict(num_offload_blocks=4, offload_policy=["lru"]), r"offload_policy must be one of \['arc', 'lru'\]"),
     (dict(num_offload_blocks=4, offload_admission="never"), "offload_admission"),
     (dict(num_offload_blocks=4, sliding_window=4), "sliding_window"),
     (dict(num_offload_blocks=4, enable_prefix_caching=False), "prefix caching"),

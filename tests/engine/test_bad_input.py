@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 import kvlab.device
 from engine_helpers import assert_pool_clean, make_llm, save_tiny_model
 from kvlab.engine import LLM, NoTokenizerError, PromptTooLongError, SamplingParams, UnsupportedModelError, WeightsError
+from kvlab.engine.random_model import save_random_model
 from kvlab.errors import InvalidArgumentError, KvlabError
 
 
@@ -102,6 +103,8 @@ def test_attention_backend_default_and_choice(llama):
     (dict(seed=2**70), "seed"),
     (dict(scheduling="v2"), r"scheduling must be one of \('v1', 'v0'\), got 'v2'"),
     (dict(scheduling=1), "scheduling"),
+    (dict(offload_policy=["lru"]), r"offload_policy must be one of \['arc', 'lru'\], got \['lru'\]"),
+    (dict(offload_policy={"lru": 1}), r"offload_policy must be one of \['arc', 'lru'\], got \{'lru': 1\}"),
 ])
 def test_bad_engine_settings(llama, settings, match):
     with pytest.raises(KvlabError, match=match) as error:
@@ -174,3 +177,9 @@ def test_a_step_that_fails_aborts_everything_and_forgets_unwritten_blocks(llama,
     out = llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)[0]
     assert out.metrics.num_cached_prompt_tokens == 0  # the unwritten blocks were not hit
     assert_pool_clean(llm)
+
+
+@pytest.mark.parametrize("shape", [["tiny"], {"tiny": 1}])
+def test_a_random_models_shape_is_a_name(tmp_path, shape):
+    with pytest.raises(InvalidArgumentError, match=r"shape must be one of \['qwen3-0.6b', 'smollm2-135m', 'tiny'\]"):
+        save_random_model(tmp_path, shape)

@@ -17,6 +17,8 @@ from kvlab.errors import InvalidArgumentError
     ("ngram", "must be None or a dict"),
     ({"method": "eagle", "num_speculative_tokens": 2}, r"method.*\['ngram', 'suffix'\].*'eagle'"),
     ({"num_speculative_tokens": 2}, r"method.*got None"),
+    ({"method": ["ngram"], "num_speculative_tokens": 2}, r"method.*\['ngram', 'suffix'\].*got \['ngram'\]"),
+    ({"method": {"ngram": 1}, "num_speculative_tokens": 2}, r"method.*\['ngram', 'suffix'\].*got \{'ngram': 1\}"),
     ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
     ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens.*>= 1, got 0"),
     ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),

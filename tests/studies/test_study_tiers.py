@@ -80,6 +80,7 @@ def test_tier_configs_have_one_no_tier_and_every_policy_and_admission_of_the_oth
     (dict(capacities=[-1]), "offload capacity is a number of CPU blocks in \\[0, "),
     (dict(capacities=[1.5]), "offload capacity is a number of CPU blocks"),
     (dict(policies=["mru"]), "unknown offload policy 'mru'; known: lru, arc"),
+    (dict(policies=[["lru"]]), r"unknown offload policy \['lru'\]; known: lru, arc"),
     (dict(admissions=["never"]), "unknown offload admission 'never'; known: always, reused"),
     (dict(capacities=[]), "need at least one offload capacity"),
 ])

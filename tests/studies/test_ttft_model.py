@@ -51,6 +51,8 @@ def test_the_assumptions_say_every_number():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(model="gpt-5"), "unknown TTFT model 'gpt-5'; known: llama-3-8b"),
     (dict(kv_cache_dtype="fp4"), "unknown KV cache dtype 'fp4'"),
+    (dict(model=["llama-3-8b"]), r"unknown TTFT model \['llama-3-8b'\]; known: llama-3-8b"),
+    (dict(kv_cache_dtype={"fp16": 2}), r"unknown KV cache dtype \{'fp16': 2\}"),
     (dict(prefill_tokens_per_s=0), "prefill_tokens_per_s must be a finite number > 0"),
     (dict(h2d_gb_per_s=float("inf")), "h2d_gb_per_s must be a finite number > 0"),
 ])
