@@ -44,14 +44,15 @@ class LLM:
     its tokenizer is loaded when the directory has one. ``num_blocks=None`` takes as many KV blocks as the
     memory budget allows (see ``kv_cache.blocks_for_memory``: on CPU a fixed 256 MiB, on a GPU what
     ``gpu_memory_utilization`` leaves); the pool made is logged at INFO level on the ``kvlab.engine.llm``
-    logger (``logging.basicConfig(level=logging.INFO)`` shows it). ``llm.kv_cache_config`` is the value the pool,
-    the block manager and the cache tensors are made from (``kvlab.sizing.KVCacheConfig``, vLLM's: the KV cache
-    groups with their layers and pages, the blocks, the tensors the groups share). ``preemption_mode``: "recompute" (free the
-    newest sequence and prefill it again later) or "swap" (move its blocks to ``num_cpu_blocks`` CPU blocks,
-    default as many as the device pool). ``dtype``/``device`` None: fp32 on CPU, the checkpoint's dtype on a
-    GPU. ``max_model_len`` defaults to the config's ``max_position_embeddings``. ``attention_backend``: "triton"
-    (kvlab's kernels; interpreted on CPU) or "torch" (batched torch ops on the same paged cache); None picks
-    "triton" on CUDA and "torch" elsewhere, and ``llm.attention_backend`` says which runs.
+    logger (``logging.basicConfig(level=logging.INFO)`` shows it). ``llm.kv_cache_config`` is the value the
+    pool, the block manager and the cache tensors are made from (``kvlab.sizing.KVCacheConfig``, vLLM's: the KV
+    cache groups with their layers and pages, the blocks, the tensors the groups share). ``preemption_mode``:
+    "recompute" (free the newest sequence and prefill it again later) or "swap" (move its blocks to
+    ``num_cpu_blocks`` CPU blocks, default as many as the device pool). ``dtype``/``device`` None: fp32 on CPU,
+    the checkpoint's dtype on a GPU. ``max_model_len`` defaults to the config's ``max_position_embeddings``.
+    ``attention_backend``: "triton" (kvlab's kernels; interpreted on CPU) or "torch" (batched torch ops on the
+    same paged cache); None picks "triton" on CUDA and "torch" elsewhere, and ``llm.attention_backend`` says
+    which runs.
 
     ``num_offload_blocks``: CPU blocks of an offload tier for cached prefixes (0: none; kvlab.blocks.offload_tier):
     a prefix the pool evicts is kept there (``offload_policy`` "lru" or "arc", ``offload_admission`` "always"

@@ -2,7 +2,9 @@
 tests' oracle), and a batched torch path for machines without CUDA in ``kvlab.kernels.torch_paged``.
 
 Cache contract: one tensor per layer ``kv_cache[num_blocks, 2, block_size, num_kv_heads, head_dim]``
-(K = ``kv_cache[:, 0]``, V = ``kv_cache[:, 1]``); slot = block_id * block_size + offset.
+(K = ``kv_cache[:, 0]``, V = ``kv_cache[:, 1]``); slot = block_id * block_size + offset. (The engine may give
+several layers one tensor, a layer of each KV cache group, each at its own group's block ids:
+``kvlab.sizing.groups``.)
 """
 
 import kvlab.device  # noqa: F401  (must run before any @triton.jit: selects the interpreter without a GPU)
