@@ -13,6 +13,8 @@ import torch
 from engine_helpers import assert_pool_clean, hf_greedy, make_llm, save_tiny_model
 from kvlab.engine import SamplingParams
 from kvlab.engine.errors import ModelFileError, UnsupportedModelError
+from kvlab.sizing import kv_cache_groups
+from kvlab.sizing.groups import bytes_per_block
 from kvlab.sizing.hf_config import read_model_shape
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -160,7 +162,8 @@ def test_the_offload_tier_keeps_latent_blocks(deepseek):
 
 def test_cache_bytes_are_what_sizing_counts(deepseek):
     """One [blocks, block_size, 48] latent tensor per layer, no V: 3 layers x 4 tokens x 48 x 4 bytes a block,
-    what `kvlab size` reads from the same directory (KVLayout.mla_latent_dim)."""
+    what `kvlab size` reads from the same directory (KVLayout.mla_latent_dim): the engine's KV cache group is
+    the one sizing lays out, latent pages included."""
     _, path, _ = deepseek
     llm = make_llm(path, block_size=BLOCK, num_blocks=24, preemption_mode="swap", num_cpu_blocks=5)
     cache = llm.kv_cache
@@ -169,7 +172,9 @@ def test_cache_bytes_are_what_sizing_counts(deepseek):
     assert cache.bytes_per_block == 3 * BLOCK * 48 * 4
     assert sum(t.nbytes for t in cache.gpu) == 24 * cache.bytes_per_block
     assert sum(t.nbytes for t in cache.cpu) == 5 * cache.bytes_per_block
-    assert read_model_shape(path).layout("float32").bytes_per_block(BLOCK) == cache.bytes_per_block
+    sized = kv_cache_groups(read_model_shape(path).layout("float32"), BLOCK)
+    assert llm.kv_cache_config.groups == sized and sized[0].mla_latent_dim == 48
+    assert bytes_per_block(sized) == cache.bytes_per_block
 
 
 def test_the_router_stays_fp32_in_a_bf16_model(deepseek):
