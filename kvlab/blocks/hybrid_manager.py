@@ -1,6 +1,7 @@
 """HybridBlockManager: KV cache groups (vLLM V1's hybrid allocator, ``HybridKVCacheCoordinator``).
 
-A model mixing layer kinds has one group per kind (``kvlab.blocks.kv_cache_groups``); each group keeps its own
+A model mixing layer kinds has one KV cache group or more per kind (``kvlab.blocks.kv_cache_groups``; vLLM cuts
+a kind with more layers into several, as the engine does: ``kvlab.sizing.groups``); each group keeps its own
 block table per sequence and all groups draw from ONE pool of equal-size pages. This manager coordinates one
 ``GroupManager`` per group (kvlab.blocks.group_manager): a ``GroupCore`` of the group's attention spec, built on
 the parts all groups share (``shared_parts``: one ``BlockPool``, one ``SwapSpace``, one event sink), so every rule
@@ -24,8 +25,9 @@ the groups of a sequence schedule the same positions.
 One API with ``BlockManager`` (the one-group case): the engine drives either through the same calls. Tables
 are per group (``block_tables``, ``slot_mappings``: a group's layers read its own); block moves are one list
 (``append_slots``' copy-on-write pairs, ``swap_out`` / ``swap_in`` mappings, group after group): page ids are
-unique across groups (one pool, one CPU pool), and a move copies its page in every layer's cache tensor, where
-the other groups' layers never read that page, so every group's K/V arrives where its layers look.
+unique across groups (one pool, one CPU pool), and a move copies its page in every cache tensor (the engine's
+tensors are each shared by a layer of every group: ``kvlab.sizing.groups``), where the other groups' layers
+never read that page, so every group's K/V arrives where its layers look.
 
 KV events (``kv_events=True``, kvlab.blocks.kv_events): every group's stores and evictions, tagged with the
 group (by its ``GroupSink``), in one stream ``kv_events`` whose queue is this manager's alone: the events of all

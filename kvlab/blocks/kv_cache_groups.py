@@ -15,7 +15,13 @@ see any more) and what that rule costs at the peak (``least_peak_blocks``) are i
 asks the spec instead of branching on the kind of attention (kvlab.blocks.planning). Its hit rule is the
 release rule at the first query: the prefix lookup is the same for every spec (cached blocks from block 0
 on, each chain verified), and of a hit of h blocks a group keeps those from ``first_live_block(h *
-block_size)`` on; the others prove the chain without being pinned.
+block_size)`` on; the others prove the chain without being pinned. Its ``blocks_per_request`` is what vLLM
+reserves for one request of ``max_model_len`` tokens in the group (``max_memory_usage_bytes``), the rule
+``kvlab size`` and the engine's pool sizing count with.
+
+A spec here is only the kind of attention, so a block manager is made with ``FullAttentionSpec()`` and
+``SlidingWindowSpec(W)``; a group's block size, pages and layers are in its ``KVCacheGroupSpec``
+(``kvlab.sizing.groups``), which holds one of these.
 
 Chunked-local attention (Llama 4: a query sees only its own chunk of C tokens) would be a third subclass with
 its own release rule; the manager refuses specs it does not know, so adding one is a spec here and its name
@@ -49,6 +55,11 @@ class KVCacheSpec:
         and steps of one token hold exactly that."""
         raise NotImplementedError
 
+    def blocks_per_request(self, max_model_len: int, block_size: int, max_num_batched_tokens: int) -> int:
+        """The blocks a request of ``max_model_len`` tokens holds at most in the group, prefilled in chunks of
+        up to ``max_num_batched_tokens`` tokens (vLLM's ``max_memory_usage_bytes`` over the page size)."""
+        raise NotImplementedError
+
 
 @dataclass(frozen=True)
 class FullAttentionSpec(KVCacheSpec):
@@ -63,6 +74,9 @@ class FullAttentionSpec(KVCacheSpec):
 
     def least_peak_blocks(self, scheduled: int, num_tokens: int, block_size: int, lookahead: int) -> int:
         return -(-(num_tokens + lookahead) // block_size)  # the whole sequence, at its last token
+
+    def blocks_per_request(self, max_model_len: int, block_size: int, max_num_batched_tokens: int) -> int:
+        return -(-max_model_len // block_size)
 
 
 @dataclass(frozen=True)
@@ -86,6 +100,10 @@ class SlidingWindowSpec(KVCacheSpec):
         # block_size positions reach its maximum.
         return max(-(-(p + 1 + lookahead) // block_size) - self.first_live_block(p, block_size)
                    for p in range(max(scheduled, num_tokens - block_size), num_tokens))
+
+    def blocks_per_request(self, max_model_len: int, block_size: int, max_num_batched_tokens: int) -> int:
+        # A chunk of new tokens attends to the window - 1 keys before it, and the window may start mid-block.
+        return -(-min(self.window - 1 + max_num_batched_tokens, max_model_len) // block_size) + 1
 
 
 KNOWN_SPECS = (FullAttentionSpec, SlidingWindowSpec)

@@ -1,18 +1,22 @@
-"""The engine's KV memory: one paged cache per layer on the device, its CPU twin for swapping, the offload
-tier's CPU cache, and the block moves (swap out, copy-on-write, swap in, offload, promote) the scheduler asks
-for before a step's forward pass, applied to those tensors (the moves themselves, plain lists, are the step's:
+"""The engine's KV memory: its KV cache config (groups, pages and tensors, ``kvlab.sizing.groups``), the paged
+cache tensors on the device that config lays out, their CPU twin for swapping, the offload tier's CPU cache,
+and the block moves (swap out, copy-on-write, swap in, offload, promote) the scheduler asks for before a
+step's forward pass, applied to those tensors (the moves themselves, plain lists, are the step's:
 ``kvlab.engine.step.BlockMoves``, so the scheduler imports no torch)."""
 
 import torch
 
-from kvlab.engine.config import ModelConfig
+from kvlab.engine.config import DTYPES, ModelConfig
 from kvlab.engine.errors import UnsupportedModelError
 from kvlab.engine.step import BlockMoves
 from kvlab.errors import InvalidArgumentError
 from kvlab.kernels import (allocate_cpu_cache, allocate_kv_cache, allocate_latent_cache, copy_blocks, mla_decode,
                            mla_decode_torch, paged_attention_decode, paged_attention_decode_torch, swap_blocks)
-from kvlab.kernels.kv_quant import STORAGE_DTYPES, KVQuantizer
-from kvlab.sizing import KVLayout, activation_bytes, kv_blocks, kv_memory
+from kvlab.kernels.kv_quant import KVQuantizer
+from kvlab.sizing import (KVCacheConfig, KVCacheGroupSpec, KVLayout, activation_bytes, kv_blocks, kv_cache_groups,
+                          kv_memory)
+from kvlab.sizing.groups import bytes_per_block
+from kvlab.sizing.kv_dtypes import cache_format
 
 #: KV budget on a machine without a GPU when ``num_blocks`` is not given: small enough for any laptop, and the
 #: same on every machine so a notebook's pool is reproducible. SmolLM2-135M in fp32 (45 KiB of K and V per
@@ -21,72 +25,92 @@ CPU_KV_CACHE_BYTES = 256 << 20
 
 
 def engine_layout(config: ModelConfig, dtype, kv_cache_dtype: str = "auto") -> KVLayout:
-    """The model's KV layout (``kvlab.sizing``) as the engine stores it: every layer, windowed or not, keeps a
-    cache tensor with a page for every block id, so a block id costs ``layout.bytes_per_block``. "auto": K
-    and V in the model's ``dtype``; else a quantized format (``kvlab.sizing.kv_dtypes``). MLA: one latent row
-    per token and layer (``latent_dim``)."""
-    name = str(dtype).removeprefix("torch.") if kv_cache_dtype == "auto" else kv_cache_dtype
+    """The model's KV layout (``kvlab.sizing``) as the engine stores it: "auto": K and V in the model's
+    ``dtype``; else a quantized format (``kvlab.sizing.kv_dtypes``). MLA: one latent row per token and layer
+    (``mla_latent_dim``, from ``ModelConfig.mla``): the groups made from this layout carry it, and every part
+    that lays out or reads a page (``cache_storage``, ``PagedKVCache``, ``check_kernel_support``, the runner)
+    takes it from them."""
+    name = cache_format(kv_cache_dtype, str(dtype).removeprefix("torch."))
     return KVLayout(config.num_kv_heads, config.head_dim, name, config.layer_windows or (None,) * config.num_layers,
                     None if config.mla is None else config.mla.latent_dim)
 
 
-def cache_storage(config: ModelConfig, dtype, kv_cache_dtype: str) -> tuple:
-    """(torch dtype, last dim) of each layer's cache tensor: the model's dtype and head_dim for "auto", else
-    the format's storage (``kvlab.kernels.kv_quant``: fp8, or uint8 bytes of K/V records)."""
-    if kv_cache_dtype == "auto":
-        return dtype, config.head_dim
-    storage = KVQuantizer(kv_cache_dtype, config.head_dim)
+def engine_kv_cache_groups(config: ModelConfig, dtype, kv_cache_dtype: str, block_size: int) -> tuple:
+    """The model's KV cache groups (``kvlab.sizing.groups.kv_cache_groups``: vLLM V1's), the one place the
+    engine reads its block size and cache format from ``LLM``'s settings: everything after (the kernel check,
+    calibration, the pool's size, the ``KVCacheConfig`` the manager and the cache tensors are made from) reads
+    them from the groups."""
+    return kv_cache_groups(engine_layout(config, dtype, kv_cache_dtype), block_size)
+
+
+def cache_storage(group: KVCacheGroupSpec, dtype) -> tuple:
+    """(torch dtype, last dim) of the cache tensors of ``group``'s format: the model's ``dtype`` and a row's
+    elements for a float format (the model's own: the engine stores no other; the head size, or an MLA
+    group's ``mla_latent_dim``), else the format's storage (``kvlab.kernels.kv_quant``: fp8, or uint8 bytes of
+    K/V records; MLA pages are never quantized, ``check_kernel_support``)."""
+    if not group.is_quantized:
+        return DTYPES[group.cache_format], group.layout.row_elements
+    storage = KVQuantizer(group.cache_format, group.head_size)
     return storage.storage_dtype, storage.storage_width
 
 
 class PagedKVCache:
-    """``gpu[layer]``: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` on the engine's device (CPU in
-    interpreter mode); ``cpu[layer]``: the same layout with ``num_cpu_blocks`` blocks in host memory. A
-    quantized ``kv_cache_dtype`` stores its bytes instead (last dim: ``cache_storage``); an MLA model
-    ``[num_blocks, block_size, latent_dim]`` latent rows (``_allocate_latent``). ``bytes_per_block`` (from
-    ``engine_layout``) is what one block id takes in those tensors."""
+    """The cache tensors ``config`` (a ``KVCacheConfig``) lays out, as vLLM V1 does: ``gpu[j]``, ``[num_blocks, 2,
+    block_size, num_kv_heads, head_dim]`` on the engine's device (CPU in interpreter mode), is shared by the
+    j-th layer of every KV cache group (``config.tensors[j]``), and ``layer_caches[i]`` is the tensor layer i
+    reads and writes through its group's block tables. A model with one kind of layer has one tensor per layer.
+    ``cpu[j]``: the same layout with ``num_cpu_blocks`` blocks in host memory; ``tier[j]``: the offload tier's.
+    A quantized format stores its bytes instead (last dim: ``cache_storage``); pages of MLA latent rows (the
+    groups' ``mla_latent_dim``) are ``[num_blocks, block_size, mla_latent_dim]`` (``_allocate_latent``).
+    ``bytes_per_block`` is what one block id takes in those tensors: a page in each."""
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype, device, num_cpu_blocks: int,
-                 num_offload_blocks: int = 0, kv_cache_dtype: str = "auto"):
-        if config.mla is not None:
-            self._allocate_latent(config, num_blocks, block_size, dtype, device, num_cpu_blocks, num_offload_blocks)
+    def __init__(self, config: KVCacheConfig, dtype, device, num_cpu_blocks: int, num_offload_blocks: int = 0):
+        group = config.groups[0]  # every group has the same pages
+        storage_dtype, width = cache_storage(group, dtype)
+        block_size = config.block_size
+        if group.mla_latent_dim is not None:
+            self._allocate_latent(config, storage_dtype, width, device, num_cpu_blocks, num_offload_blocks)
         else:
-            storage_dtype, width = cache_storage(config, dtype, kv_cache_dtype)
-            shape = (config.num_layers, config.num_kv_heads, width)
+            shape = (config.group_size, group.num_kv_heads, width)
             self.gpu = allocate_kv_cache(*shape, block_size=block_size, dtype=storage_dtype, device=device,
-                                         num_blocks=num_blocks)
+                                         num_blocks=config.num_blocks)
             self.cpu = (allocate_cpu_cache(*shape, block_size=block_size, dtype=storage_dtype,
                                            num_blocks=num_cpu_blocks) if num_cpu_blocks else [])
-            # ``tier[layer]``: the offload tier's CPU slots (kvlab.blocks.offload_tier), the same layout again.
+            # The offload tier's CPU slots (kvlab.blocks.offload_tier), the same layout again.
             self.tier = (allocate_cpu_cache(*shape, block_size=block_size, dtype=storage_dtype,
                                             num_blocks=num_offload_blocks) if num_offload_blocks else [])
-        self.num_offload_blocks = num_offload_blocks
-        self.layout = engine_layout(config, dtype, kv_cache_dtype)
-        self._format = "" if kv_cache_dtype == "auto" else f" in {kv_cache_dtype}"
-        self.bytes_per_block = self.layout.bytes_per_block(block_size)
-        self.num_blocks, self.num_cpu_blocks, self.block_size = num_blocks, num_cpu_blocks, block_size
+        self.layer_caches = [self.gpu[tensor] for tensor in config.layer_tensors]
+        self.config, self.num_offload_blocks = config, num_offload_blocks
+        # Whole-block moves by torch indexing (``_apply_indexed``) for the pages the copy kernels do not take.
+        self._indexed_moves = group.is_quantized or group.mla_latent_dim is not None
+        self._format = f" in {group.cache_format}" if group.is_quantized else ""
+        self.bytes_per_block = config.bytes_per_block
+        self.num_blocks, self.num_cpu_blocks, self.block_size = config.num_blocks, num_cpu_blocks, block_size
 
-    def _allocate_latent(self, config: ModelConfig, num_blocks, block_size, dtype, device, num_cpu_blocks,
+    def _allocate_latent(self, config: KVCacheConfig, dtype, latent_dim: int, device, num_cpu_blocks,
                          num_offload_blocks) -> None:
-        """MLA: every layer's cache (device, swap and tier alike) is ``[blocks, block_size, latent_dim]``, one
-        row per token (``kvlab.kernels.mla_decode``); the block manager is the same as for any
-        full-attention model. (Where the MLA page layout is decided, with ``engine_layout``'s latent_dim.)"""
+        """MLA pages (the groups' ``mla_latent_dim``): every cache tensor (device, swap and tier alike) is
+        ``[blocks, block_size, latent_dim]``, one row per token (``kvlab.kernels.mla_decode``); the block
+        manager is the same as for any full-attention model."""
         def allocate(blocks, on):  # host copies of GPU blocks are pinned (DMA-able), as allocate_cpu_cache's
             pin = on == "cpu" and torch.cuda.is_available()
-            return allocate_latent_cache(config.num_layers, config.mla.latent_dim, num_blocks=blocks,
-                                         block_size=block_size, dtype=dtype, device=on, pin_memory=pin)
+            return allocate_latent_cache(config.group_size, latent_dim, num_blocks=blocks,
+                                         block_size=config.block_size, dtype=dtype, device=on, pin_memory=pin)
 
-        self.gpu = allocate(num_blocks, device)
+        self.gpu = allocate(config.num_blocks, device)
         self.cpu = allocate(num_cpu_blocks, "cpu") if num_cpu_blocks else []
         self.tier = allocate(num_offload_blocks, "cpu") if num_offload_blocks else []
 
     def summary(self) -> str:
         """How many blocks were made, the memory they take and what a token costs, for the engine's log line."""
         mib = self.bytes_per_block / 2**20
-        layout = self.layout
+        config = self.config
+        per_layer = config.groups[0].layout.bytes_per_token_per_layer
+        tensors = (f"{config.num_layers} layers" if len(config.groups) == 1 else
+                   f"{config.group_size} tensors, each shared by a layer of each of {len(config.groups)} groups")
         line = (f"{self.num_blocks} blocks of {self.block_size} tokens ({self.num_blocks * self.block_size} "
-                f"tokens, {self.num_blocks * mib:.1f} MiB; {layout.bytes_per_token:,} bytes per token{self._format} = "
-                f"{layout.bytes_per_token_per_layer:,} x {layout.num_layers} layers) on {self.gpu[0].device}")
+                f"tokens, {self.num_blocks * mib:.1f} MiB; {per_layer * config.group_size:,} bytes per token"
+                f"{self._format} = {per_layer:,} x {tensors}) on {self.gpu[0].device}")
         if self.num_cpu_blocks:
             line += f", plus {self.num_cpu_blocks} CPU blocks for swapping ({self.num_cpu_blocks * mib:.1f} MiB)"
         if self.num_offload_blocks:
@@ -95,7 +119,7 @@ class PagedKVCache:
         return line
 
     def apply(self, moves: BlockMoves) -> None:
-        if self.gpu[0].dtype in STORAGE_DTYPES or self.gpu[0].dim() == 3:  # quantized, or MLA's latent rows
+        if self._indexed_moves:
             return self._apply_indexed(moves)
         for kind, pairs, _, _ in moves.rounds:
             if kind == "copy":
@@ -119,30 +143,33 @@ class PagedKVCache:
                 dst[dst_ids.to(dst.device)] = src[src_ids.to(src.device)].to(dst.device)
 
 
-def check_kernel_support(config: ModelConfig, block_size: int, dtype, device, attention_backend: str,
-                         kv_cache_dtype: str = "auto") -> None:
-    """Run the backend's decode attention once on a one-block cache of the model's shape: it rejects a block
+def check_kernel_support(config: ModelConfig, groups, dtype, device, attention_backend: str) -> None:
+    """Run the backend's decode attention once on a one-block cache of the groups' pages: it rejects a block
     size, head dim, head grouping or dtype it does not support, with a message saying what it does. Both
     backends take the same shapes; only bf16 on CPU differs (the Triton interpreter computes it wrongly).
-    MLA models: the latent decode (``mla_decode``), on an unquantized cache only."""
+    Pages of MLA latent rows (the groups' ``mla_latent_dim``): the latent decode (``mla_decode``), on an
+    unquantized cache only."""
+    group = groups[0]  # every group has the same pages
+    block_size = group.block_size
     one = torch.ones(1, dtype=torch.int32, device=device)
     table = torch.zeros(1, 1, dtype=torch.int32, device=device)
-    if config.mla is not None:
-        if kv_cache_dtype != "auto":
-            raise UnsupportedModelError(f"kv_cache_dtype={kv_cache_dtype!r}: {config.path.name} is an MLA model, "
-                                        "whose latent cache is kept in the model's dtype only; pass \"auto\"")
-        latent_dim, rank = config.mla.latent_dim, config.mla.kv_lora_rank
+    if group.mla_latent_dim is not None:
+        if group.is_quantized:
+            raise UnsupportedModelError(f"kv_cache_dtype={group.cache_format!r}: {config.path.name} is an MLA "
+                                        "model, whose latent cache is kept in the model's dtype only; pass \"auto\"")
+        latent_dim, rank = group.mla_latent_dim, config.mla.kv_lora_rank  # the model splits a row at its rank
         cache = torch.zeros(1, block_size, latent_dim, dtype=dtype, device=device)
         query = torch.zeros(1, config.num_heads, latent_dim, dtype=dtype, device=device)
         decode = mla_decode if attention_backend == "triton" else mla_decode_torch
         args = (query, cache, table, one, rank, config.mla.softmax_scale)
         shape = f"{config.num_heads} heads over an MLA latent of kv_lora_rank {rank} + rope {latent_dim - rank}"
     else:
-        cache = torch.zeros(1, 2, block_size, config.num_kv_heads, config.head_dim, dtype=dtype, device=device)
-        query = torch.zeros(1, config.num_heads, config.head_dim, dtype=dtype, device=device)
+        num_kv_heads, head_size = group.num_kv_heads, group.head_size
+        cache = torch.zeros(1, 2, block_size, num_kv_heads, head_size, dtype=dtype, device=device)
+        query = torch.zeros(1, config.num_heads, head_size, dtype=dtype, device=device)
         decode = paged_attention_decode if attention_backend == "triton" else paged_attention_decode_torch
         args = (query, cache, table, one)
-        shape = f"{config.num_heads} heads, {config.num_kv_heads} kv heads, head_dim {config.head_dim}"
+        shape = f"{config.num_heads} heads, {num_kv_heads} kv heads, head_dim {head_size}"
     try:
         decode(*args)
     except InvalidArgumentError as e:
@@ -151,14 +178,14 @@ def check_kernel_support(config: ModelConfig, block_size: int, dtype, device, at
             f"dtype {str(dtype).replace('torch.', '')} ({shape}): {e}") from None
 
 
-def blocks_for_memory(config: ModelConfig, block_size: int, dtype, device, *, gpu_memory_utilization: float,
-                      max_num_batched_tokens: int, max_num_seqs: int, max_useful_blocks: int,
-                      kv_cache_dtype: str = "auto") -> int:
+def blocks_for_memory(groups, config: ModelConfig, dtype, device, *, gpu_memory_utilization: float,
+                      max_num_batched_tokens: int, max_num_seqs: int, max_useful_blocks: int) -> int:
     """``num_blocks=None``: on a GPU, what is left of ``gpu_memory_utilization`` of its memory once the
     weights are loaded and a step's activations are set aside (``kvlab.sizing.budget``, as ``kvlab size``
-    estimates it); on CPU, ``CPU_KV_CACHE_BYTES``. Never more than ``max_useful_blocks`` (every sequence at
-    full context length). A smaller ``kv_cache_dtype`` fits more blocks in the same bytes."""
-    per_block = engine_layout(config, dtype, kv_cache_dtype).bytes_per_block(block_size)
+    estimates it); on CPU, ``CPU_KV_CACHE_BYTES``; divided by what a block id of ``groups`` (the model's KV
+    cache groups) costs. Never more than ``max_useful_blocks`` (every sequence at full context length). A
+    smaller cache format fits more blocks in the same bytes."""
+    per_block = bytes_per_block(groups)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         activations = activation_bytes(

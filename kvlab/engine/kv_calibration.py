@@ -17,11 +17,11 @@ import torch
 
 from kvlab.engine.attention import AttentionBatch
 from kvlab.engine.config import ModelConfig
-from kvlab.engine.hybrid import group_specs
 from kvlab.engine.settings import SCALE_GRANULARITIES
 from kvlab.errors import InvalidArgumentError
 from kvlab.kernels import allocate_kv_cache
 from kvlab.kernels.kv_quant import FP8_CODECS, INT4_LEVELS, MIN_SCALE, KVQuantizer
+from kvlab.sizing.groups import layer_groups
 from kvlab.sizing.kv_dtypes import KV_FORMATS
 
 CALIBRATION_BLOCK_SIZE = 16
@@ -47,11 +47,11 @@ class KVRanges:
         self.tokens += key.shape[0]
 
 
-def calibrate(model, prompts: list[list[int]], dtype: torch.dtype, device) -> list[KVRanges]:
-    """Prefill each prompt (token ids) alone through ``model`` on an unquantized paged cache of its own, with the
-    torch attention path, and return every layer's K/V ranges."""
+def calibrate(model, groups, prompts: list[list[int]], dtype: torch.dtype, device) -> list[KVRanges]:
+    """Prefill each prompt (token ids) alone through ``model`` on an unquantized paged cache of its own (a
+    tensor per layer), with the torch attention path and each layer's window from its KV cache group
+    (``groups``), and return every layer's K/V ranges."""
     config: ModelConfig = model.config
-    specs, layer_groups = group_specs(config)
     ranges = [KVRanges() for _ in range(config.num_layers)]
     layers = [layer.self_attn for layer in model.model.layers]
     try:
@@ -68,9 +68,9 @@ def calibrate(model, prompts: list[list[int]], dtype: torch.dtype, device) -> li
                 "torch", caches[0], is_prefill=True, slot_mapping=torch.arange(n, device=device),
                 block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
                 seq_lens=tensor([n], dtype=torch.int32), cu_query_lens=tensor([0, n], dtype=torch.int32),
-                max_seq_len=n, num_heads=config.num_heads, sliding_window=spec.sliding_window) for spec in specs]
+                max_seq_len=n, num_heads=config.num_heads, sliding_window=group.sliding_window) for group in groups]
             model(tensor(token_ids, dtype=torch.int64), torch.arange(n, device=device),
-                  [batches[g] for g in layer_groups], caches)
+                  [batches[g] for g in layer_groups(groups)], caches)
     finally:
         for attention in layers:
             attention.kv_observer = None
@@ -130,14 +130,15 @@ def make_quantizers(kv_cache_dtype: str, config: ModelConfig, ranges: list[KVRan
     return quantizers
 
 
-def quantize_kv_cache(model, kv_cache_dtype: str, granularity: str, prompts: list[list[int]] | None,
+def quantize_kv_cache(model, groups, granularity: str, prompts: list[list[int]] | None,
                       dtype: torch.dtype, device) -> list[KVQuantizer] | None:
-    """Give every attention layer of ``model`` its quantizer for ``kv_cache_dtype`` (calibrated on ``prompts``
-    when given, unit scales otherwise) and return them; "auto": None, and the layers stay unquantized."""
-    if kv_cache_dtype == "auto":
+    """Give every attention layer of ``model`` its quantizer for the cache format of its KV cache groups
+    (``groups``: every group has the same; calibrated on ``prompts`` when given, unit scales otherwise) and
+    return them; a float format (``kv_cache_dtype="auto"``): None, and the layers stay unquantized."""
+    if not groups[0].is_quantized:
         return None
-    ranges = calibrate(model, prompts, dtype, device) if prompts else None
-    quantizers = make_quantizers(kv_cache_dtype, model.config, ranges, granularity, device)
+    ranges = calibrate(model, groups, prompts, dtype, device) if prompts else None
+    quantizers = make_quantizers(groups[0].cache_format, model.config, ranges, granularity, device)
     for layer, quantizer in zip(model.model.layers, quantizers):
         layer.self_attn.kv_quantizer = quantizer
     return quantizers

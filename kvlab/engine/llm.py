@@ -18,7 +18,8 @@ from kvlab.engine.config import load_model_config
 from kvlab.engine.hybrid import make_block_manager
 from kvlab.engine.intake import RequestIntake, load_tokenizer, prompt_token_ids
 from kvlab.engine.kv_calibration import quantize_kv_cache
-from kvlab.engine.kv_cache import CPU_KV_CACHE_BYTES, PagedKVCache, blocks_for_memory, check_kernel_support
+from kvlab.engine.kv_cache import (CPU_KV_CACHE_BYTES, PagedKVCache, blocks_for_memory, check_kernel_support,
+                                   engine_kv_cache_groups)
 from kvlab.engine.request import Request, RequestOutput
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampler import Sampler
@@ -31,6 +32,7 @@ from kvlab.engine.step_loop import StepLoop
 from kvlab.engine.step_record import records_to_dataframe
 from kvlab.engine.weights import load_model
 from kvlab.errors import InvalidArgumentError
+from kvlab.sizing import KVCacheConfig
 from kvlab.validation import check_int, is_int
 
 logger = logging.getLogger(__name__)
@@ -41,12 +43,15 @@ class LLM:
     its tokenizer is loaded when the directory has one. ``num_blocks=None`` takes as many KV blocks as the
     memory budget allows (see ``kv_cache.blocks_for_memory``: on CPU a fixed 256 MiB, on a GPU what
     ``gpu_memory_utilization`` leaves); the pool made is logged at INFO level on the ``kvlab.engine.llm``
-    logger (``logging.basicConfig(level=logging.INFO)`` shows it). ``preemption_mode``: "recompute" (free the
-    newest sequence and prefill it again later) or "swap" (move its blocks to ``num_cpu_blocks`` CPU blocks,
-    default as many as the device pool). ``dtype``/``device`` None: fp32 on CPU, the checkpoint's dtype on a
-    GPU. ``max_model_len`` defaults to the config's ``max_position_embeddings``. ``attention_backend``: "triton"
-    (kvlab's kernels; interpreted on CPU) or "torch" (batched torch ops on the same paged cache); None picks
-    "triton" on CUDA and "torch" elsewhere, and ``llm.attention_backend`` says which runs.
+    logger (``logging.basicConfig(level=logging.INFO)`` shows it). ``llm.kv_cache_config`` is the value the
+    pool, the block manager and the cache tensors are made from (``kvlab.sizing.KVCacheConfig``, vLLM's: the KV
+    cache groups with their layers and pages, the blocks, the tensors the groups share). ``preemption_mode``:
+    "recompute" (free the newest sequence and prefill it again later) or "swap" (move its blocks to
+    ``num_cpu_blocks`` CPU blocks, default as many as the device pool). ``dtype``/``device`` None: fp32 on CPU,
+    the checkpoint's dtype on a GPU. ``max_model_len`` defaults to the config's ``max_position_embeddings``.
+    ``attention_backend``: "triton" (kvlab's kernels; interpreted on CPU) or "torch" (batched torch ops on the
+    same paged cache); None picks "triton" on CUDA and "torch" elsewhere, and ``llm.attention_backend`` says
+    which runs.
 
     ``num_offload_blocks``: CPU blocks of an offload tier for cached prefixes (0: none; kvlab.blocks.offload_tier):
     a prefix the pool evicts is kept there (``offload_policy`` "lru" or "arc", ``offload_admission`` "always"
@@ -132,33 +137,40 @@ class LLM:
                                    max_model_len=self.max_model_len)  # no draft past it
         self.max_num_batched_tokens = max_num_batched_tokens
         self.scheduling = scheduler_config.scheduler_class.scheduling
-        check_kernel_support(config, block_size, self.dtype, self.device, self.attention_backend, kv_cache_dtype)
+        # The KV cache groups, and from them the one KVCacheConfig every part below is made from: the block
+        # size and the cache format are read from the settings here and nowhere else.
+        groups = engine_kv_cache_groups(config, self.dtype, kv_cache_dtype, block_size)
+        check_kernel_support(config, groups, self.dtype, self.device, self.attention_backend)
         self.model = load_model(config, self.dtype, self.device)
         self.model.init_rope(self.dtype, self.device)
         self.kv_cache_dtype = kv_cache_dtype
         calibration = kv_calibration_prompts and [
             prompt_token_ids(self.tokenizer, config, prompt, self.max_model_len) for prompt in kv_calibration_prompts]
-        self.kv_quantizers = quantize_kv_cache(self.model, kv_cache_dtype, kv_scale_granularity, calibration,
-                                               self.dtype, self.device)
+        self.kv_quantizers = quantize_kv_cache(self.model, groups, kv_scale_granularity, calibration, self.dtype,
+                                               self.device)
         sized_by = f"num_blocks={num_blocks}"
         if num_blocks is None:
             sized_by = ("num_blocks=None: gpu_memory_utilization less weights and activations"
                         if self.device.type == "cuda" else
                         f"num_blocks=None: the CPU budget, {CPU_KV_CACHE_BYTES >> 20} MiB")
+            # Useful at most: every sequence at full length in every group.
+            longest = sum(-(-self.max_model_len // group.block_size) for group in groups)
             num_blocks = blocks_for_memory(
-                config, block_size, self.dtype, self.device, gpu_memory_utilization=gpu_memory_utilization,
+                groups, config, self.dtype, self.device, gpu_memory_utilization=gpu_memory_utilization,
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                max_useful_blocks=max_num_seqs * -(-self.max_model_len // block_size), kv_cache_dtype=kv_cache_dtype)
+                max_useful_blocks=max_num_seqs * longest)
+        #: vLLM's KVCacheConfig: the groups, their layers, the blocks and the tensors they share.
+        self.kv_cache_config = KVCacheConfig(groups, num_blocks)
         if num_cpu_blocks is None:
             num_cpu_blocks = num_blocks if preemption_mode == "swap" else 0
-        self.block_manager = make_block_manager(config, num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
+        self.block_manager = make_block_manager(self.kv_cache_config, num_cpu_blocks=num_cpu_blocks,
                                                 enable_prefix_caching=enable_prefix_caching,
                                                 record_events=record_events, kv_events=kv_events,
                                                 num_offload_blocks=num_offload_blocks,
                                                 offload_policy=offload_policy, offload_admission=offload_admission)
         self.kv_events = self.block_manager.kv_events  # vLLM's KV cache events, None unless kv_events=True
-        self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.dtype, self.device, num_cpu_blocks,
-                                     num_offload_blocks, kv_cache_dtype)
+        self.kv_cache = PagedKVCache(self.kv_cache_config, self.dtype, self.device, num_cpu_blocks,
+                                     num_offload_blocks)
         logger.info("KV cache: %s (%s)", self.kv_cache.summary(), sized_by)
         self.scheduler = scheduler_config.build(self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.attention_backend,

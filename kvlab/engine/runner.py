@@ -4,7 +4,7 @@ Everything comes from the frozen step (``kvlab.engine.step``): for each sequence
 (after the cached prefix, one chunk of a prompt, or a decode's one token without K/V), their slots, and its
 block tables, as the scheduler read them from the block manager. A model with several kinds of layer
 (``kvlab.engine.hybrid``) gets one attention batch per KV cache group, from that group's tables and slots,
-with its window.
+with its window; each layer runs with its group's batch on its cache tensor (the cache's ``KVCacheConfig``).
 """
 
 from collections.abc import Sequence
@@ -12,7 +12,6 @@ from collections.abc import Sequence
 import torch
 
 from kvlab.engine.attention import AttentionBatch
-from kvlab.engine.hybrid import group_specs
 from kvlab.engine.kv_cache import PagedKVCache
 from kvlab.engine.model import CausalLM
 from kvlab.engine.step import BlockMoves, ScheduledStep, SeqStep
@@ -25,8 +24,10 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.query_dtype = model.lm_head.weight.dtype  # the model's (an fp8 cache's Triton prefill tile follows it)
         self.check_every_layer = check_every_layer  # Triton's debug switch (kvlab.engine.attention)
-        specs, self.layer_groups = group_specs(model.config)
-        self.windows = [spec.sliding_window for spec in specs]  # each group's window, None: full attention
+        self.layer_groups = kv_cache.config.layer_groups
+        self.windows = [group.sliding_window for group in kv_cache.config.groups]  # None: full attention
+        # MLA: the groups' pages are latent rows (an MLA model has one group, of full-attention layers)
+        self.latent_pages = kv_cache.config.groups[0].mla_latent_dim is not None
 
     def apply_moves(self, moves: BlockMoves) -> None:
         """The step's swaps and copy-on-write copies, once, before any forward pass of the step."""
@@ -63,12 +64,11 @@ class ModelRunner:
         longest = max(context_lens)  # known here, so no layer reads it back from seq_lens
         # a decode step with drafts has several query rows per sequence: the prefill path's layout
         multi_row = step.kind != "decode" or any(entry.num_draft_tokens for entry in entries)
-        mla = self.model.config.mla
-        if mla is not None:  # one group of full-attention layers, each with its latent cache
+        if self.latent_pages:  # the model's kv_lora_rank splits a row into the latent and the key's rope part
             batches = [AttentionBatch.for_latent_cache(
-                self.attention_backend, self.kv_cache.gpu[0], mla.kv_lora_rank, is_prefill=multi_row,
-                slot_mapping=tensor(slots[0], torch.int64), block_tables=padded(tables[0]), seq_lens=seq_lens,
-                cu_query_lens=cu_query_lens, check_every_layer=self.check_every_layer)]
+                self.attention_backend, self.kv_cache.gpu[0], self.model.config.mla.kv_lora_rank,
+                is_prefill=multi_row, slot_mapping=tensor(slots[0], torch.int64), block_tables=padded(tables[0]),
+                seq_lens=seq_lens, cu_query_lens=cu_query_lens, check_every_layer=self.check_every_layer)]
         else:
             batches = [AttentionBatch.for_backend(
                 self.attention_backend, self.kv_cache.gpu[0], is_prefill=multi_row,
@@ -77,7 +77,7 @@ class ModelRunner:
                 sliding_window=window, check_every_layer=self.check_every_layer, query_dtype=self.query_dtype)
                 for group_slots, group_tables, window in zip(slots, tables, self.windows)]
         hidden = self.model(tensor(input_ids, torch.int64), tensor(positions, torch.int64),
-                            [batches[g] for g in self.layer_groups], self.kv_cache.gpu)
+                            [batches[g] for g in self.layer_groups], self.kv_cache.layer_caches)
         return self.model.compute_logits(hidden[_sampled_rows(entries, query_lens)])
 
 

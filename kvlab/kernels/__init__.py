@@ -3,7 +3,9 @@ tests' oracle), and a batched torch path for machines without CUDA in ``kvlab.ke
 
 Cache contract: one tensor per layer ``kv_cache[num_blocks, 2, block_size, num_kv_heads, head_dim]``
 (K = ``kv_cache[:, 0]``, V = ``kv_cache[:, 1]``); slot = block_id * block_size + offset. MLA models cache one
-latent row per token instead, ``latent_cache[num_blocks, block_size, latent_dim]`` (``mla_decode``).
+latent row per token instead, ``latent_cache[num_blocks, block_size, latent_dim]`` (``mla_decode``). (The
+engine may give several layers one tensor, a layer of each KV cache group, each at its own group's block ids:
+``kvlab.sizing.groups``.)
 """
 
 import kvlab.device  # noqa: F401  (must run before any @triton.jit: selects the interpreter without a GPU)

@@ -1,72 +1,185 @@
-"""Blocks one request needs, and how vLLM V1 packs a hybrid model's layers into KV cache groups.
+"""The KV cache config: how a model's layers share block ids and cache tensors, as vLLM V1 lays them out
+(``KVCacheGroupSpec``, ``KVCacheTensor`` and ``KVCacheConfig`` in ``vllm/v1/kv_cache_interface.py``). The
+engine builds its config once (``kvlab.engine.kv_cache.engine_kv_cache_groups``, then ``KVCacheConfig``) and
+hands that one value to the block manager, the cache tensors and the runner; ``kvlab size`` builds the same
+from a ``config.json``.
 
-**Blocks per request** at ``max_model_len`` tokens, per group (vLLM's ``max_memory_usage_bytes``): a
-full-attention group needs ``cdiv(max_model_len, block_size)`` blocks; a sliding-window group
-``cdiv(min(window - 1 + max_num_batched_tokens, max_model_len), block_size) + 1``: a chunk of up to
-``max_num_batched_tokens`` new tokens attends to the ``window - 1`` before it, and the window may start
-mid-block (the ``+ 1``). The maximum concurrency vLLM logs is the pool's blocks over their sum.
+**Groups** (``kv_cache_groups``, vLLM's ``_get_kv_cache_groups_uniform_page_size``): the layers of one kind
+(full attention, or one window size) are cut into groups of ``group_size`` layers, the fewest layers of any
+kind (or the most, when no kind has 25% more layers than another). A kind with more layers makes several
+groups, its i-th layer going to group ``i % n`` of its n, and a kind's last group may be short (vLLM's
+padding layers). Every group has its own block table per sequence and its spec's hit, release and
+blocks-per-request rules. A model with one kind of layer is one group of every layer.
 
-**vLLM's layout** (``kv_cache_utils._get_kv_cache_groups_uniform_page_size`` and
-``get_kv_cache_config_from_groups``): layers of one kind (full, or one window size) are cut into groups of
-``group_size`` layers, the fewest layers of any kind (or the most, when no kind has 25% more layers than
-another), the last group of a kind padded with unused layers. There are ``group_size`` cache tensors, each
-shared by one layer of every group, and each group gives its layers their own block ids. So one block id
-costs ``group_size`` pages, and a request holds blocks in every group. kvlab's engine instead keeps one
-tensor per layer for every block id (``kvlab.engine.hybrid``): a block id costs ``num_layers`` pages, and a
-request holds blocks in one group per kind. For a model with one kind of layer both are the same.
+**Tensors** (``KVCacheConfig.tensors``, vLLM's ``KVCacheTensor.shared_by``): ``group_size`` cache tensors,
+tensor j shared by the j-th layer of every group. A block id is a page in each tensor, which the group holding
+the id gives to its own layers; so a block id costs ``group_size`` pages (not one in every layer), and a block
+a window group releases is memory any group can take.
+
+**Blocks per request** at ``max_model_len`` tokens (vLLM's ``max_memory_usage_bytes``; each spec's
+``blocks_per_request``): ``cdiv(max_model_len, block_size)`` in a full-attention group,
+``cdiv(min(window - 1 + max_num_batched_tokens, max_model_len), block_size) + 1`` in a sliding-window one. A
+request holds them in every group; the maximum concurrency vLLM logs is the pool's blocks over their sum.
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 
+from kvlab.blocks.kv_cache_groups import KVCacheSpec, check_group_specs, spec_for
+from kvlab.errors import InvalidArgumentError
+from kvlab.sizing.kv_dtypes import is_float_format
 from kvlab.sizing.layout import KVLayout
+from kvlab.validation import check_int, is_int
 
-ENGINE, VLLM = "kvlab engine", "vLLM V1"
+#: vLLM cuts the kinds into groups of the most layers of any kind when none has this many times another's.
+GROUP_SIZE_SLACK = 1.25
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def blocks_per_request(window, max_model_len: int, block_size: int, max_num_batched_tokens: int) -> int:
-    """Blocks one group (``window`` None: full attention) holds for a request of ``max_model_len`` tokens."""
-    if window is None:
-        return cdiv(max_model_len, block_size)
-    return cdiv(min(window - 1 + max_num_batched_tokens, max_model_len), block_size) + 1
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """One KV cache group: its ``layers`` (the model's layer indices), its ``attention`` (``FullAttentionSpec()``
+    or ``SlidingWindowSpec(W)``, which hold the hit, release and blocks-per-request rules) and its pages:
+    ``block_size`` tokens of K and V for ``num_kv_heads`` heads of ``head_size`` elements, stored in
+    ``cache_format`` (a ``kvlab.sizing.kv_dtypes.KV_FORMATS`` name); with ``mla_latent_dim`` (MLA) one latent
+    row of that many elements per token instead."""
+
+    attention: KVCacheSpec
+    layers: tuple
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    cache_format: str
+    mla_latent_dim: int | None = None
+
+    def __post_init__(self):
+        check_group_specs([self.attention])
+        check_int("block_size", self.block_size, 1)
+        if not isinstance(self.layers, tuple) or not self.layers or not all(
+                is_int(layer) and layer >= 0 for layer in self.layers):
+            raise InvalidArgumentError(f"a KV cache group's layers must be a non-empty tuple of layer indices "
+                                       f"(ints >= 0), got {self.layers!r}")
+        self.layout  # checks the heads, the head size and the format
+
+    @cached_property
+    def layout(self) -> KVLayout:
+        """The group's layers as a ``KVLayout``: what a token costs in each of them."""
+        return KVLayout(self.num_kv_heads, self.head_size, self.cache_format,
+                        (self.sliding_window,) * len(self.layers), self.mla_latent_dim)
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.attention.sliding_window
+
+    @property
+    def page_bytes(self) -> int:
+        """One page: ``block_size`` tokens' K and V in one layer."""
+        return self.layout.page_bytes(self.block_size)
+
+    @property
+    def is_quantized(self) -> bool:
+        """Whether K and V are stored in a quantized format (a ``KVQuantizer`` encodes and decodes them)."""
+        return not is_float_format(self.cache_format)
+
+    def blocks_per_request(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        return self.attention.blocks_per_request(max_model_len, self.block_size, max_num_batched_tokens)
+
+
+def kv_cache_groups(layout: KVLayout, block_size: int) -> tuple:
+    """The model's KV cache groups, as vLLM V1 makes them (see the module docstring): full attention first,
+    then the windows from the smallest, each kind's layers dealt out over its groups."""
+    check_int("block_size", block_size, 1)
+    kinds = {window: [layer for layer, w in enumerate(layout.layer_windows) if w == window]
+             for window in ([None] if layout.full_layers else []) + list(layout.windows)}
+    fewest, most = min(map(len, kinds.values())), max(map(len, kinds.values()))
+    group_size = most if most < fewest * GROUP_SIZE_SLACK else fewest
+    groups = []
+    for window, layers in kinds.items():
+        count = cdiv(len(layers), group_size)
+        groups += [KVCacheGroupSpec(spec_for(window), tuple(layers[i::count]), block_size, layout.num_kv_heads,
+                                    layout.head_dim, layout.dtype, layout.mla_latent_dim) for i in range(count)]
+    return tuple(groups)
+
+
+def bytes_per_block(groups) -> int:
+    """What one block id costs: a page in each of the ``group_size`` tensors (the most layers of a group)."""
+    return groups[0].page_bytes * max(len(group.layers) for group in groups)
 
 
 @dataclass(frozen=True)
-class GroupLayout:
-    """Block ids shared by ``groups`` (each group's window, None for full attention), each block id a page in
-    ``pages_per_block`` layers."""
+class KVCacheConfig:
+    """The model's KV cache (vLLM's ``KVCacheConfig``): its ``groups`` (``KVCacheGroupSpec``, each with its
+    layers) and ``num_blocks`` block ids, each a page of every one of the ``tensors``. Every group has the same
+    pages (block size, heads, head size, format), as vLLM's one pool of equal pages needs."""
 
-    name: str
     groups: tuple
-    pages_per_block: int
-    padding_layers: int = 0
+    num_blocks: int
 
-    def bytes_per_block(self, layout: KVLayout, block_size: int) -> int:
-        return layout.page_bytes(block_size) * self.pages_per_block
+    def __post_init__(self):
+        if not isinstance(self.groups, tuple) or not self.groups or not all(
+                isinstance(group, KVCacheGroupSpec) for group in self.groups):
+            raise InvalidArgumentError(f"groups must be a non-empty tuple of KVCacheGroupSpec, got {self.groups!r}")
+        pages = {(g.block_size, g.num_kv_heads, g.head_size, g.cache_format, g.mla_latent_dim) for g in self.groups}
+        if len(pages) > 1:
+            raise InvalidArgumentError(f"every KV cache group must have the same pages (block size, KV heads, head "
+                                       f"size, format, MLA latent), got {sorted(pages, key=str)}")
+        layers = sorted(layer for group in self.groups for layer in group.layers)
+        if layers != list(range(len(layers))):
+            raise InvalidArgumentError(f"the groups must hold each of the model's layers 0 .. n - 1 once, got "
+                                       f"{layers}")
+        check_int("num_blocks", self.num_blocks, 0)
 
-    def blocks_per_request(self, max_model_len: int, block_size: int, max_num_batched_tokens: int) -> int:
-        return sum(blocks_per_request(window, max_model_len, block_size, max_num_batched_tokens)
-                   for window in self.groups)
+    @property
+    def block_size(self) -> int:
+        return self.groups[0].block_size
+
+    @property
+    def page_bytes(self) -> int:
+        return self.groups[0].page_bytes
+
+    @property
+    def num_layers(self) -> int:
+        return sum(len(group.layers) for group in self.groups)
+
+    @property
+    def group_size(self) -> int:
+        """Layers per group (a short group is padded): how many cache tensors there are."""
+        return max(len(group.layers) for group in self.groups)
+
+    @property
+    def padding_layers(self) -> int:
+        return self.group_size * len(self.groups) - self.num_layers
+
+    @property
+    def bytes_per_block(self) -> int:
+        return bytes_per_block(self.groups)
+
+    @property
+    def tensors(self) -> tuple:
+        """Tensor j -> the layers sharing it: the j-th layer of every group that has one."""
+        return tuple(tuple(group.layers[j] for group in self.groups if j < len(group.layers))
+                     for j in range(self.group_size))
+
+    @property
+    def layer_groups(self) -> tuple:
+        """Layer -> the index of its group (whose block tables its attention reads)."""
+        return layer_groups(self.groups)
+
+    @property
+    def layer_tensors(self) -> tuple:
+        """Layer -> the index of the cache tensor it reads and writes."""
+        where = {layer: tensor for tensor, layers in enumerate(self.tensors) for layer in layers}
+        return tuple(where[layer] for layer in range(self.num_layers))
+
+    def blocks_per_request(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """Blocks a request of ``max_model_len`` tokens holds, summed over the groups."""
+        return sum(group.blocks_per_request(max_model_len, max_num_batched_tokens) for group in self.groups)
 
 
-def _kinds(layout: KVLayout) -> dict:
-    """Window (None: full attention) -> number of layers, full attention first."""
-    return ({None: layout.full_layers} if layout.full_layers else {}) | layout.windows
-
-
-def engine_groups(layout: KVLayout) -> GroupLayout:
-    """kvlab's engine: one group per kind of layer, every block id a page in every layer."""
-    return GroupLayout(ENGINE, tuple(_kinds(layout)), layout.num_layers)
-
-
-def vllm_groups(layout: KVLayout) -> GroupLayout:
-    """vLLM V1: groups of ``group_size`` layers, each block id a page in ``group_size`` layers."""
-    kinds = _kinds(layout)
-    fewest, most = min(kinds.values()), max(kinds.values())
-    group_size = most if most < fewest * 1.25 else fewest
-    groups = tuple(window for window, count in kinds.items() for _ in range(cdiv(count, group_size)))
-    padding = sum(cdiv(count, group_size) * group_size - count for count in kinds.values())
-    return GroupLayout(VLLM, groups, group_size, padding)
+def layer_groups(groups) -> tuple:
+    """Layer -> the index of its group in ``groups``."""
+    where = {layer: g for g, group in enumerate(groups) for layer in group.layers}
+    return tuple(where[layer] for layer in range(len(where)))

@@ -39,6 +39,12 @@ def check_kv_format(name) -> str:
     return name
 
 
+def cache_format(kv_cache_dtype, model_dtype: str) -> str:
+    """The format a ``kv_cache_dtype`` setting stores K and V in: "auto" is ``model_dtype`` (the dtype the model
+    runs in, a float name), any other name is itself, checked. ``kvlab size`` and the engine both ask here."""
+    return check_kv_format(model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
+
+
 def value_group(head_dim: int) -> int:
     """Channels sharing one scale and zero in an int4_token row: gcd(head_dim, 32) (32 for head_dim 64 or 128)."""
     return math.gcd(head_dim, INT4_VALUE_GROUP)

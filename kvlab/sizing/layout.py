@@ -7,8 +7,9 @@ KV head, so the query heads do not count (forgetting that is vLLM #22291's misma
 part: ``kv_lora_rank + qk_rope_head_dim`` elements, with no factor 2. A sliding-window layer keeps the same
 per token, but only for the last ``window`` tokens: past the window a token costs it nothing more.
 
-``KVLayout`` holds these numbers; every figure kvlab prints or sizes a pool with comes from it (``kvlab
-size``, the engine's ``blocks_for_memory`` and its cache's ``bytes_per_block``).
+``KVLayout`` holds these numbers; every figure kvlab prints or sizes a pool with comes from it, through the
+KV cache config that lays its pages out in cache tensors (``kvlab.sizing.groups``: ``kvlab size``, the
+engine's ``blocks_for_memory`` and its cache's ``bytes_per_block``).
 """
 
 from dataclasses import dataclass
@@ -118,8 +119,7 @@ class KVLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        """A token in every layer: what a full-attention model pays per token of context, and what any model
-        pays in the engine's layout (one cache tensor per layer for every block id)."""
+        """A token in every layer: what a full-attention model pays per token of context."""
         return self.bytes_per_token_per_layer * self.num_layers
 
     @property
@@ -137,8 +137,3 @@ class KVLayout:
         """One block of one layer: ``block_size`` tokens' K and V (the unit vLLM's pages come in)."""
         check_int("block_size", block_size, 1)
         return self.bytes_per_token_per_layer * block_size
-
-    def bytes_per_block(self, block_size: int) -> int:
-        """One block id in the engine's layout: a page in every layer's cache tensor
-        (``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` per layer, ``kvlab.engine.kv_cache``)."""
-        return self.page_bytes(block_size) * self.num_layers

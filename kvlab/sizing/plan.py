@@ -6,35 +6,45 @@ Assumptions, printed with the result (``kvlab.sizing.report.ASSUMPTIONS``): the 
 parameter count (``kvlab.sizing.hf_config``) times the config's dtype (``QUANTIZED`` checkpoints: their
 quantized parameters at their own size); activations take the engine's bound
 (``kvlab.sizing.budget.activation_bytes``) for ``max_num_batched_tokens`` tokens and ``max_num_seqs``
-sequences; a request holds the blocks of ``kvlab.sizing.groups.blocks_per_request`` at ``max_model_len``.
+sequences; the pool is laid out in KV cache groups and tensors as vLLM V1 and kvlab's engine lay it out
+(``kvlab.sizing.groups``), and a request holds each group's ``blocks_per_request`` at ``max_model_len``.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvlab.errors import InvalidArgumentError
 from kvlab.sizing.budget import MAX_MEMORY, activation_bytes, kv_blocks, kv_memory
-from kvlab.sizing.groups import GroupLayout, engine_groups, vllm_groups
+from kvlab.sizing.groups import KVCacheConfig, bytes_per_block, kv_cache_groups
 from kvlab.sizing.hf_config import DEFAULT_DTYPE, MAX_TOKENS, ModelShape
-from kvlab.sizing.kv_dtypes import check_kv_format
+from kvlab.sizing.kv_dtypes import cache_format
 from kvlab.sizing.layout import DTYPE_BYTES, KVLayout
 from kvlab.validation import check_int, check_number, check_optional_int
+
+#: The pools ``size_model`` lays out: the one kvlab's engine and vLLM V1 make, and, for a hybrid model, the one
+#: with every layer kept as full attention (vLLM's ``--disable-hybrid-kv-cache-manager``).
+ENGINE, ALL_FULL = "kvlab engine and vLLM V1", "every layer as full attention"
 
 
 def resolve_kv_cache_dtype(name: str, shape: ModelShape) -> str:
     """vLLM's ``--kv-cache-dtype``: ``auto`` is the model's dtype (``DEFAULT_DTYPE`` if its config states none)."""
-    if name == "auto":
-        return shape.dtype if shape.dtype in DTYPE_BYTES else DEFAULT_DTYPE
-    return check_kv_format(name)
+    return cache_format(name, shape.dtype if shape.dtype in DTYPE_BYTES else DEFAULT_DTYPE)
 
 
 @dataclass(frozen=True)
 class Pool:
-    """The pool one layout (``groups``) makes of the KV memory."""
+    """The pool one layout makes of the KV memory: ``config`` holds its groups, tensors and blocks."""
 
-    groups: GroupLayout
-    bytes_per_block: int
-    num_blocks: int
+    name: str
+    config: KVCacheConfig
     blocks_per_request: int   # at max_model_len, summed over the groups
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.config.bytes_per_block
+
+    @property
+    def num_blocks(self) -> int:
+        return self.config.num_blocks
 
     @property
     def max_concurrency(self) -> float:
@@ -56,7 +66,7 @@ class Sizing:
     weights_source: str
     activations: int
     kv_memory: int         # what is left for the KV cache (negative: the model does not fit)
-    pools: tuple           # (the engine's Pool,) or, for a hybrid model, (the engine's, vLLM's)
+    pools: tuple           # (the engine's Pool,), and for a hybrid model the all-full one after it
 
 
 #: quantization_config's quant_method -> (which parameters it quantizes, bytes per quantized parameter): fp8
@@ -106,11 +116,13 @@ def size_model(shape: ModelShape, *, kv_cache_dtype: str = "auto", gpu_memory: i
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         element_bytes=DTYPE_BYTES[model_dtype])
     memory = kv_memory(gpu_memory, gpu_memory_utilization, weights, activations)
-    layouts = [engine_groups(layout)] + ([vllm_groups(layout)] if layout.is_hybrid else [])
+    layouts = [(ENGINE, layout)]
+    if layout.is_hybrid:
+        layouts.append((ALL_FULL, replace(layout, layer_windows=(None,) * layout.num_layers)))
     pools = []
-    for groups in layouts:
-        per_block = groups.bytes_per_block(layout, block_size)
-        pools.append(Pool(groups, per_block, kv_blocks(memory, per_block),
-                          groups.blocks_per_request(max_model_len, block_size, max_num_batched_tokens)))
+    for name, pool_layout in layouts:
+        groups = kv_cache_groups(pool_layout, block_size)
+        config = KVCacheConfig(groups, kv_blocks(memory, bytes_per_block(groups)))
+        pools.append(Pool(name, config, config.blocks_per_request(max_model_len, max_num_batched_tokens)))
     return Sizing(shape, layout, block_size, max_model_len, max_num_batched_tokens, max_num_seqs, gpu_memory,
                   gpu_memory_utilization, weights, weights_source, activations, memory, tuple(pools))

@@ -2,7 +2,6 @@
 
 from collections import Counter
 
-from kvlab.sizing.groups import ENGINE, VLLM, blocks_per_request
 from kvlab.sizing.plan import Pool, Sizing
 
 ASSUMPTIONS = ("assumptions: the budget is gpu_memory_utilization of the GPU's memory; weights as stated above; "
@@ -10,10 +9,11 @@ ASSUMPTIONS = ("assumptions: the budget is gpu_memory_utilization of the GPU's m
                "head_dim + 2 intermediate) x dtype bytes, plus fp32 logits x 3 per sequence); a sliding-window "
                "group holds cdiv(min(window - 1 + max_num_batched_tokens, max_model_len), block_size) + 1 blocks "
                "per request (vLLM's bound, chunked prefill included).")
-HYBRID = ("hybrid model: kvlab's engine keeps one cache tensor per layer for every block id, so a block id costs "
-          "a page in every layer; vLLM V1 shares each tensor between one layer of every group, so a block id "
-          "costs a page in only group-size layers, but a request takes blocks in every group.")
-
+HYBRID = ("hybrid model: kvlab's engine lays the cache out as vLLM V1 does: layers of one kind are cut into "
+          "groups of group-size layers, and each of group-size cache tensors is shared by one layer of every "
+          "group, so a block id costs a page in only group-size layers, a request takes blocks in every group, "
+          "and the blocks a window group releases are memory every group can take. Every layer as full "
+          "attention (vLLM's --disable-hybrid-kv-cache-manager) is shown for comparison.")
 
 def _size(n: float) -> str:
     """``n`` bytes in the largest binary unit that keeps it >= 1 (``2.00 MiB``)."""
@@ -60,15 +60,15 @@ def _block_lines(s: Sizing) -> list[str]:
     lines = [f"per page (one layer, one block of {b} tokens): {s.layout.bytes_per_token_per_layer:,} B x {b} = "
              f"{page:,} B"]
     for pool in s.pools:
-        groups = pool.groups
-        if groups.name == ENGINE:
-            where = f"a page in each of the {groups.pages_per_block} layers"
+        config = pool.config
+        if len(config.groups) == 1:
+            where = f"a page in each of the {config.group_size} layers"
         else:
-            padding = (f" ({groups.padding_layers} padding layer{'s' * (groups.padding_layers != 1)})"
-                       if groups.padding_layers else "")
-            where = (f"{len(groups.groups)} groups of {groups.pages_per_block} layers{padding}, a page in each of "
-                     f"the {groups.pages_per_block} tensors they share")
-        lines.append(f"per block id, {groups.name}: {page:,} B x {groups.pages_per_block} = "
+            padding = (f" ({config.padding_layers} padding layer{'s' * (config.padding_layers != 1)})"
+                       if config.padding_layers else "")
+            where = (f"{len(config.groups)} groups of {config.group_size} layers{padding}, a page in each of "
+                     f"the {config.group_size} tensors they share")
+        lines.append(f"per block id, {pool.name}: {page:,} B x {config.group_size} = "
                      f"{_bytes(pool.bytes_per_block)}; {where}")
     return lines
 
@@ -87,20 +87,20 @@ def _memory_lines(s: Sizing) -> list[str]:
 
 def _per_request(pool: Pool, s: Sizing) -> str:
     """The blocks a request holds, group by group: ``8,192 (full) + 6 x 577 (sliding 1024)``."""
-    terms = []
-    for window, count in Counter(pool.groups.groups).items():
-        blocks = blocks_per_request(window, s.max_model_len, s.block_size, s.max_num_batched_tokens)
-        terms.append(f"{'' if count == 1 else f'{count} x '}{blocks:,} ({_kind(window)})")
-    return " + ".join(terms)
+    counts = Counter(group.sliding_window for group in pool.config.groups)
+    blocks = {group.sliding_window: group.blocks_per_request(s.max_model_len, s.max_num_batched_tokens)
+              for group in pool.config.groups}
+    return " + ".join(f"{'' if count == 1 else f'{count} x '}{blocks[window]:,} ({_kind(window)})"
+                      for window, count in counts.items())
 
 
 def _pool_lines(s: Sizing) -> list[str]:
     lines, b = [], s.block_size
     for pool in s.pools:
-        groups = len(pool.groups.groups)
+        groups = len(pool.config.groups)
         logged = (f"; vLLM logs 'KV cache size: {pool.num_blocks // groups * b:,} tokens', the blocks over its "
-                  f"{groups} groups" if pool.groups.name == VLLM and groups > 1 else "")
-        lines += [f"{pool.groups.name}: {_size(max(s.kv_memory, 0))} / {pool.bytes_per_block:,} B = "
+                  f"{groups} groups" if groups > 1 else "")
+        lines += [f"{pool.name}: {_size(max(s.kv_memory, 0))} / {pool.bytes_per_block:,} B = "
                   f"{pool.num_blocks:,} blocks of {b} tokens ({pool.num_blocks * b:,} token slots{logged})",
                   f"  a request of {s.max_model_len:,} tokens holds {_per_request(pool, s)} = "
                   f"{pool.blocks_per_request:,} blocks: Maximum concurrency for {s.max_model_len:,} tokens per "

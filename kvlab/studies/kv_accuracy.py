@@ -37,7 +37,6 @@ import torch
 
 from kvlab.engine import LLM, SamplingParams
 from kvlab.engine.attention import AttentionBatch
-from kvlab.engine.hybrid import group_specs
 from kvlab.engine.kv_cache import cache_storage, engine_layout
 from kvlab.kernels import allocate_kv_cache
 
@@ -94,18 +93,18 @@ def prefill_hidden(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     config, device = llm.model_config, llm.device
     n = len(token_ids)
     num_blocks = -(-n // BLOCK_SIZE)
-    storage, width = cache_storage(config, llm.dtype, llm.kv_cache_dtype)
+    kv_config = llm.kv_cache_config
+    storage, width = cache_storage(kv_config.groups[0], llm.dtype)
     caches = allocate_kv_cache(config.num_layers, config.num_kv_heads, width, block_size=BLOCK_SIZE,
                                dtype=storage, device=device, num_blocks=num_blocks)
-    specs, layer_groups = group_specs(config)
     batches = [AttentionBatch.for_backend(
         "torch", caches[0], is_prefill=True, slot_mapping=torch.arange(n, device=device),
         block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
         seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
         cu_query_lens=torch.tensor([0, n], dtype=torch.int32, device=device), max_seq_len=n,
-        num_heads=config.num_heads, sliding_window=spec.sliding_window) for spec in specs]
+        num_heads=config.num_heads, sliding_window=group.sliding_window) for group in kv_config.groups]
     return llm.model(torch.tensor(token_ids, device=device), torch.arange(n, device=device),
-                     [batches[g] for g in layer_groups], caches)
+                     [batches[g] for g in kv_config.layer_groups], caches)
 
 
 @torch.inference_mode()

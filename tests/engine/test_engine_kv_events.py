@@ -20,14 +20,14 @@ GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6)
 BLOCK = 4
 MIXED = ["sliding_attention", "full_attention", "sliding_attention"]
 # Pools that cache fewer prefixes than the workload has, but hold 3 running sequences: a hybrid model's tokens
-# take blocks in both of its groups.
-NUM_BLOCKS = {"single": 24, "hybrid": 40}
+# take blocks in each of its 3 groups (vLLM's grouping of 2 sliding layers and 1 full: groups of one layer).
+NUM_BLOCKS = {"single": 24, "hybrid": 56}
 
 
 @pytest.fixture(scope="module", params=["single", "hybrid"])
 def model(request, tmp_path_factory):
     """(kind, model directory): a full-attention Llama (one KV cache group) or a Qwen3 mixing sliding-window
-    and full-attention layers (two groups on one pool)."""
+    and full-attention layers (three groups on one pool)."""
     path = tmp_path_factory.mktemp(f"kv_events_{request.param}")
     if request.param == "single":
         save_tiny_model("llama", path)
@@ -87,8 +87,8 @@ def test_llm_publishes_the_managers_kv_events(model):
     else:
         stored = {(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
                   for e in seen if isinstance(e, BlockStored)}
-        assert stored == {(0, "full_attention", None), (1, "sliding_window", 8)}
-        assert {e.group_idx for e in seen if isinstance(e, BlockRemoved)} <= {0, 1}
+        assert stored == {(0, "full_attention", None), (1, "sliding_window", 8), (2, "sliding_window", 8)}
+        assert {e.group_idx for e in seen if isinstance(e, BlockRemoved)} <= {0, 1, 2}
     llm.block_manager.reset_prefix_cache()
     assert_replay_is_the_managers(kind, replay, llm.block_manager)
 

@@ -10,7 +10,9 @@ import torch
 from engine_helpers import make_llm
 from kvlab.engine import SamplingParams
 from kvlab.engine.config import load_model_config
-from kvlab.engine.kv_cache import blocks_for_memory
+from kvlab.engine.kv_cache import blocks_for_memory, engine_kv_cache_groups
+from kvlab.sizing import kv_cache_groups
+from kvlab.sizing.groups import bytes_per_block
 from kvlab.device import DEVICE
 from kvlab.engine import attention, settings
 from kvlab.errors import InvalidArgumentError, UnsupportedError
@@ -51,7 +53,8 @@ def test_each_format_serves_end_to_end_with_its_bytes(tiny_model, name):
     quantizer = llm.kv_quantizers[0]
     assert cache.gpu[0].dtype == quantizer.storage_dtype and cache.gpu[0].shape[-1] == quantizer.storage_width
     assert sum(t.nbytes for t in cache.gpu) == cache.num_blocks * cache.bytes_per_block
-    assert read_model_shape(path).layout(name).bytes_per_block(cache.block_size) == cache.bytes_per_block
+    sized = kv_cache_groups(read_model_shape(path).layout(name), cache.block_size)
+    assert sized == llm.kv_cache_config.groups and bytes_per_block(sized) == cache.bytes_per_block
     assert llm.attention_backend == "torch"
     batch = prompts(1, (5, 17, 30))
     out = tokens(llm, batch)
@@ -63,9 +66,9 @@ def test_the_pool_holds_more_blocks_in_the_same_bytes(llama, name, ratio):
     """Per (token, KV head) with head_dim 32 against fp32's 256 bytes: fp8 64, fp16 K + fp8 V 96, int4_kivi
     16 + 16 packed codes + 4 bytes of value scale and zero = 36."""
     config = load_model_config(llama[0])
-    sized = {dtype: blocks_for_memory(config, 8, torch.float32, torch.device("cpu"), gpu_memory_utilization=0.9,
-                                      max_num_batched_tokens=64, max_num_seqs=4, max_useful_blocks=10**9,
-                                      kv_cache_dtype=dtype) for dtype in ("auto", name)}
+    sized = {dtype: blocks_for_memory(engine_kv_cache_groups(config, torch.float32, dtype, 8), config, torch.float32,
+                                      torch.device("cpu"), gpu_memory_utilization=0.9, max_num_batched_tokens=64,
+                                      max_num_seqs=4, max_useful_blocks=10**9) for dtype in ("auto", name)}
     assert sized[name] == pytest.approx(sized["auto"] * ratio, abs=1)
 
 

@@ -13,6 +13,10 @@ import torch
 from engine_helpers import assert_pool_clean, hf_greedy, make_llm, save_tiny_model
 from kvlab.engine import SamplingParams
 from kvlab.engine.errors import ModelFileError, UnsupportedModelError
+from kvlab.engine.kv_cache import PagedKVCache
+from kvlab.engine.step import BlockMoves
+from kvlab.sizing import KVCacheConfig, KVLayout, kv_cache_groups
+from kvlab.sizing.groups import bytes_per_block
 from kvlab.sizing.hf_config import read_model_shape
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -160,7 +164,8 @@ def test_the_offload_tier_keeps_latent_blocks(deepseek):
 
 def test_cache_bytes_are_what_sizing_counts(deepseek):
     """One [blocks, block_size, 48] latent tensor per layer, no V: 3 layers x 4 tokens x 48 x 4 bytes a block,
-    what `kvlab size` reads from the same directory (KVLayout.mla_latent_dim)."""
+    what `kvlab size` reads from the same directory (KVLayout.mla_latent_dim): the engine's KV cache group is
+    the one sizing lays out, latent pages included."""
     _, path, _ = deepseek
     llm = make_llm(path, block_size=BLOCK, num_blocks=24, preemption_mode="swap", num_cpu_blocks=5)
     cache = llm.kv_cache
@@ -169,7 +174,30 @@ def test_cache_bytes_are_what_sizing_counts(deepseek):
     assert cache.bytes_per_block == 3 * BLOCK * 48 * 4
     assert sum(t.nbytes for t in cache.gpu) == 24 * cache.bytes_per_block
     assert sum(t.nbytes for t in cache.cpu) == 5 * cache.bytes_per_block
-    assert read_model_shape(path).layout("float32").bytes_per_block(BLOCK) == cache.bytes_per_block
+    sized = kv_cache_groups(read_model_shape(path).layout("float32"), BLOCK)
+    assert llm.kv_cache_config.groups == sized and sized[0].mla_latent_dim == 48
+    assert bytes_per_block(sized) == cache.bytes_per_block
+
+
+def test_the_cache_lays_out_latent_pages_from_the_group_spec_alone():
+    """No ModelConfig: a KVCacheConfig whose group spec has mla_latent_dim makes latent tensors (device, swap
+    and tier alike), and whole latent pages move between them."""
+    groups = kv_cache_groups(KVLayout(1, 8, "float32", (None, None), mla_latent_dim=12), BLOCK)
+    cache = PagedKVCache(KVCacheConfig(groups, 6), torch.float32, torch.device("cpu"), num_cpu_blocks=2,
+                         num_offload_blocks=3)
+    assert [tuple(t.shape) for t in cache.gpu + cache.cpu + cache.tier] == (
+        [(6, BLOCK, 12)] * 2 + [(2, BLOCK, 12)] * 2 + [(3, BLOCK, 12)] * 2)
+    assert all(layer is tensor for layer, tensor in zip(cache.layer_caches, cache.gpu))
+    assert cache.bytes_per_block == 2 * BLOCK * 12 * 4
+    for layer, tensor in enumerate(cache.gpu):
+        tensor.copy_(torch.arange(tensor.numel(), dtype=torch.float32).view_as(tensor) + 1000 * layer)
+    pages = [tensor[4].clone() for tensor in cache.gpu]
+    moves = BlockMoves()
+    moves.add("swap_out", [(4, 1)])
+    moves.add("copy", [(4, 0)])
+    cache.apply(moves)
+    for layer, page in enumerate(pages):
+        assert torch.equal(cache.cpu[layer][1], page) and torch.equal(cache.gpu[layer][0], page)
 
 
 def test_the_router_stays_fp32_in_a_bf16_model(deepseek):

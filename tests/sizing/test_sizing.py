@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
 from kvlab.cli import main
 from kvlab.errors import InvalidArgumentError
-from kvlab.sizing import KVLayout, blocks_per_request, parse_memory, vllm_groups
+from kvlab.sizing import KVCacheConfig, KVLayout, kv_cache_groups, parse_memory
 from kvlab.sizing.hf_config import read_model_shape
 from kvlab.sizing.plan import size_model
 
@@ -43,7 +44,7 @@ def test_bytes_per_token_and_block_match_the_hand_worked_numbers(name):
         per_layer, layers, full, windows)
     assert layout.bytes_per_token == per_layer * layers
     assert layout.bytes_per_token_past_windows == per_layer * full
-    assert layout.bytes_per_block(16) == per_layer * layers * 16
+    assert layout.page_bytes(16) == per_layer * 16
     assert layout.is_hybrid == bool(windows)
 
 
@@ -92,7 +93,7 @@ def test_a_bad_layout_is_refused(args, message):
 
 def test_a_block_holds_at_least_one_token():
     with pytest.raises(InvalidArgumentError, match="block_size"):
-        KVLayout(8, 128, "fp16", (None,)).bytes_per_block(0)
+        KVLayout(8, 128, "fp16", (None,)).page_bytes(0)
 
 
 @pytest.mark.parametrize("name, parameters, published", [
@@ -163,34 +164,78 @@ def test_a_model_that_does_not_fit_gets_no_blocks():
     assert pool.num_blocks == 0 and pool.max_concurrency == 0
 
 
-def test_vllm_groups_of_hybrid_models():
-    gemma = vllm_groups(shape("gemma-3-4b-it").layout("bfloat16"))  # 5 full, 29 sliding: groups of 5 layers
-    assert (gemma.pages_per_block, gemma.groups, gemma.padding_layers) == (5, (None,) + (1024,) * 6, 6 * 5 - 29)
-    oss = vllm_groups(shape("gpt-oss-20b").layout("bfloat16"))
-    assert (oss.pages_per_block, oss.groups, oss.padding_layers) == (12, (None, 128), 0)
+def windows_and_layers(groups) -> list:
+    return [(group.sliding_window, group.layers) for group in groups]
+
+
+def test_kv_cache_groups_of_hybrid_models_are_vllms():
+    """Groups of the fewest layers of any kind, each kind's layers dealt out over its groups (layer i of a kind
+    to group i % n), and one tensor per layer of a group, shared by the groups."""
+    gemma = KVCacheConfig(kv_cache_groups(shape("gemma-3-4b-it").layout("bfloat16"), 16), 0)  # 5 full, 29 sliding
+    sliding = [i for i in range(34) if (i + 1) % 6]
+    assert windows_and_layers(gemma.groups) == [(None, (5, 11, 17, 23, 29))] + [
+        (1024, tuple(sliding[g::6])) for g in range(6)]
+    assert (gemma.group_size, gemma.padding_layers) == (5, 6 * 5 - 29)
+    # tensor j: the j-th layer of each group; the last sliding group has 4 layers, so tensor 4 has 6 of 7 groups'
+    assert gemma.tensors[0] == (5, 0, 1, 2, 3, 4, 6) and gemma.tensors[4] == (29, 28, 30, 31, 32, 33)
+    oss = KVCacheConfig(kv_cache_groups(shape("gpt-oss-20b").layout("bfloat16"), 16), 0)  # alternating
+    assert windows_and_layers(oss.groups) == [(None, tuple(range(1, 24, 2))), (128, tuple(range(0, 24, 2)))]
+    assert oss.tensors == tuple((2 * j + 1, 2 * j) for j in range(12)) and oss.padding_layers == 0
     # 12 sliding + 13 full (gpt-oss-20b with an eagle layer): within 25%, so groups of the larger count.
-    eagle = vllm_groups(KVLayout(8, 64, "bfloat16", (128, None) * 12 + (None,)))
-    assert (eagle.pages_per_block, eagle.groups, eagle.padding_layers) == (13, (None, 128), 1)
-    uniform = vllm_groups(shape("Meta-Llama-3-8B").layout("bfloat16"))
-    assert (uniform.pages_per_block, uniform.groups) == (32, (None,))
+    eagle = KVCacheConfig(kv_cache_groups(KVLayout(8, 64, "bfloat16", (128, None) * 12 + (None,)), 16), 0)
+    assert ([len(group.layers) for group in eagle.groups], eagle.group_size, eagle.padding_layers) == ([13, 12], 13, 1)
+    uniform = KVCacheConfig(kv_cache_groups(shape("Meta-Llama-3-8B").layout("bfloat16"), 16), 0)
+    assert windows_and_layers(uniform.groups) == [(None, tuple(range(32)))]
+    assert uniform.tensors == tuple((i,) for i in range(32))
+
+
+def test_a_group_spec_owns_its_pages_and_rules():
+    group = kv_cache_groups(shape("gemma-3-4b-it").layout("fp8"), 32)[1]
+    assert (group.block_size, group.num_kv_heads, group.head_size, group.cache_format) == (32, 4, 256, "fp8")
+    assert group.attention == SlidingWindowSpec(1024) and group.is_quantized and group.mla_latent_dim is None
+    assert group.page_bytes == 2 * 4 * 256 * 1 * 32
+    assert group.blocks_per_request(131072, 8192) == cdiv(1024 - 1 + 8192, 32) + 1
+    deepseek = kv_cache_groups(shape("DeepSeek-V3").layout("bfloat16"), 16)[0]  # MLA: one latent row a token
+    assert (deepseek.mla_latent_dim, deepseek.page_bytes) == (512 + 64, (512 + 64) * 2 * 16)
+
+
+def test_a_kv_cache_config_refuses_groups_that_do_not_share_one_pool():
+    groups = kv_cache_groups(shape("gpt-oss-20b").layout("bfloat16"), 16)
+    other = kv_cache_groups(shape("gpt-oss-20b").layout("fp8"), 16)
+    with pytest.raises(InvalidArgumentError, match="the same pages"):
+        KVCacheConfig((groups[0], other[1]), 10)
+    with pytest.raises(InvalidArgumentError, match="each of the model's layers"):
+        KVCacheConfig((groups[0],), 10)
 
 
 def test_blocks_per_request():
-    assert blocks_per_request(None, 131072, 16, 8192) == 131072 // 16
-    assert blocks_per_request(1024, 131072, 16, 8192) == cdiv(1024 - 1 + 8192, 16) + 1
-    assert blocks_per_request(1024, 100, 16, 8192) == cdiv(100, 16) + 1  # never more than the request
+    assert FullAttentionSpec().blocks_per_request(131072, 16, 8192) == 131072 // 16
+    assert SlidingWindowSpec(1024).blocks_per_request(131072, 16, 8192) == cdiv(1024 - 1 + 8192, 16) + 1
+    assert SlidingWindowSpec(1024).blocks_per_request(100, 16, 8192) == cdiv(100, 16) + 1  # never more than it
 
 
-def test_gemma3_pools_engine_and_vllm():
+def test_gemma3_pools_engine_and_vllm_are_one():
     sizing = size_model(shape("gemma-3-4b-it"), gpu_memory=80 * GiB, gpu_memory_utilization=0.9)
-    engine, vllm = sizing.pools
+    engine, all_full = sizing.pools
     page = 2 * 4 * 256 * 2 * 16
     window_blocks = cdiv(1024 - 1 + 8192, 16) + 1
-    assert (engine.bytes_per_block, vllm.bytes_per_block) == (page * 34, page * 5)
-    assert engine.num_blocks == sizing.kv_memory // (page * 34)
-    assert vllm.num_blocks == sizing.kv_memory // (page * 5)
-    assert engine.blocks_per_request == 131072 // 16 + window_blocks
-    assert vllm.blocks_per_request == 131072 // 16 + 6 * window_blocks
+    # vLLM V1: 7 groups of 5 layers share 5 tensors; a request takes blocks in each of them.
+    assert (engine.bytes_per_block, all_full.bytes_per_block) == (page * 5, page * 34)
+    assert engine.num_blocks == sizing.kv_memory // (page * 5)
+    assert engine.blocks_per_request == 131072 // 16 + 6 * window_blocks
+    assert all_full.num_blocks == sizing.kv_memory // (page * 34) and all_full.blocks_per_request == 131072 // 16
+    assert f"{engine.max_concurrency:.2f}x" == "17.72x" and f"{all_full.max_concurrency:.2f}x" == "3.71x"
+
+
+def test_gpt_oss_20b_at_128k_gets_vllms_concurrency():
+    """The engine used to keep a tensor per layer for every block id: 9.09x, below the 9.67x of every layer as
+    full attention; vLLM's layout (2 groups of 12 layers sharing 12 tensors) gives 18.19x."""
+    sizing = size_model(shape("gpt-oss-20b"), gpu_memory=80 * GiB, gpu_memory_utilization=0.9)
+    engine, all_full = sizing.pools
+    page = 2 * 8 * 64 * 2 * 16
+    assert engine.num_blocks == sizing.kv_memory // (page * 12)
+    assert engine.blocks_per_request == 131072 // 16 + cdiv(128 - 1 + 8192, 16) + 1
+    assert f"{engine.max_concurrency:.2f}x" == "18.19x" and f"{all_full.max_concurrency:.2f}x" == "9.67x"
 
 
 @pytest.mark.parametrize("text, expected", [("80GiB", 80 * 2**30), ("80GB", 80 * 10**9), ("24e9", 24 * 10**9),
@@ -214,13 +259,14 @@ def test_kvlab_size_prints_the_formula_and_the_pool(capsys):
     assert "Maximum concurrency for 8,192 tokens per request:" in out and "assumptions:" in out
 
 
-def test_kvlab_size_prints_both_layouts_for_a_hybrid_model(capsys):
+def test_kvlab_size_prints_the_all_full_layout_beside_a_hybrid_models(capsys):
     config = CONFIGS / "gpt-oss-20b" / "config.json"
     assert main(["size", "--model", str(config), "--kv-cache-dtype", "fp8", "--max-model-len", "8192",
                  "--block-size", "32"]) == 0
     out = capsys.readouterr().out
-    assert f"per block id, kvlab engine: {2 * 8 * 64 * 32:,} B x 24" in out
-    assert f"per block id, vLLM V1: {2 * 8 * 64 * 32:,} B x 12" in out and "hybrid model:" in out
+    assert f"per block id, kvlab engine and vLLM V1: {2 * 8 * 64 * 32:,} B x 12" in out
+    assert f"per block id, every layer as full attention: {2 * 8 * 64 * 32:,} B x 24" in out
+    assert "hybrid model:" in out
 
 
 @pytest.mark.parametrize("dtype, row_bytes, formula", [
