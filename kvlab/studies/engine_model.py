@@ -12,8 +12,9 @@ import numpy as np
 from kvlab.errors import InvalidArgumentError
 from kvlab.validation import check_int, check_number
 
-#: A draft no request generates: ``StatedAcceptance`` proposes it from the first miss on.
-WRONG_DRAFT = -1
+#: A draft no request generates (a replay's generated tokens are private ids from 2**40 on, and a draft must be a
+#: token id >= 0: kvlab.engine.speculative.checked_drafts): ``StatedAcceptance`` proposes it from the first miss on.
+WRONG_DRAFT = 0
 
 
 @dataclass(frozen=True)
