@@ -6,9 +6,9 @@ states neither its KV heads nor its 5:1 sliding/full pattern), and a multimodal 
 text model (``text_config``). Each layer's kind comes from ``layer_types`` when the config has it (newer
 transformers derive it from Gemma 3's ``sliding_window_pattern``); without it a ``sliding_window`` applies to
 every layer (Mistral). MLA is recognised by ``kv_lora_rank``. A hybrid state model (``STATE_MODELS``:
-Qwen3-Next's gated delta net ``linear_attention`` layers beside full attention) also gets each state layer's
-fixed state per request, in elements, from the shapes vLLM's ``get_mamba_state_shape_from_config`` gives (at
-tensor parallel size 1).
+Qwen3-Next's gated delta net and Jamba's Mamba layers, which transformers lists as ``linear_attention``, beside
+full attention) also gets each state layer's fixed state per request, in elements, from the shapes vLLM's
+``get_mamba_state_shape_from_config`` gives (at tensor parallel size 1).
 
 Parameters (for the weight estimate, ``kvlab.sizing.plan``): embeddings (and an untied LM head), the
 attention projections (MLA's low-rank ones for DeepSeek), the MLP (SwiGLU: 3 matrices; for mixture-of-experts
@@ -54,6 +54,8 @@ SIZE_FIELDS = {
     # gated delta net (Qwen3-Next's linear attention): its heads, head sizes and convolution width
     "linear_num_key_heads": (1, 2**16), "linear_num_value_heads": (1, 2**16), "linear_key_head_dim": (1, 2**16),
     "linear_value_head_dim": (1, 2**16), "linear_conv_kernel_dim": (1, 2**16),
+    # Mamba (Jamba): the inner width's factor over hidden_size, the SSM state size and the convolution width
+    "mamba_expand": (1, 2**8), "mamba_d_state": (1, 2**16), "mamba_d_conv": (1, 2**16),
 }
 #: Sizes a config may leave null (absent: the class's default applies): as many kv heads as query heads,
 #: head_dim hidden / heads, no MLA, a full-rank query, a dense model.
@@ -64,12 +66,10 @@ MLA_FIELDS = ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")  # required 
 LAYER_KINDS = ("full_attention", "sliding_attention")
 REQUIRED_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
                    "intermediate_size", "vocab_size", "max_position_embeddings")
-#: model_type -> the state layers' kind in layer_types: the hybrid state models sizing supports.
-STATE_MODELS = {"qwen3_next": "linear_attention"}
 SUPPORTED = ("kvlab size supports decoder-only transformers whose config states num_key_value_heads and whose "
              "every layer is full or sliding-window attention (e.g. llama, mistral, qwen2, qwen3, gemma2, gemma3, "
-             f"gpt_oss, deepseek_v3), and of hybrid state models {', '.join(STATE_MODELS)} (not jamba, falcon_h1 "
-             "or other Mamba hybrids yet)")
+             "gpt_oss, deepseek_v3), and of hybrid state models qwen3_next and jamba (not falcon_h1 or other Mamba "
+             "hybrids yet)")
 
 
 class Parameters(NamedTuple):
@@ -167,7 +167,7 @@ def _check_supported(text, model_type: str, file: Path) -> None:
     """Refuse what is not a decoder of attention layers, naming what sizing supports."""
     missing = [name for name in REQUIRED_FIELDS if not hasattr(text, name)]
     kinds = getattr(text, "layer_types", None)
-    allowed = LAYER_KINDS + ((STATE_MODELS[model_type],) if model_type in STATE_MODELS else ())
+    allowed = LAYER_KINDS + ((STATE_MODELS[model_type][0],) if model_type in STATE_MODELS else ())
     other = dict.fromkeys(str(kind) for kind in kinds if kind not in allowed) if isinstance(
         kinds, (list, tuple)) else {}
     reason = ("it is an encoder-decoder model" if getattr(text, "is_encoder_decoder", False) else
@@ -222,7 +222,7 @@ def _layer_windows(text, file: Path, state_kind: str | None = None) -> tuple:
     return tuple(window if kind == "sliding_attention" else None for kind in kinds)
 
 
-def _state_elements(text) -> tuple[int, int]:
+def _gated_delta_net_state(text) -> tuple[int, int]:
     """(convolution, recurrent) state elements of one gated delta net layer, as vLLM shapes them: the
     convolution keeps its last ``kernel - 1`` inputs of q, k (key heads x key dim each) and v (value heads x
     value dim); the recurrent state is a key dim x value dim matrix per value head."""
@@ -230,6 +230,19 @@ def _state_elements(text) -> tuple[int, int]:
         text.linear_num_value_heads * text.linear_value_head_dim)
     return ((text.linear_conv_kernel_dim - 1) * conv_dim,
             text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim)
+
+
+def _mamba1_state(text) -> tuple[int, int]:
+    """(convolution, SSM) state elements of one Mamba layer, as vLLM shapes them: the convolution keeps its
+    last ``d_conv - 1`` inputs of the inner width (``mamba_expand x hidden_size``), the SSM ``d_state`` values
+    per inner channel."""
+    inner = text.mamba_expand * text.hidden_size
+    return (text.mamba_d_conv - 1) * inner, inner * text.mamba_d_state
+
+
+#: model_type -> (the state layers' kind in layer_types, their state elements): the hybrid state models sized.
+STATE_MODELS = {"qwen3_next": ("linear_attention", _gated_delta_net_state),
+                "jamba": ("linear_attention", _mamba1_state)}
 
 
 def _attention_parameters(t, h: int) -> int:
@@ -281,10 +294,10 @@ def read_model_shape(path) -> ModelShape:
         raise InvalidArgumentError(f"{file}: transformers rejects this {model_type} config: {message}") from None
     _check_supported(text, model_type, file)
     _check_shape(text, file)
-    state_kind = STATE_MODELS.get(model_type)
+    state_kind, state_elements = STATE_MODELS.get(model_type, (None, None))
     layer_windows = _layer_windows(text, file, state_kind)
     state_layers = tuple(i for i, kind in enumerate(text.layer_types) if kind == state_kind) if state_kind else ()
-    conv_state, recurrent_state = _state_elements(text) if state_layers else (0, 0)
+    conv_state, recurrent_state = state_elements(text) if state_layers else (0, 0)
     heads, hidden = text.num_attention_heads, text.hidden_size
     mla = getattr(text, "kv_lora_rank", None) is not None
     text_raw = raw["text_config"] if isinstance(raw.get("text_config"), dict) else {}

@@ -40,7 +40,7 @@ def describe_layers(s: Sizing) -> str:
     kinds = [f"{layout.full_layers} full attention"] if layout.full_layers else []
     kinds += [f"{count} sliding-window ({window} tokens)" for window, count in layout.windows.items()]
     if shape.state_layers:
-        kinds.append(f"{len(shape.state_layers)} linear attention (a fixed state per request)")
+        kinds.append(f"{len(shape.state_layers)} Mamba / linear attention (a fixed state per request)")
     heads = (f"MLA: one latent of {layout.mla_latent_dim} per token for {shape.num_heads} heads"
              if layout.mla_latent_dim else f"{shape.num_heads} query heads share {shape.num_kv_heads} kv heads")
     architecture = f" ({shape.architecture})" if shape.architecture else ""

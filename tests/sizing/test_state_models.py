@@ -1,4 +1,4 @@
-"""Hybrid state models in ``kvlab size``: Qwen3-Next's gated delta net layers keep one fixed state per request
+"""Hybrid state models in ``kvlab size``: Qwen3-Next's gated delta net layers (and Jamba's Mamba layers) keep one fixed state per request
 beside the full-attention pages, and the attention block size grows to vLLM's aligned one
 (``HybridAttentionMambaModelConfig.verify_and_update_config``: the fewest multiples of 16 tokens whose page holds
 a state, the state page then padded to it). Every figure is worked from the published config's shapes."""
@@ -16,6 +16,7 @@ from kvlab.sizing.hf_config import read_model_shape
 from kvlab.sizing.plan import size_model
 
 QWEN3_NEXT = Path(__file__).parent / "configs" / "Qwen3-Next-80B-A3B-Instruct"
+JAMBA = Path(__file__).parent / "configs" / "Jamba-v0.1"
 GiB = 2**30
 
 
@@ -87,7 +88,7 @@ def test_kvlab_size_prints_the_block_size_the_state_and_the_concurrency(capsys):
     out, err = capsys.readouterr()
     assert status == 0, err
     state = CONV_ELEMENTS * 2 + RECURRENT_ELEMENTS * 4
-    assert "36 linear attention" in out and f"= {state:,} B" in out
+    assert "36 Mamba / linear attention" in out and f"= {state:,} B" in out
     assert f"attention block size: 1,056 tokens; a page must hold a state: 16 x cdiv({state:,} B, 16 x 2,048 B) = " \
            "1,056 tokens at least" in out
     assert f"holds {cdiv(32768, 1056):,} (full) + 3 x 1 (state) = {cdiv(32768, 1056) + 3:,} blocks" in out
@@ -106,3 +107,21 @@ def test_a_state_group_needs_a_state_that_fits_its_page():
     assert KVCacheConfig(groups, 1).blocks_per_request(32768, 8192) == cdiv(32768, 544) + 3
     with pytest.raises(InvalidArgumentError, match="each group must be one of"):
         check_group_specs([MambaStateSpec()])  # the block manager does not plan state groups
+
+
+def test_jamba_keeps_a_mamba_state_in_seven_of_eight_layers():
+    """Jamba-v0.1: attention every 8th layer from layer 4 (8 kv heads of 4096 / 32); the other 28 layers are Mamba
+    with an inner width of 2 x 4096, a convolution of width 4 and 16 SSM values per channel, all in bf16."""
+    shape = read_model_shape(JAMBA)
+    inner = 2 * 4096
+    assert (shape.conv_state_elements, shape.recurrent_state_elements) == ((4 - 1) * inner, inner * 16)
+    attention = tuple(range(4, 32, 8))
+    assert shape.state_layers == tuple(layer for layer in range(32) if layer not in attention)
+    sizing = size_model(shape, gpu_memory=400 * GiB, gpu_memory_utilization=0.9, max_model_len=65536)
+    state = ((4 - 1) * inner + inner * 16) * 2
+    token_page = 2 * 8 * 128 * 2
+    assert (sizing.state_bytes, sizing.block_size) == (state, 16 * cdiv(state, 16 * token_page))
+    (pool,) = sizing.pools
+    # 4 attention layers, 28 Mamba: groups of 4, so 1 attention group and 7 state groups
+    assert [type(g.attention) for g in pool.config.groups] == [FullAttentionSpec] + [MambaStateSpec] * 7
+    assert pool.blocks_per_request == cdiv(65536, sizing.block_size) + 7
