@@ -106,6 +106,22 @@ class SlidingWindowSpec(KVCacheSpec):
         return -(-min(self.window - 1 + max_num_batched_tokens, max_model_len) // block_size) + 1
 
 
+@dataclass(frozen=True)
+class MambaStateSpec(KVCacheSpec):
+    """A group of Mamba or linear-attention layers (vLLM's ``MambaSpec``): each layer keeps one fixed-size state
+    per request (its convolution's last inputs and its SSM / recurrent state), however long the request, so a
+    request holds one block in the group. Only ``kvlab size`` uses it: the block manager does not plan these
+    groups (it is not in ``KNOWN_SPECS``), and the engine does not serve such models."""
+    kind: ClassVar[str] = "mamba"
+
+    @property
+    def sliding_window(self) -> Optional[int]:
+        return None
+
+    def blocks_per_request(self, max_model_len: int, block_size: int, max_num_batched_tokens: int) -> int:
+        return 1  # the state, in one page padded to the attention page (no prefix-cache states kept)
+
+
 KNOWN_SPECS = (FullAttentionSpec, SlidingWindowSpec)
 
 

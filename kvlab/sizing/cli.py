@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tokens per block (default: %(default)s)")
     parser.add_argument("--max-num-batched-tokens", type=count("max num batched tokens"), default=8192,
                         help="tokens per step, for the activations and the windows (default: %(default)s)")
+    parser.add_argument("--mamba-ssm-cache-dtype", choices=("auto", "float32", "float16", "bfloat16"),
+                        default="auto", help="a hybrid state model's recurrent state dtype, as vLLM's (auto: the "
+                                             "model's dtype; default: %(default)s)")
     parser.add_argument("--max-num-seqs", type=count("max num seqs"), default=256,
                         help="sequences per step, for the logits (default: %(default)s)")
     return parser
@@ -61,7 +64,7 @@ def main(argv=None) -> int:
         sizing = size_model(shape, kv_cache_dtype=args.kv_cache_dtype, gpu_memory=args.gpu_memory,
                             gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                             block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                            max_num_seqs=args.max_num_seqs)
+                            max_num_seqs=args.max_num_seqs, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
     except KvlabError as e:
         print(f"kvlab size: error: {e}", file=sys.stderr)
         return 2

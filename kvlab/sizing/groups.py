@@ -20,12 +20,19 @@ a window group releases is memory any group can take.
 ``blocks_per_request``): ``cdiv(max_model_len, block_size)`` in a full-attention group,
 ``cdiv(min(window - 1 + max_num_batched_tokens, max_model_len), block_size) + 1`` in a sliding-window one. A
 request holds them in every group; the maximum concurrency vLLM logs is the pool's blocks over their sum.
+
+**State groups** (hybrid Mamba / linear-attention models, e.g. Qwen3-Next; vLLM's ``MambaSpec`` and
+``HybridAttentionMambaModelConfig.verify_and_update_config``): the state layers are one more kind, grouped like
+the others, whose layers keep one fixed state per request: a request holds one block in each state group. A
+state must fit in one page, so the attention block size grows, in multiples of the kernels' alignment
+(``KERNEL_BLOCK_ALIGNMENT``), until an attention page holds a layer's state (``aligned_block_size``); the state
+page is then padded to the attention page, so every group's pages stay equal.
 """
 
 from dataclasses import dataclass
 from functools import cached_property
 
-from kvlab.blocks.kv_cache_groups import KVCacheSpec, check_group_specs, spec_for
+from kvlab.blocks.kv_cache_groups import KVCacheSpec, MambaStateSpec, check_group_specs, spec_for
 from kvlab.errors import InvalidArgumentError
 from kvlab.sizing.kv_dtypes import is_float_format
 from kvlab.sizing.layout import KVLayout
@@ -33,6 +40,8 @@ from kvlab.validation import check_int, is_int
 
 #: vLLM cuts the kinds into groups of the most layers of any kind when none has this many times another's.
 GROUP_SIZE_SLACK = 1.25
+#: vLLM grows a hybrid state model's attention block size in multiples of this (FlashAttention's block sizes).
+KERNEL_BLOCK_ALIGNMENT = 16
 
 
 def cdiv(a: int, b: int) -> int:
@@ -45,7 +54,8 @@ class KVCacheGroupSpec:
     or ``SlidingWindowSpec(W)``, which hold the hit, release and blocks-per-request rules) and its pages:
     ``block_size`` tokens of K and V for ``num_kv_heads`` heads of ``head_size`` elements, stored in
     ``cache_format`` (a ``kvlab.sizing.kv_dtypes.KV_FORMATS`` name); with ``mla_latent_dim`` (MLA) one latent
-    row of that many elements per token instead."""
+    row of that many elements per token instead. A state group (``MambaStateSpec()``) has the same pages, each
+holding one layer's ``state_bytes`` (a request's state) padded to the page."""
 
     attention: KVCacheSpec
     layers: tuple
@@ -54,15 +64,26 @@ class KVCacheGroupSpec:
     head_size: int
     cache_format: str
     mla_latent_dim: int | None = None
+    state_bytes: int | None = None
 
     def __post_init__(self):
-        check_group_specs([self.attention])
+        if isinstance(self.attention, MambaStateSpec):
+            check_int("state_bytes", self.state_bytes, 1)
+        else:
+            check_group_specs([self.attention])
+            if self.state_bytes is not None:
+                raise InvalidArgumentError(f"only a MambaStateSpec() group keeps a state (state_bytes), got "
+                                           f"state_bytes={self.state_bytes!r} for {self.attention!r}")
         check_int("block_size", self.block_size, 1)
         if not isinstance(self.layers, tuple) or not self.layers or not all(
                 is_int(layer) and layer >= 0 for layer in self.layers):
             raise InvalidArgumentError(f"a KV cache group's layers must be a non-empty tuple of layer indices "
                                        f"(ints >= 0), got {self.layers!r}")
         self.layout  # checks the heads, the head size and the format
+        if self.state_bytes is not None and self.state_bytes > self.page_bytes:
+            raise InvalidArgumentError(f"a state of {self.state_bytes:,} B does not fit a page of {self.block_size} "
+                                       f"tokens ({self.page_bytes:,} B): the block size must be at least "
+                                       f"{aligned_block_size(self.state_bytes, self.layout.page_bytes(1), 1)}")
 
     @cached_property
     def layout(self) -> KVLayout:
@@ -88,19 +109,37 @@ class KVCacheGroupSpec:
         return self.attention.blocks_per_request(max_model_len, self.block_size, max_num_batched_tokens)
 
 
-def kv_cache_groups(layout: KVLayout, block_size: int) -> tuple:
+def aligned_block_size(state_bytes: int, token_page_bytes: int, block_size: int) -> int:
+    """The attention block size vLLM picks for a hybrid state model (without prefix caching): the fewest
+    multiples of ``KERNEL_BLOCK_ALIGNMENT`` tokens whose page (``token_page_bytes`` a token) holds a layer's
+    ``state_bytes``, or ``block_size`` when that is already at least as large."""
+    needed = KERNEL_BLOCK_ALIGNMENT * cdiv(state_bytes, KERNEL_BLOCK_ALIGNMENT * token_page_bytes)
+    return max(block_size, needed)
+
+
+def kv_cache_groups(layout: KVLayout, block_size: int, state_layers: tuple = (), state_bytes: int | None = None
+                    ) -> tuple:
     """The model's KV cache groups, as vLLM V1 makes them (see the module docstring): full attention first,
-    then the windows from the smallest, each kind's layers dealt out over its groups."""
+    then the windows from the smallest, then the state layers, each kind's layers dealt out over its groups.
+    ``layout`` describes the attention layers; ``state_layers`` (the model's indices of its Mamba /
+    linear-attention layers, each keeping ``state_bytes``) are the others, the attention layers filling the
+    remaining indices in order."""
     check_int("block_size", block_size, 1)
-    kinds = {window: [layer for layer, w in enumerate(layout.layer_windows) if w == window]
+    state = set(state_layers)
+    attention_layers = [layer for layer in range(layout.num_layers + len(state_layers)) if layer not in state]
+    kinds = {spec_for(window): [attention_layers[i] for i, w in enumerate(layout.layer_windows) if w == window]
              for window in ([None] if layout.full_layers else []) + list(layout.windows)}
+    if state_layers:
+        kinds[MambaStateSpec()] = list(state_layers)
     fewest, most = min(map(len, kinds.values())), max(map(len, kinds.values()))
     group_size = most if most < fewest * GROUP_SIZE_SLACK else fewest
     groups = []
-    for window, layers in kinds.items():
+    for spec, layers in kinds.items():
         count = cdiv(len(layers), group_size)
-        groups += [KVCacheGroupSpec(spec_for(window), tuple(layers[i::count]), block_size, layout.num_kv_heads,
-                                    layout.head_dim, layout.dtype, layout.mla_latent_dim) for i in range(count)]
+        groups += [KVCacheGroupSpec(spec, tuple(layers[i::count]), block_size, layout.num_kv_heads, layout.head_dim,
+                                    layout.dtype, layout.mla_latent_dim,
+                                    state_bytes if isinstance(spec, MambaStateSpec) else None)
+                   for i in range(count)]
     return tuple(groups)
 
 

@@ -5,7 +5,10 @@ leaves out get that class's defaults, as they do when the model is served: Gemma
 states neither its KV heads nor its 5:1 sliding/full pattern), and a multimodal config is reduced to its
 text model (``text_config``). Each layer's kind comes from ``layer_types`` when the config has it (newer
 transformers derive it from Gemma 3's ``sliding_window_pattern``); without it a ``sliding_window`` applies to
-every layer (Mistral). MLA is recognised by ``kv_lora_rank``.
+every layer (Mistral). MLA is recognised by ``kv_lora_rank``. A hybrid state model (``STATE_MODELS``:
+Qwen3-Next's gated delta net and Jamba's Mamba layers, which transformers lists as ``linear_attention``, beside
+full attention) also gets each state layer's fixed state per request, in elements, from the shapes vLLM's
+``get_mamba_state_shape_from_config`` gives (at tensor parallel size 1).
 
 Parameters (for the weight estimate, ``kvlab.sizing.plan``): embeddings (and an untied LM head), the
 attention projections (MLA's low-rank ones for DeepSeek), the MLP (SwiGLU: 3 matrices; for mixture-of-experts
@@ -16,7 +19,8 @@ Every number sizing reads is checked first, once as the file states it and once 
 (defaults and ``text_config`` included), against ``SIZE_FIELDS``: what the model's own code needs (no zero-width
 layer, every KV head serving the same number of query heads, even rotary dims) and bounds far past any
 published model that keep the figures within what sizing can hold. A model that is not a decoder of
-attention layers (Mamba and recurrent blocks, linear attention, encoders) is refused as not supported.
+attention layers (Mamba and recurrent blocks, linear attention, encoders) is refused as not supported,
+except the hybrid state models in ``STATE_MODELS``.
 """
 
 import json
@@ -47,6 +51,11 @@ SIZE_FIELDS = {
     # mixture of experts: each model's name for its routed experts, shared experts, the leading dense layers
     "moe_intermediate_size": (1, 2**20), "num_local_experts": (1, 2**16), "n_routed_experts": (1, 2**16),
     "num_experts": (1, 2**16), "n_shared_experts": (0, 2**16), "first_k_dense_replace": (0, 2**16),
+    # gated delta net (Qwen3-Next's linear attention): its heads, head sizes and convolution width
+    "linear_num_key_heads": (1, 2**16), "linear_num_value_heads": (1, 2**16), "linear_key_head_dim": (1, 2**16),
+    "linear_value_head_dim": (1, 2**16), "linear_conv_kernel_dim": (1, 2**16),
+    # Mamba (Jamba): the inner width's factor over hidden_size, the SSM state size and the convolution width
+    "mamba_expand": (1, 2**8), "mamba_d_state": (1, 2**16), "mamba_d_conv": (1, 2**16),
 }
 #: Sizes a config may leave null (absent: the class's default applies): as many kv heads as query heads,
 #: head_dim hidden / heads, no MLA, a full-rank query, a dense model.
@@ -59,7 +68,8 @@ REQUIRED_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_he
                    "intermediate_size", "vocab_size", "max_position_embeddings")
 SUPPORTED = ("kvlab size supports decoder-only transformers whose config states num_key_value_heads and whose "
              "every layer is full or sliding-window attention (e.g. llama, mistral, qwen2, qwen3, gemma2, gemma3, "
-             "gpt_oss, deepseek_v3)")
+             "gpt_oss, deepseek_v3), and of hybrid state models qwen3_next and jamba (not falcon_h1 or other Mamba "
+             "hybrids yet)")
 
 
 class Parameters(NamedTuple):
@@ -86,6 +96,11 @@ class ModelShape:
     parameters: Parameters
     quantization: str | None   # quantization_config's quant_method (the weights are smaller than counted)
     weight_files_bytes: int | None  # the *.safetensors files' total size, when a model directory has them
+    # A hybrid state model's state layers (model layer indices; layer_windows then lists the other layers, in
+    # order) and what each keeps per request, in elements: its convolution's last inputs and its recurrent state.
+    state_layers: tuple = ()
+    conv_state_elements: int = 0
+    recurrent_state_elements: int = 0
 
     def layout(self, kv_cache_dtype: str) -> KVLayout:
         return KVLayout(self.num_kv_heads, self.head_dim, kv_cache_dtype, self.layer_windows, self.mla_latent_dim)
@@ -152,7 +167,8 @@ def _check_supported(text, model_type: str, file: Path) -> None:
     """Refuse what is not a decoder of attention layers, naming what sizing supports."""
     missing = [name for name in REQUIRED_FIELDS if not hasattr(text, name)]
     kinds = getattr(text, "layer_types", None)
-    other = dict.fromkeys(str(kind) for kind in kinds if kind not in LAYER_KINDS) if isinstance(
+    allowed = LAYER_KINDS + ((STATE_MODELS[model_type][0],) if model_type in STATE_MODELS else ())
+    other = dict.fromkeys(str(kind) for kind in kinds if kind not in allowed) if isinstance(
         kinds, (list, tuple)) else {}
     reason = ("it is an encoder-decoder model" if getattr(text, "is_encoder_decoder", False) else
               f"its config has no {', '.join(missing)}" if missing else
@@ -183,12 +199,19 @@ def _check_shape(text, file: Path) -> None:
                                    f"features), got {rotary[1]}")
 
 
-def _layer_windows(text, file: Path) -> tuple:
+def _layer_windows(text, file: Path, state_kind: str | None = None) -> tuple:
+    """The attention layers' windows (a state model's ``state_kind`` layers are left out)."""
     window = getattr(text, "sliding_window", None)
     kinds = getattr(text, "layer_types", None)
     if kinds is not None and (not isinstance(kinds, (list, tuple)) or len(kinds) != text.num_hidden_layers):
         raise InvalidArgumentError(f"{file}: layer_types must list one of {', '.join(LAYER_KINDS)} for each of "
                                    f"the {text.num_hidden_layers} layers, got {kinds!r}")
+    if state_kind is not None:
+        kinds = [kind for kind in kinds if kind != state_kind]
+        if not kinds:
+            raise InvalidArgumentError(f"{file}: layer_types must be {state_kind} layers and at least one attention "
+                                       f"layer ({', '.join(LAYER_KINDS)}), got {text.num_hidden_layers} "
+                                       f"{state_kind} layers and no other")
     used = window is not None and (kinds is None or "sliding_attention" in kinds)  # a full model's is unused
     if used and not (is_int(window) and 1 <= window <= MAX_TOKENS):
         raise InvalidArgumentError(f"{file}: sliding_window must be an int from 1 to {MAX_TOKENS:,} or null, got "
@@ -197,6 +220,29 @@ def _layer_windows(text, file: Path) -> tuple:
         return (window,) * text.num_hidden_layers
     # A sliding layer without a window (Qwen3 with use_sliding_window off) attends to everything.
     return tuple(window if kind == "sliding_attention" else None for kind in kinds)
+
+
+def _gated_delta_net_state(text) -> tuple[int, int]:
+    """(convolution, recurrent) state elements of one gated delta net layer, as vLLM shapes them: the
+    convolution keeps its last ``kernel - 1`` inputs of q, k (key heads x key dim each) and v (value heads x
+    value dim); the recurrent state is a key dim x value dim matrix per value head."""
+    conv_dim = 2 * text.linear_num_key_heads * text.linear_key_head_dim + (
+        text.linear_num_value_heads * text.linear_value_head_dim)
+    return ((text.linear_conv_kernel_dim - 1) * conv_dim,
+            text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim)
+
+
+def _mamba1_state(text) -> tuple[int, int]:
+    """(convolution, SSM) state elements of one Mamba layer, as vLLM shapes them: the convolution keeps its
+    last ``d_conv - 1`` inputs of the inner width (``mamba_expand x hidden_size``), the SSM ``d_state`` values
+    per inner channel."""
+    inner = text.mamba_expand * text.hidden_size
+    return (text.mamba_d_conv - 1) * inner, inner * text.mamba_d_state
+
+
+#: model_type -> (the state layers' kind in layer_types, their state elements): the hybrid state models sized.
+STATE_MODELS = {"qwen3_next": ("linear_attention", _gated_delta_net_state),
+                "jamba": ("linear_attention", _mamba1_state)}
 
 
 def _attention_parameters(t, h: int) -> int:
@@ -248,7 +294,10 @@ def read_model_shape(path) -> ModelShape:
         raise InvalidArgumentError(f"{file}: transformers rejects this {model_type} config: {message}") from None
     _check_supported(text, model_type, file)
     _check_shape(text, file)
-    layer_windows = _layer_windows(text, file)
+    state_kind, state_elements = STATE_MODELS.get(model_type, (None, None))
+    layer_windows = _layer_windows(text, file, state_kind)
+    state_layers = tuple(i for i, kind in enumerate(text.layer_types) if kind == state_kind) if state_kind else ()
+    conv_state, recurrent_state = state_elements(text) if state_layers else (0, 0)
     heads, hidden = text.num_attention_heads, text.hidden_size
     mla = getattr(text, "kv_lora_rank", None) is not None
     text_raw = raw["text_config"] if isinstance(raw.get("text_config"), dict) else {}
@@ -266,4 +315,5 @@ def read_model_shape(path) -> ModelShape:
         max_position_embeddings=text.max_position_embeddings, layer_windows=layer_windows,
         mla_latent_dim=text.kv_lora_rank + text.qk_rope_head_dim if mla else None,
         parameters=parameter_count(text), quantization=quantization,
-        weight_files_bytes=sum(f.stat().st_size for f in files) if files else None)
+        weight_files_bytes=sum(f.stat().st_size for f in files) if files else None,
+        state_layers=state_layers, conv_state_elements=conv_state, recurrent_state_elements=recurrent_state)

@@ -7,14 +7,17 @@ parameter count (``kvlab.sizing.hf_config``) times the config's dtype (``QUANTIZ
 quantized parameters at their own size); activations take the engine's bound
 (``kvlab.sizing.budget.activation_bytes``) for ``max_num_batched_tokens`` tokens and ``max_num_seqs``
 sequences; the pool is laid out in KV cache groups and tensors as vLLM V1 and kvlab's engine lay it out
-(``kvlab.sizing.groups``), and a request holds each group's ``blocks_per_request`` at ``max_model_len``.
+(``kvlab.sizing.groups``), and a request holds each group's ``blocks_per_request`` at ``max_model_len``. A
+hybrid state model's (Qwen3-Next's, Jamba's) state layers keep their convolution state in the model's dtype and their
+recurrent state in ``mamba_ssm_cache_dtype`` (vLLM's ``--mamba-ssm-cache-dtype``; auto: the model's dtype), and
+the block size grows to vLLM's aligned one (``kvlab.sizing.groups.aligned_block_size``).
 """
 
 from dataclasses import dataclass, replace
 
 from kvlab.errors import InvalidArgumentError
 from kvlab.sizing.budget import MAX_MEMORY, activation_bytes, kv_blocks, kv_memory
-from kvlab.sizing.groups import KVCacheConfig, bytes_per_block, kv_cache_groups
+from kvlab.sizing.groups import KVCacheConfig, aligned_block_size, bytes_per_block, kv_cache_groups
 from kvlab.sizing.hf_config import DEFAULT_DTYPE, MAX_TOKENS, ModelShape
 from kvlab.sizing.kv_dtypes import cache_format
 from kvlab.sizing.layout import DTYPE_BYTES, KVLayout
@@ -23,6 +26,8 @@ from kvlab.validation import check_int, check_number, check_optional_int
 #: The pools ``size_model`` lays out: the one kvlab's engine and vLLM V1 make, and, for a hybrid model, the one
 #: with every layer kept as full attention (vLLM's ``--disable-hybrid-kv-cache-manager``).
 ENGINE, ALL_FULL = "kvlab engine and vLLM V1", "every layer as full attention"
+#: The pool of a hybrid state model, which only vLLM serves.
+VLLM_ONLY = "vLLM V1"
 
 
 def resolve_kv_cache_dtype(name: str, shape: ModelShape) -> str:
@@ -67,6 +72,9 @@ class Sizing:
     activations: int
     kv_memory: int         # what is left for the KV cache (negative: the model does not fit)
     pools: tuple           # (the engine's Pool,), and for a hybrid model the all-full one after it
+    requested_block_size: int = 16  # the block size asked for; block_size is a state model's aligned one
+    state_bytes: int = 0            # a state layer's state per request (0: no state layers)
+    state_formula: str = ""         # its arithmetic
 
 
 #: quantization_config's quant_method -> (which parameters it quantizes, bytes per quantized parameter): fp8
@@ -96,7 +104,7 @@ def weights_estimate(shape: ModelShape) -> tuple[int, str]:
 
 def size_model(shape: ModelShape, *, kv_cache_dtype: str = "auto", gpu_memory: int, gpu_memory_utilization: float,
                max_model_len: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 8192,
-               max_num_seqs: int = 256) -> Sizing:
+               max_num_seqs: int = 256, mamba_ssm_cache_dtype: str = "auto") -> Sizing:
     if not isinstance(shape, ModelShape):
         raise InvalidArgumentError(f"shape must be a ModelShape (kvlab.sizing.hf_config.read_model_shape), got "
                                    f"{type(shape).__name__}")
@@ -106,6 +114,9 @@ def size_model(shape: ModelShape, *, kv_cache_dtype: str = "auto", gpu_memory: i
                         ("max_num_seqs", max_num_seqs)):
         check_int(name, value, 1, MAX_TOKENS)
     check_optional_int("max_model_len", max_model_len, 1, MAX_TOKENS)
+    if mamba_ssm_cache_dtype != "auto" and mamba_ssm_cache_dtype not in DTYPE_BYTES:
+        raise InvalidArgumentError(f"mamba_ssm_cache_dtype must be auto or one of {', '.join(DTYPE_BYTES)}, got "
+                                   f"{mamba_ssm_cache_dtype!r}")
     layout = shape.layout(resolve_kv_cache_dtype(kv_cache_dtype, shape))
     max_model_len = max_model_len or shape.max_position_embeddings
     weights, weights_source = weights_estimate(shape)
@@ -116,13 +127,23 @@ def size_model(shape: ModelShape, *, kv_cache_dtype: str = "auto", gpu_memory: i
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         element_bytes=DTYPE_BYTES[model_dtype])
     memory = kv_memory(gpu_memory, gpu_memory_utilization, weights, activations)
-    layouts = [(ENGINE, layout)]
+    state_bytes, state_formula, requested_block_size = 0, "", block_size
+    if shape.state_layers:
+        ssm_dtype = model_dtype if mamba_ssm_cache_dtype == "auto" else mamba_ssm_cache_dtype
+        state_bytes = (shape.conv_state_elements * DTYPE_BYTES[model_dtype]
+                       + shape.recurrent_state_elements * DTYPE_BYTES[ssm_dtype])
+        state_formula = (f"{shape.conv_state_elements:,} conv elements x {DTYPE_BYTES[model_dtype]} B "
+                         f"({model_dtype}) + {shape.recurrent_state_elements:,} recurrent elements x "
+                         f"{DTYPE_BYTES[ssm_dtype]} B ({ssm_dtype}) = {state_bytes:,} B")
+        block_size = aligned_block_size(state_bytes, layout.page_bytes(1), block_size)
+    layouts = [(VLLM_ONLY if shape.state_layers else ENGINE, layout)]
     if layout.is_hybrid:
         layouts.append((ALL_FULL, replace(layout, layer_windows=(None,) * layout.num_layers)))
     pools = []
     for name, pool_layout in layouts:
-        groups = kv_cache_groups(pool_layout, block_size)
+        groups = kv_cache_groups(pool_layout, block_size, shape.state_layers, state_bytes or None)
         config = KVCacheConfig(groups, kv_blocks(memory, bytes_per_block(groups)))
         pools.append(Pool(name, config, config.blocks_per_request(max_model_len, max_num_batched_tokens)))
     return Sizing(shape, layout, block_size, max_model_len, max_num_batched_tokens, max_num_seqs, gpu_memory,
-                  gpu_memory_utilization, weights, weights_source, activations, memory, tuple(pools))
+                  gpu_memory_utilization, weights, weights_source, activations, memory, tuple(pools),
+                  requested_block_size, state_bytes, state_formula)

@@ -2,6 +2,7 @@
 
 from collections import Counter
 
+from kvlab.sizing.groups import KERNEL_BLOCK_ALIGNMENT, aligned_block_size
 from kvlab.sizing.plan import Pool, Sizing
 
 ASSUMPTIONS = ("assumptions: the budget is gpu_memory_utilization of the GPU's memory; weights as stated above; "
@@ -14,6 +15,9 @@ HYBRID = ("hybrid model: kvlab's engine lays the cache out as vLLM V1 does: laye
           "group, so a block id costs a page in only group-size layers, a request takes blocks in every group, "
           "and the blocks a window group releases are memory every group can take. Every layer as full "
           "attention (vLLM's --disable-hybrid-kv-cache-manager) is shown for comparison.")
+STATE = ("hybrid state model: each state layer keeps one fixed state per request (no prefix-cache hits are "
+         "counted), in a page padded to the attention page, as vLLM lays it out; kvlab's engine does not serve "
+         "these models, so these are vLLM V1's figures only.")
 
 def _size(n: float) -> str:
     """``n`` bytes in the largest binary unit that keeps it >= 1 (``2.00 MiB``)."""
@@ -27,18 +31,20 @@ def _bytes(n: int) -> str:
     return f"{n:,} B ({_size(n)})"
 
 
-def _kind(window) -> str:
-    return "full" if window is None else f"sliding {window}"
+def _kind(spec) -> str:
+    return "state" if spec.kind == "mamba" else "full" if spec.sliding_window is None else f"sliding {spec.window}"
 
 
 def describe_layers(s: Sizing) -> str:
     layout, shape = s.layout, s.shape
     kinds = [f"{layout.full_layers} full attention"] if layout.full_layers else []
     kinds += [f"{count} sliding-window ({window} tokens)" for window, count in layout.windows.items()]
+    if shape.state_layers:
+        kinds.append(f"{len(shape.state_layers)} Mamba / linear attention (a fixed state per request)")
     heads = (f"MLA: one latent of {layout.mla_latent_dim} per token for {shape.num_heads} heads"
              if layout.mla_latent_dim else f"{shape.num_heads} query heads share {shape.num_kv_heads} kv heads")
     architecture = f" ({shape.architecture})" if shape.architecture else ""
-    return (f"{shape.name}: {shape.model_type}{architecture}, {layout.num_layers} layers: "
+    return (f"{shape.name}: {shape.model_type}{architecture}, {layout.num_layers + len(shape.state_layers)} layers: "
             f"{', '.join(kinds)}; {heads}")
 
 
@@ -55,10 +61,24 @@ def _token_lines(s: Sizing) -> list[str]:
     return lines
 
 
+def _state_lines(s: Sizing) -> list[str]:
+    if not s.state_bytes:
+        return []
+    page, b, token = s.layout.page_bytes(s.block_size), s.block_size, s.layout.bytes_per_token_per_layer
+    n, layers = KERNEL_BLOCK_ALIGNMENT, len(s.shape.state_layers)
+    needed = aligned_block_size(s.state_bytes, token, 1)
+    return [f"state per request and state layer: {s.state_formula}",
+            f"state per request, model: {s.state_bytes:,} B x {layers} state layers = "
+            f"{_bytes(s.state_bytes * layers)}",
+            f"attention block size: {b:,} tokens; a page must hold a state: {n} x cdiv({s.state_bytes:,} B, {n} x "
+            f"{token:,} B) = {needed:,} tokens at least (vLLM's alignment), {s.requested_block_size:,} asked for; "
+            f"a state page is padded from {s.state_bytes:,} B to {page:,} B"]
+
+
 def _block_lines(s: Sizing) -> list[str]:
     page, b = s.layout.page_bytes(s.block_size), s.block_size
-    lines = [f"per page (one layer, one block of {b} tokens): {s.layout.bytes_per_token_per_layer:,} B x {b} = "
-             f"{page:,} B"]
+    lines = [*_state_lines(s), f"per page (one layer, one block of {b} tokens): "
+             f"{s.layout.bytes_per_token_per_layer:,} B x {b} = {page:,} B"]
     for pool in s.pools:
         config = pool.config
         if len(config.groups) == 1:
@@ -87,11 +107,11 @@ def _memory_lines(s: Sizing) -> list[str]:
 
 def _per_request(pool: Pool, s: Sizing) -> str:
     """The blocks a request holds, group by group: ``8,192 (full) + 6 x 577 (sliding 1024)``."""
-    counts = Counter(group.sliding_window for group in pool.config.groups)
-    blocks = {group.sliding_window: group.blocks_per_request(s.max_model_len, s.max_num_batched_tokens)
+    counts = Counter(group.attention for group in pool.config.groups)
+    blocks = {group.attention: group.blocks_per_request(s.max_model_len, s.max_num_batched_tokens)
               for group in pool.config.groups}
-    return " + ".join(f"{'' if count == 1 else f'{count} x '}{blocks[window]:,} ({_kind(window)})"
-                      for window, count in counts.items())
+    return " + ".join(f"{'' if count == 1 else f'{count} x '}{blocks[spec]:,} ({_kind(spec)})"
+                      for spec, count in counts.items())
 
 
 def _pool_lines(s: Sizing) -> list[str]:
@@ -111,4 +131,4 @@ def _pool_lines(s: Sizing) -> list[str]:
 def format_sizing(s: Sizing, kv_dtype_note: str = "") -> str:
     lines = [describe_layers(s), f"KV cache dtype: {s.layout.dtype}{kv_dtype_note}", "", *_token_lines(s),
              *_block_lines(s), "", *_memory_lines(s), *_pool_lines(s), "", ASSUMPTIONS]
-    return "\n".join(lines + ([HYBRID] if len(s.pools) > 1 else []))
+    return "\n".join(lines + ([HYBRID] if len(s.pools) > 1 else []) + ([STATE] if s.state_bytes else []))
