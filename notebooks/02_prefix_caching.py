@@ -344,7 +344,7 @@ viz.check(fifo_evicted == x_blocks[:2] and stranded == x_blocks[2:3] and fifo_ag
 # > reuses never-cached free blocks first, then evicts the cached block accessed least recently, and among
 # > equally old ones the one ending the longest prefix, i.e. a chain's tail (`vllm/core/evictor.py`,
 # > `vllm/core/block/prefix_caching_block.py`). kvlab's default follows V0's first rule; it orders cached blocks
-# > by when they were freed, unless the engine records accesses with `access_all_blocks_in_seq(seq, now)` as
+# > by when they were freed, unless the engine records accesses with `touch(seq, now)` as
 # > V0's scheduler does. **V1** has no separate tier for never-cached blocks: one free queue, a finished
 # > request's blocks appended **tail first**, allocation popping from the head
 # > (`vllm/v1/core/kv_cache_utils.py`: `FreeKVCacheBlockQueue`; `vllm/v1/core/kv_cache_manager.py`: `free`).

@@ -58,9 +58,9 @@ import numpy as np
 
 from kvlab import Sequence, viz
 from kvlab.course import answer
-from kvlab.blocks.hybrid_manager import HybridBlockManager
+from kvlab.blocks.manager import HybridBlockManager
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
-from kvlab.blocks.kv_events import BlockStored, CachedHashes
+from kvlab.blocks.events import BlockStored, CachedHashes
 from kvlab.studies import hybrid_memory
 
 # Knobs: change them and run the notebook again. Checks that hold only for the defaults explain what changed.
@@ -266,7 +266,7 @@ viz.check(kvlab_before == vllm_before > kvlab_after and vllm_after == vllm_befor
 # > stops at the first run of `sliding_window_contiguous_blocks = cdiv(sliding_window - 1, block_size)`
 # > cached pages (2 here; one more with EAGLE), the keys the first computed token's window reaches; with no
 # > such run it keeps the cached pages from page 0 on. `vllm_hit_pages` above applies that rule to the pages
-# > the events say are cached. kvlab verifies every hit from page 0 (see `kvlab/blocks/group_planning.py`), so
+# > the events say are cached. kvlab verifies every hit from page 0 (see `kvlab/blocks/manager.py`), so
 # > a window group whose early pages were evicted serves no hit, where vLLM still hits as long as the pages
 # > under the window survive. vLLM's hit shrinks only to the last 2 neighbouring pages the window group still
 # > caches: with a 16-token second prompt (a 3-page hit at most) and a burst that took pages 0-2, it would

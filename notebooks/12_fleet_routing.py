@@ -69,7 +69,7 @@ import pandas as pd
 
 from kvlab import BlockManager, Sequence, viz
 from kvlab.course import answer
-from kvlab.blocks.kv_events import CachedHashes
+from kvlab.blocks.events import CachedHashes
 from kvlab.studies.fleet_cli import ROUTER_COLORS, plot_fleet
 from kvlab.studies.fleet_study import fleet_study
 from kvlab.studies.reuse import reuse_profile

@@ -248,7 +248,7 @@ plt.show()
 # > `request.num_tokens`. After the pass, `Scheduler.update_from_output` (`vllm/v1/core/sched/scheduler.py`)
 # > subtracts the rejected drafts from `request.num_computed_tokens`, the roll-back shown here. kvlab does the
 # > same with explicit calls, `append_slots(seq, num_draft_tokens=k)` and `accept_drafts(seq, num_accepted)`
-# > (the docstring of `kvlab/blocks/drafts.py` compares the two step by step).
+# > (the docstring of `kvlab/blocks/group_manager.py` compares the two step by step).
 
 # %% [markdown]
 # ## 2. Why an unverified block must not be hashed: the wrong hit

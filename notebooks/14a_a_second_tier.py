@@ -21,7 +21,7 @@
 #
 # **Objectives.** After this notebook you can:
 # 1. follow a block through both tiers: a GPU eviction that *offloads* it, a lookup that *promotes* it back,
-#    and the copies (`take_tier_moves()`) an engine applies before the forward pass;
+#    and the copies (`allocate(...).tier_moves`) an engine applies before the forward pass;
 # 2. read per-tier hit rates (GPU hit, tier hit, miss) on the Mooncake conversation trace as the tier grows,
 #    for LRU, ARC and a reuse filter, and say why the filter helps a small tier and hurts a large one.
 
@@ -107,7 +107,7 @@ OFFLOAD, PROMOTE = "#e15759", "#59a14f"                 # arrow colours: GPU -> 
 # * **D**: another new prompt. The tier is full, so its replacement policy drops an entry to take in B's first
 #   block; blocks the tier already holds (a promoted block keeps its CPU copy) are not copied again.
 #
-# The manager hands the copies out with `take_tier_moves()`: `("offload", gpu_block, cpu_slot)` and
+# Each call returns the copies it made (`allocate(seq).tier_moves`): `("offload", gpu_block, cpu_slot)` and
 # `("promote", cpu_slot, gpu_block)`, in the order an engine must apply them, before the step's forward pass.
 # Each panel shows the pool right after one `allocate` (blue: in use; orange: free but cached), the tier
 # under it, and that call's copies as arrows (red: offload, green: promote). The labels name each block's
@@ -125,8 +125,7 @@ steps = []
 for name, tokens in PROMPTS.items():
     before = [content.get(m.block_hash(b)) for b in range(m.num_blocks)]  # GPU contents before the call
     seq = Sequence(tokens, BS)
-    m.allocate(seq)
-    moves = m.take_tier_moves()
+    moves = m.allocate(seq).tier_moves
     for kind, src, dst in moves:               # an offload reads the GPU block before this call rewrote it
         if kind == "offload":
             tier[dst] = before[src]

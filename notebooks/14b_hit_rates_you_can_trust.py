@@ -410,7 +410,7 @@ print(f"this run's tier counters: {tier_run}")
 # > counters its metric loggers export (`vllm:prefix_cache_queries`, `vllm:prefix_cache_hits`) add `queries` and
 # > `hits` only. The connector's hits (the CPU tier) are counted apart, in `SchedulerStats`'
 # > `connector_prefix_cache_stats`. kvlab's names: `recomputed_queried_tokens` / `recomputed_tokens` in
-# > `PrefixCacheStats`, per-tier counters in `tier_stats`, `get_prefix_cache_hit_rate("gpu" | "cpu")`.
+# > `PrefixCacheStats`, per-tier counters in `tier_stats`, `get_prefix_cache_hit_rate("gpu" | "cpu")` on vLLM V0's `BlockSpaceManager` (`kvlab.blocks.vllm_v0`).
 
 # %% [markdown]
 # ## 3. Beyond one pool: cache-aware admission and a tier shared by a fleet

@@ -144,7 +144,7 @@ grade("can_allocate", can_allocate)
 # > **In vLLM.** V1 keeps one free queue (`FreeKVCacheBlockQueue`, a doubly linked list in
 # > `vllm/v1/core/kv_cache_utils.py`): the block pool's `free_blocks` appends blocks whose count drops to 0 at
 # > its end, and allocation takes from its front. Putting never-cached blocks first is vLLM V0's order, which
-# > kvlab's LRU keeps (`kvlab/blocks/eviction/lru.py`).
+# > kvlab's LRU keeps (`kvlab/blocks/eviction.py`).
 
 # %%
 spec("lru_policy")

@@ -27,18 +27,16 @@ from kvlab.studies.traces import PromptTokens, load_trace
 def replay_kvlab(token_lists, num_blocks: int, block_size: int, **tier) -> dict:
     """``tier``: BlockManager's offload-tier options (none: a single tier)."""
     manager = BlockManager(num_blocks, block_size, **tier)
-    take_moves = manager.take_tier_moves if tier else None
     blocks = skipped = 0
     cpu_start = time.process_time()
     for tokens in token_lists:
         seq = Sequence(tokens, block_size)
-        if manager.can_allocate(seq) is not AllocStatus.OK:
+        hit = manager.lookup(seq)  # once, as the V1 scheduler does (the tier's copies allocate returns are dropped)
+        if manager.can_allocate(seq, hit=hit) is not AllocStatus.OK:
             skipped += 1
             continue
-        manager.allocate(seq)
+        manager.allocate(seq, hit=hit)
         manager.free(seq)
-        if take_moves is not None:
-            take_moves()
         blocks += seq.num_blocks
     cpu = time.process_time() - cpu_start
     return dict(blocks=blocks, skipped=skipped, us_per_block=cpu / blocks * 1e6, hit_rate=manager.stats.hit_rate)

@@ -1,27 +1,153 @@
-"""The GPU pool: fixed-size blocks with reference counts, the free blocks' reuse order, and its prefix index.
-
-Per-block state lives in parallel lists indexed by block id (cheaper than an object per block, and every
-operation below is O(1) in the pool size). A block is in exactly one of two states:
-    used: ref_count > 0, referenced by that many block-table entries;
-    free: ref_count == 0, owned by the eviction policy, which decides the reuse order.
-What each block holds (sealed content, hittable or not) is the pool's ``PrefixIndex``'s business
-(kvlab.blocks.prefix_index: lookup, seal, evict): a free cached block is "warm": a hit takes it back, reusing
-it for new content evicts it from the index, and the pool reports what was evicted to its sink.
-
-Changing a block's state takes two calls: the policy side first, inside ``transaction()`` (user code that
-may fail and is undone), then the bookkeeping side (``fill``, ``claim``, ``drop``), which cannot fail.
+"""The GPU pool: reference counts, the free blocks' reuse order (an eviction policy, kvlab.blocks.eviction)
+and its prefix index, with the transaction that makes a call's policy calls undoable.
 """
 
 from collections import Counter
+from contextlib import contextmanager
 from operator import itemgetter
 from typing import Optional
 
-from kvlab.blocks.event_sink import EventSink
-from kvlab.blocks.eviction import EvictionPolicy
-from kvlab.blocks.policy_transaction import policy_transaction
-from kvlab.blocks.prefix_index import ROOT, Evicted, PrefixIndex
-from kvlab.errors import InvariantViolation
+from kvlab.blocks.events import EventSink
+from kvlab.blocks.eviction import BUILTIN_POLICIES, EvictionPolicy
+from kvlab.blocks.prefix_cache import Evicted, PrefixIndex, ROOT
+from kvlab.errors import EvictionPolicyError, InvariantViolation, KvlabError
+from kvlab.validation import is_int
 
+
+# ==== policy_transaction ==================================================================================
+# Calls into the eviction policy that can be taken back.
+#
+# The eviction policy may be user code, and any of its methods may raise. So every operation of the manager
+# makes all of its policy calls first, through one ``PolicyTransaction``, and only then changes its own
+# bookkeeping (which cannot fail). When a policy call raises, the calls that already succeeded are undone in
+# reverse order and ``EvictionPolicyError`` is raised: the free set holds exactly the blocks it held before
+# and nothing else changed. (What a policy keeps privately, such as hit counts or the place of an undone
+# block in its order, is its own business.)
+#
+# kvlab's own policies never raise on a valid call, so their fast batch methods are used as they are and
+# nothing is journaled. Any other policy is driven one block at a time (its batch methods are documented to
+# equal those loops), so that exactly the calls that succeeded are undone, and every block it hands out is
+# checked.
+
+class PolicyTransaction:
+    def __init__(self, pool):
+        self._pool = pool
+        self._policy = pool.policy
+        self._trusted = type(pool.policy) in BUILTIN_POLICIES
+        self._undo = []   # (method, blocks, cached flags) that reverses each successful call
+        self._seen = set()  # blocks popped or revived in this transaction (checks an untrusted policy)
+        self._added = set()  # blocks freed in this transaction: free, though their counts drop only after it
+        self.calling = ""   # the policy method being called, for the error message
+
+    def revive(self, blocks) -> None:
+        """Free blocks leave the free set without being reused (prefix hits take them back)."""
+        registered, remove = self._pool.index.registered, self._policy.remove
+        self.calling = "remove"
+        for block in blocks:
+            remove(block)
+            if not self._trusted:
+                self._undo.append(("add", [block], [registered[block]]))
+                self._seen.add(block)
+
+    def pop(self, count: int) -> list:
+        """``count`` free blocks to reuse, in the policy's order."""
+        if not count:
+            return []
+        if self._trusted:  # nothing in a transaction with a trusted policy can fail: no undo to record
+            self.calling = "pop_many"
+            return self._policy.pop_many(count)
+        registered = self._pool.index.registered
+        self.calling = "pop"
+        taken = []
+        for _ in range(count):
+            block = self._policy.pop()
+            self._check_popped(block)
+            self._undo.append(("add", [block], [registered[block]]))
+            taken.append(block)
+        return taken
+
+    def add(self, blocks, cached) -> None:
+        """``blocks`` become free; ``cached[i]`` says whether block i holds a hittable prefix."""
+        if not blocks:
+            return
+        if self._trusted:
+            self.calling = "add_many"
+            self._policy.add_many(blocks, cached)
+            return
+        self.calling = "add"
+        for block, is_cached in zip(blocks, cached):
+            self._policy.add(block, is_cached)
+            self._undo.append(("remove", [block], None))
+            self._added.add(block)
+
+    def hits(self, blocks) -> None:
+        listener = self._pool.hit_listener
+        if listener is not None:
+            self.calling = "on_hit"
+            for block in blocks:
+                listener(block)
+
+    def access(self, blocks, now) -> None:
+        listener = self._pool.access_listener
+        if listener is not None:
+            self.calling = "on_access"
+            for block in blocks:
+                listener(block, now)
+
+    def rollback(self) -> None:
+        policy = self._policy
+        for method, blocks, cached in reversed(self._undo):
+            if method == "add":
+                for block, is_cached in zip(blocks, cached):
+                    policy.add(block, is_cached)
+            else:
+                for block in blocks:
+                    policy.remove(block)
+        self._undo.clear()
+
+    def _check_popped(self, block) -> None:
+        pool = self._pool
+        if not (is_int(block) and pool.first_block <= block < pool.num_blocks
+                and (not pool.ref[block] or block in self._added) and block not in self._seen):
+            raise EvictionPolicyError(f"pop() returned {block!r}, which is not a free block of this pool")
+        self._seen.add(block)
+
+
+@contextmanager
+def policy_transaction(pool):
+    """``with policy_transaction(pool) as txn:`` make the operation's policy calls; on any exception they
+    are undone and an EvictionPolicyError (chained to the cause) is raised."""
+    txn = PolicyTransaction(pool)
+    try:
+        yield txn
+    except BaseException as error:
+        name = type(pool.policy).__name__
+        try:
+            txn.rollback()
+        except Exception as again:
+            raise EvictionPolicyError(
+                f"{name}.{txn.calling} raised {type(error).__name__}: {error}; undoing the calls before it "
+                f"raised {type(again).__name__}: {again}. The manager's records are unchanged, but the policy's "
+                "free set may not be: check_invariants() will say") from error
+        if isinstance(error, KvlabError) or not isinstance(error, Exception):
+            raise  # our own check failed (already explained), or KeyboardInterrupt & co.
+        raise EvictionPolicyError(f"{name}.{txn.calling} raised {type(error).__name__}: {error}; the "
+                                  "operation was undone and the manager is unchanged") from error
+
+
+# ==== block_pool ==========================================================================================
+# The GPU pool: fixed-size blocks with reference counts, the free blocks' reuse order, and its prefix index.
+#
+# Per-block state lives in parallel lists indexed by block id (cheaper than an object per block, and every
+# operation below is O(1) in the pool size). A block is in exactly one of two states:
+#     used: ref_count > 0, referenced by that many block-table entries;
+#     free: ref_count == 0, owned by the eviction policy, which decides the reuse order.
+# What each block holds (sealed content, hittable or not) is the pool's ``PrefixIndex``'s business
+# (kvlab.blocks.prefix_cache: lookup, seal, evict): a free cached block is "warm": a hit takes it back, reusing
+# it for new content evicts it from the index, and the pool reports what was evicted to its sink.
+#
+# Changing a block's state takes two calls: the policy side first, inside ``transaction()`` (user code that
+# may fail and is undone), then the bookkeeping side (``fill``, ``claim``, ``drop``), which cannot fail.
 
 class BlockPool:
     def __init__(self, num_blocks: int, policy: EvictionPolicy, first_block: int, sink: Optional[EventSink],
@@ -36,8 +162,8 @@ class BlockPool:
                                 else None)
         self.first_block = first_block    # blocks below it are reserved (the sliding window's null block)
         self.num_free = num_blocks - first_block  # the pool's own count: never trusts len(policy)
-        self.sink = sink  # the manager's EventSink (kvlab.blocks.event_sink), None when nobody listens
-        self.tier = None  # the OffloadTier evicted blocks are offered to (kvlab.blocks.offload_tier), if any
+        self.sink = sink  # the manager's EventSink (kvlab.blocks.events), None when nobody listens
+        self.tier = None  # the OffloadTier evicted blocks are offered to (kvlab.blocks.tiers), if any
         self.evictions = 0
         policy.add_many(list(range(first_block, num_blocks)), [False] * self.num_free)
 
@@ -82,7 +208,7 @@ class BlockPool:
 
     def unseal(self, blocks) -> None:
         """``blocks`` (each in use by the one sequence about to overwrite it) stop holding sealed content: the
-        cached ones leave the index, reported to the sink as evicted (kvlab.blocks.drafts); never offered to the
+        cached ones leave the index, reported to the sink as evicted (kvlab.blocks.group_manager); never offered to the
         offload tier, which keeps free cached blocks the pool reuses."""
         self._evict(blocks)
         self.index.clear(blocks)

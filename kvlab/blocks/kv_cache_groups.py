@@ -3,7 +3,7 @@
 A model that mixes layer kinds (Gemma 2/3: 5 sliding-window layers to 1 full; gpt-oss: alternating 128-token
 windows and full attention) gets one group per kind, in the manner of vLLM V1's ``KVCacheGroupSpec``: every
 group has its own block table per sequence and its own prefix-hit rule, and all groups draw equal-size pages
-from one pool (``kvlab.blocks.hybrid_manager``). A spec says what a group's queries can see, which decides
+from one pool (``kvlab.blocks.manager``). A spec says what a group's queries can see, which decides
 which blocks it must keep and which cached blocks a hit needs:
 
     FullAttentionSpec       every key before the query: keeps every block; a hit needs every block before it
@@ -12,7 +12,7 @@ which blocks it must keep and which cached blocks a hit needs:
 
 A spec is also its group's planner: its release rule (``first_live_block``: which leading blocks no query can
 see any more) and what that rule costs at the peak (``least_peak_blocks``) are its methods, so the block manager
-asks the spec instead of branching on the kind of attention (kvlab.blocks.planning). Its hit rule is the
+asks the spec instead of branching on the kind of attention (kvlab.blocks.group_manager). Its hit rule is the
 release rule at the first query: the prefix lookup is the same for every spec (cached blocks from block 0
 on, each chain verified), and of a hit of h blocks a group keeps those from ``first_live_block(h *
 block_size)`` on; the others prove the chain without being pinned. Its ``blocks_per_request`` is what vLLM

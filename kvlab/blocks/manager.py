@@ -1,73 +1,775 @@
-"""The block manager: which physical KV blocks each sequence's tokens live in.
+"""The block manager: which physical KV blocks each sequence's tokens live in (vLLM V1's ``KVCacheManager`` and
+its coordinator, in one class over one ``GroupManager`` per KV cache group).
+
+A call, end to end (admitting a prompt with a prefix hit, as the V1 scheduler does)::
+
+    hit = manager.lookup(seq)                               one lookup per group: a PrefixHit value
+    manager.can_allocate(seq, num_new_tokens=k, hit=hit)    OK / LATER / NEVER, from the same hit
+    admitted = manager.allocate(seq, num_new_tokens=k, hit=hit)
+        -> each group plans from its hits (kvlab.blocks.group_manager), the room is checked, every group's
+           eviction-policy calls run in one transaction (kvlab.blocks.block_pool), then each group records the
+           sequence; the value returned names the new blocks per group and the offload tier's copies
 
 Engine ordering rule (the prefix cache relies on it): within a forward pass, every layer writes the new
-tokens' K/V into their slots (``reshape_and_cache``) *before* that layer's attention reads the cache. That
-is why a full block becomes hittable as soon as the step that writes its last token is scheduled (prompt
-blocks when ``allocate`` returns, a decode block when ``append_slots`` seals it): a request that hits it in
-the same step reads K/V that the same forward pass has already written. A block whose tokens are still to be
-computed (the rest of a chunked prompt) is never hittable. The flip side, as in vLLM V1: once ``allocate`` or
-``append_slots`` returned, the step that writes those slots must run before the sequence is freed.
-
-Chunked prompts (vLLM V1's ``allocate_slots(request, num_new_tokens)``): ``allocate(seq, num_new_tokens=k)``
-looks up prefix hits once and gives slots to the hits plus the next k prompt tokens; each later step's
-``append_slots(seq, num_new_tokens=k)`` gives slots to the next k tokens without one (None: all of them,
-today's whole-prompt and decode behaviour). How far the sequence got is its own ``seq.num_computed_tokens``:
-these calls advance it, ``free`` resets it, ``check_invariants`` audits it (``num_scheduled_tokens(seq)`` reads it).
-
-Sliding window W: a step whose first new token sits at position p attends to keys from p - W + 1 on, so a
-block is released only once it lies wholly before that, at the start of the next step that moves p past it
-(never while a query of the current step can still see it).
+tokens' K/V into their slots before that layer's attention reads the cache. So a full block becomes hittable as
+soon as the step that writes its last token is scheduled (prompt blocks when ``allocate`` returns, a decode
+block when ``append_slots`` seals it), and once ``allocate`` or ``append_slots`` returned, the step that writes
+those slots must run before the sequence is freed.
 
 Lifecycle: ``allocate`` (RUNNING) -> ``append_token`` + ``append_slots`` per step -> ``free`` (FINISHED, or
-WAITING with ``preempted=True``); ``fork`` shares a running sequence's blocks with a new child;
-``swap_out`` (SWAPPED) / ``swap_in`` (RUNNING) move it to the CPU pool and back. The manager decides what is
-valid from its own records, never from a status a caller set. Every public method holds one lock, so
-threads may share a manager (each Sequence belongs to one thread at a time). A failed call changes nothing.
+WAITING with ``preempted=True``); ``fork`` shares a running sequence's blocks with a new child; ``swap_out``
+(SWAPPED) / ``swap_in`` (RUNNING) move it to the CPU pool and back. Chunked prompts: ``allocate(seq,
+num_new_tokens=k)`` gives slots to the hits plus the next k prompt tokens, each later ``append_slots(seq,
+num_new_tokens=k)`` to the next k. A sequence's progress (``num_computed_tokens``, ``num_draft_tokens``,
+``prefill_end``, ``num_cached_tokens``) and status are its own fields, written here in one place per call
+(``_scheduled``, ``_forget``), never per group; the manager decides what is valid from its own records.
 
-``BlockManager`` is a group's core and the coordinator of that one group: ``BlockManager(Coordinator, GroupCore,
-VLLMV0Interface)``. The lifecycle calls (``allocate``, ``append_slots``, ``accept_drafts``, ``free``, ``fork``;
-``swap_out`` / ``swap_in`` in kvlab.blocks.manager_swap) and the queries (kvlab.blocks.coordinator_queries) are
-the coordinator's (kvlab.blocks.coordinator), written once for any number of groups; the group's halves of
-them (plan first, bookkeeping after the coordinator's policy calls: admission, a step's growth, drafts'
-verification, free, fork) and its own queries are ``GroupCore``'s (kvlab.blocks.group_core), which a hybrid
-manager's groups are too. This module gives the coordinator its one group, itself, and its views of a sequence:
-the sequence itself. vLLM V0's interface and the encoder-decoder cross-attention tables, which only a
-one-group manager has, are kvlab.blocks.vllm_v0's. Its state is created in one place (kvlab.blocks.manager_state,
-where its constructor lives), and every part reports its changes to the manager's one event sink
-(kvlab.blocks.event_sink), when anything listens.
+Every call is planned in every group, checked, and only then acted on, so a failed call changes nothing in any
+group; every public method holds one re-entrant lock, and KV events reach subscribers only after the outermost
+call's whole change. A hybrid model (``HybridBlockManager``: full and sliding-window layers) is the same class
+with several groups drawing pages from one pool; each group is a namespace of the prefix index (vLLM's
+``BlockHashWithGroupId``), and the hit is the longest prefix every group serves.
 """
 
-from kvlab.blocks.coordinator import Coordinator
-from kvlab.blocks.group_core import GroupCore
-from kvlab.blocks.group_manager import GroupManager
-from kvlab.blocks.locking import serialized
-from kvlab.blocks.manager_state import MAX_BLOCKS, NULL_BLOCK
-from kvlab.blocks.records import AllocStatus, PrefixCacheStats
-from kvlab.blocks.vllm_v0 import VLLMV0Interface
+import dataclasses
+import functools
+import threading
+from collections import Counter
+from typing import NamedTuple, Optional
 
-__all__ = ["BlockManager", "AllocStatus", "PrefixCacheStats", "NULL_BLOCK", "MAX_BLOCKS"]
+from kvlab.blocks.block_pool import BlockPool
+from kvlab.blocks.eviction import make_policy
+from kvlab.blocks.events import EventLog, GroupSink, KVCacheMetricsCollector, KVEventPublisher, make_sink
+from kvlab.blocks.group_manager import NULL_BLOCK, CrossTable, GroupManager, check_cross_tables, check_sequence, \
+    least_peak_blocks
+from kvlab.blocks.kv_cache_groups import check_group_specs, spec_for
+from kvlab.blocks.prefix_cache import PrefixIndex, prompt_blocks
+from kvlab.blocks.records import AllocStatus, PrefixCacheStats
+from kvlab.blocks.sequence import Sequence, SequenceStatus, allocation_record, check_block_size, copy_tokens, \
+    set_allocation_record, token_buffer
+from kvlab.blocks.tiers import SwapSpace, check_offload_options, is_shared, make_tier
+from kvlab.errors import InvalidArgumentError, InvariantViolation, OutOfBlocksError, SequenceStateError
+from kvlab.validation import check_int, check_number
+
+__all__ = ["BlockManager", "HybridBlockManager", "PrefixHit", "Admitted", "BlockCopies", "AllocStatus",
+           "PrefixCacheStats", "NULL_BLOCK", "MAX_BLOCKS"]
+
+#: Largest pool (GPU or CPU): the manager keeps ~100 bytes of Python state per block (2**24 blocks: ~2 GB).
+MAX_BLOCKS = 1 << 24
+
+
+class PrefixHit(NamedTuple):
+    """What ``lookup(seq)`` found: the hit every group serves, to pass to ``can_allocate`` and ``allocate``."""
+    seq_id: int
+    num_tokens: int     # tokens of the hit: len(tier_hits) + every group's len(hits), times block_size
+    hashes: list        # the prompt's full blocks' hashes and bytes (what the groups seal after the hit)
+    contents: list
+    hits: tuple         # per group: the cached GPU blocks of its first full blocks, cut to the common hit
+    content_ids: tuple  # per group: what each hit block held when looked up (a stale hit is refused)
+    tier_hits: tuple    # offload-tier slots continuing the GPU hits (a one-group manager's tier)
+    tier_content_ids: tuple  # what each of those slots held
+    num_external_tokens: int = 0  # KV a connector would load (disaggregated prefill): the seam, none today
+
+
+class Admitted(NamedTuple):
+    """What ``allocate`` did: the tokens hit, each group's new blocks, and the offload tier's copies to apply
+    before the step's forward pass (``("promote", cpu_slot, gpu_block)``, ``("offload", gpu_block, cpu_slot)``)."""
+    num_cached_tokens: int
+    new_blocks: tuple
+    tier_moves: list
+
+
+class BlockCopies(list):
+    """The (src, dst) copies a call returns (copy-on-write pairs, swap mappings), every group's, group after
+    group; ``tier_moves``: the offload tier's copies the same call made, to apply first."""
+    tier_moves: list = []
+
+
+class SharedParts(NamedTuple):
+    """What every KV cache group of a manager stands on (``_shared_parts`` checks the settings and builds it)."""
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool
+    hash_fn: object
+    pool: BlockPool
+    swap: SwapSpace
+    tier: object           # the offload tier for evicted cached blocks (kvlab.blocks.tiers), or None
+    usable: int            # blocks one sequence can hold at most: the pool less the null block, if reserved
+    watermark_blocks: int  # kept free at admission
+    sink: object           # every change is reported here (kvlab.blocks.events); None when nobody listens
+    events: Optional[list]  # the teaching Event log's list (None when off)
+    kv_events: Optional[KVEventPublisher]  # vLLM's KV-event stream (None when off)
+
+
+def _shared_parts(num_blocks, block_size, *, num_cpu_blocks, watermark, enable_prefix_caching, sliding_window,
+                  hash_fn, eviction, record_events, kv_events, groups=None, num_offload_blocks=0,
+                  offload_policy="lru", offload_admission="always", kv_cache_metrics=None,
+                  shared_tier=None) -> SharedParts:
+    """Check a manager's settings (InvalidArgumentError says which is wrong) and build its shared parts."""
+    block_size = check_block_size(block_size)
+    num_blocks = check_int("num_blocks", num_blocks, 2 if sliding_window is not None else 1, MAX_BLOCKS)
+    check_int("num_cpu_blocks", num_cpu_blocks, 0, MAX_BLOCKS)
+    check_number("watermark", watermark, 0, 1, max_open=True)
+    if sliding_window is not None:
+        check_int("sliding_window", sliding_window, 1)
+    check_int("num_offload_blocks", num_offload_blocks, 0, MAX_BLOCKS)
+    check_offload_options(offload_policy, offload_admission)
+    if shared_tier is not None and (not is_shared(shared_tier) or num_offload_blocks):
+        raise InvalidArgumentError(f"shared_tier must be a tier from kvlab.blocks.tiers.make_shared_tier, with "
+                                   f"num_offload_blocks=0 (one tier per manager), got {shared_tier!r} and "
+                                   f"num_offload_blocks={num_offload_blocks}")
+    if (num_offload_blocks or shared_tier is not None) and (sliding_window is not None or not enable_prefix_caching):
+        raise InvalidArgumentError("num_offload_blocks needs prefix caching on and no sliding_window (the tier "
+                                   "holds cached full-attention blocks); got "
+                                   f"enable_prefix_caching={enable_prefix_caching!r}, "
+                                   f"sliding_window={sliding_window!r}")
+    if kv_cache_metrics is not None and not isinstance(kv_cache_metrics, KVCacheMetricsCollector):
+        raise InvalidArgumentError("kv_cache_metrics must be a KVCacheMetricsCollector (kvlab.blocks.events) "
+                                   f"or None, got {type(kv_cache_metrics).__name__}")
+    if hash_fn is not None and not callable(hash_fn):
+        raise InvalidArgumentError("hash_fn must be callable as hash_fn(parent_hash_or_None, token_ids)")
+    eviction = make_policy(eviction)
+    log = EventLog() if record_events else None
+    publisher = KVEventPublisher(block_size, groups) if kv_events else None  # vLLM's KV events, for routers
+    sink = make_sink(log, publisher, kv_cache_metrics)
+    first_block = NULL_BLOCK + 1 if sliding_window is not None else 0
+    index = PrefixIndex(num_blocks, shared_tier.index.ids if shared_tier is not None else None,
+                        num_groups=len(groups) if groups else 1)  # one namespace per KV cache group
+    pool = BlockPool(num_blocks, eviction, first_block, sink, index)
+    tier = shared_tier if shared_tier is not None else make_tier(num_offload_blocks, pool.index, offload_policy,
+                                                                 offload_admission)
+    if tier is not None:
+        pool.tier = tier
+        if shared_tier is None:  # a shared tier reports to no replica's sink
+            tier.sink = sink
+    return SharedParts(block_size, num_blocks, bool(enable_prefix_caching), hash_fn, pool, SwapSpace(num_cpu_blocks),
+                       tier, num_blocks - first_block, int(watermark * num_blocks), sink,
+                       log.events if record_events else None, publisher)
+
+
+def serialized(cls):
+    """Make every public method ``cls`` defines hold ``self._lock`` (re-entrant: public methods call each other);
+    the outermost call delivers the KV events it queued once its whole change is made, outside the lock."""
+    def locked(method):
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            try:
+                with self._lock:
+                    return method(self, *args, **kwargs)
+            finally:
+                if self._kv_queue and not self._lock._is_owned():
+                    self.kv_events.deliver()
+        return call
+    for name, member in list(vars(cls).items()):
+        if callable(member) and not name.startswith("_"):
+            setattr(cls, name, locked(member))
+    return cls
 
 
 @serialized
-class BlockManager(Coordinator, GroupCore, VLLMV0Interface):
-    """The coordinator (kvlab.blocks.coordinator) of one KV cache group: itself, a ``GroupCore``. Its lifecycle
-    calls (``allocate``, ``append_slots``, ``free``, ``fork``, swapping) and queries are the coordinator's,
-    driving its own halves (kvlab.blocks.group_core) through ``GroupManager(self)``; a sequence is its own
-    group's view."""
+class BlockManager:
+    """``BlockManager(num_blocks, block_size=16, *, sliding_window=None, ...)``: one KV cache group (full
+    attention, or a sliding window of ``sliding_window`` tokens); ``HybridBlockManager`` has several."""
 
-    def _join(self, *args, **kwargs) -> None:
-        super()._join(*args, **kwargs)
-        self._members = (GroupManager(self),)
+    def __init__(self, num_blocks: int, block_size: int = 16, *, num_cpu_blocks: int = 0, watermark: float = 0.0,
+                 enable_prefix_caching: bool = True, sliding_window: Optional[int] = None, hash_fn=None,
+                 eviction="lru", record_events: bool = False, kv_events: bool = False, num_offload_blocks: int = 0,
+                 offload_policy: str = "lru", offload_admission: str = "always",
+                 kv_cache_metrics: Optional[KVCacheMetricsCollector] = None, shared_tier=None):
+        parts = _shared_parts(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, watermark=watermark,
+                              enable_prefix_caching=enable_prefix_caching, sliding_window=sliding_window,
+                              hash_fn=hash_fn, eviction=eviction, record_events=record_events, kv_events=kv_events,
+                              num_offload_blocks=num_offload_blocks, offload_policy=offload_policy,
+                              offload_admission=offload_admission, kv_cache_metrics=kv_cache_metrics,
+                              shared_tier=shared_tier)
+        self._setup(parts, [spec_for(sliding_window)])
+        self.kv_cache_metrics = kv_cache_metrics  # residency metrics (kvlab.blocks.events), or None
 
-    # ---- the coordinator's views of a sequence: itself, in the one group -----------------------------------
-    def _views(self, seq):
-        return (seq,)
+    def _setup(self, parts: SharedParts, specs) -> None:
+        self.block_size, self.num_blocks = parts.block_size, parts.num_blocks
+        self.enable_prefix_caching, self.hash_fn = parts.enable_prefix_caching, parts.hash_fn
+        self.events, self.kv_events = parts.events, parts.kv_events
+        self.sliding_window = specs[0].sliding_window if len(specs) == 1 else None
+        self.stats = PrefixCacheStats()  # allocate's lookups, cumulative (the hit every group serves)
+        self._stats_mark = PrefixCacheStats()  # a copy of ``stats`` at the last make_prefix_cache_stats()
+        self._pool, self._swap, self._tier, self._sink = parts.pool, parts.swap, parts.tier, parts.sink
+        self._usable, self._watermark_blocks = parts.usable, parts.watermark_blocks
+        several = len(specs) > 1  # then each group's reports carry its group
+        self._groups = [GroupManager(spec, g, parts, GroupSink(parts.sink, g) if several and parts.sink else
+                                     parts.sink) for g, spec in enumerate(specs)]
+        self._cross: dict = {}  # root Sequence -> its request group's CrossTable (encoder-decoder, one group only)
+        self._lock = threading.RLock()
+        self._kv_queue = parts.kv_events.queue if parts.kv_events is not None else ()
 
-    def _gpu_views(self, seq):
-        self._on_gpu(seq)
-        return (seq,)
+    # ---- the prefix lookup ------------------------------------------------------------------------------
+    def lookup(self, seq: Sequence) -> PrefixHit:
+        """The prompt's cached prefix, once per group: its first full blocks each group holds (then the offload
+        tier's), cut to the hit every group serves, at most all but the last token (always computed). Pure."""
+        self._check_block_size(check_sequence(seq))
+        if token_buffer(seq) is None:
+            raise SequenceStateError(f"sequence {seq.seq_id} is a decode-only copy without its tokens")
+        groups = self._groups
+        if not self.enable_prefix_caching or not seq.num_tokens:
+            return PrefixHit(seq.seq_id, 0, [], [], tuple([] for _ in groups), ((),) * len(groups), (), ())
+        hashes, contents = prompt_blocks(seq, self.block_size, self.hash_fn)
+        limit = (seq.num_tokens - 1) // self.block_size
+        found = []
+        for group in groups:  # each lookup is prefix-closed, so cutting at the last group's hit is the common hit
+            hits, tier_hits = group.find_hits(hashes, contents, limit)
+            found.append(hits)
+            limit = len(hits) + len(tier_hits)
+        hits = tuple(group_hits[:limit] for group_hits in found) if len(groups) > 1 else (found[0],)
+        content = self._pool.index.content
+        return PrefixHit(seq.seq_id, limit * self.block_size, hashes, contents, hits,
+                         tuple(tuple(content[block] for block in group_hits) for group_hits in hits), tier_hits,
+                         tuple(self._tier.index.content[slot] for slot in tier_hits) if tier_hits else ())
 
-    _new_views = _views
+    def get_num_cached_tokens(self, seq: Sequence) -> int:
+        """Tokens of ``seq``'s leading full blocks the prefix cache (every group's, and the offload tier) holds
+        now: ``lookup(seq).num_tokens``. For allocated and waiting sequences."""
+        return self.lookup(seq).num_tokens
 
-    def _fork_views(self, child, num_groups: int):
-        return (child,)
+    # ---- admission and allocation -----------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence, num_lookahead_slots: int = 0, encoder_seq=None, *,
+                     num_new_tokens: Optional[int] = None, hit: Optional[PrefixHit] = None) -> AllocStatus:
+        """Whether ``allocate(seq, encoder_seq, num_new_tokens=..., hit=...)`` (plus ``num_lookahead_slots``
+        later) fits, every group's blocks counted. A hit on a block in use costs nothing; a hit on a free cached
+        block takes it out of the free pool. OK and LATER are about this step (keeping the watermark free);
+        NEVER: the prompt can never be finished here, however it is chunked. ``hit``: ``lookup(seq)``'s
+        answer (None: looked up here)."""
+        self._check_unallocated(seq)
+        lookahead = check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        cross = self._cross_blocks(seq, encoder_seq)
+        plans = self._plan_admission(seq, self._checked_hit(seq, hit), lookahead, num_new_tokens)
+        return self._admission(sum(plan.peak_blocks for plan in plans) + cross,
+                               _hit_pins(self._pool, plans)[2] + cross)
+
+    def allocate(self, seq: Sequence, encoder_seq: Optional[Sequence] = None, *, num_new_tokens: Optional[int] = None,
+                 hit: Optional[PrefixHit] = None) -> Admitted:
+        """Give the prompt its blocks in every group, sharing the longest prefix every group has cached
+        (``hit``: ``lookup(seq)``'s answer, None: looked up here). With ``num_new_tokens=k`` only the hits and
+        the next k prompt tokens get slots; ``append_slots`` schedules the rest later. With ``encoder_seq`` (an
+        encoder-decoder request, one group only) also a cross-attention table for the encoder's tokens, shared
+        by the sequence's future forks. Atomic: raises before changing anything if the blocks are not there,
+        or if the prompt could never be finished in this pool."""
+        self._check_unallocated(seq)
+        num_cross = self._cross_blocks(seq, encoder_seq)
+        hit = self._checked_hit(seq, hit)
+        plans = self._plan_admission(seq, hit, 0, num_new_tokens)
+        pool, several = self._pool, len(plans) > 1
+        pins, revived, needed = _hit_pins(pool, plans)
+        self._check_room(seq, needed + num_cross, sum(plan.peak_blocks for plan in plans) + num_cross, len(plans))
+        # Out-of-window hits nobody holds go back to the free set, still cached, once the groups hold theirs.
+        unpinned = [block for plan in plans for block in plan.hits[:plan.first_live] if not pool.ref[block]] \
+            if several else ()
+        with pool.transaction() as txn:  # every group's policy calls first: if one raises, nothing changed
+            txn.revive(revived)
+            taken = []
+            for plan in plans:  # the encoder's table comes with the first group's blocks (one group has one)
+                taken.append(txn.pop(plan.num_new + (num_cross if not taken else 0)))
+                txn.hits(plan.hits)
+            if unpinned:
+                txn.add(unpinned, [pool.index.is_cached(block) for block in unpinned])
+        if several:  # pinned while the groups take their blocks: one group's new blocks never evict another's hit
+            pool.claim(pins, len(revived))
+        cross_blocks = taken[0][plans[0].num_new:]
+        taken[0] = taken[0][:plans[0].num_new]
+        cross = self._attach_cross(seq, encoder_seq, cross_blocks)
+        for group, plan, blocks in zip(self._groups, plans, taken):
+            group.admit(seq, plan, hit.hashes, hit.contents, blocks, 0 if several else len(revived), cross)
+        if several:
+            pool.drop(pins, unpinned)  # the groups hold their live hits now
+        recomputing = seq.num_preemptions > 0  # its own blocks again: not prefix hits (PrefixCacheStats)
+        if self._tier is not None:
+            self._tier.looked_up(seq.num_tokens, hit.hashes, len(plans[0].hits), len(hit.tier_hits),
+                                 self.block_size, counted=not recomputing)
+        if self.enable_prefix_caching:
+            self.stats.count_lookup(seq.num_tokens, len(hit.hashes), len(plans[0].hits), self.block_size,
+                                    recomputing)
+        set_allocation_record(seq, self._groups[0].records[seq.seq_id])
+        seq.status, seq.num_cached_tokens, seq.prefill_end = SequenceStatus.RUNNING, hit.num_tokens, seq.num_tokens
+        seq.num_computed_tokens = plans[0].scheduled
+        return Admitted(hit.num_tokens, tuple(taken), self._take_tier_moves())
+
+    def _checked_hit(self, seq, hit) -> PrefixHit:
+        """``hit`` if it is ``seq``'s and every block in it still holds what it held when looked up, else an
+        InvalidArgumentError (a hit goes stale once a block of it is evicted); None: a new lookup."""
+        if hit is None:
+            return self.lookup(seq)
+        if not isinstance(hit, PrefixHit) or hit.seq_id != seq.seq_id or len(hit.hits) != len(self._groups):
+            raise InvalidArgumentError(f"hit must be this manager's lookup(seq) of sequence {seq.seq_id}, got {hit!r}")
+        content = self._pool.index.content
+        if any(content[block] != cid for blocks, cids in zip(hit.hits, hit.content_ids)
+               for block, cid in zip(blocks, cids)) \
+                or any(self._tier.index.content[slot] != cid for slot, cid in zip(hit.tier_hits, hit.tier_content_ids)) \
+                or (self.enable_prefix_caching and len(hit.hashes) != seq.num_tokens // self.block_size):
+            raise InvalidArgumentError(f"the prefix hit of sequence {seq.seq_id} is stale (a block of it was evicted, "
+                                       "or the sequence grew since): look it up again")
+        return hit
+
+    def _plan_admission(self, seq, hit, lookahead, num_new_tokens) -> list:
+        return [group.plan_admission(seq, hits, hit.tier_hits, len(hit.hashes), lookahead, num_new_tokens)
+                for group, hits in zip(self._groups, hit.hits)]
+
+    def _check_room(self, seq, needed_free: int, peak_blocks: int, num_groups: int) -> None:
+        pool = self._pool
+        across = f" across {num_groups} groups" if num_groups > 1 else ""
+        if needed_free > pool.num_free:
+            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {needed_free} free blocks{across}, "
+                                   f"{pool.num_free} are free (check can_allocate first)")
+        if peak_blocks > self._usable:  # a first chunk that fits, of a prompt that never can
+            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {peak_blocks} blocks at once{across} to finish "
+                                   f"its prompt, the pool has {self._usable} (check can_allocate first)")
+
+    # ---- a step's growth and its verification ------------------------------------------------------------
+    def can_append_slots(self, seq: Sequence, num_lookahead_slots: int = 0, *,
+                         num_new_tokens: Optional[int] = None, num_draft_tokens: int = 0) -> bool:
+        """Whether ``append_slots`` with the same arguments fits now (a running sequence: no watermark)."""
+        steps = self._plan_steps(seq, num_lookahead_slots, num_new_tokens, num_draft_tokens)
+        return sum(plan.blocks_needed - len(plan.freed) for _, plan, _ in steps) <= self._pool.num_free
+
+    def append_slots(self, seq: Sequence, num_lookahead_slots: int = 0, *, num_new_tokens: Optional[int] = None,
+                     num_draft_tokens: int = 0) -> BlockCopies:
+        """Schedule a step in every group: release the blocks that left a sliding window, give slots to the
+        next ``num_new_tokens`` tokens without one (None: all of them), then to ``num_draft_tokens`` proposed
+        tokens after the last one (verified by this step's pass, then ``accept_drafts``) and to
+        ``num_lookahead_slots`` more, and seal the blocks whose last token is now scheduled, drafts aside. A
+        shared block about to be written is copied first: returns those copy-on-write (src, dst) pairs."""
+        steps = self._plan_steps(seq, num_lookahead_slots, num_new_tokens, num_draft_tokens)
+        needs, pool = [plan.blocks_needed - len(plan.freed) for _, plan, _ in steps], self._pool
+        if sum(needs) > pool.num_free:  # the blocks the step releases count as free
+            across = " across its groups" if len(steps) > 1 else ""
+            needed = sum(plan.blocks_needed for _, plan, _ in steps)
+            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {needed} free blocks{across}, "
+                                   f"{pool.num_free + needed - sum(needs)} are free (check can_append_slots first)")
+        seals = [group.hashes_to_seal(step) for group, step in zip(self._groups, steps)]
+        # Groups that release more than they take go first: then each group finds room when its turn comes.
+        order = sorted(range(len(steps)), key=needs.__getitem__) if len(steps) > 1 else (0,)
+        taken = [None] * len(steps)
+        with pool.transaction() as txn:
+            for g in order:
+                plan = steps[g][1]
+                txn.add(plan.freed, plan.freed_cached)
+                taken[g] = txn.pop(plan.blocks_needed)
+        pairs = [None] * len(steps)
+        for g in order:
+            pairs[g] = self._groups[g].apply_step(steps[g], num_lookahead_slots, taken[g], seals[g])
+        seq.num_computed_tokens, seq.num_draft_tokens = steps[0][1].scheduled, num_draft_tokens
+        return self._copies(pairs)
+
+    def _plan_steps(self, seq, lookahead, num_new_tokens, num_drafts):
+        check_int("num_lookahead_slots", lookahead, 0)
+        check_int("num_draft_tokens", num_drafts, 0)
+        self._gpu_record(seq)
+        if seq.num_draft_tokens:
+            raise SequenceStateError(f"sequence {seq.seq_id} has {seq.num_draft_tokens} draft tokens in flight: "
+                                     "accept_drafts(seq, num_accepted) before its next step")
+        return [group.plan_step(seq, lookahead, num_new_tokens, num_drafts) for group in self._groups]
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """The step that scheduled ``seq``'s draft tokens ran and its first ``num_accepted`` drafts were accepted
+        (0: all rejected); append those tokens first. Their K/V stays where the pass wrote it, the blocks they
+        complete are sealed, and ``seq.num_computed_tokens`` rolls back past the rejected ones, whose slots the
+        next step overwrites."""
+        self._gpu_record(seq)
+        drafts = seq.num_draft_tokens
+        if not drafts:
+            raise SequenceStateError(f"sequence {seq.seq_id} has no draft tokens to verify")
+        accepted = check_int("num_accepted", num_accepted, 0, drafts)
+        verified = seq.num_computed_tokens - drafts + accepted
+        if verified > seq.num_tokens:
+            raise InvalidArgumentError(f"sequence {seq.seq_id} has {seq.num_tokens} tokens, but accepting "
+                                       f"{accepted} drafts makes {verified} positions verified: append the "
+                                       "accepted tokens first")
+        plans = [group.plan_accept(seq, verified) for group in self._groups]  # every group hashes first
+        for group, (alloc, seals) in zip(self._groups, plans):
+            group.accept(alloc, seals)
+        seq.num_computed_tokens, seq.num_draft_tokens = verified, 0
+
+    # ---- free and fork -----------------------------------------------------------------------------------
+    def free(self, seq: Sequence, *, preempted: bool = False) -> None:
+        """Drop the sequence's references in every group, tail block first (so LRU reuses the chain's tail
+        first). Status becomes FINISHED, or WAITING with ``preempted=True`` (to be recomputed later). A
+        cross-attention table stays with its request group until ``free_cross``."""
+        self._record(seq)
+        releases = [group.plan_release(seq) for group in self._groups]
+        with self._pool.transaction() as txn:
+            for _, _, freed, cached in releases:
+                txn.add(freed, cached)
+        for group, (alloc, live, freed, _) in zip(self._groups, releases):
+            group.release(alloc, live, freed)
+        set_allocation_record(seq, None)
+        seq.num_computed_tokens = seq.prefill_end = seq.num_draft_tokens = 0  # no slots: recomputed, it starts over
+        seq.status = SequenceStatus.WAITING if preempted else SequenceStatus.FINISHED
+        if preempted:
+            seq.num_cached_tokens = 0
+            seq.num_preemptions += 1
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give the new ``child`` the parent's tokens (and block size, salt and keys) and share all its blocks,
+        in every group: nothing is allocated; a later append into a shared partial block copies it. Whatever
+        tokens and keys the child had are replaced (``Sequence([])`` is the usual child). A parent's drafts in
+        flight are the child's too, and each verifies them on its own."""
+        self._gpu_record(parent)
+        self._check_unallocated(child, need_tokens=False, same_block_size=False)
+        child.block_size = parent.block_size
+        copy_tokens(parent, child)
+        for group in self._groups:
+            group.fork(parent, child)
+        set_allocation_record(child, self._groups[0].records[child.seq_id])
+        child.status = SequenceStatus.RUNNING
+
+    # ---- swapping (vLLM V0's preemption) ------------------------------------------------------------------
+    def can_swap_out(self, seq: Sequence) -> AllocStatus:
+        """Whether ``swap_out(seq)`` fits in the CPU pool now (OK), once swapped sequences leave it (LATER), or
+        never (NEVER)."""
+        return self._swap.admission(self._cpu_blocks_needed(self._moving_out(seq)))
+
+    def swap_out(self, seq: Sequence) -> BlockCopies:
+        """Move the sequence's blocks in every group (and its request group's cross-attention blocks, if it is
+        the last one on the GPU) to the CPU pool; returns the (gpu, cpu) copies to make. A block shared with a
+        sequence swapped out earlier is not copied again."""
+        moving = self._moving_out(seq)
+        if self._cpu_blocks_needed(moving) > self._swap.num_free:
+            raise OutOfBlocksError(f"not enough free CPU blocks to swap out sequence {seq.seq_id}")
+        released = [self._pool.freed_by(blocks) for _, (blocks, _) in moving]
+        with self._pool.transaction() as txn:
+            for freed, cached in released:
+                txn.add(freed, cached)
+        pairs = [group.moved_out(alloc, group_moving, freed)
+                 for group, (alloc, group_moving), (freed, _) in zip(self._groups, moving, released)]
+        seq.status = SequenceStatus.SWAPPED
+        return self._copies(pairs)
+
+    def can_swap_in(self, seq: Sequence) -> AllocStatus:
+        return self._admission(*map(sum, zip(*self._swap_in_needs(seq))))
+
+    def swap_in(self, seq: Sequence) -> BlockCopies:
+        """Bring a swapped sequence back in every group (with its request group's cross-attention blocks if
+        they are on the CPU); returns the (cpu, gpu) copies to make. Swapped-in blocks are not re-registered in
+        the prefix cache."""
+        needs = self._swap_in_needs(seq)
+        if self._admission(*map(sum, zip(*needs))) is not AllocStatus.OK:
+            raise OutOfBlocksError(f"not enough free GPU blocks to swap in sequence {seq.seq_id}")
+        with self._pool.transaction() as txn:
+            new_blocks = [txn.pop(fresh) for _, fresh in needs]
+        pairs = [group.moved_in(seq, blocks) for group, blocks in zip(self._groups, new_blocks)]
+        seq.status = SequenceStatus.RUNNING
+        return self._copies(pairs)
+
+    def _moving_out(self, seq):
+        self._gpu_record(seq)
+        return [group.moving_out(seq) for group in self._groups]
+
+    def _cpu_blocks_needed(self, moving) -> int:
+        return sum(self._swap.blocks_needed_out(blocks) for _, (blocks, _) in moving)
+
+    def _swap_in_needs(self, seq):
+        self._record(seq)
+        return [group.swap_in_needs(seq) for group in self._groups]
+
+    def touch(self, seq: Sequence, now: float) -> None:
+        """``seq``'s blocks were used at time ``now``: an eviction policy that orders by use (``on_access``)
+        hears of each (vLLM V1's ``BlockPool.touch``; V0's ``access_all_blocks_in_seq``)."""
+        now = check_number("now", now)
+        blocks = [block for group in self._groups for block in group.gpu_record(seq).live_blocks()]
+        with self._pool.transaction() as txn:
+            txn.access(blocks, now)
+
+    # ---- encoder-decoder cross-attention tables (one group only) --------------------------------------------
+    def get_cross_block_table(self, seq: Sequence) -> tuple:
+        """The encoder's blocks of ``seq``'s request group (CPU ids while swapped out), for any member or its
+        root (the sequence allocated with ``encoder_seq``)."""
+        return tuple(self._cross_table_of(seq).blocks)
+
+    def free_cross(self, seq: Sequence) -> None:
+        """Free the cross-attention table of ``seq``'s request group (call it with any live member, or with the
+        sequence allocated with the encoder, even after it was freed); its members keep running without it."""
+        table = self._cross_table_of(seq)
+        if table.on_cpu:
+            self._swap.release(table.blocks)
+        else:
+            self._swap.forget_gpu(self._pool.release(table.blocks))
+        del self._cross[table.root]
+        for alloc in table.members:
+            alloc.cross = None
+        table.members.clear()
+
+    def _cross_blocks(self, seq, encoder_seq) -> int:
+        """New blocks ``allocate(seq, encoder_seq)`` takes for a cross table (raises if the call is not valid)."""
+        existing = self._cross.get(seq)
+        if encoder_seq is None:
+            if existing is not None and existing.on_cpu:
+                raise SequenceStateError(f"sequence {seq.seq_id}'s cross-attention blocks are swapped out with "
+                                         "no sequence to bring them back: free_cross, then allocate it again "
+                                         "with its encoder sequence")
+            return 0
+        if len(self._groups) > 1:
+            raise InvalidArgumentError("a hybrid manager has no encoder-decoder cross-attention tables: "
+                                       "encoder_seq must be None")
+        check_sequence(encoder_seq)
+        if existing is not None:
+            raise SequenceStateError(f"sequence {seq.seq_id} already has a cross-attention table (reallocating "
+                                     "reattaches it): pass no encoder_seq, or free_cross first")
+        if encoder_seq.block_size != self.block_size or encoder_seq.num_tokens == 0:
+            raise InvalidArgumentError(f"encoder_seq must have tokens and block_size {self.block_size}, got "
+                                       f"{encoder_seq.num_tokens} tokens, block_size {encoder_seq.block_size}")
+        return -(-encoder_seq.num_tokens // self.block_size)
+
+    def _attach_cross(self, seq, encoder_seq, blocks) -> Optional[CrossTable]:
+        """The request group's table of a sequence being allocated: a new one of ``blocks`` (with
+        ``encoder_seq``), the one it kept from before a recompute preemption, or None."""
+        if encoder_seq is not None:
+            self._pool.fill(blocks)
+            self._cross[seq] = CrossTable(seq, list(blocks), encoder_seq.num_tokens)
+        return self._cross.get(seq)
+
+    def _cross_table_of(self, seq) -> CrossTable:
+        check_sequence(seq)
+        alloc = self._groups[0].records.get(seq.seq_id)
+        table = alloc.cross if alloc is not None and alloc.seq is seq else self._cross.get(seq)
+        if table is None:
+            raise SequenceStateError(f"sequence {seq.seq_id} has no cross-attention table here (allocate its "
+                                     "group with encoder_seq=...)")
+        return table
+
+    # ---- the pool every group draws from ------------------------------------------------------------------
+    @property
+    def groups(self) -> tuple:
+        """Each KV cache group's attention spec (kvlab.blocks.kv_cache_groups), in group order."""
+        return tuple(group.spec for group in self._groups)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._pool.num_free
+
+    @property
+    def num_evictions(self) -> int:
+        """Cached prefixes dropped because their block was reused for new content."""
+        return self._pool.evictions
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks a prefix lookup (of any group) can hit now (in use or free-but-warm)."""
+        return self._pool.index.num_cached
+
+    @property
+    def tier_stats(self):
+        """Hits per tier (GPU, offload tier, miss) in blocks and tokens: a ``TierHitStats``; None without a tier."""
+        return self._tier.stats if self._tier is not None else None
+
+    @property
+    def num_offload_blocks(self) -> int:
+        """Slots of the offload tier (a shared tier's, which other managers use too); 0 without one."""
+        return self._tier.num_slots if self._tier is not None else 0
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self._swap.num_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self._swap.num_free
+
+    @property
+    def usable_blocks(self) -> int:
+        """The most blocks one sequence can hold at once, every group's together: the pool less the null block
+        (reserved when there is a sliding window) and the watermark."""
+        return self._usable - self._watermark_blocks
+
+    def ref_count(self, block_id: int) -> int:
+        return self._pool.ref[check_int("block id", block_id, 0, self.num_blocks - 1)]
+
+    def cpu_ref_count(self, block_id: int) -> int:
+        """How many swapped-out table entries point at CPU block ``block_id``."""
+        return self._swap.ref[check_int("CPU block id", block_id, 0, self._swap.num_blocks - 1)]
+
+    def block_hash(self, block_id: int) -> Optional[int]:
+        return self._pool.index.block_hash(check_int("block id", block_id, 0, self.num_blocks - 1))
+
+    def is_cached(self, block_id: int) -> bool:
+        """Whether a prefix lookup can hit this block now (it may be in use or free-but-warm)."""
+        return self._pool.index.is_cached(check_int("block id", block_id, 0, self.num_blocks - 1))
+
+    def free_block_ids(self) -> list[int]:
+        """Free GPU blocks, in the order they will be reused."""
+        return list(self._pool.policy)
+
+    def blocks_for_prompt(self, num_tokens: int, num_new_tokens: Optional[int] = None) -> int:
+        """Blocks a prompt of ``num_tokens`` tokens must hold at once, every group's together, when none of it
+        is cached, its first step computing ``num_new_tokens`` tokens (None: all of them) and later steps the
+        rest, however chunked. ``can_allocate`` says NEVER for such a prompt exactly when this is more than
+        ``usable_blocks``."""
+        n = check_int("num_tokens", num_tokens, 1)
+        first = n if num_new_tokens is None else check_int("num_new_tokens", num_new_tokens, 1, n)
+        bs = self.block_size
+        return sum(max(-(-first // bs), least_peak_blocks(first, n, bs, group.spec, 0)) for group in self._groups)
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The prefix-cache counters of this run: a ``PrefixCacheStats`` of the lookups since the last call (or
+        since the manager was made or ``reset_prefix_cache``), then a new run starts (vLLM V1's
+        ``KVCacheManager.make_prefix_cache_stats()``); ``stats`` stays cumulative."""
+        run = self.stats.since(self._stats_mark)
+        self._stats_mark = dataclasses.replace(self.stats)
+        return run
+
+    # ---- a sequence, in every group -------------------------------------------------------------------------
+    def block_tables(self, seq: Sequence) -> list[list[int]]:
+        """A copy of each group's block table (CPU block ids while swapped out; the null block 0 where a
+        sliding window released an entry)."""
+        self._record(seq)
+        return [list(group.records[seq.seq_id].table) for group in self._groups]
+
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        """Every group's table, group after group (one group: a copy of its table)."""
+        return [block for table in self.block_tables(seq) for block in table]
+
+    def slot_mappings(self, seq: Sequence, start: int, end: int) -> list[list[int]]:
+        """Each group's cache slots of positions start..end-1 (-1 where its window released the block)."""
+        self._gpu_record(seq)
+        return [group.slot_mapping(seq, start, end) for group in self._groups]
+
+    def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Cache slot (block_id * block_size + offset) of positions start..end-1 of a one-group manager's
+        sequence (-1 where the sliding window released the block); ``slot_mappings`` has every group's."""
+        if len(self._groups) > 1:
+            raise InvalidArgumentError("a hybrid manager has a slot mapping per group: call slot_mappings")
+        return self.slot_mappings(seq, start, end)[0]
+
+    def is_swapped(self, seq: Sequence) -> bool:
+        """Whether an allocated sequence's blocks are in the CPU pool (its groups move together)."""
+        return self._record(seq).on_cpu
+
+    def num_released_blocks(self, seq: Sequence) -> int:
+        """Table entries the sliding windows released, every group's together; 0 without a window."""
+        return sum(self.num_released_blocks_per_group(seq))
+
+    def num_released_blocks_per_group(self, seq: Sequence) -> list[int]:
+        """Each group's released entries: the leading entries of its table that hold the null block 0 (read
+        this, not the value 0, while ``seq`` is swapped out: CPU block 0 is a real block)."""
+        self._record(seq)
+        return [group.records[seq.seq_id].num_released for group in self._groups]
+
+    def num_scheduled_tokens(self, seq: Sequence) -> int:
+        """How many of ``seq``'s tokens have slots (vLLM V1's ``request.num_computed_tokens``):
+        ``seq.num_computed_tokens``, for a sequence allocated here."""
+        self._record(seq)
+        return seq.num_computed_tokens
+
+    # ---- maintenance ------------------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (every group's, and the offload tier's) and reset the stats; refused
+        (False) while any GPU block is in use."""
+        pool = self._pool
+        if pool.num_free != self._usable:
+            return False
+        free = list(pool.policy)
+        with pool.transaction() as txn:
+            txn.revive(free)
+            txn.add(free, [False] * len(free))
+        pool.index.forget_all()
+        if self._tier is not None:
+            self._tier.clear()
+        if self._sink is not None:
+            self._sink.cleared()
+        pool.evictions = 0
+        self.stats, self._stats_mark = PrefixCacheStats(), PrefixCacheStats()
+        return True
+
+    def check_invariants(self) -> None:
+        """Raise InvariantViolation if the bookkeeping is inconsistent: every group's records on their own, then
+        the shared pools (and the offload tier) against all groups' references together (O(pool); for tests)."""
+        gpu_refs, cpu_refs = check_cross_tables(self._cross.values(), self._groups[0].records, self.block_size)
+        for group in self._groups:
+            gpu, cpu = group.check()
+            gpu_refs.update(gpu)
+            cpu_refs.update(cpu)
+            if group.records.keys() != self._groups[0].records.keys():
+                raise InvariantViolation("the KV cache groups hold different sequences")
+        for seq_id, alloc in self._groups[0].records.items():
+            if allocation_record(alloc.seq) is not alloc:
+                raise InvariantViolation(f"sequence {seq_id} does not point at the allocation that holds it")
+        self._pool.check(gpu_refs)
+        self._swap.check(cpu_refs, self._pool.ref)
+        if self._tier is not None:
+            self._tier.check(self._pool.index)
+
+    # ---- internals ----------------------------------------------------------------------------------------
+    def _record(self, seq):
+        """Group 0's record of ``seq`` (the groups hold the same sequences), or SequenceStateError."""
+        return self._groups[0].record(check_sequence(seq))
+
+    def _gpu_record(self, seq):
+        return self._groups[0].gpu_record(check_sequence(seq))
+
+    def _check_block_size(self, seq) -> None:
+        if seq.block_size != self.block_size:
+            raise InvalidArgumentError(f"sequence {seq.seq_id} has block_size {seq.block_size}, "
+                                       f"this manager uses {self.block_size}")
+
+    def _check_unallocated(self, seq, need_tokens=True, same_block_size=True) -> None:
+        """``seq`` may be allocated (or, with ``need_tokens=False, same_block_size=False``, forked into) now."""
+        check_sequence(seq)
+        if same_block_size:
+            self._check_block_size(seq)
+        owner = allocation_record(seq)
+        if owner is not None:
+            where = "this manager" if self._groups[0].records.get(seq.seq_id) is owner else \
+                "another BlockManager; free it there first"
+            raise SequenceStateError(f"sequence {seq.seq_id} is already allocated in {where}")
+        if need_tokens and seq.num_tokens == 0:
+            raise InvalidArgumentError(f"sequence {seq.seq_id} has no tokens to allocate")
+        if need_tokens and token_buffer(seq) is None:
+            raise SequenceStateError(f"sequence {seq.seq_id} is a decode-only copy without its tokens")
+
+    def _admission(self, live_blocks, needed_free) -> AllocStatus:
+        """``live_blocks`` held at once, ``needed_free`` of them taken from the free pool now: OK (keeping the
+        watermark free), LATER (once others leave) or NEVER."""
+        if live_blocks > self._usable - self._watermark_blocks:
+            return AllocStatus.NEVER
+        if self._pool.num_free - needed_free >= self._watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def _take_tier_moves(self) -> list:
+        return self._tier.take_moves() if self._tier is not None else []
+
+    def _copies(self, per_group) -> BlockCopies:
+        copies = BlockCopies(per_group[0] if len(per_group) == 1 else [pair for pairs in per_group for pair in pairs])
+        copies.tier_moves = self._take_tier_moves()
+        return copies
+
+
+def _hit_pins(pool, plans) -> tuple[list, list, int]:
+    """(the hits allocate pins while the groups take their new blocks, the free ones among them, the free blocks
+    allocate takes). With several groups all hits are pinned, a window group's out-of-window ones too: were one
+    evicted by another group's new blocks, that group's chain would break. One group pins nothing: its live
+    hits are its own to claim (the free ones revived) and its plan counted the free blocks it takes."""
+    ref = pool.ref
+    if len(plans) == 1:
+        plan = plans[0]
+        return (), [block for block in plan.hits[plan.first_live:] if not ref[block]], plan.needed_free
+    pins = [block for plan in plans for block in plan.hits]
+    revived = [block for block in pins if not ref[block]]
+    fresh = sum(plan.live_blocks - len(plan.hits) + plan.first_live for plan in plans)
+    return pins, revived, fresh + len(revived)
+
+
+class HybridBlockManager(BlockManager):
+    """``HybridBlockManager(num_blocks, block_size=16, *, groups, ...)``: KV cache groups (vLLM V1's hybrid
+    allocator), one per spec in ``groups`` (``FullAttentionSpec()``, ``SlidingWindowSpec(W)``), each with its own
+    block table per sequence, all drawing pages from one pool. Block moves are one list over every group: page
+    ids are unique across groups, and a move copies its page in every cache tensor (the engine's tensors are
+    each shared by a layer of every group: kvlab.sizing.groups). No offload tier and no cross-attention tables."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, *, groups, num_cpu_blocks: int = 0,
+                 watermark: float = 0.0, enable_prefix_caching: bool = True, hash_fn=None, eviction="lru",
+                 record_events: bool = False, kv_events: bool = False):
+        specs = check_group_specs(groups)
+        windows = [spec.sliding_window for spec in specs if spec.sliding_window is not None]
+        parts = _shared_parts(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, watermark=watermark,
+                              enable_prefix_caching=enable_prefix_caching,
+                              sliding_window=windows[0] if windows else None, hash_fn=hash_fn, eviction=eviction,
+                              record_events=record_events, kv_events=kv_events, groups=specs)
+        self._setup(parts, specs)
+        self.kv_cache_metrics = None

@@ -1,17 +1,122 @@
-"""A request's tokens and where its KV cache lives: the unit the block manager allocates for."""
+"""A request's tokens and where its KV cache lives (the unit the block manager allocates for), and what
+besides its tokens decides whether its blocks may be shared (a tenant's salt, an adapter, per-block keys).
+"""
 
+from array import array
+from collections.abc import Mapping
 import enum
 import itertools
 import operator
+import struct
 import threading
-from array import array
 from types import MappingProxyType
+from typing import NamedTuple, Optional
 
 import numpy as np
 
-from kvlab.blocks.block_keys import cache_keys
 from kvlab.errors import InvalidArgumentError, SequenceStateError
-from kvlab.validation import check_int
+from kvlab.validation import check_int, is_int
+
+
+# ==== block_keys ==========================================================================================
+# What besides its tokens decides whether a block may be shared: a tenant's salt, an adapter, per-block keys.
+#
+# Equal tokens after an equal prefix do not always mean equal K/V, nor that sharing is allowed:
+#
+# - ``cache_salt``: requests of different tenants must never share K/V, nor learn from a fast first token that
+#   someone else sent the same prompt (a prefix hit is a timing side channel). Different salts, different blocks.
+# - ``adapter_key``: a LoRA adapter (any change of weights) changes every K/V of the sequence.
+# - ``extra_keys`` ``{block index: key}``: what the tokens of one block do not show, such as the image whose
+#   placeholder tokens sit in it (every image has the same placeholder tokens, not the same K/V).
+#
+# A keyed block's identity is its token bytes followed by the encoding below. The chained hash is taken over
+# those bytes and the pool compares those bytes on every lookup (``PrefixIndex.lookup``), so the verified lookup
+# covers the keys with no code of its own. A block without keys is its token bytes alone, as before: a block
+# with keys is longer, so the two never compare equal.
+#
+# The salt and the adapter go into block 0 only (as vLLM V1 does with ``cache_salt``): every later block hashes
+# and verifies its parent, so one different block 0 separates the whole sequence. (vLLM mixes the LoRA name
+# into every block; with chained, verified blocks that draws the same lines and costs more.)
+#
+# The encoding is canonical and unambiguous: each field has its own tag (so a salt never equals an adapter or a
+# block key with the same value), each value a type tag and a length (so 1, "1", b"1" and (1,) differ, and
+# ("ab", "c") differs from ("a", "bc")). The fields are ``S`` (salt), ``A`` (adapter) and ``K`` (a block key).
+# (A hybrid model's KV cache groups are not keys: the same bytes in two groups are kept apart by the prefix
+# index, one namespace per group: kvlab.blocks.prefix_cache.)
+
+#: Tuples in keys nest at most this deep (an image key is ("img", hash, offset); several images, a tuple of those).
+MAX_KEY_DEPTH = 8
+_ALLOWED = f"a str, bytes, int, or a tuple of those (nested at most {MAX_KEY_DEPTH} deep)"
+_LENGTH = struct.Struct("<Q")
+
+
+class CacheKeys(NamedTuple):
+    """A sequence's salt and keys as given, and ``block_bytes``: block index -> the bytes that follow that
+    block's token bytes (only blocks that have keys)."""
+    cache_salt: Optional[str | bytes]
+    adapter_key: object
+    extra_keys: dict
+    block_bytes: dict
+
+
+def cache_keys(cache_salt, adapter_key, extra_keys, max_block: int) -> Optional[CacheKeys]:
+    """Validate and encode; None when there is nothing to mix in (the plain sequences' fast path). Raises
+    InvalidArgumentError naming what is allowed."""
+    if cache_salt is None and adapter_key is None and extra_keys is None:
+        return None
+    if cache_salt is not None and (not isinstance(cache_salt, (str, bytes)) or not cache_salt):
+        # "" would look like "no salt" but isolate like a tenant of its own: refused, as vLLM refuses it.
+        raise InvalidArgumentError(f"cache_salt must be None or a non-empty str or bytes, got {cache_salt!r}")
+    if extra_keys is None:
+        extra_keys = {}
+    elif not isinstance(extra_keys, Mapping):
+        raise InvalidArgumentError(f"extra_keys must be None or a mapping {{block index: key}}, got "
+                                   f"{type(extra_keys).__name__}")
+    header = []
+    if cache_salt is not None:
+        header.append(b"S" + encode_key(cache_salt, "cache_salt"))
+    if adapter_key is not None:
+        header.append(b"A" + encode_key(adapter_key, "adapter_key"))
+    keys, block_bytes = {}, {}
+    for index, key in extra_keys.items():
+        index = check_int("an extra_keys block index", index, 0, max_block)
+        keys[index] = key
+        block_bytes[index] = b"K" + encode_key(key, f"extra_keys[{index}]")
+    if header:
+        block_bytes[0] = b"".join(header) + block_bytes.get(0, b"")
+    if not block_bytes:
+        return None
+    return CacheKeys(cache_salt, adapter_key, keys, block_bytes)
+
+
+def encode_key(key, name: str = "key") -> bytes:
+    """The canonical bytes of a key (a str, bytes, int, or a tuple of those)."""
+    out: list[bytes] = []
+    _encode(key, out, 0, name)
+    return b"".join(out)
+
+
+def _encode(key, out: list, depth: int, name: str) -> None:
+    if isinstance(key, str):
+        data = key.encode("utf-8", "surrogatepass")  # injective on every str, lone surrogates included
+        out += (b"s", _LENGTH.pack(len(data)), data)
+    elif isinstance(key, bytes):
+        out += (b"b", _LENGTH.pack(len(key)), key)
+    elif is_int(key):
+        value = int(key)
+        data = value.to_bytes(value.bit_length() // 8 + 1, "little", signed=True)
+        out += (b"i", _LENGTH.pack(len(data)), data)
+    elif isinstance(key, tuple) and depth < MAX_KEY_DEPTH:
+        out += (b"t", _LENGTH.pack(len(key)))
+        for item in key:
+            _encode(item, out, depth + 1, name)
+    else:
+        what = "a tuple nested too deep" if isinstance(key, tuple) else type(key).__name__
+        raise InvalidArgumentError(f"{name} must be {_ALLOWED}, got {what}")
+
+
+# ==== sequence ============================================================================================
+# A request's tokens and where its KV cache lives: the unit the block manager allocates for.
 
 _next_seq_id = itertools.count()
 _ids_lock = threading.Lock()
@@ -92,7 +197,7 @@ class Sequence:
     belongs to one thread at a time.
 
     Its blocks are shared with another sequence's only where the tokens, the prefix before them and these
-    keys are all equal (see ``kvlab.blocks.block_keys``): ``cache_salt`` (a non-empty str or bytes: a tenant,
+    keys are all equal (see ``kvlab.blocks.sequence``): ``cache_salt`` (a non-empty str or bytes: a tenant,
     whose blocks no other salt shares), ``adapter_key`` (the LoRA adapter that computes all of its K/V) and
     ``extra_keys`` ``{block index: key}`` (e.g. the image whose placeholder tokens sit in that block; decode
     blocks count too). Keys are a str, bytes, int or a tuple of those. All three are fixed (``fork`` gives a
@@ -117,16 +222,16 @@ class Sequence:
         # it schedules a step (allocate, append_slots) and audits it against its own records (check_invariants).
         self.num_computed_tokens = 0
         # Of those positions, the last num_draft_tokens hold proposed tokens not verified yet (speculative
-        # decoding: kvlab.blocks.drafts). They are not in the token list, and the manager seals (makes
+        # decoding: kvlab.blocks.group_manager). They are not in the token list, and the manager seals (makes
         # hittable) only positions < num_computed_tokens - num_draft_tokens.
         self.num_draft_tokens = 0
         # Positions < prefill_end are prefilled (set when allocated: the prompt, or everything a sequence
         # preempted by recompute had); later ones are decoded, one sampled token at a time.
         self.prefill_end = 0
         self.last_token: int | None = self._tokens[-1] if self._tokens else None
-        self._allocation = None  # the owning manager's record (kvlab.blocks.allocations.Allocation) while allocated
-        # Its full blocks' hashes (kvlab.blocks.hashing.BlockHashes), computed once for its whole life, in a
-        # one-item box that a hybrid manager's group shadows share: every group hashes a prompt once.
+        self._allocation = None  # the owning manager's record (kvlab.blocks.group_manager.Allocation) while allocated
+        # Its full blocks' hashes (kvlab.blocks.prefix_cache.BlockHashes), computed once for its whole life, in a
+        # one-item box (a fork copies it).
         self._hashes_box: list = [None]
 
     def __len__(self) -> int:
@@ -221,10 +326,10 @@ class Sequence:
         _skip_ids_through(self.seq_id)
 
 
-# ---- what the block manager reads and writes (kvlab.blocks.allocations, kvlab.blocks.manager) ---------------------
+# ---- what the block manager reads and writes (kvlab.blocks.group_manager, kvlab.blocks.manager) ---------------------
 # A Sequence owns these two private fields; the manager goes through these functions, never the fields.
 def allocation_record(seq: Sequence):
-    """The record (``kvlab.blocks.allocations.Allocation``) of the manager holding ``seq``, or None."""
+    """The record (``kvlab.blocks.group_manager.Allocation``) of the manager holding ``seq``, or None."""
     return seq._allocation
 
 
@@ -243,7 +348,7 @@ def key_bytes(seq: Sequence):
 
 
 def block_hashes_box(seq: Sequence) -> list:
-    """The one-item list holding ``seq``'s block hashes (or None): see kvlab.blocks.hashing.prompt_blocks."""
+    """The one-item list holding ``seq``'s block hashes (or None): see kvlab.blocks.prefix_cache.prompt_blocks."""
     return seq._hashes_box
 
 
@@ -257,21 +362,3 @@ def copy_tokens(parent: Sequence, child: Sequence) -> None:
     child.last_token, child.num_cached_tokens = parent.last_token, parent.num_cached_tokens
     child.num_computed_tokens, child.prefill_end = parent.num_computed_tokens, parent.prefill_end
     child.num_draft_tokens = parent.num_draft_tokens
-
-
-def group_shadow(seq: Sequence) -> Sequence:
-    """``seq``'s stand-in in one KV cache group of a hybrid manager (kvlab.blocks.hybrid_manager), which holds
-    the group's allocation record and counters: its id, token array (so appended tokens show), keys and block
-    hashes, the same in every group (the group is a namespace of the prefix index, kvlab.blocks.prefix_index,
-    not part of a block's bytes)."""
-    shadow = Sequence((), seq.block_size)
-    shadow.seq_id, shadow.num_preemptions = seq.seq_id, seq.num_preemptions
-    sync_shadow(seq, shadow)
-    return shadow
-
-
-def sync_shadow(seq: Sequence, shadow: Sequence) -> None:
-    """Bring a shadow's tokens up to its sequence's (``append_token`` and ``fork`` change only the sequence)."""
-    shadow._tokens, shadow.num_tokens, shadow.last_token = seq._tokens, seq.num_tokens, seq.last_token
-    shadow._keys, shadow._hashes_box = seq._keys, seq._hashes_box
-    shadow.num_prompt_tokens = seq.num_prompt_tokens

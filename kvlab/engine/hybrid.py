@@ -11,12 +11,12 @@ group's table; a page id belongs to one group at a time, so the layers sharing a
 A model with one kind of layer (all full, or all with one window) is one group of every layer, a tensor each,
 served by the single-group ``BlockManager``, windowed when its layers are; mixed models get a
 ``HybridBlockManager`` with a group per KV cache group (two groups of one kind are two groups: their layers
-hold different K/V). The engine drives both through one API (kvlab.blocks.hybrid_manager): per-group tables,
+hold different K/V). The engine drives both through one API (kvlab.blocks.manager): per-group tables,
 which the step and the runner read, and block moves (copy-on-write pairs of n > 1 forks, swap mappings) as one
 list over all groups, each a page copied in every tensor.
 """
 
-from kvlab.blocks.hybrid_manager import HybridBlockManager
+from kvlab.blocks.manager import HybridBlockManager
 from kvlab.blocks.manager import BlockManager
 from kvlab.errors import InvalidArgumentError
 from kvlab.sizing import KVCacheConfig

@@ -76,7 +76,7 @@ class PagedKVCache:
                                          num_blocks=config.num_blocks)
             self.cpu = (allocate_cpu_cache(*shape, block_size=block_size, dtype=storage_dtype,
                                            num_blocks=num_cpu_blocks) if num_cpu_blocks else [])
-            # The offload tier's CPU slots (kvlab.blocks.offload_tier), the same layout again.
+            # The offload tier's CPU slots (kvlab.blocks.tiers), the same layout again.
             self.tier = (allocate_cpu_cache(*shape, block_size=block_size, dtype=storage_dtype,
                                             num_blocks=num_offload_blocks) if num_offload_blocks else [])
         self.layer_caches = [self.gpu[tensor] for tensor in config.layer_tensors]

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from tqdm.auto import tqdm
 
-from kvlab.blocks.offload_policies import check_offload_options
+from kvlab.blocks.tiers import check_offload_options
 from kvlab.engine.chat import render
 from kvlab.engine.config import load_model_config
 from kvlab.engine.hybrid import make_block_manager
@@ -53,7 +53,7 @@ class LLM:
     same paged cache); None picks "triton" on CUDA and "torch" elsewhere, and ``llm.attention_backend`` says
     which runs.
 
-    ``num_offload_blocks``: CPU blocks of an offload tier for cached prefixes (0: none; kvlab.blocks.offload_tier):
+    ``num_offload_blocks``: CPU blocks of an offload tier for cached prefixes (0: none; kvlab.blocks.tiers):
     a prefix the pool evicts is kept there (``offload_policy`` "lru" or "arc", ``offload_admission`` "always"
     or "reused") and copied back when a prompt hits it; full-attention models with prefix caching only.
 
@@ -82,7 +82,7 @@ class LLM:
 
     ``kv_events=True`` publishes vLLM's KV cache events (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``:
     what enters and leaves the prefix cache, for a router) on ``llm.kv_events``, the block manager's stream
-    (kvlab.blocks.kv_events), with its subscription API: ``llm.kv_events.subscribe(callback)``,
+    (kvlab.blocks.events), with its subscription API: ``llm.kv_events.subscribe(callback)``,
     ``llm.kv_events.subscribe()`` to iterate, ``llm.kv_events.write_jsonl(path)``. A hybrid model's events carry
     their KV cache group (``group_idx``, ``kv_cache_spec_*``). A subscriber that raises is dropped with a
     ``KVEventSubscriberWarning``; no request loses its output to it. Off (the default), ``llm.kv_events`` is None.

@@ -233,7 +233,7 @@ class Scheduler:
             if status is AllocStatus.NEVER:
                 step.aborted.append((seq, self._never_fits(seq)))
                 continue
-            self.manager.allocate(seq)
+            step.record_tier_moves(self.manager.allocate(seq).tier_moves)
             step.add(self.manager, seq, seq.num_cached_tokens, prefill=True)
             step.num_cached_tokens += seq.num_cached_tokens
             seats += self._seats(seq)
@@ -246,7 +246,7 @@ class Scheduler:
         while queue:
             seq = queue.popleft()
             if self._make_room(seq, queue, step, others=bool(step.entries)):
-                step.record(self.manager, "copy", self.manager.append_slots(seq))
+                step.record("copy", self.manager.append_slots(seq))
                 step.add(self.manager, seq, seq.num_tokens - 1, prefill=False)
         self.running = step.seqs  # preempted and aborted sequences are out
         return step
@@ -260,12 +260,12 @@ class Scheduler:
             if (self.manager.can_swap_in(seq) is not AllocStatus.OK
                     or self.manager.num_free_blocks - blocks < len(self.running)):
                 break
-            step.record(self.manager, "swap_in", self.manager.swap_in(seq))
+            step.record("swap_in", self.manager.swap_in(seq))
             self.running.append(self.swapped.popleft())
 
     def _preempt(self, seq: Sequence, step: StepBuilder) -> None:
         if self.preemption_mode == "swap" and self.manager.can_swap_out(seq) is AllocStatus.OK:
-            step.record(self.manager, "swap_out", self.manager.swap_out(seq))
+            step.record("swap_out", self.manager.swap_out(seq))
             self.swapped.appendleft(seq)
         else:  # recompute (also the fallback when the CPU pool is full)
             self.manager.free(seq, preempted=True)

@@ -80,8 +80,8 @@ class V1Scheduler(Scheduler):
             decoding = self.drafter is not None and not seq.is_prefilling
             drafts = self._drafts(seq, budget) if decoding else ()
             if self._make_room(seq, queue, step, others=bool(step.entries), num_new_tokens=num_new):
-                step.record(self.manager, "copy", self.manager.append_slots(seq, num_new_tokens=num_new,
-                                                                            num_draft_tokens=len(drafts)))
+                step.record("copy", self.manager.append_slots(seq, num_new_tokens=num_new,
+                                                              num_draft_tokens=len(drafts)))
                 budget -= self._count(step, seq, start, drafts)
                 kept.append(seq)
         self.running = kept + list(queue)  # preempted and aborted sequences are out; unscheduled ones wait
@@ -107,15 +107,16 @@ class V1Scheduler(Scheduler):
             seq = self.waiting[0]
             if seats + self._seats(seq) > self.max_num_seqs:
                 break
-            num_new = min(seq.num_tokens - self.manager.get_num_cached_tokens(seq), budget)
-            status = self.manager.can_allocate(seq, num_new_tokens=num_new)
+            hit = self.manager.lookup(seq)  # once: its hit is passed on as a value
+            num_new = min(seq.num_tokens - hit.num_tokens, budget)
+            status = self.manager.can_allocate(seq, num_new_tokens=num_new, hit=hit)
             if status is AllocStatus.LATER:
                 break
             self.waiting.popleft()
             if status is AllocStatus.NEVER:
                 step.aborted.append((seq, self._never_fits(seq)))
                 continue
-            self.manager.allocate(seq, num_new_tokens=num_new)
+            step.record_tier_moves(self.manager.allocate(seq, num_new_tokens=num_new, hit=hit).tier_moves)
             step.num_cached_tokens += seq.num_cached_tokens
             budget -= self._count(step, seq, seq.num_cached_tokens)
             self.running.append(seq)

@@ -7,7 +7,7 @@ except kvlab's ``draft_acceptance_floor`` and ``draft_acceptance_ema_weight``, w
 none, to a sequence whose drafts are mostly rejected: ``kvlab.engine.draft_control``).
 A step of V1 scheduling gives a decoding sequence with d <= k drafts a query of d + 1 rows over its paged
 context: its last token (no K/V yet) and the drafts, whose slots the block manager hands out without sealing
-them (``kvlab.blocks.drafts``). Logit row i is the target's distribution p_i for the token after row i's
+them (``kvlab.blocks.group_manager``). Logit row i is the target's distribution p_i for the token after row i's
 token, so row i verifies draft i + 1 and the row after the last accepted draft gives the bonus token.
 
 Acceptance (``accept``): greedy, draft i is accepted while it is row i's argmax, so the tokens kept are

@@ -125,23 +125,21 @@ class StepBuilder(_EntriesView):
     preempted: list[Sequence] = field(default_factory=list)
     aborted: list = field(default_factory=list)
 
-    def record(self, manager, kind: str, pairs) -> None:
-        """The block moves a manager call returned (``kind``: "copy", "swap_in", "swap_out"), after the offload
-        tier's moves the call made: those come first (kvlab.blocks.offload_tier says why)."""
-        self.take_tier_moves(manager)
-        self.moves.add(kind, pairs)
+    def record(self, kind: str, copies) -> None:
+        """The block moves a manager call returned (``kind``: "copy", "swap_in", "swap_out": a ``BlockCopies``),
+        after the offload tier's copies the same call made (``copies.tier_moves``), which come first."""
+        self.record_tier_moves(copies.tier_moves)
+        self.moves.add(kind, copies)
 
-    def take_tier_moves(self, manager) -> None:
-        """The offload tier's moves since the last manager call, in order (``allocate`` returns none of its own)."""
-        for kind, src, dst in manager.take_tier_moves():
+    def record_tier_moves(self, tier_moves) -> None:
+        """The offload tier's copies a manager call returned, in order (``Admitted.tier_moves`` of ``allocate``)."""
+        for kind, src, dst in tier_moves:
             self.moves.add(kind, [(src, dst)])
 
     def add(self, manager, seq: Sequence, start: int, *, prefill: bool, drafts: tuple[int, ...] = ()) -> SeqStep:
         """Put ``seq`` in the step from position ``start`` to its progress counter, its slots already given by
-        the manager, whose records are read here, once (with the tier moves its ``allocate`` made); ``drafts``:
-        the tokens of its last positions, proposed (``append_slots(seq, num_draft_tokens=len(drafts))`` gave
-        them slots)."""
-        self.take_tier_moves(manager)
+        the manager, whose records are read here, once; ``drafts``: the tokens of its last positions, proposed
+        (``append_slots(seq, num_draft_tokens=len(drafts))`` gave them slots)."""
         end = seq.num_computed_tokens
         entry = SeqStep(seq, start, end, prefill, *_tables_and_slots(manager, seq, start, end), len(drafts),
                         tuple(drafts))

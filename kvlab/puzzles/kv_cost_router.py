@@ -21,7 +21,7 @@ of the smallest key with exactly that tie-break, so return ``self.pick([...one k
 import random
 from dataclasses import dataclass
 
-from kvlab.blocks.kv_events import CachedHashes
+from kvlab.blocks.events import CachedHashes
 from kvlab.puzzles.grading import Case, Report, grade, not_an_int, same, seeded
 from kvlab.studies.routers import ROUTERS, Router, RouterSettings
 

@@ -2,7 +2,7 @@
 
 **Spec.** A block whose reference count drops to 0 is *free*; if it still holds a prefix the cache can hit, it
 is free *and cached*. The eviction policy owns the set of free blocks and decides which one the pool reuses
-next (``kvlab.blocks.eviction.base``). Write ``MyLRU``, the order of kvlab's ``"lru"``:
+next (``kvlab.blocks.eviction``). Write ``MyLRU``, the order of kvlab's ``"lru"``:
 
 * blocks that were added not cached are reused first, in the order they were added (oldest first);
 * then the cached ones, least recently freed first (added first, reused first);

@@ -7,7 +7,7 @@ FIFO and LFU. It prints a table and a summary, and writes ``results/study.csv`` 
 
 ``--offload-capacity 0,8000`` (with ``--offload-policy``, ``--offload-admission``) puts a CPU offload tier behind
 each pool (kvlab.studies.tiers: per-tier hit columns); ``--kv-cache-metrics-sample`` samples residency metrics
-(kvlab.blocks.kv_cache_metrics). Every row carries the TTFT model's columns (kvlab.studies.ttft_model), whose
+(kvlab.blocks.events). Every row carries the TTFT model's columns (kvlab.studies.ttft_model), whose
 assumptions (``--ttft-model``, ``--kv-cache-dtype``, ``--prefill-tokens-per-s``, ``--h2d-gb-per-s``) are printed
 with the results and written beside the CSV, in ``ttft_model.txt``.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 from kvlab.blocks.eviction import POLICIES
-from kvlab.blocks.offload_policies import OFFLOAD_ADMISSIONS, OFFLOAD_POLICIES
+from kvlab.blocks.tiers import OFFLOAD_ADMISSIONS, OFFLOAD_POLICIES
 from kvlab.errors import KvlabError
 from kvlab.sizing.kv_dtypes import KV_FORMATS
 from kvlab.studies.cli_options import (block_size_number, check_out, comma_list, count_of, directory, option,

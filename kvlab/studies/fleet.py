@@ -2,7 +2,7 @@
 
 ``replay_fleet(trace, block_size=512, capacity=2000, replicas=8, router="kv_cost")`` returns one row of
 metrics. Each replica is ``kvlab.studies.overlap``'s continuous-batching engine (same time model, same
-assumptions) on its own pool of ``capacity`` blocks, publishing KV events (``kvlab.blocks.kv_events``) to
+assumptions) on its own pool of ``capacity`` blocks, publishing KV events (``kvlab.blocks.events``) to
 the router. Requests are routed one at a time in arrival order: first every replica runs the steps that
 start before the arrival, then the router (``kvlab.studies.routers``) picks a replica from their KV events
 and queues (a ``Replica`` shows it those and nothing else), and the request joins that replica's queue at
@@ -32,8 +32,8 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
-from kvlab.blocks.hashing import block_hashes
-from kvlab.blocks.kv_events import CachedHashes
+from kvlab.blocks.prefix_cache import block_hashes
+from kvlab.blocks.events import CachedHashes
 from kvlab.blocks.manager import MAX_BLOCKS
 from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError

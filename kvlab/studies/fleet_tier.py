@@ -3,7 +3,7 @@
 ``TierSettings(kind="shared", capacity=8000)`` gives every replica its GPU pool (the fleet's ``capacity``) and
 the fleet ``capacity`` tier blocks in all: "local" splits them over the replicas (the first ``capacity % N``
 get one more), "shared" puts them in one tier every replica offloads to and promotes from
-(``kvlab.blocks.offload_tier.make_shared_tier``: entries are content-keyed and verified on any replica).
+(``kvlab.blocks.tiers.make_shared_tier``: entries are content-keyed and verified on any replica).
 So local and shared compare at equal total memory, and "none" is the same GPU pools without the tier memory.
 
 The cost of a tier hit: a block promoted into a step adds its copy time to the step (``EngineModel``'s
@@ -19,8 +19,8 @@ from the shared one. Assumptions, printed with the results, not measurements.
 from dataclasses import dataclass
 
 from kvlab.blocks.manager import BlockManager
-from kvlab.blocks.offload_policies import check_offload_options
-from kvlab.blocks.offload_tier import make_shared_tier
+from kvlab.blocks.tiers import check_offload_options
+from kvlab.blocks.tiers import make_shared_tier
 from kvlab.errors import InvalidArgumentError
 from kvlab.validation import check_int, check_number
 

@@ -1,7 +1,7 @@
 """KV-cache memory a request holds when some layers use a sliding window (issue 16, section 3).
 
 A hybrid model keeps full-attention K/V for some layers and only the last W tokens' K/V for the rest
-(``kvlab.blocks.hybrid_manager``). This study counts what that saves over the Mooncake conversation trace.
+(``kvlab.blocks.manager``). This study counts what that saves over the Mooncake conversation trace.
 
 What "blocks held" counts: **pages per layer**, averaged over the model's layers. A page holds one layer's
 K/V for ``block_size`` tokens; a full-attention layer holds every page of the sequence, a sliding-window layer

@@ -1,7 +1,7 @@
 """Routers of a fleet: which replica serves a request, from what a real router can see.
 
 A router sees no replica's pool, only a ``ReplicaView``: the set of block hashes the replica caches,
-replayed from its KV events (``kvlab.blocks.kv_events.CachedHashes``), and its queue (requests in flight:
+replayed from its KV events (``kvlab.blocks.events.CachedHashes``), and its queue (requests in flight:
 running, waiting, or on their way; and the prompt tokens still waiting for prefill). It hashes the request's
 prompt blocks the way the replicas do, so a prefix match is an exact count of the blocks the replica would
 hit if nothing changed before admission.
@@ -34,7 +34,7 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from kvlab.blocks.kv_events import CachedHashes
+from kvlab.blocks.events import CachedHashes
 from kvlab.errors import InvalidArgumentError
 from kvlab.validation import check_int, check_number
 

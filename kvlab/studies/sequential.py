@@ -68,7 +68,7 @@ class CompactTrace:
 
 
 class ReplayClock:
-    """The replay's clock for the residency metrics (kvlab.blocks.kv_cache_metrics): the current request's
+    """The replay's clock for the residency metrics (kvlab.blocks.events): the current request's
     arrival time in seconds, set by ``replay_sequential``."""
 
     def __init__(self):
@@ -82,11 +82,10 @@ def replay_sequential(compact: CompactTrace, sequences: list[Sequence], manager:
                       clock: ReplayClock | None = None) -> dict:
     """Replay ``compact.sequences()`` on ``manager`` (block size ``COMPACT_BLOCK_SIZE``, empty); ``bar`` is a
     tqdm bar (or disabled); ``clock``, if given, follows the requests' arrival times. With an offload tier, the
-    tier hits are counted apart from the GPU's (``tier_hit_blocks``) and its copies are dropped request by
-    request (nothing applies them: no K/V is held)."""
+    tier hits are counted apart from the GPU's (``tier_hit_blocks``) and the copies ``allocate`` returns are
+    dropped (nothing applies them: no K/V is held)."""
     needed = (-(-compact.lengths // compact.block_size)).tolist()  # blocks per prompt, as with the real tokens
     arrivals = compact.arrivals_s.tolist() if clock is not None else None
-    drain = manager.take_tier_moves if manager.tier_stats is not None else None
     pool = manager.num_blocks
     skipped = peak = 0
     for i, (blocks, seq) in enumerate(zip(needed, sequences), start=1):
@@ -98,8 +97,6 @@ def replay_sequential(compact: CompactTrace, sequences: list[Sequence], manager:
             manager.allocate(seq)  # between requests every block is free: a prompt that fits the pool fits now
             peak = max(peak, pool - manager.num_free_blocks)
             manager.free(seq)
-            if drain is not None:
-                drain()
         if i % 256 == 0:
             bar.update(256)
     tier = manager.tier_stats

@@ -25,7 +25,7 @@ took (preparing the trace, done once for a whole sweep, not included).
 
 Sequential replays may put an offload tier behind the pool (a third config item, ``TierConfig``:
 ``kvlab.studies.tiers``, whose docstring lists the per-tier columns) and sample residency metrics
-(``kv_cache_metrics_sample``: kvlab.blocks.kv_cache_metrics on the trace's arrival clock; columns
+(``kv_cache_metrics_sample``: kvlab.blocks.events on the trace's arrival clock; columns
 ``gpu_lifetime_s_p50`` and the like, per medium and metric).
 """
 
@@ -39,7 +39,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from kvlab.blocks.eviction import POLICIES, EvictionPolicy
-from kvlab.blocks.kv_cache_metrics import MEDIA, KVCacheMetricsCollector
+from kvlab.blocks.events import MEDIA, KVCacheMetricsCollector
 from kvlab.blocks.manager import MAX_BLOCKS, BlockManager
 from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError

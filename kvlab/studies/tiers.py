@@ -2,7 +2,7 @@
 
 ``kvlab study --offload-capacity 0,8000 --offload-policy lru,arc --offload-admission always,reused`` replays
 every GPU pool with each tier: ``TierConfig(blocks, policy, admission)`` is ``BlockManager(num_offload_blocks=,
-offload_policy=, offload_admission=)`` (kvlab.blocks.offload_tier). ``blocks == 0`` is no tier at all, so its
+offload_policy=, offload_admission=)`` (kvlab.blocks.tiers). ``blocks == 0`` is no tier at all, so its
 policy and admission mean nothing: a sweep has one no-tier configuration however many policies it names
 (``tier_configs``), and its rows say ``"none"`` for both.
 
@@ -15,8 +15,8 @@ and ``hit_rate_tokens`` stay the totals over both tiers.
 
 from dataclasses import dataclass
 
-from kvlab.blocks.manager_state import MAX_BLOCKS
-from kvlab.blocks.offload_policies import OFFLOAD_ADMISSIONS, OFFLOAD_POLICIES, check_offload_options
+from kvlab.blocks.manager import MAX_BLOCKS
+from kvlab.blocks.tiers import OFFLOAD_ADMISSIONS, OFFLOAD_POLICIES, check_offload_options
 from kvlab.errors import InvalidArgumentError
 from kvlab.validation import check_int
 

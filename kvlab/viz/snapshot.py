@@ -6,7 +6,7 @@ drawing function also accepts a live ``BlockManager`` or ``HybridBlockManager`` 
 
 A hybrid manager's groups share one pool, so its pool reads as a ``BlockManager``'s; its tables are one
 ``TableView`` per (sequence, group), sequence after sequence, each labelled with its group ("full", "window 8").
-Only the managers' public queries (kvlab.blocks.coordinator_queries, the same for both) are read.
+Only the managers' public queries (kvlab.blocks.manager, the same for both) are read.
 """
 
 from dataclasses import dataclass, field
@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from kvlab.blocks.hybrid_manager import HybridBlockManager
+from kvlab.blocks.manager import HybridBlockManager
 from kvlab.blocks.manager import NULL_BLOCK, BlockManager
 from kvlab.blocks.sequence import Sequence
 from kvlab.errors import InvalidArgumentError
@@ -117,7 +117,7 @@ def snapshot(manager, seqs=(), label: str = "", *, names=None) -> PoolView:
     manager's sequence as one table per group). ``names``: what the drawings call each sequence, as a list
     parallel to ``seqs`` or a dict from sequence id to name (default ``seq <id>``). O(num_blocks)."""
     if not isinstance(manager, MANAGERS):
-        raise InvalidArgumentError("expected a kvlab.BlockManager or a kvlab.blocks.hybrid_manager.HybridBlockManager, "
+        raise InvalidArgumentError("expected a kvlab.BlockManager or a kvlab.blocks.manager.HybridBlockManager, "
                                    f"got {type(manager).__name__}")
     seqs = _check_seqs(seqs)
     seq_names = names_for(seqs, names)

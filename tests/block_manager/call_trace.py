@@ -1,8 +1,10 @@
 """How much of kvlab a reader walks through to follow one operation: a ``sys.settrace`` count of kvlab's files,
 functions, line events and call depth, and of the prefix lookups made (the "small" design card's measure).
 
-``trace_admission(manager_factory)`` traces ``can_allocate`` + ``allocate`` of a 5-block prompt (16-token blocks)
-whose first 4 blocks are cached by an earlier, freed sequence: the operation a student follows first.
+``trace_admission(manager_factory)`` traces the scheduler's admission of a 5-block prompt (16-token blocks) whose
+first 4 blocks are cached by an earlier, freed sequence: ``hit = lookup(prompt)``, then ``can_allocate`` and
+``allocate`` with that hit (as vLLM V1 passes its one lookup's hit into ``allocate_slots``): the operation a student
+follows first.
 """
 
 import sys
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import kvlab
 from kvlab import Sequence
-from kvlab.blocks.prefix_index import PrefixIndex
+from kvlab.blocks.prefix_cache import PrefixIndex
 
 KVLAB_DIR = str(Path(kvlab.__file__).parent)
 BLOCK_SIZE = 16
@@ -62,7 +64,7 @@ def trace_calls(operation) -> CallTrace:
 
 
 def trace_admission(make_manager) -> CallTrace:
-    """``can_allocate`` + ``allocate`` of a prompt of 4 cached blocks and one new, partly filled block."""
+    """``lookup`` + ``can_allocate`` + ``allocate`` of a prompt of 4 cached blocks and one new, partly filled block."""
     manager = make_manager(num_blocks=32, block_size=BLOCK_SIZE)
     warm = Sequence(range(1, 4 * BLOCK_SIZE + 2), BLOCK_SIZE)
     manager.allocate(warm)
@@ -70,8 +72,9 @@ def trace_admission(make_manager) -> CallTrace:
     prompt = Sequence(list(range(1, 4 * BLOCK_SIZE + 1)) + [999, 998, 997], BLOCK_SIZE)
 
     def admit():
-        manager.can_allocate(prompt)
-        manager.allocate(prompt)
+        hit = manager.lookup(prompt)
+        manager.can_allocate(prompt, hit=hit)
+        manager.allocate(prompt, hit=hit)
 
     trace = trace_calls(admit)
     assert prompt.num_cached_tokens == 4 * BLOCK_SIZE, "the prompt must hit its 4 cached blocks"

@@ -24,3 +24,24 @@ def grow(manager: BlockManager, seq: Sequence, tokens) -> list:
         seq.append_token(t)
         pairs += manager.append_slots(seq)
     return pairs
+
+
+class TierMoves:
+    """The offload tier's copies that ``manager``'s calls return (``Admitted.tier_moves``, ``BlockCopies.tier_moves``),
+    collected in order, so a test reads them in batches with ``take()``."""
+
+    def __init__(self, manager):
+        self.moves = []
+        for name in ("allocate", "append_slots", "swap_in", "swap_out"):
+            setattr(manager, name, self._recording(getattr(manager, name)))
+
+    def _recording(self, call):
+        def recorded(*args, **kwargs):
+            result = call(*args, **kwargs)
+            self.moves += result.tier_moves
+            return result
+        return recorded
+
+    def take(self) -> list:
+        moves, self.moves = self.moves, []
+        return moves

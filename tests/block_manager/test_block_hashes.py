@@ -1,4 +1,4 @@
-"""A sequence carries its block hashes for its whole life (kvlab.blocks.hashing.BlockHashes): a block is
+"""A sequence carries its block hashes for its whole life (kvlab.blocks.prefix_cache.BlockHashes): a block is
 hashed once, however often the sequence is checked, admitted, preempted and admitted again."""
 
 import pickle
@@ -6,9 +6,9 @@ import pickle
 import pytest
 
 from kvlab import BlockManager, Sequence
-from kvlab.blocks.hybrid_manager import HybridBlockManager
+from kvlab.blocks.manager import HybridBlockManager
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
-from kvlab.blocks import hashing
+from kvlab.blocks import prefix_cache as hashing
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from helpers import grow
 from hypothesis import given
 
 from kvlab import AllocStatus, BlockManager, InvalidArgumentError, Sequence
-from kvlab.blocks.block_keys import encode_key
+from kvlab.blocks.sequence import encode_key
 
 CONSTANT_HASH = dict(hash_fn=lambda parent, tokens: 7)  # every block collides: only the verification separates
 
@@ -31,7 +31,7 @@ def test_different_salts_never_share_and_the_same_salt_shares(hashing):
     again = allocated(manager, range(5), cache_salt="tenant-a")
     assert again.num_cached_tokens == 4 and again.block_table[0] == a.block_table[0]
     # A hash blind to salts (hash_fn sees only tokens) keeps tenants apart but lets a's block shadow the plain
-    # one under their common hash: the plain prompt misses its own block (see kvlab.blocks.hashing).
+    # one under their common hash: the plain prompt misses its own block (see kvlab.blocks.prefix_cache).
     assert (allocated(manager, range(5)).block_table[0] == plain.block_table[0]) == (not hashing)
     manager.check_invariants()
 

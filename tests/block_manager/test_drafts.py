@@ -1,4 +1,4 @@
-"""Speculative decoding in the block manager (kvlab.blocks.drafts): ``append_slots(seq, num_draft_tokens=k)``
+"""Speculative decoding in the block manager (kvlab.blocks.group_manager): ``append_slots(seq, num_draft_tokens=k)``
 gives k proposed tokens slots after the last token, ``accept_drafts(seq, a)`` keeps the first a of them (their
 tokens appended first) and rolls the progress counter back past the rest. A block holding an unverified token
 is never sealed, hashed, published or hit."""
@@ -7,9 +7,10 @@ import pytest
 
 from kvlab import (AllocStatus, BlockManager, InvalidArgumentError, InvariantViolation, OutOfBlocksError, Sequence,
                    SequenceStateError)
-from kvlab.blocks.hybrid_manager import HybridBlockManager
+from kvlab.blocks.manager import HybridBlockManager
+from kvlab.blocks.vllm_v0 import BlockSpaceManager
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
-from kvlab.blocks.kv_events import BlockRemoved, BlockStored
+from kvlab.blocks.events import BlockRemoved, BlockStored
 
 from helpers import snapshot
 
@@ -308,7 +309,7 @@ def test_check_invariants_catches_a_hittable_block_holding_drafts():
 
 
 def test_vllm_v0_marks_only_verified_positions_computed():
-    m = single()
+    m = BlockSpaceManager(16, block_size=4)
     seq = proposed(m, 5, n=4)                        # block 1 holds token 100 and drafts
     m.mark_blocks_as_computed(seq)
     assert m.get_common_computed_block_ids([seq]) == [seq.block_table[0]]

@@ -5,9 +5,9 @@ from array import array
 
 from kvlab import BlockManager, Sequence
 from kvlab.blocks.block_pool import BlockPool
-from kvlab.blocks.event_sink import EventLog, EventSink, Fanout, make_sink
+from kvlab.blocks.events import EventLog, EventSink, Fanout, make_sink
 from kvlab.blocks.eviction import LRUPolicy
-from kvlab.blocks.kv_events import event_dict
+from kvlab.blocks.events import event_dict
 
 
 class EvictionRecorder(EventSink):

@@ -134,7 +134,7 @@ def free_cross():
 def touch():
     m, policy = _manager()
     seq = allocated(m, [1, 2, 3, 4, 5])
-    return m, policy, [seq], lambda: m.access_all_blocks_in_seq(seq, 1.0)
+    return m, policy, [seq], lambda: m.touch(seq, 1.0)
 
 
 CASES = [

@@ -11,7 +11,7 @@ import pytest
 from test_failing_policy import FlakyPolicy
 
 from kvlab import EvictionPolicyError, InvalidArgumentError, Sequence
-from kvlab.blocks.hybrid_manager import HybridBlockManager
+from kvlab.blocks.manager import HybridBlockManager
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
 
 BS = 2
@@ -60,7 +60,7 @@ class Setup:
                 ((m.block_tables(s), m.num_scheduled_tokens(s)) if s.block_table else ()) for s in self.seqs]
         return (list(pool.ref), list(index.hash), list(index.content), list(index.registered), sorted(pool.policy),
                 pool.num_free, pool.evictions, list(swap.ref), swap.num_free, dict(swap._cpu_of),
-                [vars(group.stats).copy() for group in m._members], list(m.events), list(self.delivered), seqs)
+                vars(m.stats).copy(), list(m.events), list(self.delivered), seqs)
 
 
 # Each scenario builds a Setup and returns the operation to fail.

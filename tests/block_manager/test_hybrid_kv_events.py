@@ -21,9 +21,9 @@ from test_kv_events import Faulty
 from test_stateful_hybrid import MACHINES, STEPS
 
 from kvlab import BlockManager, Sequence
-from kvlab.blocks.hybrid_manager import HybridBlockManager
+from kvlab.blocks.manager import HybridBlockManager
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
-from kvlab.blocks.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, CachedHashes, event_dict
+from kvlab.blocks.events import AllBlocksCleared, BlockRemoved, BlockStored, CachedHashes, event_dict
 from kvlab.blocks.sequence import SequenceStatus
 
 FULL, W2 = FullAttentionSpec(), SlidingWindowSpec(2)
@@ -35,8 +35,8 @@ def cached_pairs(manager: HybridBlockManager) -> set:
     index = manager._pool.index
     pairs = {(g, h) for g, namespace in enumerate(index.namespaces) for h in namespace}
     assert len(pairs) == index.num_cached == sum(index.registered)
-    for g, member in enumerate(manager._members):
-        for alloc in member._core._allocs:
+    for g, group in enumerate(manager._groups):
+        for alloc in group.records.values():
             if not alloc.on_cpu:
                 assert all(index.namespaces[g].get(index.hash[b]) == b for b in alloc.table if index.is_cached(b))
     return pairs
@@ -51,7 +51,6 @@ class Consistent:
     def __call__(self, event):
         manager = self.manager
         assert not manager._lock._is_owned(), "an event was delivered during a hybrid manager call"
-        assert not any(m._core._lock._is_owned() for m in manager._members)
         manager.check_invariants()
         self.index(event)
 

@@ -3,12 +3,12 @@
 import pytest
 
 from kvlab import AllocStatus, BlockManager, InvalidArgumentError, OutOfBlocksError, PrefixCacheStats, Sequence
-from kvlab.blocks.block_keys import MAX_KEY_DEPTH
-from kvlab.blocks.coordinator import Coordinator
-from kvlab.blocks.group_core import GroupCore
-from kvlab.blocks.hybrid_manager import HybridBlockManager
+from kvlab.blocks.sequence import MAX_KEY_DEPTH
+from kvlab.blocks.group_manager import GroupManager
+from kvlab.blocks.manager import HybridBlockManager
+from kvlab.blocks.prefix_cache import prompt_blocks
+from kvlab.blocks.manager import HybridBlockManager
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
-from kvlab.blocks.sequence import group_shadow
 
 BS = 4
 GROUPS = [FullAttentionSpec(), SlidingWindowSpec(4)]
@@ -56,8 +56,8 @@ def test_hit_is_cut_to_what_the_window_group_can_serve():
     m.free(a)
     m.allocate(Sequence([99] * 8, BS))  # evicts the window group's released blocks (freed first)
     probe = Sequence(range(13), BS)
-    full_hit = m._members[0].get_num_cached_tokens(group_shadow(probe))
-    window_hit = m._members[1].get_num_cached_tokens(group_shadow(probe))
+    hashes, contents = prompt_blocks(probe, BS, None)
+    full_hit, window_hit = (len(group.find_hits(hashes, contents, 12)[0]) * BS for group in m._groups)
     assert full_hit == 12 and window_hit < full_hit
     assert m.get_num_cached_tokens(probe) == window_hit
     m.allocate(probe)
@@ -193,9 +193,9 @@ def test_reset_prefix_cache_resets_every_groups_stats():
         seq = Sequence(range(9), BS)
         m.allocate(seq)
         m.free(seq)
-    assert all(group.stats.hit_blocks == 2 for group in m._members)
+    assert m.stats.hit_blocks == 2
     assert m.reset_prefix_cache()
-    assert all(group.stats == PrefixCacheStats() for group in m._members)
+    assert m.stats == PrefixCacheStats() and m.make_prefix_cache_stats() == PrefixCacheStats()
 
 
 def test_a_group_offers_its_two_halves_and_queries_not_the_single_group_managers_calls():
@@ -205,27 +205,27 @@ def test_a_group_offers_its_two_halves_and_queries_not_the_single_group_managers
     m = make(num_cpu_blocks=8)
     seq = Sequence(range(10), BS)
     m.allocate(seq)
-    for group, shadow in zip(m._members, (group_shadow(seq) for _ in GROUPS)):
+    for group in m._groups:
         assert not isinstance(group, BlockManager)
         for call in ("allocate", "can_allocate", "append_slots", "free", "swap_out", "swap_in", "accept_drafts",
                      "mark_blocks_as_computed", "get_common_computed_block_ids", "access_all_blocks_in_seq",
                      "get_cross_block_table", "free_cross", "take_tier_moves"):
             assert not hasattr(group, call), call
-    assert [g.get_block_table(s) for g, s in zip(m._members, m._shadows(seq))] == m.block_tables(seq)
-    assert all(g.stats == m.stats for g in m._members)
+    assert [list(group.records[seq.seq_id].table) for group in m._groups] == m.block_tables(seq)
 
 
-def test_a_hybrid_managers_groups_stand_on_group_cores_not_whole_block_managers():
-    """A group's core used to be a whole BlockManager: a coordinator of its own, with vLLM V0's interface and
-    encoder-decoder tables, none of which a hybrid manager ever calls. Now it is a GroupCore, which a
-    BlockManager is too (its one group is itself)."""
+def test_the_managers_are_flat_classes_over_one_group_manager_per_group():
+    """BlockManager used to be nine classes deep (a coordinator, a group core and vLLM V0's interface mixed in),
+    its bases reading fields other bases created, and each group of a hybrid sequence a shadow Sequence.
+    Now the manager composes one GroupManager per group, which keeps its records in a dict by sequence id."""
+    assert len(BlockManager.__mro__) <= 3 and len(HybridBlockManager.__mro__) <= 3
     m = make()
-    assert isinstance(BlockManager(8, BS), GroupCore)
-    for group in m._members:
-        core = group._core
-        assert type(core) is GroupCore and not isinstance(core, Coordinator)
-        for name in ("allocate", "free", "block_tables", "mark_blocks_as_computed", "free_cross", "_cross"):
-            assert not hasattr(core, name), name
+    seq = Sequence(range(9), BS)
+    m.allocate(seq)
+    for group in m._groups:
+        assert type(group) is GroupManager and group.records[seq.seq_id].seq is seq
+        for name in ("allocate", "free", "block_tables", "mark_blocks_as_computed", "free_cross"):
+            assert not hasattr(group, name), name
 
 
 COORDINATED = ("can_allocate", "allocate", "can_append_slots", "append_slots", "accept_drafts", "free", "fork",
@@ -234,7 +234,7 @@ COORDINATED = ("can_allocate", "allocate", "can_append_slots", "append_slots", "
 
 @pytest.mark.parametrize("call", COORDINATED)
 def test_both_managers_run_one_implementation_of_each_lifecycle_call(call):
-    """BlockManager is the coordinator's one-group case (kvlab.blocks.coordinator): a lifecycle call is the same
+    """BlockManager is the coordinator's one-group case (kvlab.blocks.manager): a lifecycle call is the same
     code for one group and for several, not a single-group version and a hybrid copy that can drift apart."""
     assert getattr(BlockManager, call) is getattr(HybridBlockManager, call)
 

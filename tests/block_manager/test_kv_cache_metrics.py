@@ -6,7 +6,7 @@ import math
 import pytest
 
 from kvlab import BlockManager, Sequence
-from kvlab.blocks.kv_cache_metrics import KVCacheMetricsCollector, ResidencyEvent, describe
+from kvlab.blocks.events import KVCacheMetricsCollector, ResidencyEvent, describe
 from kvlab.errors import InvalidArgumentError
 
 

@@ -1,4 +1,4 @@
-"""A KV-event subscriber can never hurt the manager or another subscriber (kvlab.blocks.kv_events, "Delivery").
+"""A KV-event subscriber can never hurt the manager or another subscriber (kvlab.blocks.events, "Delivery").
 
 Events are delivered after the manager call's whole state change, each to every subscriber in order; a
 subscriber that raises is dropped with a warning (its exception kept in ``subscription.error``) while the
@@ -12,7 +12,7 @@ import os
 import pytest
 
 from kvlab import BlockManager, InvalidArgumentError, Sequence
-from kvlab.blocks.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, CachedHashes
+from kvlab.blocks.events import AllBlocksCleared, BlockRemoved, BlockStored, CachedHashes
 from kvlab.errors import KVEventSubscriberWarning
 
 

@@ -19,7 +19,7 @@ from hypothesis.stateful import initialize, invariant
 from test_stateful import MACHINES, STEPS, ManagerMachine
 
 from kvlab import BlockManager, InvalidArgumentError, Sequence
-from kvlab.blocks.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, CachedHashes, event_dict
+from kvlab.blocks.events import AllBlocksCleared, BlockRemoved, BlockStored, CachedHashes, event_dict
 
 
 def cached_hashes(manager: BlockManager) -> set:

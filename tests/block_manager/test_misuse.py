@@ -4,7 +4,7 @@ import pytest
 
 from kvlab import (BlockManager, InvalidArgumentError, InvariantViolation, KvlabError, OutOfBlocksError,
                    Sequence, SequenceStateError)
-from kvlab.blocks.block_keys import encode_key
+from kvlab.blocks.sequence import encode_key
 
 from helpers import allocated, snapshot
 

@@ -1,13 +1,13 @@
-"""The CPU offload tier (kvlab.blocks.offload_tier): evicted cached blocks are kept, a GPU miss that hits the tier
+"""The CPU offload tier (kvlab.blocks.tiers): evicted cached blocks are kept, a GPU miss that hits the tier
 is promoted with a CPU -> GPU copy, verified like a GPU hit; failed calls change nothing; ARC and the reuse filter
 behave as vLLM's; KV events carry the medium; counters per tier."""
 
 import pytest
-from helpers import snapshot
+from helpers import TierMoves, snapshot
 
 from kvlab import BlockManager, EvictionPolicy, InvalidArgumentError, OutOfBlocksError, Sequence
-from kvlab.blocks.kv_events import BlockRemoved, BlockStored, CachedHashes
-from kvlab.blocks.offload_policies import ARCOrder, LRUOrder
+from kvlab.blocks.events import BlockRemoved, BlockStored, CachedHashes
+from kvlab.blocks.tiers import ARCOrder, LRUOrder
 from kvlab.errors import EvictionPolicyError, InvariantViolation
 
 SYSTEM = [1, 2, 3, 4, 5, 6]  # a shared system prompt: three blocks of 2
@@ -22,43 +22,45 @@ def evict_everything(m, n=9):
 
 def test_an_evicted_prompt_is_offloaded_then_promoted_back_with_copies_in_order():
     m = BlockManager(5, block_size=2, num_offload_blocks=4)
+    tier_moves = TierMoves(m)
     first = Sequence(SYSTEM + [8], 2)
     m.allocate(first)
     table = list(first.block_table)
     m.free(first)
     evict_everything(m)
-    offloads = m.take_tier_moves()
+    offloads = tier_moves.take()
     assert sorted(gpu for _, gpu, _ in offloads) == table[:3] and {k for k, _, _ in offloads} == {"offload"}
     slot_of = {gpu: slot for _, gpu, slot in offloads}
     again = Sequence(SYSTEM + [9], 2)
     assert m.get_num_cached_tokens(again) == 6
     m.allocate(again)
-    moves = m.take_tier_moves()
+    moves = tier_moves.take()
     promotes = [(src, dst) for kind, src, dst in moves if kind == "promote"]
     assert promotes == [(slot_of[gpu], new) for gpu, new in zip(table[:3], again.block_table[:3])]
     # Every offload of a block this call promotes into comes before the promotion that overwrites it.
     for i, (kind, src, dst) in enumerate(moves):
         if kind == "promote":
             assert not any(k == "offload" and g == dst for k, g, _ in moves[i:])
-    assert again.num_cached_tokens == 6 and m.take_tier_moves() == []
+    assert again.num_cached_tokens == 6 and tier_moves.take() == []
     stats = m.tier_stats
     assert (stats.gpu_hit_blocks, stats.tier_hit_blocks, stats.tier_hit_tokens) == (0, 3, 6)
     m.check_invariants()
     third = Sequence(SYSTEM + [10], 2)      # the promoted blocks are GPU hits now
     m.allocate(third)
     assert third.block_table[:3] == again.block_table[:3]
-    assert "promote" not in {kind for kind, _, _ in m.take_tier_moves()}
+    assert "promote" not in {kind for kind, _, _ in tier_moves.take()}
     assert m.tier_stats.gpu_hit_blocks == 3
 
 
 def test_a_tier_hit_is_verified_like_a_gpu_hit_bytes_keys_and_parent():
     always_7 = lambda parent, ids: 7  # noqa: E731: every block has the same hash
     m = BlockManager(5, block_size=2, num_offload_blocks=4, hash_fn=always_7)
+    tier_moves = TierMoves(m)
     first = Sequence(SYSTEM + [8], 2)
     m.allocate(first)
     m.free(first)
     evict_everything(m)
-    m.take_tier_moves()
+    tier_moves.take()
     for other in (Sequence([9, 9] + SYSTEM[2:] + [8], 2), Sequence(SYSTEM + [8], 2, cache_salt="tenant-b")):
         assert m.get_num_cached_tokens(other) == 0
     m.check_invariants()
@@ -66,6 +68,7 @@ def test_a_tier_hit_is_verified_like_a_gpu_hit_bytes_keys_and_parent():
 
 def test_blocks_sealed_after_a_promoted_block_chain_to_it():
     m = BlockManager(5, block_size=2, num_offload_blocks=4)
+    tier_moves = TierMoves(m)
     first = Sequence(SYSTEM[:2] + [8], 2)
     m.allocate(first)
     m.free(first)
@@ -114,11 +117,12 @@ def _tier_state(m):
 def test_a_failed_allocate_with_tier_hits_changes_nothing(failure):
     policy = FailingOnPop()
     m = BlockManager(5, block_size=2, num_offload_blocks=4, eviction=policy)
+    tier_moves = TierMoves(m)
     first = Sequence(SYSTEM + [8], 2)
     m.allocate(first)
     m.free(first)
     evict_everything(m)
-    m.take_tier_moves()
+    tier_moves.take()
     if failure == "no room":
         m.allocate(Sequence([5] * 5, 2))        # holds 3 of the 5 blocks: the 4 the prompt needs are not free
     else:
@@ -133,6 +137,7 @@ def test_a_failed_allocate_with_tier_hits_changes_nothing(failure):
 
 def test_reused_admission_keeps_only_blocks_looked_up_twice():
     m = BlockManager(4, block_size=2, num_offload_blocks=4, offload_admission="reused")
+    tier_moves = TierMoves(m)
     hashes = []
     for tokens in ([1, 2, 3], [4, 5, 6], [4, 5, 6]):   # the first block of [4, 5, 6] is looked up twice
         seq = Sequence(tokens, 2)
@@ -140,7 +145,7 @@ def test_reused_admission_keeps_only_blocks_looked_up_twice():
         hashes.append(m.block_hash(seq.block_table[0]))
         m.free(seq)
     evict_everything(m, 7)
-    kept = {m._tier.index.hash[slot] for _, _, slot in m.take_tier_moves()}
+    kept = {m._tier.index.hash[slot] for _, _, slot in tier_moves.take()}
     assert kept == {hashes[1]} != {hashes[0]}
 
 
@@ -172,6 +177,7 @@ def test_lru_drops_the_least_recently_used_entry_but_never_a_pinned_one():
 
 def test_tier_kv_events_carry_the_medium_and_rebuild_both_tiers():
     m = BlockManager(5, block_size=2, num_offload_blocks=2, kv_events=True)
+    tier_moves = TierMoves(m)
     index = CachedHashes()
     events = []
     m.kv_events.subscribe(index)
@@ -191,6 +197,7 @@ def test_tier_kv_events_carry_the_medium_and_rebuild_both_tiers():
 
 def test_the_teaching_log_shows_offloads_and_promotions():
     m = BlockManager(5, block_size=2, num_offload_blocks=4, record_events=True)
+    tier_moves = TierMoves(m)
     first = Sequence(SYSTEM + [8], 2)
     m.allocate(first)
     m.free(first)
@@ -203,13 +210,14 @@ def test_the_teaching_log_shows_offloads_and_promotions():
 
 def test_check_invariants_sees_a_content_id_that_means_two_prefixes_across_tiers():
     m = BlockManager(5, block_size=2, num_offload_blocks=4)
+    tier_moves = TierMoves(m)
     first = Sequence(SYSTEM + [8], 2)
     m.allocate(first)
     m.free(first)
     evict_everything(m)
     m.allocate(Sequence(SYSTEM + [9], 2))     # promoted: each block's content id is now in both tiers
     m.check_invariants()
-    slot = next(src for kind, src, _ in m.take_tier_moves() if kind == "promote")
+    slot = next(src for kind, src, _ in tier_moves.take() if kind == "promote")
     m._tier.index.block_bytes[slot] += b"other tenant"
     with pytest.raises(InvariantViolation, match="content id"):
         m.check_invariants()
@@ -230,8 +238,9 @@ def test_bad_tier_options_are_refused_clearly(options, match):
 
 def test_without_a_tier_nothing_changes():
     m = BlockManager(5, block_size=2)
+    tier_moves = TierMoves(m)
     first = Sequence(SYSTEM + [8], 2)
     m.allocate(first)
     m.free(first)
     evict_everything(m)
-    assert m.take_tier_moves() == [] and m.tier_stats is None and m.num_evictions == 3
+    assert tier_moves.take() == [] and m.tier_stats is None and m.num_evictions == 3

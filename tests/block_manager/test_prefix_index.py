@@ -1,9 +1,9 @@
-"""The prefix index on its own (kvlab.blocks.prefix_index): verified lookup, seal, and eviction as a value, with
+"""The prefix index on its own (kvlab.blocks.prefix_cache): verified lookup, seal, and eviction as a value, with
 content ids shared across the indexes of two tiers."""
 
 import pytest
 
-from kvlab.blocks.prefix_index import ROOT, ContentIds, Evicted, PrefixIndex
+from kvlab.blocks.prefix_cache import ROOT, ContentIds, Evicted, PrefixIndex
 from kvlab.errors import InvariantViolation
 
 

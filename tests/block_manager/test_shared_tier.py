@@ -3,9 +3,10 @@ hit by replica B, verified as a GPU hit is (content ids interned across them), a
 continues in A's entries."""
 
 import pytest
+from helpers import TierMoves
 
 from kvlab import BlockManager, InvalidArgumentError, Sequence
-from kvlab.blocks.offload_tier import make_shared_tier
+from kvlab.blocks.tiers import make_shared_tier
 
 SYSTEM = [1, 2, 3, 4, 5, 6]  # three blocks of 2
 
@@ -23,16 +24,17 @@ def replicas(n=2, gpu_blocks=5, tier_slots=8, **options):
 
 def test_a_block_replica_a_offloads_is_hit_by_replica_b():
     tier, (a, b) = replicas()
+    a_moves, b_moves = TierMoves(a), TierMoves(b)
     first = Sequence(SYSTEM + [8], 2)
     a.allocate(first)
     a.free(first)
     evict_everything(a)
-    assert {kind for kind, _, _ in a.take_tier_moves()} == {"offload"}
+    assert {kind for kind, _, _ in a_moves.take()} == {"offload"}
     other = Sequence(SYSTEM + [9], 2)
     assert b.get_num_cached_tokens(other) == 6
     b.allocate(other)
     assert other.num_cached_tokens == 6
-    assert [kind for kind, _, _ in b.take_tier_moves()] == ["promote"] * 3
+    assert [kind for kind, _, _ in b_moves.take()] == ["promote"] * 3
     assert b.tier_stats is a.tier_stats is tier.stats and tier.stats.tier_hit_blocks == 3
     for m in (a, b):
         m.check_invariants()

@@ -17,7 +17,7 @@ step may schedule only the next chunk of the tokens without slots, of any size f
 end inside blocks). Every prompt joins the history at admission, so later requests try to hit blocks whose
 tokens are still to be computed (nano-vllm #208/#219): such a hit would read K/V nobody wrote.
 
-Speculative decoding (kvlab.blocks.drafts): a step may propose draft tokens after the last one, whose K/V (of
+Speculative decoding (kvlab.blocks.group_manager): a step may propose draft tokens after the last one, whose K/V (of
 the tokens they would be) the verification pass writes; then the drafts are verified (the first 1..all
 accepted, their tokens appended, optionally a bonus token) or all rejected, and the progress counter rolls
 back. The tokens with their drafts join the history, so later requests try to hit blocks holding drafts: a
@@ -362,7 +362,7 @@ class ManagerMachine(PoolRules, RuleBasedStateMachine):
     @rule(data=st.data())
     def touch(self, data):
         self.clock += 1
-        self.manager.access_all_blocks_in_seq(data.draw(st.sampled_from(self.running)), self.clock)
+        self.manager.touch(data.draw(st.sampled_from(self.running)), self.clock)
 
     # ---- invariants ------------------------------------------------------------------------------------
     @invariant()

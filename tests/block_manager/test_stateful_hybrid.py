@@ -8,10 +8,10 @@ that group's attention sees: every position in a full-attention group, the last 
 query in a window-W group. Every rule of the single-group machine that the hybrid manager offers is here:
 whole and chunked admissions with prefix hits (also continuations of earlier requests, and tenants' salts),
 steps of all pending tokens or of a chunk of them with lookahead slots, speculative steps whose drafts are
-then verified or rejected (kvlab.blocks.drafts: window groups release blocks by verified positions only),
+then verified or rejected (kvlab.blocks.group_manager: window groups release blocks by verified positions only),
 forks, frees (preempted or finished), swaps and prefix-cache resets; weak hashes and a user-written eviction
 policy too. (The hybrid manager has no
-``access_all_blocks_in_seq``, so there is no ``touch`` rule.)
+``touch``, so there is no ``touch`` rule.)
 
 Failures: in the machines with a faulty user policy or ``hash_fn``, a rule runs another rule with the k-th call
 of that code from now raising, which may be any group's call: the call must fail with nothing changed in any
@@ -27,7 +27,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvlab import AllocStatus, EvictionPolicyError, InvalidArgumentError, OutOfBlocksError, Sequence
-from kvlab.blocks.hybrid_manager import HybridBlockManager
+from kvlab.blocks.manager import HybridBlockManager
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
 from test_stateful import PREFIXES, PoolRules, StackPolicy, kv_values, salts, tokens
 
@@ -230,7 +230,7 @@ class HybridMachine(PoolRules, RuleBasedStateMachine):
         pool, index, swap = m._pool, m._pool.index, m._swap
         return (list(pool.ref), list(index.hash), list(index.content), list(index.registered), sorted(pool.policy),
                 pool.num_free, pool.evictions, list(swap.ref), swap.num_free, dict(swap._cpu_of),
-                [vars(group.stats).copy() for group in m._members],
+                vars(m.stats).copy(),
                 [(s.status, s.num_cached_tokens, m.block_tables(s), m.num_scheduled_tokens(s))
                  for s in self.running + self.swapped])
 

@@ -2,7 +2,7 @@
 
 The engine's fake caches are keyed by tier and slot: ``gpu`` and ``cpu`` (the swap space) as before, and
 ``tier`` (the offload tier's CPU slots). After every manager call the machine applies the tier's moves
-(``take_tier_moves``) in order, before the moves the call returned and before the step writes, as the engine
+(the ``tier_moves`` each call returns) in order, before the moves the call returned and before the step writes, as the engine
 does. Every read check of the base machine then also checks promotion: a prefix hit served from the tier reads,
 position by position, exactly the value the step that computed it wrote (salts and keys included), after an
 offload to the tier and a promotion back. Pools are small, so GPU eviction, tier eviction (LRU and ARC, every
@@ -13,10 +13,11 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import invariant, precondition, rule
+from helpers import TierMoves
 from test_kv_events import EventMachine, chained
 from test_stateful import STEPS, ManagerMachine, PoolRules, kv_values
 
-from kvlab.blocks.kv_events import BlockStored
+from kvlab.blocks.events import BlockStored
 
 
 class TierMachine(ManagerMachine):
@@ -25,9 +26,10 @@ class TierMachine(ManagerMachine):
         self.tier = {}  # slot -> value: the engine's view of the offload tier
         self.prompts = []  # (token ids, keys) of every prompt admitted, to ask for again once evicted
         self.contents = {}  # content id -> the values its block was written with: one id, one K/V
+        self.tier_moves = TierMoves(self.manager)  # the tier's copies each call returns
 
     def _apply_tier_moves(self):
-        for kind, src, dst in self.manager.take_tier_moves():
+        for kind, src, dst in self.tier_moves.take():
             if kind == "offload":
                 PoolRules._copy(self, self.gpu, self.tier, [(src, dst)])
             else:

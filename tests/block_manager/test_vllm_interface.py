@@ -3,7 +3,8 @@ touches, cached-token counts, hit rates and three-way swap answers."""
 
 import pytest
 
-from kvlab import AllocStatus, BlockManager, InvalidArgumentError, Sequence, SequenceStateError
+from kvlab import AllocStatus, InvalidArgumentError, InvariantViolation, Sequence, SequenceStateError
+from kvlab.blocks.vllm_v0 import BlockSpaceManager as BlockManager
 
 from helpers import allocated, grow, snapshot
 
@@ -169,3 +170,13 @@ def test_common_computed_block_ids_refuses_a_bare_sequence():
     with pytest.raises(InvalidArgumentError, match=r"list of Sequence \(e.g. \[seq\]\)"):
         m.get_common_computed_block_ids(seq)
     assert m.get_common_computed_block_ids([]) == [] and m.get_common_computed_block_ids((seq,)) == []
+
+
+def test_check_invariants_audits_the_computed_marks():
+    m = BlockManager(8, block_size=4)
+    seq = allocated(m, range(6))
+    m.mark_blocks_as_computed(seq)
+    m.check_invariants()
+    m._computed[seq.seq_id] = 9  # more than the 6 positions scheduled
+    with pytest.raises(InvariantViolation, match="marked computed"):
+        m.check_invariants()

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from engine_helpers import make_llm, save_tiny_model
-from kvlab.blocks.kv_events import BlockRemoved, BlockStored, CachedHashes
+from kvlab.blocks.events import BlockRemoved, BlockStored, CachedHashes
 from kvlab.engine import SamplingParams
 from kvlab.errors import InvalidArgumentError, KVEventSubscriberWarning
 

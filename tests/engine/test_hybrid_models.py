@@ -9,7 +9,7 @@ import random
 import pytest
 
 from engine_helpers import hf_greedy, make_llm, save_tiny_model
-from kvlab.blocks.hybrid_manager import HybridBlockManager
+from kvlab.blocks.manager import HybridBlockManager
 from kvlab.engine import PromptTooLongError, SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

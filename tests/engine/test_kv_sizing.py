@@ -65,7 +65,7 @@ def test_one_kv_cache_config_is_what_the_manager_the_cache_the_runner_and_sizing
     assert llm.kv_cache.config is config and llm.runner.kv_cache.config is config
     manager = llm.block_manager
     assert (manager.num_blocks, manager.block_size) == (config.num_blocks, config.block_size) == (20, 4)
-    assert [member.spec for member in manager._members] == [group.attention for group in config.groups]
+    assert list(manager.groups) == [group.attention for group in config.groups]
     assert llm.runner.layer_groups == config.layer_groups == (1, 0, 2, 0, 1)
     assert config.groups == kv_cache_groups(read_model_shape(tmp_path).layout("float32"), 4)
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from kvlab.blocks.kv_events import CachedHashes
+from kvlab.blocks.events import CachedHashes
 from kvlab.errors import InvalidArgumentError
 from kvlab.studies.cli import main as study_main
 from kvlab.studies.fleet import replay_fleet

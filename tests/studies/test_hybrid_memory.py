@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from kvlab import Sequence
-from kvlab.blocks.hybrid_manager import HybridBlockManager
+from kvlab.blocks.manager import HybridBlockManager
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
 from kvlab.studies.hybrid_memory import ALL_FULL, LayerMix, pages_held, request_footprints, step_bounds, summarize
 

@@ -212,7 +212,6 @@ def test_a_block_promoted_from_an_offload_tier_costs_tier_ms_per_block():
         model = EngineModel(decode_step_ms=10.0, prefill_ms_per_token=0.5, tier_ms_per_block=tier_ms)
         engine = Engine(PromptTokens(trace), arrivals(trace, model), manager, model, tqdm(disable=True))
         engine.advance()
-        assert manager.take_tier_moves() == []  # the engine took every copy
         runs.append((engine.metrics()["hit_blocks"], manager.tier_stats.tier_hit_blocks, engine.ttft_ms))
     (hits, tier_hits, ttft), (hits_7, tier_hits_7, ttft_7) = runs
     assert hits == hits_7 == tier_hits == tier_hits_7 == 3

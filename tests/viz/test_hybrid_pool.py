@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 from matplotlib.colors import to_rgba  # noqa: E402
 
 from kvlab import BlockManager, InvalidArgumentError, Sequence  # noqa: E402
-from kvlab.blocks.hybrid_manager import HybridBlockManager  # noqa: E402
+from kvlab.blocks.manager import HybridBlockManager  # noqa: E402
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
 from kvlab.viz import draw_block_tables, draw_pool, snapshot  # noqa: E402
 from kvlab.viz.snapshot import (CPU_COLOR, FREE, NULL, SHARED, STATE_COLORS, USED, WARM,  # noqa: E402
@@ -136,7 +136,7 @@ def test_released_entries_draw_as_null_also_where_a_swapped_table_holds_cpu_bloc
 
 def test_a_bad_argument_names_the_managers_allowed():
     m, seqs = scenario()
-    allowed = "BlockManager or a kvlab.blocks.hybrid_manager.HybridBlockManager, got"
+    allowed = "BlockManager or a kvlab.blocks.manager.HybridBlockManager, got"
     for draw in (snapshot, draw_pool, draw_block_tables):
         with pytest.raises(InvalidArgumentError, match=f"{allowed} str"):
             draw("not a manager")
