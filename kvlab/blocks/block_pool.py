@@ -199,9 +199,11 @@ class BlockPool:
         ref, index = self.ref, self.index
         for block in taken:
             ref[block] = 1
-        evicted = self._evict(taken)
-        if evicted is not None and self.tier is not None:
-            self.tier.offer(evicted)
+        evicted = self.index.evict(taken)
+        if evicted is not None:
+            self._evicted(evicted)
+            if self.tier is not None:
+                self.tier.offer(evicted)
         index.clear(taken[len(hashes):])  # the rest hold no sealed content now (seal overwrites the others)
         self.num_free -= len(taken)
         return self.seal(taken[:len(hashes)], hashes, contents, parent, group) if hashes else parent
@@ -210,16 +212,15 @@ class BlockPool:
         """``blocks`` (each in use by the one sequence about to overwrite it) stop holding sealed content: the
         cached ones leave the index, reported to the sink as evicted (kvlab.blocks.group_manager); never offered to the
         offload tier, which keeps free cached blocks the pool reuses."""
-        self._evict(blocks)
-        self.index.clear(blocks)
-
-    def _evict(self, blocks) -> Optional[Evicted]:
         evicted = self.index.evict(blocks)
         if evicted is not None:
-            self.evictions += len(evicted.slots)
-            if self.sink is not None:
-                self.sink.evicted(evicted.slots, evicted.hashes, evicted.contents)
-        return evicted
+            self._evicted(evicted)
+        self.index.clear(blocks)
+
+    def _evicted(self, evicted: Evicted) -> None:
+        self.evictions += len(evicted.slots)
+        if self.sink is not None:
+            self.sink.evicted(evicted.slots, evicted.hashes, evicted.contents)
 
     def claim(self, blocks, revived: int) -> None:
         """One more reference to each block (prefix hits, forks, twins); ``revived`` of them were free."""

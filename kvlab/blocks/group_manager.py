@@ -38,7 +38,7 @@ from itertools import groupby
 from typing import NamedTuple
 
 from kvlab.blocks.prefix_cache import ROOT, block_hashes, hashes_to_seal, sealed_through
-from kvlab.blocks.sequence import Sequence, key_bytes, token_buffer
+from kvlab.blocks.sequence import Sequence
 from kvlab.errors import InvalidArgumentError, InvariantViolation, SequenceStateError
 from kvlab.validation import check_int
 
@@ -190,13 +190,12 @@ class GroupManager:
         step computes the ``num_new_tokens`` tokens after them (None: the rest of the prompt)."""
         bs, spec, n = self.block_size, self.spec, seq.num_tokens
         cached = (len(hits) + len(tier_hits)) * bs
-        scheduled = cached + new_tokens(seq, num_new_tokens, cached)
+        scheduled = n if num_new_tokens is None else cached + new_tokens(seq, num_new_tokens, cached)
         first_live = spec.first_live_block(cached, bs)  # the step's first query is the first uncached token
         live_blocks = -(-(scheduled + lookahead) // bs) - first_live
-        ref = self.pool.ref
-        hits_in_use = sum(1 for block in hits[first_live:] if ref[block])
+        hits_in_use = sum(map(bool, map(self.pool.ref.__getitem__, hits[first_live:])))
         # A chunk that fits is no use if the rest of the prompt never can: admission looks at the whole prompt.
-        peak = max(live_blocks, least_peak_blocks(scheduled, n, bs, spec, lookahead))
+        peak = live_blocks if scheduled >= n else max(live_blocks, spec.least_peak_blocks(scheduled, n, bs, lookahead))
         return AllocationPlan(hits, tier_hits, first_live, scheduled, live_blocks, live_blocks - hits_in_use, peak,
                               -(-scheduled // bs) - len(hits), min(num_hashes, scheduled // bs))
 
@@ -456,7 +455,7 @@ class GroupManager:
         if not alloc.num_sealed:
             return
         seq, bs, index = alloc.seq, self.block_size, self.pool.index
-        _, expected = block_hashes(token_buffer(seq), bs, 0, alloc.num_sealed, None, None, key_bytes(seq))
+        _, expected = block_hashes(seq.token_array, bs, 0, alloc.num_sealed, None, None, seq.key_bytes)
         parent = ROOT if not alloc.num_released else None  # None: not known here, not checked
         for i in range(alloc.num_released, alloc.num_sealed):
             block = alloc.table[i]

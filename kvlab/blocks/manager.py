@@ -35,6 +35,8 @@ import dataclasses
 import functools
 import threading
 from collections import Counter
+from itertools import filterfalse
+from operator import attrgetter
 from typing import NamedTuple, Optional
 
 from kvlab.blocks.block_pool import BlockPool
@@ -45,8 +47,7 @@ from kvlab.blocks.group_manager import NULL_BLOCK, CrossTable, GroupManager, che
 from kvlab.blocks.kv_cache_groups import check_group_specs, spec_for
 from kvlab.blocks.prefix_cache import PrefixIndex, prompt_blocks
 from kvlab.blocks.records import AllocStatus, PrefixCacheStats
-from kvlab.blocks.sequence import Sequence, SequenceStatus, allocation_record, check_block_size, copy_tokens, \
-    set_allocation_record, token_buffer
+from kvlab.blocks.sequence import Sequence, SequenceStatus, check_block_size, copy_tokens
 from kvlab.blocks.tiers import SwapSpace, check_offload_options, is_shared, make_tier
 from kvlab.errors import InvalidArgumentError, InvariantViolation, OutOfBlocksError, SequenceStateError
 from kvlab.validation import check_int, check_number
@@ -153,11 +154,17 @@ def serialized(cls):
     def locked(method):
         @functools.wraps(method)
         def call(self, *args, **kwargs):
+            outermost = False
             try:
                 with self._lock:
-                    return method(self, *args, **kwargs)
+                    self._depth += 1  # public calls this thread is inside (the lock is re-entrant)
+                    try:
+                        return method(self, *args, **kwargs)
+                    finally:
+                        self._depth -= 1
+                        outermost = not self._depth
             finally:
-                if self._kv_queue and not self._lock._is_owned():
+                if outermost and self._kv_queue:
                     self.kv_events.deliver()
         return call
     for name, member in list(vars(cls).items()):
@@ -198,15 +205,16 @@ class BlockManager:
         self._groups = [GroupManager(spec, g, parts, GroupSink(parts.sink, g) if several and parts.sink else
                                      parts.sink) for g, spec in enumerate(specs)]
         self._cross: dict = {}  # root Sequence -> its request group's CrossTable (encoder-decoder, one group only)
-        self._lock = threading.RLock()
+        self._lock, self._depth = threading.RLock(), 0
         self._kv_queue = parts.kv_events.queue if parts.kv_events is not None else ()
 
     # ---- the prefix lookup ------------------------------------------------------------------------------
     def lookup(self, seq: Sequence) -> PrefixHit:
         """The prompt's cached prefix, once per group: its first full blocks each group holds (then the offload
         tier's), cut to the hit every group serves, at most all but the last token (always computed). Pure."""
-        self._check_block_size(check_sequence(seq))
-        if token_buffer(seq) is None:
+        if not isinstance(seq, Sequence) or seq.block_size != self.block_size:
+            self._check_block_size(check_sequence(seq))
+        if seq.token_array is None:
             raise SequenceStateError(f"sequence {seq.seq_id} is a decode-only copy without its tokens")
         groups = self._groups
         if not self.enable_prefix_caching or not seq.num_tokens:
@@ -219,9 +227,11 @@ class BlockManager:
             found.append(hits)
             limit = len(hits) + len(tier_hits)
         hits = tuple(group_hits[:limit] for group_hits in found) if len(groups) > 1 else (found[0],)
-        content = self._pool.index.content
-        return PrefixHit(seq.seq_id, limit * self.block_size, hashes, contents, hits,
-                         tuple(tuple(content[block] for block in group_hits) for group_hits in hits), tier_hits,
+        held = self._pool.index.content.__getitem__
+        content_ids = []
+        for group_hits in hits:
+            content_ids.append(tuple(map(held, group_hits)))
+        return PrefixHit(seq.seq_id, limit * self.block_size, hashes, contents, hits, tuple(content_ids), tier_hits,
                          tuple(self._tier.index.content[slot] for slot in tier_hits) if tier_hits else ())
 
     def get_num_cached_tokens(self, seq: Sequence) -> int:
@@ -238,11 +248,12 @@ class BlockManager:
         NEVER: the prompt can never be finished here, however it is chunked. ``hit``: ``lookup(seq)``'s
         answer (None: looked up here)."""
         self._check_unallocated(seq)
-        lookahead = check_int("num_lookahead_slots", num_lookahead_slots, 0)
-        cross = self._cross_blocks(seq, encoder_seq)
+        lookahead = num_lookahead_slots
+        if lookahead.__class__ is not int or lookahead < 0:
+            lookahead = check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        cross = self._cross_blocks(seq, encoder_seq) if encoder_seq is not None or self._cross else 0
         plans = self._plan_admission(seq, self._checked_hit(seq, hit), lookahead, num_new_tokens)
-        return self._admission(sum(plan.peak_blocks for plan in plans) + cross,
-                               _hit_pins(self._pool, plans)[2] + cross)
+        return self._admission(sum(map(_peak_blocks, plans)) + cross, _hit_pins(self._pool, plans)[2] + cross)
 
     def allocate(self, seq: Sequence, encoder_seq: Optional[Sequence] = None, *, num_new_tokens: Optional[int] = None,
                  hit: Optional[PrefixHit] = None) -> Admitted:
@@ -253,12 +264,14 @@ class BlockManager:
         by the sequence's future forks. Atomic: raises before changing anything if the blocks are not there,
         or if the prompt could never be finished in this pool."""
         self._check_unallocated(seq)
-        num_cross = self._cross_blocks(seq, encoder_seq)
+        num_cross = self._cross_blocks(seq, encoder_seq) if encoder_seq is not None or self._cross else 0
         hit = self._checked_hit(seq, hit)
         plans = self._plan_admission(seq, hit, 0, num_new_tokens)
         pool, several = self._pool, len(plans) > 1
         pins, revived, needed = _hit_pins(pool, plans)
-        self._check_room(seq, needed + num_cross, sum(plan.peak_blocks for plan in plans) + num_cross, len(plans))
+        peak_blocks = sum(map(_peak_blocks, plans)) + num_cross
+        if needed + num_cross > pool.num_free or peak_blocks > self._usable:
+            self._refuse(seq, needed + num_cross, peak_blocks, len(plans))
         # Out-of-window hits nobody holds go back to the free set, still cached, once the groups hold theirs.
         unpinned = [block for plan in plans for block in plan.hits[:plan.first_live] if not pool.ref[block]] \
             if several else ()
@@ -267,14 +280,17 @@ class BlockManager:
             taken = []
             for plan in plans:  # the encoder's table comes with the first group's blocks (one group has one)
                 taken.append(txn.pop(plan.num_new + (num_cross if not taken else 0)))
-                txn.hits(plan.hits)
+                if pool.hit_listener is not None:
+                    txn.hits(plan.hits)
             if unpinned:
                 txn.add(unpinned, [pool.index.is_cached(block) for block in unpinned])
         if several:  # pinned while the groups take their blocks: one group's new blocks never evict another's hit
             pool.claim(pins, len(revived))
-        cross_blocks = taken[0][plans[0].num_new:]
-        taken[0] = taken[0][:plans[0].num_new]
-        cross = self._attach_cross(seq, encoder_seq, cross_blocks)
+        cross = None
+        if num_cross or self._cross:
+            cross_blocks = taken[0][plans[0].num_new:]
+            taken[0] = taken[0][:plans[0].num_new]
+            cross = self._attach_cross(seq, encoder_seq, cross_blocks)
         for group, plan, blocks in zip(self._groups, plans, taken):
             group.admit(seq, plan, hit.hashes, hit.contents, blocks, 0 if several else len(revived), cross)
         if several:
@@ -286,10 +302,10 @@ class BlockManager:
         if self.enable_prefix_caching:
             self.stats.count_lookup(seq.num_tokens, len(hit.hashes), len(plans[0].hits), self.block_size,
                                     recomputing)
-        set_allocation_record(seq, self._groups[0].records[seq.seq_id])
+        seq.allocation = self._groups[0].records[seq.seq_id]
         seq.status, seq.num_cached_tokens, seq.prefill_end = SequenceStatus.RUNNING, hit.num_tokens, seq.num_tokens
         seq.num_computed_tokens = plans[0].scheduled
-        return Admitted(hit.num_tokens, tuple(taken), self._take_tier_moves())
+        return Admitted(hit.num_tokens, tuple(taken), self._tier.take_moves() if self._tier is not None else [])
 
     def _checked_hit(self, seq, hit) -> PrefixHit:
         """``hit`` if it is ``seq``'s and every block in it still holds what it held when looked up, else an
@@ -298,20 +314,25 @@ class BlockManager:
             return self.lookup(seq)
         if not isinstance(hit, PrefixHit) or hit.seq_id != seq.seq_id or len(hit.hits) != len(self._groups):
             raise InvalidArgumentError(f"hit must be this manager's lookup(seq) of sequence {seq.seq_id}, got {hit!r}")
-        content = self._pool.index.content
-        if any(content[block] != cid for blocks, cids in zip(hit.hits, hit.content_ids)
-               for block, cid in zip(blocks, cids)) \
-                or any(self._tier.index.content[slot] != cid for slot, cid in zip(hit.tier_hits, hit.tier_content_ids)) \
-                or (self.enable_prefix_caching and len(hit.hashes) != seq.num_tokens // self.block_size):
+        held = self._pool.index.content.__getitem__
+        stale = self.enable_prefix_caching and len(hit.hashes) != seq.num_tokens // self.block_size
+        for blocks, content_ids in zip(hit.hits, hit.content_ids):
+            stale = stale or tuple(map(held, blocks)) != content_ids
+        if hit.tier_hits:
+            stale = stale or tuple(map(self._tier.index.content.__getitem__, hit.tier_hits)) != hit.tier_content_ids
+        if stale:
             raise InvalidArgumentError(f"the prefix hit of sequence {seq.seq_id} is stale (a block of it was evicted, "
                                        "or the sequence grew since): look it up again")
         return hit
 
     def _plan_admission(self, seq, hit, lookahead, num_new_tokens) -> list:
-        return [group.plan_admission(seq, hits, hit.tier_hits, len(hit.hashes), lookahead, num_new_tokens)
-                for group, hits in zip(self._groups, hit.hits)]
+        plans = []
+        for group, hits in zip(self._groups, hit.hits):
+            plans.append(group.plan_admission(seq, hits, hit.tier_hits, len(hit.hashes), lookahead, num_new_tokens))
+        return plans
 
-    def _check_room(self, seq, needed_free: int, peak_blocks: int, num_groups: int) -> None:
+    def _refuse(self, seq, needed_free: int, peak_blocks: int, num_groups: int) -> None:
+        """Say why ``allocate`` does not fit: too few free blocks now, or more blocks at once than the pool has."""
         pool = self._pool
         across = f" across {num_groups} groups" if num_groups > 1 else ""
         if needed_free > pool.num_free:
@@ -398,7 +419,7 @@ class BlockManager:
                 txn.add(freed, cached)
         for group, (alloc, live, freed, _) in zip(self._groups, releases):
             group.release(alloc, live, freed)
-        set_allocation_record(seq, None)
+        seq.allocation = None
         seq.num_computed_tokens = seq.prefill_end = seq.num_draft_tokens = 0  # no slots: recomputed, it starts over
         seq.status = SequenceStatus.WAITING if preempted else SequenceStatus.FINISHED
         if preempted:
@@ -416,7 +437,7 @@ class BlockManager:
         copy_tokens(parent, child)
         for group in self._groups:
             group.fork(parent, child)
-        set_allocation_record(child, self._groups[0].records[child.seq_id])
+        child.allocation = self._groups[0].records[child.seq_id]
         child.status = SequenceStatus.RUNNING
 
     # ---- swapping (vLLM V0's preemption) ------------------------------------------------------------------
@@ -687,7 +708,7 @@ class BlockManager:
             if group.records.keys() != self._groups[0].records.keys():
                 raise InvariantViolation("the KV cache groups hold different sequences")
         for seq_id, alloc in self._groups[0].records.items():
-            if allocation_record(alloc.seq) is not alloc:
+            if alloc.seq.allocation is not alloc:
                 raise InvariantViolation(f"sequence {seq_id} does not point at the allocation that holds it")
         self._pool.check(gpu_refs)
         self._swap.check(cpu_refs, self._pool.ref)
@@ -709,17 +730,18 @@ class BlockManager:
 
     def _check_unallocated(self, seq, need_tokens=True, same_block_size=True) -> None:
         """``seq`` may be allocated (or, with ``need_tokens=False, same_block_size=False``, forked into) now."""
-        check_sequence(seq)
-        if same_block_size:
+        if not isinstance(seq, Sequence):
+            check_sequence(seq)
+        if same_block_size and seq.block_size != self.block_size:
             self._check_block_size(seq)
-        owner = allocation_record(seq)
+        owner = seq.allocation
         if owner is not None:
             where = "this manager" if self._groups[0].records.get(seq.seq_id) is owner else \
                 "another BlockManager; free it there first"
             raise SequenceStateError(f"sequence {seq.seq_id} is already allocated in {where}")
         if need_tokens and seq.num_tokens == 0:
             raise InvalidArgumentError(f"sequence {seq.seq_id} has no tokens to allocate")
-        if need_tokens and token_buffer(seq) is None:
+        if need_tokens and seq.token_array is None:
             raise SequenceStateError(f"sequence {seq.seq_id} is a decode-only copy without its tokens")
 
     def _admission(self, live_blocks, needed_free) -> AllocStatus:
@@ -731,13 +753,13 @@ class BlockManager:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def _take_tier_moves(self) -> list:
-        return self._tier.take_moves() if self._tier is not None else []
-
     def _copies(self, per_group) -> BlockCopies:
         copies = BlockCopies(per_group[0] if len(per_group) == 1 else [pair for pairs in per_group for pair in pairs])
-        copies.tier_moves = self._take_tier_moves()
+        copies.tier_moves = self._tier.take_moves() if self._tier is not None else []
         return copies
+
+
+_peak_blocks = attrgetter("peak_blocks")
 
 
 def _hit_pins(pool, plans) -> tuple[list, list, int]:
@@ -748,7 +770,7 @@ def _hit_pins(pool, plans) -> tuple[list, list, int]:
     ref = pool.ref
     if len(plans) == 1:
         plan = plans[0]
-        return (), [block for block in plan.hits[plan.first_live:] if not ref[block]], plan.needed_free
+        return (), list(filterfalse(ref.__getitem__, plan.hits[plan.first_live:])), plan.needed_free
     pins = [block for plan in plans for block in plan.hits]
     revived = [block for block in pins if not ref[block]]
     fresh = sum(plan.live_blocks - len(plan.hits) + plan.first_live for plan in plans)

@@ -4,13 +4,13 @@ tier (verified lookup, seal, evict: which slot holds which sealed content, keyed
 
 from array import array
 import hashlib
+from itertools import compress
 import struct
 import sys
 from typing import Callable, NamedTuple, Optional
 
 import xxhash
 
-from kvlab.blocks.sequence import block_hashes_box, key_bytes, token_buffer
 from kvlab.errors import InvalidArgumentError, InvariantViolation
 
 
@@ -36,17 +36,12 @@ if sys.byteorder != "little":
     raise ImportError("kvlab hashes tokens as native int64 bytes, which must be little-endian")
 
 
-def _split_blocks(raw: bytes, width: int) -> list[bytes]:
-    """``raw`` cut into ``width``-byte pieces, in C: one ``struct`` unpack (compiled per call: a cached
-    format would keep a long prompt's codes alive) takes a third of the time of a Python loop of slices or
-    a regex ``findall``, and hashing is a sixth of a replay's time."""
-    return list(struct.Struct(f"{width}s" * (len(raw) // width)).unpack(raw))
-
-
 def block_contents(tokens: array, block_size: int, start: int, stop: int, keys: Optional[dict]) -> list[bytes]:
-    """Bytes of full blocks ``start..stop-1`` of ``tokens``; ``keys`` (``key_bytes(seq)``) extends keyed blocks."""
-    raw = memoryview(tokens)[start * block_size:stop * block_size].tobytes()  # one copy, then cheap slices
-    contents = _split_blocks(raw, 8 * block_size)
+    """Bytes of full blocks ``start..stop-1`` of ``tokens``; ``keys`` (``seq.key_bytes``) extends keyed blocks.
+    One copy, then one ``struct`` unpack cuts it in C (compiled per call: a cached format would keep a long
+    prompt's codes alive), a third of the time of a Python loop of slices; hashing is a sixth of a replay."""
+    raw = memoryview(tokens)[start * block_size:stop * block_size].tobytes()
+    contents = list(struct.Struct(f"{8 * block_size}s" * (stop - start)).unpack(raw))
     if keys:
         for i, suffix in keys.items():
             if start <= i < stop:
@@ -57,11 +52,14 @@ def block_contents(tokens: array, block_size: int, start: int, stop: int, keys: 
 def block_hashes(tokens: array, block_size: int, start: int, stop: int, parent: Optional[int],
                  hash_fn: Optional[HashFn] = None, keys: Optional[dict] = None) -> tuple[list[int], list[bytes]]:
     """Hashes and bytes of full blocks ``start..stop-1`` of ``tokens``, chained from ``parent`` (the hash of
-    block ``start - 1``, or None for the first block); ``keys`` (``key_bytes(seq)``) extends keyed blocks."""
+    block ``start - 1``, or None for the first block); ``keys`` (``seq.key_bytes``) extends keyed blocks."""
     contents = block_contents(tokens, block_size, start, stop, keys)
     if hash_fn is None:
-        xxh64, parent = xxhash.xxh64_intdigest, parent or 0
-        return [parent := xxh64(content, parent) for content in contents], contents
+        xxh64, parent, hashes = xxhash.xxh64_intdigest, parent or 0, []
+        for content in contents:  # a loop, not a comprehension: no frame of its own
+            parent = xxh64(content, parent)
+            hashes.append(parent)
+        return hashes, contents
     hashes = []
     for i in range(start, stop):
         try:
@@ -89,54 +87,52 @@ class BlockHashes:
     def __init__(self, block_size: int, hash_fn: Optional[HashFn], keys: Optional[dict]):
         self.block_size, self.hash_fn, self.keys = block_size, hash_fn, keys
         self.hashes: list[int] = []
-        self.contents: Optional[list[bytes]] = None  # bytes of the blocks of ``hashes``, or None (dropped)
+        self.contents: Optional[list[bytes]] = []  # bytes of the blocks of ``hashes``, or None (dropped)
 
     def copy(self) -> "BlockHashes":
         twin = BlockHashes(self.block_size, self.hash_fn, self.keys)
-        twin.hashes = list(self.hashes)
+        twin.hashes, twin.contents = list(self.hashes), None  # its bytes are sliced again if needed
         return twin
 
     def extend(self, tokens: array, stop: int) -> None:
         """Hash blocks ``len(hashes)..stop-1`` (their bytes too, while the others' are kept)."""
         start = len(self.hashes)
-        if stop <= start:
-            return
-        hashes, contents = block_hashes(tokens, self.block_size, start, stop, self.hashes[-1] if start else None,
-                                        self.hash_fn, self.keys)
-        if start:
+        if stop > start:
+            hashes, contents = block_hashes(tokens, self.block_size, start, stop,
+                                            self.hashes[-1] if start else None, self.hash_fn, self.keys)
             self.hashes += hashes
             if self.contents is not None:
                 self.contents += contents
-        else:  # the usual first call: no copy
-            self.hashes = hashes
-            if self.contents is not None:
-                self.contents = contents
 
 
 def hashes_of(seq, block_size: int, hash_fn: Optional[HashFn]) -> BlockHashes:
     """``seq``'s block hashes for this block size, ``hash_fn`` and its keys: the cached ones, or new (empty)
     ones where they were computed under others (the sequence moved to another manager)."""
-    box = block_hashes_box(seq)
-    keys, entry = key_bytes(seq), box[0]
-    if (entry is None or entry.block_size != block_size or entry.hash_fn is not hash_fn
-            or (entry.keys is not keys and entry.keys != keys)):
-        entry = box[0] = BlockHashes(block_size, hash_fn, keys)
+    entry = seq.block_hashes
+    if entry is None or entry.block_size != block_size or entry.hash_fn is not hash_fn or entry.keys is not seq.key_bytes:
+        entry = seq.block_hashes = BlockHashes(block_size, hash_fn, seq.key_bytes)
     return entry
 
 
 def prompt_blocks(seq, block_size: int, hash_fn: Optional[HashFn]) -> tuple[list[int], list[bytes]]:
     """Hashes and bytes of all of ``seq``'s full blocks, hashing only those not hashed before."""
-    entry, tokens = hashes_of(seq, block_size, hash_fn), token_buffer(seq)
-    stop = len(tokens) // block_size
-    if entry.contents is None:
-        entry.contents = block_contents(tokens, block_size, 0, len(entry.hashes), entry.keys) if entry.hashes else []
-    entry.extend(tokens, stop)
+    entry, tokens, keys = seq.block_hashes, seq.token_array, seq.key_bytes
+    if entry is None or entry.block_size != block_size or entry.hash_fn is not hash_fn or entry.keys is not keys:
+        entry = seq.block_hashes = BlockHashes(block_size, hash_fn, keys)  # hashed under others: start again
+    start, stop = len(entry.hashes), len(tokens) // block_size
+    if entry.contents is None:  # dropped once every block was sealed: sliced again
+        entry.contents = block_contents(tokens, block_size, 0, start, keys)
+    if stop > start:
+        hashes, contents = block_hashes(tokens, block_size, start, stop, entry.hashes[-1] if start else None,
+                                        hash_fn, keys)
+        entry.hashes += hashes
+        entry.contents += contents
     return entry.hashes, entry.contents  # read them now: later blocks extend these lists
 
 
 def hashes_to_seal(seq, start: int, stop: int, block_size: int, hash_fn: Optional[HashFn]) -> tuple[list, list]:
     """Hashes and bytes of blocks ``start..stop-1``, which a step is about to seal: hashed only if new."""
-    entry, tokens = hashes_of(seq, block_size, hash_fn), token_buffer(seq)
+    entry, tokens = hashes_of(seq, block_size, hash_fn), seq.token_array
     entry.extend(tokens, stop)
     contents = entry.contents
     if contents is None or len(contents) < stop:
@@ -146,7 +142,7 @@ def hashes_to_seal(seq, start: int, stop: int, block_size: int, hash_fn: Optiona
 
 def sealed_through(seq, num_sealed: int) -> None:
     """``seq``'s first ``num_sealed`` blocks are sealed: drop the bytes once none of them waits any more."""
-    entry = block_hashes_box(seq)[0]
+    entry = seq.block_hashes
     if entry is not None and entry.contents is not None and num_sealed >= len(entry.contents):
         entry.contents = None
 
@@ -329,7 +325,7 @@ class PrefixIndex:
         """The cached ones of ``slots`` stop being hittable (their slots are reused for new content); returns
         what they held, or None if none was cached. Their other fields stay until overwritten or ``clear``."""
         registered = self.registered
-        dropped = [slot for slot in slots if registered[slot]]
+        dropped = list(compress(slots, map(registered.__getitem__, slots)))
         if not dropped:
             return None
         block_hash, block_bytes = self.hash, self.block_bytes

@@ -206,11 +206,14 @@ class Sequence:
 
     def __init__(self, token_ids, block_size: int = 16, *, cache_salt=None, adapter_key=None, extra_keys=None):
         self.block_size = check_block_size(block_size)
-        self._keys = cache_keys(cache_salt, adapter_key, extra_keys, (MAX_TOKENS - 1) // self.block_size)
-        self._tokens: array | None = as_token_array(token_ids)
+        self.cache_keys = cache_keys(cache_salt, adapter_key, extra_keys, (MAX_TOKENS - 1) // self.block_size)
+        # {block index: bytes that follow its token bytes} for a salted or keyed sequence, else None (read-only)
+        self.key_bytes = self.cache_keys.block_bytes if self.cache_keys is not None else None
+        # Its token ids as uint64 (the bytes the prefix cache hashes; read-only), None in a decode-only copy.
+        self.token_array: array | None = as_token_array(token_ids)
         self.seq_id: int = next(_next_seq_id)
         self.status = SequenceStatus.WAITING
-        self.num_tokens = len(self._tokens)
+        self.num_tokens = len(self.token_array)
         self.num_prompt_tokens = self.num_tokens
         self.num_cached_tokens = 0      # prompt tokens whose K/V came from the prefix cache
         # Times the manager freed it to be recomputed (free(seq, preempted=True)): once it is > 0, its lookups
@@ -228,11 +231,12 @@ class Sequence:
         # Positions < prefill_end are prefilled (set when allocated: the prompt, or everything a sequence
         # preempted by recompute had); later ones are decoded, one sampled token at a time.
         self.prefill_end = 0
-        self.last_token: int | None = self._tokens[-1] if self._tokens else None
-        self._allocation = None  # the owning manager's record (kvlab.blocks.group_manager.Allocation) while allocated
-        # Its full blocks' hashes (kvlab.blocks.prefix_cache.BlockHashes), computed once for its whole life, in a
-        # one-item box (a fork copies it).
-        self._hashes_box: list = [None]
+        self.last_token: int | None = self.token_array[-1] if self.token_array else None
+        # What the block manager keeps on the sequence (public, so no class reads another's private fields; neither is
+        # the user's to change): its record in the manager holding it (group 0's
+        # ``kvlab.blocks.group_manager.Allocation``, None when not allocated), and its full blocks' hashes.
+        self.allocation = None
+        self.block_hashes = None  # kvlab.blocks.prefix_cache.BlockHashes: computed once in its life (a fork copies them)
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -246,20 +250,20 @@ class Sequence:
         """Physical block of each logical block (CPU block ids while swapped out; the null block 0 where a
         sliding window released it); empty when not allocated. A read-only copy: the manager owns the
         table."""
-        return tuple(self._allocation.table) if self._allocation is not None else ()
+        return tuple(self.allocation.table) if self.allocation is not None else ()
 
     @property
     def cache_salt(self):
-        return self._keys.cache_salt if self._keys is not None else None
+        return self.cache_keys.cache_salt if self.cache_keys is not None else None
 
     @property
     def adapter_key(self):
-        return self._keys.adapter_key if self._keys is not None else None
+        return self.cache_keys.adapter_key if self.cache_keys is not None else None
 
     @property
     def extra_keys(self):
         """``{block index: key}``, read-only: the blocks' hashes depend on it."""
-        return MappingProxyType(self._keys.extra_keys if self._keys is not None else {})
+        return MappingProxyType(self.cache_keys.extra_keys if self.cache_keys is not None else {})
 
     @property
     def token_ids(self) -> list[int]:
@@ -297,17 +301,17 @@ class Sequence:
             raise InvalidArgumentError(f"token id must be an int, got {type(token_id).__name__}") from None
         if not 0 <= token <= MAX_TOKEN_ID:
             raise InvalidArgumentError(f"token id must be in [0, {MAX_TOKEN_ID}], got {token}")
-        if self._tokens is not None:
-            self._tokens.append(token)
+        if self.token_array is not None:
+            self.token_array.append(token)
         self.num_tokens += 1
         self.last_token = token
 
     def _token_array(self) -> array:
-        if self._tokens is None:
+        if self.token_array is None:
             raise SequenceStateError(
                 f"sequence {self.seq_id} is a decode-only copy (unpickled while decoding): it carries "
                 "last_token, not the token list")
-        return self._tokens
+        return self.token_array
 
     # Pickling, for sending a sequence to a worker process: a waiting sequence sends its prompt; once it
     # decodes, the worker already has the prompt, so only the newest token travels and the message
@@ -315,10 +319,10 @@ class Sequence:
     # stays with the original.
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_allocation"] = None
-        state["_hashes_box"] = [None]  # as long as the prompt again, and cheap to recompute
+        state["allocation"] = None
+        state["block_hashes"] = None  # as long as the prompt again, and cheap to recompute
         if self.num_completion_tokens > 0:
-            state["_tokens"] = None
+            state["token_array"] = None
         return state
 
     def __setstate__(self, state):
@@ -326,38 +330,12 @@ class Sequence:
         _skip_ids_through(self.seq_id)
 
 
-# ---- what the block manager reads and writes (kvlab.blocks.group_manager, kvlab.blocks.manager) ---------------------
-# A Sequence owns these two private fields; the manager goes through these functions, never the fields.
-def allocation_record(seq: Sequence):
-    """The record (``kvlab.blocks.group_manager.Allocation``) of the manager holding ``seq``, or None."""
-    return seq._allocation
-
-
-def set_allocation_record(seq: Sequence, record) -> None:
-    seq._allocation = record
-
-
-def token_buffer(seq: Sequence):
-    """The sequence's own token array (read it, never change it), or None for a decode-only copy."""
-    return seq._tokens
-
-
-def key_bytes(seq: Sequence):
-    """``{block index: bytes that follow its token bytes}`` for a salted or keyed sequence, else None."""
-    return seq._keys.block_bytes if seq._keys is not None else None
-
-
-def block_hashes_box(seq: Sequence) -> list:
-    """The one-item list holding ``seq``'s block hashes (or None): see kvlab.blocks.prefix_cache.prompt_blocks."""
-    return seq._hashes_box
-
-
 def copy_tokens(parent: Sequence, child: Sequence) -> None:
     """Give ``child`` the parent's tokens, counters, salt and keys (``fork``), and its block hashes with them:
     the child's own ones were of other tokens."""
-    child._tokens, child._keys = array("Q", parent._token_array()), parent._keys
-    hashes = parent._hashes_box[0]
-    child._hashes_box = [hashes.copy() if hashes is not None else None]
+    child.token_array = array("Q", parent.token_array)
+    child.cache_keys, child.key_bytes = parent.cache_keys, parent.key_bytes
+    child.block_hashes = parent.block_hashes.copy() if parent.block_hashes is not None else None
     child.num_tokens, child.num_prompt_tokens = parent.num_tokens, parent.num_prompt_tokens
     child.last_token, child.num_cached_tokens = parent.last_token, parent.num_cached_tokens
     child.num_computed_tokens, child.prefill_end = parent.num_computed_tokens, parent.prefill_end

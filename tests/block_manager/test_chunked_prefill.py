@@ -10,7 +10,6 @@ from kvlab import (AllocStatus, BlockManager, InvalidArgumentError, InvariantVio
                    SequenceStatus, SequenceStateError)
 from kvlab.blocks.manager import HybridBlockManager
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
-from kvlab.blocks.sequence import allocation_record
 
 from helpers import allocated, snapshot
 
@@ -303,7 +302,7 @@ def test_check_invariants_audits_the_scheduled_state(corrupt, match):
     m = BlockManager(8, block_size=4)
     seq = chunked(m, PROMPT, 8)
     m.check_invariants()
-    corrupt(allocation_record(seq))
+    corrupt(seq.allocation)
     with pytest.raises(InvariantViolation, match=match):
         m.check_invariants()
 
