@@ -69,6 +69,7 @@ class PrefixHit(NamedTuple):
     content_ids: tuple  # per group: what each hit block held when looked up (a stale hit is refused)
     tier_hits: tuple    # offload-tier slots continuing the GPU hits (a one-group manager's tier)
     tier_content_ids: tuple  # what each of those slots held
+    generations: tuple  # the GPU index's and the tier index's generation then: unchanged, nothing was evicted
     num_external_tokens: int = 0  # KV a connector would load (disaggregated prefill): the seam, none today
 
 
@@ -218,7 +219,8 @@ class BlockManager:
             raise SequenceStateError(f"sequence {seq.seq_id} is a decode-only copy without its tokens")
         groups = self._groups
         if not self.enable_prefix_caching or not seq.num_tokens:
-            return PrefixHit(seq.seq_id, 0, [], [], tuple([] for _ in groups), ((),) * len(groups), (), ())
+            return PrefixHit(seq.seq_id, 0, [], [], tuple([] for _ in groups), ((),) * len(groups), (), (),
+                             self._generations())
         hashes, contents = prompt_blocks(seq, self.block_size, self.hash_fn)
         limit = (seq.num_tokens - 1) // self.block_size
         found = []
@@ -232,7 +234,8 @@ class BlockManager:
         for group_hits in hits:
             content_ids.append(tuple(map(held, group_hits)))
         return PrefixHit(seq.seq_id, limit * self.block_size, hashes, contents, hits, tuple(content_ids), tier_hits,
-                         tuple(self._tier.index.content[slot] for slot in tier_hits) if tier_hits else ())
+                         tuple(self._tier.index.content[slot] for slot in tier_hits) if tier_hits else (),
+                         self._generations())
 
     def get_num_cached_tokens(self, seq: Sequence) -> int:
         """Tokens of ``seq``'s leading full blocks the prefix cache (every group's, and the offload tier) holds
@@ -314,8 +317,10 @@ class BlockManager:
             return self.lookup(seq)
         if not isinstance(hit, PrefixHit) or hit.seq_id != seq.seq_id or len(hit.hits) != len(self._groups):
             raise InvalidArgumentError(f"hit must be this manager's lookup(seq) of sequence {seq.seq_id}, got {hit!r}")
-        held = self._pool.index.content.__getitem__
         stale = self.enable_prefix_caching and len(hit.hashes) != seq.num_tokens // self.block_size
+        if not stale and hit.generations == self._generations():  # nothing was evicted since the lookup
+            return hit
+        held = self._pool.index.content.__getitem__
         for blocks, content_ids in zip(hit.hits, hit.content_ids):
             stale = stale or tuple(map(held, blocks)) != content_ids
         if hit.tier_hits:
@@ -324,6 +329,9 @@ class BlockManager:
             raise InvalidArgumentError(f"the prefix hit of sequence {seq.seq_id} is stale (a block of it was evicted, "
                                        "or the sequence grew since): look it up again")
         return hit
+
+    def _generations(self) -> tuple:
+        return self._pool.index.generation, self._tier.index.generation if self._tier is not None else 0
 
     def _plan_admission(self, seq, hit, lookahead, num_new_tokens) -> list:
         plans = []

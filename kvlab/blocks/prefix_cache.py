@@ -223,10 +223,13 @@ class PrefixIndex:
         self.num_slots, self.num_groups = num_slots, num_groups
         self.ids = ids if ids is not None else ContentIds()
         self.name = name  # how error messages call a slot
+        self.generation = 0
         self.forget_all()
 
     def forget_all(self) -> None:
         """Every slot stops holding sealed content."""
+        # Bumped whenever a hittable slot stops being one: a lookup's hits are still valid while it is unchanged.
+        self.generation += 1
         n = self.num_slots
         self.hash: list[Optional[int]] = [None] * n
         self.content = [NO_CONTENT] * n
@@ -328,6 +331,7 @@ class PrefixIndex:
         dropped = list(compress(slots, map(registered.__getitem__, slots)))
         if not dropped:
             return None
+        self.generation += 1
         block_hash, block_bytes = self.hash, self.block_bytes
         content, parent_content = self.content, self.parent_content
         hashes = []

@@ -494,6 +494,7 @@ class OffloadTier:
             registered[slot] = True
         if victims:
             slots += map(cached.pop, victims)
+            index.generation += 1  # a lookup's tier hits may be gone
         hash_of, content_of, parent_of, bytes_of = index.hash, index.content, index.parent_content, index.block_bytes
         for slot, h, cid, parent, content in zip(slots, hashes, cids, parents, contents):
             hash_of[slot], content_of[slot], parent_of[slot], bytes_of[slot] = h, cid, parent, content
@@ -524,6 +525,7 @@ class OffloadTier:
                 if victim is None:
                     continue
                 slot = cached.pop(victim)  # registered[slot] stays True: the slot is cached again below
+                self.index.generation += 1  # a lookup's tier hits may be gone
                 if sink is not None:
                     sink.tier_removed([slot], [victim])
             hash_of[slot], content_of[slot], parent_of[slot], bytes_of[slot] = h, cid, parent, content
