@@ -14,7 +14,7 @@ from kvlab.errors import EvictionPolicyError, InvariantViolation, KvlabError
 from kvlab.validation import is_int
 
 
-# ==== policy_transaction ==================================================================================
+# ==== the undoable policy transaction =================================================================================
 # Calls into the eviction policy that can be taken back.
 #
 # The eviction policy may be user code, and any of its methods may raise. So every operation of the manager
@@ -135,7 +135,7 @@ def policy_transaction(pool):
                                   "operation was undone and the manager is unchanged") from error
 
 
-# ==== block_pool ==========================================================================================
+# ==== the GPU pool ====================================================================================================
 # The GPU pool: fixed-size blocks with reference counts, the free blocks' reuse order, and its prefix index.
 #
 # Per-block state lives in parallel lists indexed by block id (cheaper than an object per block, and every

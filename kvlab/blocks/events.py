@@ -21,7 +21,7 @@ from kvlab.errors import InvalidArgumentError, KVEventSubscriberWarning
 from kvlab.validation import check_number
 
 
-# ==== event_sink ==========================================================================================
+# ==== the event sink and the teaching log =============================================================================
 # The one sink of what the block manager does: the manager and its pool report each change to it, and its
 # consumers turn the reports into their own records.
 #
@@ -199,7 +199,7 @@ def make_sink(*consumers: Optional[EventSink]) -> Optional[EventSink]:
     return Fanout(on)
 
 
-# ==== kv_event_subscribers ================================================================================
+# ==== KV-event subscribers ============================================================================================
 # The subscriber side of KV events (``kvlab.blocks.events``): subscriptions, and the JSONL writer's target.
 #
 # A ``Subscription`` is one subscriber: a callback, or (without one) a buffer to iterate. The publisher hands it
@@ -298,7 +298,7 @@ def _open_path(target):
                                    f"{error.strerror or error}") from None
 
 
-# ==== kv_events ===========================================================================================
+# ==== vLLM's KV events ================================================================================================
 # KV cache events: what enters and leaves a manager's prefix cache, in vLLM's event schema.
 #
 # A router that places requests on many replicas cannot read their pools; vLLM V1 workers publish what they
@@ -570,7 +570,7 @@ class KVEventPublisher(EventSink):
             self.queue.append(AllBlocksCleared())
 
 
-# ==== kv_cache_metrics ====================================================================================
+# ==== residency metrics ===============================================================================================
 # Residency metrics of cached blocks, sampled, as vLLM V1's ``KVCacheMetricsCollector``
 # (``vllm/v1/core/kv_cache_metrics.py``).
 #

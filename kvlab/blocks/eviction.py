@@ -11,7 +11,7 @@ from typing import Iterator
 from kvlab.errors import InvalidArgumentError, OutOfBlocksError
 
 
-# ==== eviction/base =======================================================================================
+# ==== the policy interface ============================================================================================
 # The eviction-policy interface: which free block the pool reuses next.
 #
 # A block whose reference count drops to 0 is *free*. If it still holds a registered prefix (its hash is in
@@ -69,7 +69,7 @@ class EvictionPolicy(ABC):
             self.add(block_id, is_cached)
 
 
-# ==== eviction/lru ========================================================================================
+# ==== LRU =============================================================================================================
 # LRU, kvlab's default policy: never-cached blocks first, then cached ones least recently used first.
 
 class FifoSet:
@@ -245,7 +245,7 @@ class LRUPolicy(EvictionPolicy):
         return len(self._uncached) + len(self._cached) + len(self._touched)
 
 
-# ==== eviction/keyed ======================================================================================
+# ==== FIFO and LFU ====================================================================================================
 # FIFO and LFU: policies that order cached free blocks by a key (age of the content, hit count).
 #
 # Both reuse never-cached blocks first, like LRU. They ignore ``on_access`` recency touches.
@@ -367,7 +367,7 @@ class LFUPolicy(_KeyedPolicy):
             hits.pop(block, None)
 
 
-# ==== eviction ===================================================================================
+# ==== the registry ====================================================================================================
 # Eviction policies: which free block the pool reuses next (interface in ``base.py``).
 
 #: Policies by name, for ``BlockManager(eviction=name)`` and the studies' ``--policy`` option.

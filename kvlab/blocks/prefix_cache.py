@@ -14,7 +14,7 @@ import xxhash
 from kvlab.errors import InvalidArgumentError, InvariantViolation
 
 
-# ==== hashing =============================================================================================
+# ==== chained block hashes ============================================================================================
 # Chained block hashes: the key under which the prefix cache finds a full block.
 #
 # A block's hash covers its parent's hash and its own token ids, so equal hashes mean (up to collisions)
@@ -108,9 +108,9 @@ class BlockHashes:
 def hashes_of(seq, block_size: int, hash_fn: Optional[HashFn]) -> BlockHashes:
     """``seq``'s block hashes for this block size, ``hash_fn`` and its keys: the cached ones, or new (empty)
     ones where they were computed under others (the sequence moved to another manager)."""
-    entry = seq.block_hashes
-    if entry is None or entry.block_size != block_size or entry.hash_fn is not hash_fn or entry.keys is not seq.key_bytes:
-        entry = seq.block_hashes = BlockHashes(block_size, hash_fn, seq.key_bytes)
+    entry, keys = seq.block_hashes, seq.key_bytes
+    if entry is None or entry.block_size != block_size or entry.hash_fn is not hash_fn or entry.keys is not keys:
+        entry = seq.block_hashes = BlockHashes(block_size, hash_fn, keys)
     return entry
 
 
@@ -147,7 +147,7 @@ def sealed_through(seq, num_sealed: int) -> None:
         entry.contents = None
 
 
-# ==== prefix_index ========================================================================================
+# ==== the prefix index ================================================================================================
 # The prefix index: which slot of a tier holds which sealed content, looked up by hash and verified by content.
 #
 # A *slot* is a block of one tier (a GPU block of ``BlockPool``, or a CPU slot of an offload tier); the index

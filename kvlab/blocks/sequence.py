@@ -18,7 +18,7 @@ from kvlab.errors import InvalidArgumentError, SequenceStateError
 from kvlab.validation import check_int, is_int
 
 
-# ==== block_keys ==========================================================================================
+# ==== what besides its tokens makes a block distinct ==================================================================
 # What besides its tokens decides whether a block may be shared: a tenant's salt, an adapter, per-block keys.
 #
 # Equal tokens after an equal prefix do not always mean equal K/V, nor that sharing is allowed:
@@ -115,7 +115,7 @@ def _encode(key, out: list, depth: int, name: str) -> None:
         raise InvalidArgumentError(f"{name} must be {_ALLOWED}, got {what}")
 
 
-# ==== sequence ============================================================================================
+# ==== the sequence ====================================================================================================
 # A request's tokens and where its KV cache lives: the unit the block manager allocates for.
 
 _next_seq_id = itertools.count()
@@ -236,7 +236,7 @@ class Sequence:
         # the user's to change): its record in the manager holding it (group 0's
         # ``kvlab.blocks.group_manager.Allocation``, None when not allocated), and its full blocks' hashes.
         self.allocation = None
-        self.block_hashes = None  # kvlab.blocks.prefix_cache.BlockHashes: computed once in its life (a fork copies them)
+        self.block_hashes = None  # kvlab.blocks.prefix_cache.BlockHashes: computed once in its life
 
     def __len__(self) -> int:
         return self.num_tokens

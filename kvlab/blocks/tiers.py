@@ -12,7 +12,7 @@ from kvlab.errors import InvalidArgumentError, InvariantViolation, OutOfBlocksEr
 from kvlab.validation import check_int
 
 
-# ==== swap ================================================================================================
+# ==== the swap space ==================================================================================================
 # The swap space: the CPU pool, and which GPU and CPU blocks hold the same bytes.
 #
 # Sequences that share blocks (forks, prefix hits) are swapped one at a time. When the first of them swaps
@@ -23,7 +23,8 @@ from kvlab.validation import check_int
 #
 # The swap space owns the CPU side. Once the swap calls (kvlab.blocks.manager) made the GPU pool's policy
 # calls, it moves a sequence's table (and its group's cross-attention table, which travels with the group's last
-# sequence on the GPU) with ``moved_out`` / ``moved_in``, and returns the copy mappings for ``swap_blocks``. The manager calls ``forget_gpu`` for GPU blocks it frees or writes in place.
+# sequence on the GPU) with ``moved_out`` / ``moved_in``, and returns the copy mappings for ``swap_blocks``. The
+# manager calls ``forget_gpu`` for GPU blocks it frees or writes in place.
 
 class SwapSpace:
     def __init__(self, num_blocks: int):
@@ -174,7 +175,7 @@ class SwapSpace:
                 raise InvariantViolation(f"twin link {gpu}<->{cpu} outlived one of its blocks")
 
 
-# ==== offload_policies ====================================================================================
+# ==== the offload tier's policies =====================================================================================
 # Which entry the CPU offload tier drops when it needs a slot, and which evicted GPU blocks it admits.
 #
 # Replacement (``offload_policy``), over the hashes the tier holds:
@@ -371,7 +372,7 @@ def check_offload_options(policy: str, admission: str) -> None:
         raise InvalidArgumentError(f"offload_admission must be 'always' or 'reused', got {admission!r}")
 
 
-# ==== offload_tier ========================================================================================
+# ==== the offload tier ================================================================================================
 # The CPU offload tier: a second prefix cache behind the GPU pool (vLLM V1's ``vllm/v1/kv_offload/``).
 #
 # When the GPU pool reuses a cached block for new content (``BlockPool.fill`` evicts it from the GPU index), the
@@ -387,7 +388,8 @@ def check_offload_options(policy: str, admission: str) -> None:
 # sealed after a promoted one chain to it.
 #
 # Copies are data for the engine: ``moves`` lists ``("offload", gpu_block, cpu_slot)`` and ``("promote", cpu_slot,
-# gpu_block)`` in the order made; the manager hands them out with ``take_tier_moves()``. Applying them in that
+# gpu_block)`` in the order made; the manager's call that made them returns them (``Admitted.tier_moves``,
+# ``BlockCopies.tier_moves``) and the queue is empty between calls. Applying them in that
 # order, before the moves the same call returns (copy-on-write, swap-in) and before the step's forward pass, is
 # always right: an offload reads a GPU block before anything of the call writes it, and a slot being promoted
 # by a call is never the victim of that call's offloads (``pinned``).
@@ -401,10 +403,9 @@ def check_offload_options(policy: str, admission: str) -> None:
 # A *shared* tier (``make_shared_tier``; Mooncake's global store) serves several managers, a fleet's replicas:
 # ``BlockManager(..., shared_tier=tier)``. Their GPU indexes and the tier draw content ids from one
 # ``InternedContentIds``, so the id of a (parent, bytes) is the same on every replica and an entry replica A
-# offloaded is verified on replica B exactly as a GPU hit is. Its moves and stats are the fleet's: a manager's
-# ``take_tier_moves()`` hands out the copies made since anyone last took them (one manager's call at a time),
-# its ``tier_stats`` count every replica's lookups, and it reports to no manager's KV events (every replica
-# reaches it alike). ``reset_prefix_cache`` on any of them clears it (it may hold blocks never written).
+# offloaded is verified on replica B exactly as a GPU hit is. A call returns the copies it made (one manager's call
+# at a time); its ``tier_stats`` count every replica's lookups, and it reports to no manager's KV events (every
+# replica reaches it alike). ``reset_prefix_cache`` on any of them clears it (it may hold blocks never written).
 
 #: The reuse filter remembers this many hashes per tier slot (vLLM's default table is 64k entries).
 REUSE_ENTRIES_PER_SLOT = 4

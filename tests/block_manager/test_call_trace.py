@@ -1,7 +1,8 @@
 """The "small" design card, measured: how much of kvlab a reader walks through to admit a prompt with a 4-block
 prefix hit (``call_trace.trace_admission``: lookup, then can_allocate + allocate with its hit). The ratchet keeps
-today's counts from growing; the strict xfail holds the architecture issue's target (vLLM V1 walks scheduler -> manager ->
-coordinator -> single-type manager -> block pool, one lookup per group whose hit is passed on as a value) and
+today's counts from growing; the strict xfail holds the architecture issue's target (vLLM V1 walks scheduler ->
+manager -> coordinator -> single-type manager -> block pool, one lookup per group whose hit is passed on as a
+value) and
 fails the day it is met, so that the target becomes the ratchet."""
 
 import pytest

@@ -1,9 +1,9 @@
 """Model check of the offload tier: the block-manager machine of test_stateful, with a third fake KV store.
 
 The engine's fake caches are keyed by tier and slot: ``gpu`` and ``cpu`` (the swap space) as before, and
-``tier`` (the offload tier's CPU slots). After every manager call the machine applies the tier's moves
-(the ``tier_moves`` each call returns) in order, before the moves the call returned and before the step writes, as the engine
-does. Every read check of the base machine then also checks promotion: a prefix hit served from the tier reads,
+``tier`` (the offload tier's CPU slots). After every manager call the machine applies the tier's moves (the
+``tier_moves`` each call returns) in order, before the moves the call returned and before the step writes, as the
+engine does. Every read check of the base machine then also checks promotion: a prefix hit served from the tier reads,
 position by position, exactly the value the step that computed it wrote (salts and keys included), after an
 offload to the tier and a promotion back. Pools are small, so GPU eviction, tier eviction (LRU and ARC, every
 admission) and promotion into blocks whose old content is offloaded in the same call all happen often.
