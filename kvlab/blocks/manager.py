@@ -34,7 +34,6 @@ with several groups drawing pages from one pool; each group is a namespace of th
 import dataclasses
 import functools
 import threading
-from collections import Counter
 from itertools import filterfalse
 from operator import attrgetter
 from typing import NamedTuple, Optional
@@ -84,7 +83,7 @@ class Admitted(NamedTuple):
 class BlockCopies(list):
     """The (src, dst) copies a call returns (copy-on-write pairs, swap mappings), every group's, group after
     group; ``tier_moves``: the offload tier's copies the same call made, to apply first."""
-    tier_moves: list = []
+    tier_moves = ()  # set by the call that returns it
 
 
 class SharedParts(NamedTuple):

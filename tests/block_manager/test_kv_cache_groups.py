@@ -7,7 +7,6 @@ from kvlab.blocks.sequence import MAX_KEY_DEPTH
 from kvlab.blocks.group_manager import GroupManager
 from kvlab.blocks.manager import HybridBlockManager
 from kvlab.blocks.prefix_cache import prompt_blocks
-from kvlab.blocks.manager import HybridBlockManager
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
 
 BS = 4

@@ -68,7 +68,6 @@ def test_a_tier_hit_is_verified_like_a_gpu_hit_bytes_keys_and_parent():
 
 def test_blocks_sealed_after_a_promoted_block_chain_to_it():
     m = BlockManager(5, block_size=2, num_offload_blocks=4)
-    tier_moves = TierMoves(m)
     first = Sequence(SYSTEM[:2] + [8], 2)
     m.allocate(first)
     m.free(first)
@@ -177,7 +176,6 @@ def test_lru_drops_the_least_recently_used_entry_but_never_a_pinned_one():
 
 def test_tier_kv_events_carry_the_medium_and_rebuild_both_tiers():
     m = BlockManager(5, block_size=2, num_offload_blocks=2, kv_events=True)
-    tier_moves = TierMoves(m)
     index = CachedHashes()
     events = []
     m.kv_events.subscribe(index)
@@ -197,7 +195,6 @@ def test_tier_kv_events_carry_the_medium_and_rebuild_both_tiers():
 
 def test_the_teaching_log_shows_offloads_and_promotions():
     m = BlockManager(5, block_size=2, num_offload_blocks=4, record_events=True)
-    tier_moves = TierMoves(m)
     first = Sequence(SYSTEM + [8], 2)
     m.allocate(first)
     m.free(first)
