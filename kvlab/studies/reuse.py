@@ -18,13 +18,14 @@ from kvlab.errors import InvalidArgumentError
 from kvlab.studies.traces import PromptTokens, hash_id_tokens
 
 
-def _id_prefix_numbers(hash_ids: list) -> np.ndarray:
+def _id_prefix_numbers(hash_ids: list, id_tokens: np.ndarray) -> np.ndarray:
     """For every hash id of every request, flattened: a number naming the request's ids up to that one. In a
-    real Mooncake trace an id already names its prefix, but nothing in a file guarantees it."""
+    real Mooncake trace an id already names its prefix, but nothing in a file guarantees it. Ids of different
+    sizes (``id_tokens``) stand for different tokens, so their prefixes start from different roots."""
     known: dict[tuple[int, int], int] = {}
     numbers = []
-    for ids in hash_ids:
-        parent = -1
+    for ids, tokens in zip(hash_ids, id_tokens.tolist()):
+        parent = -tokens
         for h in ids.tolist():
             parent = known.setdefault((parent, h), len(known))
             numbers.append(parent)
@@ -46,7 +47,7 @@ def _hash_id_keys(hash_ids: list, lengths: np.ndarray, id_tokens: np.ndarray, bl
     ends = (np.arange(num_full.sum()) - starts[request] + 1) * block_size   # p, one per full block
     tokens = id_tokens[request]
     index = (ends - 1) // tokens
-    prefixes = _id_prefix_numbers(hash_ids)
+    prefixes = _id_prefix_numbers(hash_ids, id_tokens)
     id_starts = np.cumsum(id_counts) - id_counts
     return prefixes[id_starts[request] + index] * (2 * int(id_tokens.max(initial=1))) + (ends - tokens * index)
 
@@ -119,8 +120,8 @@ def consecutive_hit_rates(trace: pd.DataFrame, block_size: int, by=("session", "
     if not by or not set(by) <= set(trace.columns):
         raise InvalidArgumentError(f"streams are named by trace columns; {by} are not all among "
                                    f"{', '.join(map(str, trace.columns))}")
-    keys, request = block_keys(trace, block_size)
     block_size = check_block_size(block_size)
+    keys, request = block_keys(trace, block_size)
     lengths = trace["input_length"].to_numpy(np.int64)
     num_full = lengths // block_size
     starts = np.cumsum(num_full) - num_full

@@ -1,6 +1,7 @@
 """Request traces as pandas DataFrames, and the token ids a replay feeds to the block manager.
 
-Every loader returns the same normalised columns, one row per request, in file order:
+Every loader returns the same normalised columns, one row per request, in file order (sessions: in arrival
+order):
 
     timestamp      float64  arrival time in ms (Mooncake: as in the file, ms from the trace start;
                             Azure: ms since the file's first request)
@@ -97,7 +98,7 @@ def trace_path(trace: str | os.PathLike) -> Path:
 
 def load_trace(trace: str | os.PathLike, limit: int | None = None) -> pd.DataFrame:
     """Load a trace (short name or path) as a DataFrame with the normalised columns; ``limit`` keeps the
-    first N requests (and stops reading there)."""
+    first N requests (and stops reading there; sessions are all read, then cut in arrival order)."""
     limit = check_optional_int("limit", limit, 1)
     path = trace_path(trace)
     if path.name.endswith(SESSION_SUFFIXES):
@@ -115,8 +116,9 @@ def load_trace(trace: str | os.PathLike, limit: int | None = None) -> pd.DataFra
 
 def _open_text(path: Path):
     # utf-8-sig drops a leading byte-order mark; surrogateescape defers undecodable bytes to _check_utf8,
-    # which can then name their line.
-    return open(path, encoding="utf-8-sig", errors="surrogateescape", newline="")
+    # which can then name their line. An .xz file is read through lzma, as text the same way.
+    opener = lzma.open if path.suffix == ".xz" else open
+    return opener(path, "rt", encoding="utf-8-sig", errors="surrogateescape", newline="")
 
 
 def _check_utf8(text: str, where: str) -> None:
@@ -237,9 +239,7 @@ def read_sessions(path: Path, limit: int | None = None) -> pd.DataFrame:
             _check_utf8(text, str(path))
             rows, next_id = _session_rows(str(path), _json_object(str(path), text), next_id)
         else:
-            opener = (lambda: lzma.open(path, "rt", encoding="utf-8-sig", errors="surrogateescape", newline="")
-                      ) if path.suffix == ".xz" else lambda: _open_text(path)
-            with opener() as f:
+            with _open_text(path) as f:
                 for line_no, line in enumerate(f, start=1):
                     where = f"{path}:{line_no}"
                     _check_utf8(line, where)

@@ -310,6 +310,16 @@ def test_64_token_hash_ids_give_the_prefix_keys_the_tokens_give(agentic):
         assert np.array_equal(np.unique(by_ids, return_inverse=True)[1], np.unique(by_tokens, return_inverse=True)[1])
 
 
+def test_the_same_ids_of_another_size_are_other_blocks():
+    """A Mooncake row (512-token ids) and a session row (64-token ids) with equal ids share no tokens, so no key."""
+    trace = pd.DataFrame({"timestamp": [0.0, 1.0], "input_length": [128, 128], "output_length": [1, 1],
+                          "hash_ids": [np.array([5]), np.array([5, 6])], "hash_id_tokens": [np.nan, 64]})
+    prompts = PromptTokens(trace)
+    assert not np.intersect1d(prompts[0], prompts[1]).size
+    keys, request = block_keys(trace, 64)
+    assert not np.intersect1d(keys[request == 0], keys[request == 1]).size
+
+
 BAD_SESSIONS = [
     ([1, 2], "expected a JSON object"),
     ({"block_size": 64, "requests": []}, "string 'id'"),
