@@ -19,7 +19,7 @@ CHECKSUMS = documented_checksums()
 
 
 def test_readme_lists_every_trace() -> None:
-    traces = sorted(path.name for path in DATA.iterdir() if path.suffix in {".jsonl", ".csv"})
+    traces = sorted(path.name for path in DATA.iterdir() if path.suffix in {".jsonl", ".csv", ".xz"})
     assert traces, "data/ holds no traces"
     assert sorted(CHECKSUMS) == traces
 
