@@ -15,38 +15,41 @@ import pandas as pd
 
 from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError
-from kvlab.studies.traces import MOONCAKE_BLOCK_TOKENS, PromptTokens
+from kvlab.studies.traces import PromptTokens, hash_id_tokens
 
 
-def _id_prefix_numbers(hash_ids: list) -> np.ndarray:
+def _id_prefix_numbers(hash_ids: list, id_tokens: np.ndarray) -> np.ndarray:
     """For every hash id of every request, flattened: a number naming the request's ids up to that one. In a
-    real Mooncake trace an id already names its prefix, but nothing in a file guarantees it."""
+    real Mooncake trace an id already names its prefix, but nothing in a file guarantees it. Ids of different
+    sizes (``id_tokens``) stand for different tokens, so their prefixes start from different roots."""
     known: dict[tuple[int, int], int] = {}
     numbers = []
-    for ids in hash_ids:
-        parent = -1
+    for ids, tokens in zip(hash_ids, id_tokens.tolist()):
+        parent = -tokens
         for h in ids.tolist():
             parent = known.setdefault((parent, h), len(known))
             numbers.append(parent)
     return np.array(numbers, dtype=np.int64)
 
 
-def _hash_id_keys(hash_ids: list, lengths: np.ndarray, block_size: int) -> np.ndarray:
-    """Keys for Mooncake-style prompts. The prefix ending at token p is the expansion of the ids up to the
-    one covering token p - 1, cut p - 512 * (its index) tokens into it, so the key is that id prefix's
-    number * 1024 + those tokens; vectorised over the whole trace but for one dict lookup per id."""
+def _hash_id_keys(hash_ids: list, lengths: np.ndarray, id_tokens: np.ndarray, block_size: int) -> np.ndarray:
+    """Keys for prompts given as hash ids of ``id_tokens`` tokens each (Mooncake: 512). The prefix ending at
+    token p is the expansion of the ids up to the one covering token p - 1, cut p - id_tokens * (its index)
+    tokens into it, so the key is that id prefix's number * (2 * the largest id_tokens) + those tokens;
+    vectorised over the whole trace but for one dict lookup per id."""
     id_counts = np.array([len(h) for h in hash_ids], dtype=np.int64)
-    if (id_counts * MOONCAKE_BLOCK_TOKENS < lengths).any():
-        r = int(np.flatnonzero(id_counts * MOONCAKE_BLOCK_TOKENS < lengths)[0])
+    if (id_counts * id_tokens < lengths).any():
+        r = int(np.flatnonzero(id_counts * id_tokens < lengths)[0])
         raise InvalidArgumentError(f"request {r}: {id_counts[r]} hash ids cannot cover input_length {lengths[r]}")
     num_full = lengths // block_size
     starts = np.cumsum(num_full) - num_full
     request = np.repeat(np.arange(len(lengths)), num_full)
     ends = (np.arange(num_full.sum()) - starts[request] + 1) * block_size   # p, one per full block
-    index = (ends - 1) // MOONCAKE_BLOCK_TOKENS
-    prefixes = _id_prefix_numbers(hash_ids)
+    tokens = id_tokens[request]
+    index = (ends - 1) // tokens
+    prefixes = _id_prefix_numbers(hash_ids, id_tokens)
     id_starts = np.cumsum(id_counts) - id_counts
-    return prefixes[id_starts[request] + index] * (2 * MOONCAKE_BLOCK_TOKENS) + (ends - MOONCAKE_BLOCK_TOKENS * index)
+    return prefixes[id_starts[request] + index] * (2 * int(id_tokens.max(initial=1))) + (ends - tokens * index)
 
 
 def _token_keys(prompts: PromptTokens, block_size: int) -> np.ndarray:
@@ -74,7 +77,7 @@ def block_keys(trace: pd.DataFrame, block_size: int) -> tuple[np.ndarray, np.nda
     explicit = "token_ids" in trace and trace["token_ids"].notna().any()
     hashed = trace["hash_ids"].notna() if "hash_ids" in trace else pd.Series(False, index=trace.index)
     if not explicit and hashed.all():
-        return _hash_id_keys(trace["hash_ids"].tolist(), lengths, block_size), request
+        return _hash_id_keys(trace["hash_ids"].tolist(), lengths, hash_id_tokens(trace), block_size), request
     if explicit or hashed.any():  # a mix: follow the tokens a replay would see, one block at a time
         return _token_keys(PromptTokens(trace), block_size), request
     return -1 - np.arange(num_full.sum(), dtype=np.int64), request  # private blocks: all distinct
@@ -104,3 +107,37 @@ def reuse_profile(trace: pd.DataFrame, block_size: int, *, keys=None) -> dict:
 def reuse_counts(trace: pd.DataFrame, block_size: int) -> np.ndarray:
     """How many requests use each distinct full block (1 = never reused)."""
     return np.unique(block_keys(trace, block_size)[0], return_counts=True)[1]
+
+
+def consecutive_hit_rates(trace: pd.DataFrame, block_size: int, by=("session", "agent")) -> pd.DataFrame:
+    """Per stream of requests (the rows sharing their ``by`` values, in trace order): how much of each prompt
+    the stream's previous prompt already held, i.e. the hit rate of a prefix cache that keeps exactly the
+    previous request of the stream (the figure kv-cache-tester's README publishes for its sessions). A
+    stream's first request hits nothing; the manager's rule that a prompt's last token is always computed
+    holds. One row per stream, indexed by ``by``: requests, prompt_tokens, full_blocks, hit_blocks,
+    hit_rate_blocks (hit_blocks / full_blocks) and hit_rate_tokens (hit_blocks * block_size / prompt_tokens)."""
+    by = [by] if isinstance(by, str) else list(by)
+    if not by or not set(by) <= set(trace.columns):
+        raise InvalidArgumentError(f"streams are named by trace columns; {by} are not all among "
+                                   f"{', '.join(map(str, trace.columns))}")
+    block_size = check_block_size(block_size)
+    keys, request = block_keys(trace, block_size)
+    lengths = trace["input_length"].to_numpy(np.int64)
+    num_full = lengths // block_size
+    starts = np.cumsum(num_full) - num_full
+    stream = trace.groupby(by, sort=False, dropna=False).ngroup().to_numpy()
+    previous = pd.Series(np.arange(len(trace))).groupby(stream).shift(1).fillna(-1).to_numpy(np.int64)
+    # Prefix keys: block p of a prompt equals block p of the previous one exactly when the whole prefix does.
+    before = previous[request]
+    position = np.arange(len(keys)) - starts[request]
+    held = (before >= 0) & (position < num_full[np.maximum(before, 0)])
+    same = np.zeros(len(keys), dtype=bool)
+    same[held] = keys[held] == keys[starts[before[held]] + position[held]]
+    hits = same & (position < (lengths[request] - 1) // block_size)  # the last token is always computed
+    per_request = pd.DataFrame({"stream": stream, "requests": 1, "prompt_tokens": lengths, "full_blocks": num_full,
+                                "hit_blocks": np.bincount(request[hits], minlength=len(trace))})
+    streams = per_request.groupby("stream").sum()
+    streams.index = trace.groupby(by, sort=False, dropna=False).size().index
+    streams["hit_rate_blocks"] = streams["hit_blocks"] / streams["full_blocks"].where(streams["full_blocks"] > 0)
+    streams["hit_rate_tokens"] = streams["hit_blocks"] * block_size / streams["prompt_tokens"]
+    return streams
