@@ -138,7 +138,7 @@ for name in MODELS:
     shape = read_model_shape(CONFIGS / name)
     fit[name] = {dtype: size_model(shape, kv_cache_dtype=dtype, gpu_memory=int(GPU_MEMORY),
                                    gpu_memory_utilization=0.9, max_model_len=CONTEXT).pools[0].max_concurrency
-                 for dtype in ("bfloat16", "fp8", "int4_kivi")}
+                 for dtype in ("bfloat16", "fp8", "int4_calibrated_channel")}
 fit = pd.DataFrame(fit).T.round(1)
 display(fit)  # noqa: F821
 check(fit.loc["DeepSeek-V3", "bfloat16"] == 0, "DeepSeek-V3's 671B parameters do not fit in 80 GB at all",
@@ -155,7 +155,7 @@ check(fit.loc["DeepSeek-V3", "bfloat16"] == 0, "DeepSeek-V3's 671B parameters do
 # | `fp8`, `fp8_e4m3` | e4m3 (3 mantissa bits), scale per tensor or KV head | same | 256 |
 # | `fp8_e5m2` | e5m2 (2 mantissa bits, wider range) | same | 256 |
 # | `k_fp16_v_fp8` | fp16 | fp8 e4m3 | 384 |
-# | `int4_kivi` | 4-bit per channel, calibrated zero and scale beside the cache | 4-bit per token, fp16 scale and zero per 32 channels in the row | 64 + 80 = 144 |
+# | `int4_calibrated_channel` | 4-bit per channel, calibrated zero and scale beside the cache | 4-bit per token, fp16 scale and zero per 32 channels in the row | 64 + 80 = 144 |
 #
 # `reshape_and_cache` quantizes on write and attention dequantizes on read; the block manager does not change,
 # the pool just holds more blocks in the same bytes. int4 codes are stored **packed**, two per byte, so the
@@ -189,7 +189,7 @@ errors = pd.DataFrame(errors).T
 ax = errors.plot.bar(figsize=(7, 3.5), logy=True, rot=0, title="Round-trip error, ||x' - x|| / ||x||")
 ax.set_ylabel("relative error")
 plt.show()
-check(errors.loc["fp8_e4m3", "K"] < errors.loc["fp8_e5m2", "K"] < errors.loc["int4_kivi", "K"],
+check(errors.loc["fp8_e4m3", "K"] < errors.loc["fp8_e5m2", "K"] < errors.loc["int4_calibrated_channel", "K"],
       "more mantissa bits, less error: e4m3 < e5m2 < int4", defaults=DEFAULTS)
 
 # %% [markdown]
@@ -235,7 +235,7 @@ plt.show()
 # %% [markdown]
 # **Longer contexts cost more.** Every query reads all the quantized keys before it, so the error grows
 # with position: in the committed run fp8 e4m3's KL roughly triples from the first tokens to positions near
-# 2k, and int4_kivi's grows about fifty-fold, while K fp16 + V fp8 stays flat (its keys are exact).
+# 2k, and int4_calibrated_channel's grows about fifty-fold, while K fp16 + V fp8 stays flat (its keys are exact).
 
 # %%
 by_position = pd.read_csv(RESULTS / "smollm2_kv_error_by_position.csv")
@@ -281,36 +281,36 @@ check(pools[KV_CACHE_DTYPE] == 4 * pools["auto"], "fp8 holds 4x the fp32 blocks 
 # ## 5. Exercise: predict the pool
 #
 # Predict, for the same 256 MiB and the same tiny model: how many times fp32's blocks does the pool hold with
-# `int4_kivi`, and with `k_fp16_v_fp8`? Use section 2's table (keys and values of one KV head and token), and
+# `int4_calibrated_channel`, and with `k_fp16_v_fp8`? Use section 2's table (keys and values of one KV head and token), and
 # round to two decimals; within 5% counts as right. Edit the values and run the cell: it builds both engines
-# (`int4_kivi` calibrates its key scales on the prompts the cell passes).
+# (`int4_calibrated_channel` calibrates its key scales on the prompts the cell passes).
 
 # %%
 from kvlab.course import answer
 
-PREDICTED_INT4_GROWTH = None        # int4_kivi blocks / fp32 blocks
+PREDICTED_INT4_GROWTH = None        # int4_calibrated_channel blocks / fp32 blocks
 PREDICTED_K16_V8_GROWTH = None      # k_fp16_v_fp8 blocks / fp32 blocks
 
 growth = {}
-for dtype in ("int4_kivi", "k_fp16_v_fp8"):
+for dtype in ("int4_calibrated_channel", "k_fp16_v_fp8"):
     llm = LLM(model_dir, kv_cache_dtype=dtype, max_num_seqs=2048, kv_calibration_prompts=calibration)
     growth[dtype] = llm.kv_cache.num_blocks / pools["auto"]
     print(f"{dtype:>12}: {llm.kv_cache.summary()}")
-answer(PREDICTED_INT4_GROWTH, round(growth["int4_kivi"], 2), "fp32 keeps 4 bytes of K and 4 of V per channel; int4_kivi "
+answer(PREDICTED_INT4_GROWTH, round(growth["int4_calibrated_channel"], 2), "fp32 keeps 4 bytes of K and 4 of V per channel; int4_calibrated_channel "
        "half a byte of each, plus 4 bytes of value scale and zero per 32 channels (K's per-channel scales "
        "live beside the cache): 8 / (0.5 + 0.5 + 4 / 32) = 7.11.", rel_tol=0.05)
 answer(PREDICTED_K16_V8_GROWTH, round(growth["k_fp16_v_fp8"], 2), "2 bytes of K and 1 of V per channel against 8: "
        "8 / 3 = 2.67.", rel_tol=0.05)
 
 # %% [markdown]
-# **Answer.** About 7.11x for `int4_kivi` (not 8x: the per-token value scales and zeros cost an eighth of a
+# **Answer.** About 7.11x for `int4_calibrated_channel` (not 8x: the per-token value scales and zeros cost an eighth of a
 # byte per channel) and 2.67x for `k_fp16_v_fp8`; fp8 gave 4x above. Against bf16 rather than fp32, halve
 # each: 3.56x, 1.33x and 2x, the "3.6x, not 4x" of section 2. Block counts are floors of 256 MiB over the
 # block's bytes, so the measured ratios can differ from the fraction in the last digit.
 #
 # > **In vLLM.** `LLM(..., kv_cache_dtype=...)` takes `auto`, `bfloat16`, `fp8` (e4m3 on CUDA), `fp8_e4m3`,
 # > `fp8_e5m2` and platform- or model-specific variants such as `fp8_inc` and `fp8_ds_mla`; the list grows
-# > with the versions (the `CacheDType` literal in `vllm/config/cache.py`). `int4_kivi` and `k_fp16_v_fp8` are
+# > with the versions (the `CacheDType` literal in `vllm/config/cache.py`). `int4_calibrated_channel` and `k_fp16_v_fp8` are
 # > kvlab's own names, for formats a study wants to compare.
 # > The scales are per tensor, or per KV head with the FlashAttention backend and scales calibrated by
 # > llm-compressor; without calibration they are 1.0, and `calculate_kv_scales=True` estimates them on the

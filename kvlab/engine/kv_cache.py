@@ -16,7 +16,7 @@ from kvlab.kernels.kv_quant import KVQuantizer
 from kvlab.sizing import (KVCacheConfig, KVCacheGroupSpec, KVLayout, activation_bytes, kv_blocks, kv_cache_groups,
                           kv_memory)
 from kvlab.sizing.groups import bytes_per_block
-from kvlab.sizing.kv_dtypes import cache_format
+from kvlab.sizing.kv_dtypes import cache_format, kivi_settings
 
 #: KV budget on a machine without a GPU when ``num_blocks`` is not given: small enough for any laptop, and the
 #: same on every machine so a notebook's pool is reproducible. SmolLM2-135M in fp32 (45 KiB of K and V per
@@ -86,6 +86,9 @@ class PagedKVCache:
         self._format = f" in {group.cache_format}" if group.is_quantized else ""
         self.bytes_per_block = config.bytes_per_block
         self.num_blocks, self.num_cpu_blocks, self.block_size = config.num_blocks, num_cpu_blocks, block_size
+        #: A KIVI cache's per-layer full-precision windows (``ResidualWindow``), which follow the block moves;
+        #: set by the engine once the layers have them, empty for every other format.
+        self.windows: list = []
 
     def _allocate_latent(self, config: KVCacheConfig, dtype, latent_dim: int, device, num_cpu_blocks,
                          num_offload_blocks) -> None:
@@ -141,6 +144,8 @@ class PagedKVCache:
             src_ids, dst_ids = (torch.tensor(ids, dtype=torch.int64) for ids in zip(*pairs))
             for src, dst in zip(*caches[kind]):
                 dst[dst_ids.to(dst.device)] = src[src_ids.to(src.device)].to(dst.device)
+            for window in self.windows:
+                window.apply_moves(kind, pairs)
 
 
 def check_kernel_support(config: ModelConfig, groups, dtype, device, attention_backend: str) -> None:
@@ -151,6 +156,10 @@ def check_kernel_support(config: ModelConfig, groups, dtype, device, attention_b
     unquantized cache only."""
     group = groups[0]  # every group has the same pages
     block_size = group.block_size
+    if kivi_settings(group.cache_format) is not None and any(g.sliding_window is not None for g in groups):
+        raise UnsupportedModelError(f"kv_cache_dtype={group.cache_format!r}: {config.path.name} has sliding-window "
+                                    "layers, and kvlab's KIVI cache reads every position from 0 (its key groups "
+                                    "start there); use it with full-attention models")
     one = torch.ones(1, dtype=torch.int32, device=device)
     table = torch.zeros(1, 1, dtype=torch.int32, device=device)
     if group.mla_latent_dim is not None:

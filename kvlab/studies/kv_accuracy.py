@@ -46,7 +46,7 @@ CONFIGS = [("fp8_e4m3 unit scales", "fp8_e4m3", "tensor", False),
            ("fp8_e4m3 per-head", "fp8_e4m3", "head", True),
            ("fp8_e5m2 unit scales", "fp8_e5m2", "tensor", False),
            ("k_fp16_v_fp8 per-head", "k_fp16_v_fp8", "head", True),
-           ("int4_kivi", "int4_kivi", "head", True)]
+           ("int4_calibrated_channel", "int4_calibrated_channel", "head", True)]
 POSITION_BUCKETS = (0, 16, 64, 256, 512, 1024, 1536, 2048)
 PROMPT_TOKENS = 32
 CALIBRATION_PROMPTS = 4

@@ -29,7 +29,7 @@ BF16 = KVLayout(dtype="bfloat16", **LLAMA3_8B).bytes_per_token
 def formats() -> list[tuple[str, int]]:
     """(label, bytes per token) of each pool compared: the engine's formats, then ideal 4- and 2-bit caches."""
     rows = [(name, KVLayout(dtype=name, **LLAMA3_8B).bytes_per_token)
-            for name in ("bfloat16", "k_fp16_v_fp8", "fp8", "int4_kivi")]
+            for name in ("bfloat16", "k_fp16_v_fp8", "fp8", "int4_calibrated_channel")]
     return rows + [("ideal 4-bit (4x)", BF16 // 4), ("ideal 2-bit (8x)", BF16 // 8)]
 
 

@@ -7,9 +7,9 @@ from kvlab.studies.kv_accuracy import tokens_to_divergence
 
 def test_capacity_pools_come_from_each_formats_bytes_per_token():
     # Llama-3-8B: 32 layers x 8 kv heads; per head and token bf16 2 x 256 B, fp8 2 x 128, K fp16 256 + V fp8 128,
-    # int4_kivi K 64 + V 64 + 4 x 128 / 32
+    # int4_calibrated_channel K 64 + V 64 + 4 x 128 / 32
     assert dict(kv_capacity.formats()) == {
-        "bfloat16": 32 * 8 * 512, "k_fp16_v_fp8": 32 * 8 * 384, "fp8": 32 * 8 * 256, "int4_kivi": 32 * 8 * 144,
+        "bfloat16": 32 * 8 * 512, "k_fp16_v_fp8": 32 * 8 * 384, "fp8": 32 * 8 * 256, "int4_calibrated_channel": 32 * 8 * 144,
         "ideal 4-bit (4x)": 32 * 8 * 512 // 4, "ideal 2-bit (8x)": 32 * 8 * 512 // 8}
 
 
