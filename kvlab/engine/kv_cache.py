@@ -187,13 +187,25 @@ def check_kernel_support(config: ModelConfig, groups, dtype, device, attention_b
             f"dtype {str(dtype).replace('torch.', '')} ({shape}): {e}") from None
 
 
+def kivi_window_bytes(config: ModelConfig, dtype, residual_length: int | None, max_num_seqs: int) -> int:
+    """What a KIVI cache keeps beside its pages at most: R full-precision tokens (K and V of every layer, in
+    the model's ``dtype``) for each of ``max_num_seqs`` running sequences; 0 without KIVI (``residual_length``
+    None). The windows of swapped-out sequences move to host memory with their blocks."""
+    if residual_length is None:
+        return 0
+    element = torch.empty((), dtype=dtype).element_size()
+    return max_num_seqs * residual_length * config.num_layers * 2 * config.num_kv_heads * config.head_dim * element
+
+
 def blocks_for_memory(groups, config: ModelConfig, dtype, device, *, gpu_memory_utilization: float,
-                      max_num_batched_tokens: int, max_num_seqs: int, max_useful_blocks: int) -> int:
+                      max_num_batched_tokens: int, max_num_seqs: int, max_useful_blocks: int,
+                      window_bytes: int = 0) -> int:
     """``num_blocks=None``: on a GPU, what is left of ``gpu_memory_utilization`` of its memory once the
     weights are loaded and a step's activations are set aside (``kvlab.sizing.budget``, as ``kvlab size``
-    estimates it); on CPU, ``CPU_KV_CACHE_BYTES``; divided by what a block id of ``groups`` (the model's KV
-    cache groups) costs. Never more than ``max_useful_blocks`` (every sequence at full context length). A
-    smaller cache format fits more blocks in the same bytes."""
+    estimates it); on CPU, ``CPU_KV_CACHE_BYTES``; less ``window_bytes`` (a KIVI cache's full-precision
+    windows, ``kivi_window_bytes``), divided by what a block id of ``groups`` (the model's KV cache groups)
+    costs. Never more than ``max_useful_blocks`` (every sequence at full context length). A smaller cache
+    format fits more blocks in the same bytes."""
     per_block = bytes_per_block(groups)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -205,6 +217,7 @@ def blocks_for_memory(groups, config: ModelConfig, dtype, device, *, gpu_memory_
         budget = kv_memory(total, gpu_memory_utilization, total - free, activations)
     else:
         budget = CPU_KV_CACHE_BYTES
+    budget -= window_bytes
     num_blocks = kv_blocks(budget, per_block, max_useful_blocks)
     if num_blocks < 1:
         raise InvalidArgumentError(

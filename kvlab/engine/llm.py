@@ -19,7 +19,7 @@ from kvlab.engine.hybrid import make_block_manager
 from kvlab.engine.intake import RequestIntake, load_tokenizer, prompt_token_ids
 from kvlab.engine.kv_calibration import quantize_kv_cache
 from kvlab.engine.kv_cache import (CPU_KV_CACHE_BYTES, PagedKVCache, blocks_for_memory, check_kernel_support,
-                                   engine_kv_cache_groups)
+                                   engine_kv_cache_groups, kivi_window_bytes)
 from kvlab.engine.request import Request, RequestOutput
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampler import Sampler
@@ -162,7 +162,8 @@ class LLM:
             num_blocks = blocks_for_memory(
                 groups, config, self.dtype, self.device, gpu_memory_utilization=gpu_memory_utilization,
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                max_useful_blocks=max_num_seqs * longest)
+                max_useful_blocks=max_num_seqs * longest,
+                window_bytes=kivi_window_bytes(config, self.dtype, residual_length, max_num_seqs))
         #: vLLM's KVCacheConfig: the groups, their layers, the blocks and the tensors they share.
         self.kv_cache_config = KVCacheConfig(groups, num_blocks)
         if num_cpu_blocks is None:

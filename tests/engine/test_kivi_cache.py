@@ -114,3 +114,15 @@ def test_swaps_forks_preemption_and_the_tier_keep_the_tokens(llama, name, block_
 def test_bad_kivi_settings_are_refused(llama, options, message):
     with pytest.raises(InvalidArgumentError, match=message):
         make_llm(llama[0], **options)
+
+
+def test_the_pool_leaves_room_for_the_windows(llama):
+    """Sized by memory, a KIVI pool is what is left of the budget once every running sequence's window (R
+    fp32 tokens in each layer) is set aside, in blocks of the KIVI rows."""
+    from kvlab.engine.kv_cache import CPU_KV_CACHE_BYTES
+
+    llm = kivi_llm(llama[0], "kivi_int4_g16", 32, 16, num_blocks=None, max_num_seqs=8192)
+    window = 8192 * 16 * 2 * (2 * 2 * 32) * 4  # sequences x R x layers x (K and V x kv heads x head_dim) x fp32
+    per_block = 32 * 2 * 2 * (16 + 8 + 16 + 8)  # tokens x layers x kv heads x (K codes + scales, V codes + scales)
+    assert llm.kv_cache.bytes_per_block == per_block
+    assert llm.kv_cache.num_blocks == (CPU_KV_CACHE_BYTES - window) // per_block < 8192 * 256 // 32
