@@ -16,8 +16,10 @@
 # **Objectives.** After this notebook you can:
 # 1. compute a model's KV bytes per token from its config (GQA: KV heads, not query heads; hybrid layers
 #    bounded by their window; MLA's one latent), and turn a GPU's memory into blocks and concurrent requests;
-# 2. say what each KV format stores (fp8 with scales per tensor or KV head, KIVI-style int4 with keys per
-#    channel and values per token, K in fp16 with V in fp8) and how large its round-trip error is;
+# 2. say what each KV format stores (fp8 with scales per tensor or KV head; KIVI at 4 and 2 bits, keys per
+#    channel over groups of tokens and values per token with scales from the data and a full-precision window
+#    of the newest tokens; the older calibrated int4; K in fp16 with V in fp8), how large its round-trip error
+#    is, and where KIVI's window lives in a paged cache;
 # 3. read the trade-off: bytes per token against accuracy loss (SmolLM2-135M) and prefix-cache hit rate
 #    (the Mooncake conversation trace), from the committed study results.
 
@@ -68,7 +70,7 @@ import torch
 
 from kvlab.kernels.kv_quant import FP8_CODECS, INT4_LEVELS, KVQuantizer
 from kvlab.sizing.hf_config import read_model_shape
-from kvlab.sizing.kv_dtypes import ENGINE_KV_CACHE_DTYPES
+from kvlab.sizing.kv_dtypes import ENGINE_KV_CACHE_DTYPES, kivi_settings
 from kvlab.sizing.plan import size_model
 from kvlab.viz import check
 
@@ -138,7 +140,7 @@ for name in MODELS:
     shape = read_model_shape(CONFIGS / name)
     fit[name] = {dtype: size_model(shape, kv_cache_dtype=dtype, gpu_memory=int(GPU_MEMORY),
                                    gpu_memory_utilization=0.9, max_model_len=CONTEXT).pools[0].max_concurrency
-                 for dtype in ("bfloat16", "fp8", "int4_calibrated_channel")}
+                 for dtype in ("bfloat16", "fp8", "kivi_int4", "kivi_int2")}
 fit = pd.DataFrame(fit).T.round(1)
 display(fit)  # noqa: F821
 check(fit.loc["DeepSeek-V3", "bfloat16"] == 0, "DeepSeek-V3's 671B parameters do not fit in 80 GB at all",
@@ -147,7 +149,7 @@ check(fit.loc["DeepSeek-V3", "bfloat16"] == 0, "DeepSeek-V3's 671B parameters do
 # %% [markdown]
 # ## 2. Quantized KV caches: what each format stores
 #
-# `LLM(model, kv_cache_dtype=...)` takes vLLM's names and two of kvlab's (`kvlab.sizing.kv_dtypes`):
+# `LLM(model, kv_cache_dtype=...)` takes vLLM's names and kvlab's (`kvlab.sizing.kv_dtypes`):
 #
 # | format | K | V | bytes per KV head and token (head_dim 128) |
 # |---|---|---|---|
@@ -155,13 +157,18 @@ check(fit.loc["DeepSeek-V3", "bfloat16"] == 0, "DeepSeek-V3's 671B parameters do
 # | `fp8`, `fp8_e4m3` | e4m3 (3 mantissa bits), scale per tensor or KV head | same | 256 |
 # | `fp8_e5m2` | e5m2 (2 mantissa bits, wider range) | same | 256 |
 # | `k_fp16_v_fp8` | fp16 | fp8 e4m3 | 384 |
-# | `int4_calibrated_channel` | 4-bit per channel, calibrated zero and scale beside the cache | 4-bit per token, fp16 scale and zero per 32 channels in the row | 64 + 80 = 144 |
+# | `kivi_int4` (KIVI, G = 32) | 4-bit per channel over each group of 32 tokens; the group's fp16 scale and zero per channel spread over its 32 rows | 4-bit per token, fp16 scale and zero per 32 channels | 80 + 80 = 160, plus the window |
+# | `kivi_int2` (KIVI, G = 32) | the same at 2 bits | the same at 2 bits | 48 + 48 = 96, plus the window |
+# | `int4_calibrated_channel` | 4-bit per channel, zero and scale calibrated offline, beside the cache (clips what falls outside) | 4-bit per token, as KIVI's | 64 + 80 = 144 |
 #
 # `reshape_and_cache` quantizes on write and attention dequantizes on read; the block manager does not change,
-# the pool just holds more blocks in the same bytes. int4 codes are stored **packed**, two per byte, so the
-# saving is real (3.6x against bf16 with the value scales counted, not 4x). Keys are quantized **per
+# the pool just holds more blocks in the same bytes. Integer codes are stored **packed** (two or four a byte),
+# so the saving is real, less the scales (KIVI 4-bit: 3.2x against bf16, not 4x). Keys are quantized **per
 # channel** because a few key channels carry large outliers (KIVI's observation): one scale per token would be
-# set by the outlier and crush the other channels. Below, keys with outlier channels go through each format.
+# set by the outlier and crush the other channels. KIVI (Liu et al., ICML 2024) computes every scale from the
+# data it quantizes, so a key channel's range is that of its own 32 tokens, never a calibrated range it may
+# outgrow; the price is that a group must be complete before it is quantized, hence the window below. Keys
+# with outlier channels go through each format.
 
 # %%
 tokens, heads, dim = 256, 2, 128
@@ -181,7 +188,8 @@ def calibrated(name):
 
 
 errors = {}
-for name in [n for n in ENGINE_KV_CACHE_DTYPES if n not in ("auto", "fp8")]:
+for name in [n for n in ENGINE_KV_CACHE_DTYPES if n not in ("auto", "fp8")
+             and (kivi_settings(n) is None or n in ("kivi_int4", "kivi_int2"))]:
     q = calibrated(name)
     k_back, v_back = q.decode(q.encode(key, value))
     errors[name] = {"K": float((k_back - key).norm() / key.norm()), "V": float((v_back - value).norm() / value.norm())}
@@ -189,8 +197,41 @@ errors = pd.DataFrame(errors).T
 ax = errors.plot.bar(figsize=(7, 3.5), logy=True, rot=0, title="Round-trip error, ||x' - x|| / ||x||")
 ax.set_ylabel("relative error")
 plt.show()
-check(errors.loc["fp8_e4m3", "K"] < errors.loc["fp8_e5m2", "K"] < errors.loc["int4_calibrated_channel", "K"],
-      "more mantissa bits, less error: e4m3 < e5m2 < int4", defaults=DEFAULTS)
+check(errors.loc["fp8_e4m3", "K"] < errors.loc["fp8_e5m2", "K"] < errors.loc["kivi_int4", "K"]
+      < errors.loc["kivi_int2", "K"], "more bits, less error: e4m3 < e5m2 < KIVI 4-bit < KIVI 2-bit",
+      defaults=DEFAULTS)
+
+# %% [markdown]
+# ### KIVI in a paged cache: where the window lives
+#
+# KIVI keeps the newest tokens in full precision until a whole group can be quantized. kvlab lays that onto
+# pages with three sizes: the key group G, the **residual length R** (a multiple of G) and the block size (a
+# multiple of R). A sequence's tokens fall into chunks of R; a query at position p reads its **own chunk in
+# full precision** and every earlier chunk **dequantized from the pages** (as KIVI's decode does for keys).
+# When a chunk's last token is written, the chunk is *sealed*: its K/V are quantized, whole key groups, into
+# its slots. Until then the open chunk waits beside the pages in the layer's `ResidualWindow`, keyed by the
+# block it starts in. Because R divides the block size, a full block (the only kind the prefix cache shares)
+# is nothing but codes, written from K/V that depend on its tokens alone: a prefix hit gives the tokens of
+# recomputing the prefix (`tests/engine/test_kivi_cache.py`). The picture: one sequence of 150 tokens, blocks
+# of 64, R = 32, G = 16.
+
+# %%
+block, R, G, length = 64, 32, 16, 150
+sealed = length // R * R
+fig, ax = plt.subplots(figsize=(11, 2.6))
+for start in range(0, -(-length // block) * block, G):  # each key group's slots
+    written = start + G <= sealed  # a sealed group's slots hold codes; the open chunk's are not written yet
+    ax.add_patch(plt.Rectangle((start, 0), G, 1, facecolor="#4c72b0" if written else "#eeeeee", edgecolor="white"))
+for b in range(0, -(-length // block) * block + 1, block):
+    ax.axvline(b, color="black", lw=2)
+ax.add_patch(plt.Rectangle((sealed, 1.25), length - sealed, 0.6, facecolor="#dd8452"))
+ax.annotate("open chunk in full precision, beside the pages (ResidualWindow)", (sealed, 1.95), fontsize=8)
+ax.text(2, 0.4, "sealed chunks: KIVI codes, keys per channel over each group of G, values per token", fontsize=8,
+        color="white")
+ax.set(xlim=(0, -(-length // block) * block), ylim=(0, 2.4), yticks=[], xlabel="position (block boundaries in black)",
+       title=f"{length} tokens, block {block}, R = {R}, G = {G}: positions < {sealed} are codes, "
+             f"{sealed}..{length - 1} wait in the window")
+plt.show()
 
 # %% [markdown]
 # ## 3. The price and the prize

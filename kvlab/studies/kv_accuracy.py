@@ -17,9 +17,11 @@ order; the fp8 / int4 scales are calibrated on ``CALIBRATION_PROMPTS`` passages 
 evaluation passage uses.
 
 Defaults (the committed run): 50 prompts x 32 greedy tokens and two 2,048-token passages (positions up to
-2,046). Measured with ``OMP_NUM_THREADS=1 nice -n 10`` on two CPU cores shared with other jobs (load 6-11):
-14 min 50 s wall, 290 s of CPU (6 minutes for the fp32 reference and the first setting, then about 100 s
-per setting).
+2,046). Measured with ``OMP_NUM_THREADS=1 nice -n 10`` on two CPU cores shared with other jobs: 20 min 45 s
+wall, 700 s of CPU for the twelve settings. KIVI with R >= 64 keeps every token of the greedy runs (32 + 32)
+in its window, so those rows' greedy agreement is trivially complete: read their KL and perplexity, or the
+R = 32 rows. ``--kivi-attribution`` (``kivi_attribution``, ``key_error_by_channel``) shows where 2-bit KIVI
+loses: keys or values, which layer, which key channels.
 ``python -m kvlab.studies.kv_accuracy [--out data/kv_quant]`` writes ``smollm2_kv_accuracy.csv`` (one row per
 setting) and ``smollm2_kv_error_by_position.csv``.
 """
@@ -37,6 +39,7 @@ import torch
 
 from kvlab.engine import LLM, SamplingParams
 from kvlab.engine.attention import AttentionBatch
+from kvlab.engine.config import rope_parameters
 from kvlab.engine.kv_cache import cache_storage, engine_layout
 from kvlab.kernels import allocate_kv_cache
 from kvlab.kernels.kv_quant import KVQuantizer
@@ -210,6 +213,44 @@ def kivi_attribution(path, *, windows=2, context=2048, group=32, residual_length
     return pd.DataFrame(rows)
 
 
+@torch.inference_mode()
+def key_error_by_channel(path, *, windows=2, context=2048, group=32, bits=(2, 4)):
+    """Per key channel, over every layer, KV head and position of the study's passages: KIVI's relative error
+    on the keys the model writes (after the rotary embedding), at each of ``bits`` with key groups of
+    ``group`` tokens, beside the channel's rotary frequency and how much it moves from one token to the next
+    (RMS of k[t] - k[t - 1] over RMS of k): a channel that turns fast spreads over its group's range."""
+    llm = make_llm(path)
+    config = llm.model_config
+    corpus = build_corpus(llm.tokenizer, 1, windows, context)
+    layers = [layer.self_attn for layer in llm.model.model.layers]
+    keys = [[] for _ in layers]
+    for attention, seen in zip(layers, keys):
+        attention.kv_observer = lambda key, value, seen=seen: seen.append(key.float().clone())
+    try:
+        for window in corpus.windows:
+            prefill_hidden(llm, window)
+    finally:
+        for attention in layers:
+            attention.kv_observer = None
+    d = config.head_dim
+    whole = context // group * group
+    sums = {b: torch.zeros(2, d) for b in bits}                            # per channel: |error|^2, |k|^2
+    moves = torch.zeros(2, d)
+    for layer_keys in keys:
+        for key in layer_keys:                                              # one passage of one layer
+            key = key[:whole]
+            for b in bits:
+                decoded = KVQuantizer(kivi_format(b, group), d).decode(KVQuantizer(kivi_format(b, group), d)
+                                                                       .encode(key, key))[0]
+                sums[b] += torch.stack(((decoded - key).square().sum((0, 1)), key.square().sum((0, 1))))
+            moves += torch.stack(((key[1:] - key[:-1]).square().sum((0, 1)), key[1:].square().sum((0, 1))))
+    half = torch.arange(d) % (d // 2)                                       # rotate-half pairs channel c, c + D/2
+    frequency = rope_parameters(config.hf_config)["rope_theta"] ** (-2 * half / d)
+    return pd.DataFrame(dict(channel=range(d), rope_radians_per_token=frequency.tolist(),
+                             step_change=(moves[0] / moves[1]).sqrt().tolist(),
+                             **{f"kivi{b}_rel_error": (sums[b][0] / sums[b][1]).sqrt().tolist() for b in bits}))
+
+
 def greedy(llm: LLM, prompts, max_tokens: int) -> list[list[int]]:
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
                         use_tqdm=False)
@@ -271,8 +312,9 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=2048, help="tokens per passage (default: %(default)s)")
     parser.add_argument("--out", default="data/kv_quant", help="output directory (default: %(default)s)")
     parser.add_argument("--kivi-attribution", action="store_true",
-                        help="instead: where 2-bit KIVI's loss comes from (keys or values, layer by layer), "
-                             "written to smollm2_kivi2_attribution.csv")
+                        help="instead: where 2-bit KIVI's loss comes from (keys or values, layer by layer; "
+                             "key error by channel), written to smollm2_kivi2_attribution.csv and "
+                             "smollm2_kivi_key_error_by_channel.csv")
     args = parser.parse_args(argv)
     if args.model is None:
         from kvlab.models import smollm2
@@ -284,6 +326,9 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         table.to_csv(out / "smollm2_kivi2_attribution.csv", index=False, float_format="%.6g")
         print(table.to_string(index=False))
+        channels = key_error_by_channel(args.model, windows=args.windows, context=args.context)
+        channels.to_csv(out / "smollm2_kivi_key_error_by_channel.csv", index=False, float_format="%.6g")
+        print(channels.to_string(index=False))
         return 0
     summary, by_position = run_study(args.model, num_prompts=args.prompts, max_tokens=args.max_tokens,
                                      windows=args.windows, context=args.context)
