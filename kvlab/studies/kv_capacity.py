@@ -54,7 +54,8 @@ def run_study(budget_bytes: int = BUDGET_BYTES, limit: int | None = None):
     for label, per_token, window, blocks in pools:
         hit = by_capacity.loc[blocks]
         rows.append(dict(format=label, bytes_per_token=per_token, window_bytes=window,
-                         blocks_vs_bf16=round(blocks / pools[0][3], 3), pool_blocks=blocks, pool_tokens=blocks * BLOCK_TOKENS,
+                         blocks_vs_bf16=round(blocks / pools[0][3], 3), pool_blocks=blocks,
+                         pool_tokens=blocks * BLOCK_TOKENS,
                          hit_rate_tokens=round(float(hit["hit_rate_tokens"]), 4),
                          ceiling_hit_rate_tokens=round(float(hit["ceiling_hit_rate_tokens"]), 4),
                          requests=int(hit["requests"]), requests_skipped=int(hit["requests_skipped"])))

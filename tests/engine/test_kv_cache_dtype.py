@@ -67,8 +67,8 @@ def test_each_format_serves_end_to_end_with_its_bytes(tiny_model, name):
 
 @pytest.mark.parametrize("name, ratio", [("fp8", 4), ("k_fp16_v_fp8", 8 / 3), ("int4_calibrated_channel", 256 / 36)])
 def test_the_pool_holds_more_blocks_in_the_same_bytes(llama, name, ratio):
-    """Per (token, KV head) with head_dim 32 against fp32's 256 bytes: fp8 64, fp16 K + fp8 V 96, int4_calibrated_channel
-    16 + 16 packed codes + 4 bytes of value scale and zero = 36."""
+    """Per (token, KV head) with head_dim 32 against fp32's 256 bytes: fp8 64, fp16 K + fp8 V 96,
+    int4_calibrated_channel 16 + 16 packed codes + 4 bytes of value scale and zero = 36."""
     config = load_model_config(llama[0])
     sized = {dtype: blocks_for_memory(engine_kv_cache_groups(config, torch.float32, dtype, 8), config, torch.float32,
                                       torch.device("cpu"), gpu_memory_utilization=0.9, max_num_batched_tokens=64,

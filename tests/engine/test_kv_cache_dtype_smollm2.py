@@ -14,9 +14,10 @@ from kvlab.studies.kv_accuracy import build_corpus, compare_logits, make_llm, pr
 pytestmark = pytest.mark.slow
 
 #: Lowest teacher-forced top-1 agreement each format must keep (measured: 0.99 for k_fp16_v_fp8, 0.93-0.95 for
-#: fp8_e4m3, 0.91 for e5m2, 0.85 for int4_calibrated_channel on a 256-token passage; the bounds leave room for the passage).
-FLOORS = {"k_fp16_v_fp8": 0.95, "fp8_e4m3": 0.85, "fp8_e5m2": 0.8, "int4_calibrated_channel": 0.7, "kivi_int4": 0.9,
-          "kivi_int2": 0.6}
+#: fp8_e4m3, 0.91 for e5m2, 0.85 for int4_calibrated_channel on a 256-token passage; the bounds leave room for
+#: the passage; KIVI with R = 64: 0.98 at 4 bits, 0.81 at 2).
+FLOORS = {"k_fp16_v_fp8": 0.95, "fp8_e4m3": 0.85, "fp8_e5m2": 0.8, "int4_calibrated_channel": 0.7, "kivi_int4": 0.93,
+          "kivi_int2": 0.7}
 #: KIVI's window for this 256-token passage: R = 64, so most of it is read as codes.
 KIVI_RESIDUAL = 64
 

@@ -156,7 +156,8 @@ def test_bad_scales_and_a_mismatched_cache_are_refused():
     ((None, HEAD_DIM), "unknown KV cache dtype None"),
     (("fp8", 0), "head_dim must be an int >= 1, got 0"),
     (("fp8", 32.0), "head_dim must be an int >= 1, got 32.0"),
-    (("int4_calibrated_channel", 15), "the int4_calibrated_channel cache packs two 4-bit codes a byte, so head_dim must be even, got 15"),
+    (("int4_calibrated_channel", 15),
+     "the int4_calibrated_channel cache packs two 4-bit codes a byte, so head_dim must be even, got 15"),
 ])
 def test_a_quantizer_of_an_unknown_format_or_a_bad_head_dim_is_refused(args, message):
     with pytest.raises(InvalidArgumentError, match=re.escape(message)):

@@ -1,6 +1,10 @@
 """The KV-format studies' CPU-cheap parts: the capacity study's pools (bytes from kvlab.sizing, replays of the
 Mooncake trace's first requests) and the accuracy study's divergence count."""
 
+from pathlib import Path
+
+import pandas as pd
+
 from kvlab.studies import kv_capacity
 from kvlab.studies.kv_accuracy import tokens_to_divergence
 
@@ -30,3 +34,24 @@ def test_tokens_to_divergence():
     assert tokens_to_divergence([1, 2, 3], [1, 2, 3]) == 3
     assert tokens_to_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert tokens_to_divergence([1, 2, 3], [4, 2, 3]) == 0
+
+
+RESULTS = Path(__file__).resolve().parents[2] / "data" / "kv_quant"
+
+
+def test_the_committed_accuracy_study_puts_kivi_near_fp32_at_4_bits_and_shows_where_2_bits_lose():
+    """Issue 41's targets on the committed SmolLM2 run: KIVI 4-bit within 3% of fp32's perplexity (met); 2-bit
+    within 10% (missed: the attribution shows the keys carry most of the loss, in the fast rotary channels)."""
+    accuracy = pd.read_csv(RESULTS / "smollm2_kv_accuracy.csv").set_index("setting")
+    ratio = accuracy.ppl / accuracy.ppl_auto
+    assert ratio["kivi_int4 G32 R128"] < 1.03 and ratio["kivi_int4 G32 R32"] < 1.03
+    assert ratio["kivi_int4 G32 R128"] < ratio["fp8_e4m3 per-head"] < ratio["int4_calibrated_channel"]
+    assert ratio["kivi_int2 G32 R128"] > 1.10  # the 2-bit target is missed on this model
+    assert ratio["kivi_int2 G32 R128"] < ratio["kivi_int2 G32 R32"] < ratio["kivi_int2 G128 R128"]
+    attribution = pd.read_csv(RESULTS / "smollm2_kivi2_attribution.csv").set_index("setting").ppl
+    keys, values = attribution["K 2 bits, V 4 bits, every layer"], attribution["K 4 bits, V 2 bits, every layer"]
+    assert keys > values > attribution["K 4 bits, V 4 bits, every layer"]
+    channels = pd.read_csv(RESULTS / "smollm2_kivi_key_error_by_channel.csv")
+    fast = channels.rope_radians_per_token > 0.1
+    assert channels[fast].kivi2_rel_error.min() > channels[~fast].kivi2_rel_error.median()
+    assert channels.step_change.corr(channels.kivi2_rel_error) > 0.7
