@@ -50,17 +50,9 @@ def _as_bytes(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.uint8)
 
 
-def _pack(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes in [0, 15] ``[..., n]`` -> ``[..., n / 2]``, element 2i in the low nibble."""
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
-def _unpack(packed: torch.Tensor) -> torch.Tensor:
-    return torch.stack((packed & 15, packed >> 4), -1).flatten(-2)
-
-
 def _pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes below 2^bits ``[..., n]`` -> ``[..., n bits / 8]``, element i at bits ``bits * (i mod 8/bits)``."""
+    """uint8 codes below 2^bits ``[..., n]`` -> ``[..., n bits / 8]``, element i at bits ``bits * (i mod 8/bits)``
+    (4 bits: element 2i in the low nibble)."""
     per_byte = 8 // bits
     packed = codes[..., 0::per_byte].clone()
     for i in range(1, per_byte):
@@ -136,13 +128,13 @@ def _int4_token_encode(x):
     scale = ((groups.amax(-1) - zero.float()) / INT4_LEVELS).clamp(MIN_SCALE, limit).half()
     codes = ((groups - zero.float()[..., None]) / scale.float()[..., None]).round().clamp(0, INT4_LEVELS)
     meta = _as_bytes(torch.stack((scale, zero), -1)).flatten(-2)           # [..., 4 D/G]
-    return torch.cat((_pack(codes.to(torch.uint8).flatten(-2)), meta), -1)
+    return torch.cat((_pack_bits(codes.to(torch.uint8).flatten(-2), 4), meta), -1)
 
 
 def _int4_token_decode(b, d):
     codes, meta = b[..., :d // 2], b[..., d // 2:]
     scale_zero = meta.contiguous().view(torch.float16).unflatten(-1, (-1, 2)).float()  # [..., D/G, 2]
-    groups = _unpack(codes).float().unflatten(-1, (d // value_group(d), value_group(d)))
+    groups = _unpack_bits(codes, 4).float().unflatten(-1, (d // value_group(d), value_group(d)))
     return (groups * scale_zero[..., :1] + scale_zero[..., 1:]).flatten(-2)
 
 
@@ -203,7 +195,7 @@ class KVQuantizer:
             return _fp8_encode(x.float(), scale, FP8_CODECS[codec])
         if codec == "int4_channel":
             codes = ((x.float() - zero) / scale).round().clamp(0, INT4_LEVELS).to(torch.uint8)
-            return _pack(codes)
+            return _pack_bits(codes, 4)
         if kivi_codec(codec) is not None:
             bits, part, group = kivi_codec(codec)
             return (_kivi_key_encode if part == "key" else _kivi_value_encode)(x.float(), bits, group)
@@ -215,7 +207,7 @@ class KVQuantizer:
         if codec in FP8_CODECS:
             return b.view(FP8_CODECS[codec]).float() * scale[..., None]
         if codec == "int4_channel":
-            return _unpack(b).float() * scale + zero
+            return _unpack_bits(b, 4).float() * scale + zero
         if kivi_codec(codec) is not None:
             bits, part, group = kivi_codec(codec)
             return (_kivi_key_decode if part == "key" else _kivi_value_decode)(b, bits, group, self.head_dim)
