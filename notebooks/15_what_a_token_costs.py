@@ -225,7 +225,8 @@ for start in range(0, -(-length // block) * block, G):  # each key group's slots
 for b in range(0, -(-length // block) * block + 1, block):
     ax.axvline(b, color="black", lw=2)
 ax.add_patch(plt.Rectangle((sealed, 1.25), length - sealed, 0.6, facecolor="#dd8452"))
-ax.annotate("open chunk in full precision, beside the pages (ResidualWindow)", (sealed, 1.95), fontsize=8)
+ax.annotate("open chunk in full precision, beside the pages (ResidualWindow)", (length, 1.95), fontsize=8,
+            ha="right")
 ax.text(2, 0.4, "sealed chunks: KIVI codes, keys per channel over each group of G, values per token", fontsize=8,
         color="white")
 ax.set(xlim=(0, -(-length // block) * block), ylim=(0, 2.4), yticks=[], xlabel="position (block boundaries in black)",
