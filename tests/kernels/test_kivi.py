@@ -164,3 +164,38 @@ def test_a_head_dim_that_does_not_split_into_the_rows_is_refused():
         KVQuantizer("kivi_int4_g128", 32)
     with pytest.raises(InvalidArgumentError, match="head_dim must be a multiple of 4"):
         KVQuantizer("kivi_int2", 30)
+
+
+@pytest.mark.parametrize("name, head_dim", [("kivi_int4", 32), ("kivi_int2", 32), ("kivi_int4_g16", 32),
+                                            ("kivi_int2_g64", 32), ("kivi_int4_g128", 64)])
+def test_the_triton_seal_writes_the_torch_twins_bytes_and_nothing_else(name, head_dim):
+    """``kivi_seal`` (interpreted on CPU) writes exactly the bytes of ``KVQuantizer.encode`` into the given slots
+    of a poisoned cache, and leaves every other byte as it was. kivi_int4_g128 at head_dim 64 has K rows of 34
+    bytes and V rows of 36, so records straddle the cache's K and V halves."""
+    from kvlab.kernels.kivi_seal import kivi_seal
+
+    q = KVQuantizer(name, head_dim)
+    group = q.kivi[1]
+    gen = torch.Generator().manual_seed(2)
+    key = (torch.randn(2 * group, NUM_KV_HEADS, head_dim, generator=gen) * 4).half().float()
+    key[:, :, 1] *= 30                                                     # an outlier channel
+    value = torch.randn(2 * group, NUM_KV_HEADS, head_dim, generator=gen).half().float()
+    block_size = 2 * group
+    blocks = torch.tensor([3] * group + [1] * group)
+    offsets = torch.cat((torch.arange(group) + group, torch.arange(group)))  # second half of 3, first of 1
+    cache = torch.full((4, 2, block_size, NUM_KV_HEADS, q.storage_width), 0xFF, dtype=torch.uint8)
+    expected = cache.clone()
+    expected[blocks, :, offsets] = q.encode(key, value).unflatten(-1, (2, -1)).transpose(1, 2)
+    assert torch.equal(kivi_seal(key, value, cache, blocks, offsets, q), expected)
+
+
+def test_the_triton_seal_refuses_partial_groups_and_other_formats():
+    from kvlab.kernels.kivi_seal import kivi_seal
+
+    q = KVQuantizer("kivi_int4", HEAD_DIM)
+    cache = torch.zeros(2, 2, 32, NUM_KV_HEADS, q.storage_width, dtype=torch.uint8)
+    x = torch.zeros(20, NUM_KV_HEADS, HEAD_DIM)
+    with pytest.raises(InvalidArgumentError, match="N a multiple of 32"):
+        kivi_seal(x, x, cache, torch.zeros(20, dtype=torch.int64), torch.arange(20), q)
+    with pytest.raises(InvalidArgumentError, match="writes a KIVI cache"):
+        kivi_seal(x, x, cache, torch.zeros(20, dtype=torch.int64), torch.arange(20), KVQuantizer("fp8", HEAD_DIM))
