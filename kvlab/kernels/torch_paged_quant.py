@@ -93,11 +93,27 @@ class ResidualWindow:
     """One layer's full-precision K/V of every sequence's *open chunk* (KIVI's residual; see ``KiviStep``), by
     the block id the chunk starts in: ``entries[block] [2, n, H_kv, D]`` (K, V) in the model's dtype, the
     chunk's first n tokens. ``swapped`` holds the entries of blocks swapped out to the CPU cache, by CPU block
-    id. ``apply_moves`` follows the block moves a step makes (copy-on-write, swaps)."""
+    id. ``apply_moves`` follows the block moves a step makes (copy-on-write, swaps).
+
+    A forward pass only *stages* its changes (``kivi_attention``); the engine's runner commits them once the
+    whole pass returned and discards them before the next one, so a pass that raises part-way (some layers
+    ran; kvlab.engine.isolation then runs each sequence again alone) leaves every window as it was: a rerun
+    reads what the first try read, and the pages it rewrites get the same bytes."""
 
     def __init__(self):
         self.entries: dict[int, torch.Tensor] = {}
         self.swapped: dict[int, torch.Tensor] = {}
+        self.staged: list[tuple[list, dict]] = []  # (blocks whose entries go, new entries), one per call
+
+    def commit(self) -> None:
+        for dropped, added in self.staged:
+            for block in dropped:
+                self.entries.pop(block, None)
+            self.entries.update(added)
+        self.staged = []
+
+    def discard(self) -> None:
+        self.staged = []
 
     def apply_moves(self, kind: str, pairs) -> None:
         """Copy-on-write copies an open chunk with its block; a swap moves it between the GPU and CPU dicts. The
@@ -223,7 +239,8 @@ def kivi_attention(query, key, value, kv_cache, step: KiviStep, quantizer: KVQua
                    scale=None):
     """One layer of a KIVI step (no checks: ``plan_kivi_step`` made ``step`` for this cache): the new tokens'
     ``key``/``value [T, H_kv, D]`` join their sequences' open chunks; every chunk that fills is quantized into
-    the pages and leaves ``window``; the open chunks wait there; then ``query [T, H, D]`` attends over the
+    the pages and leaves ``window``; the open chunks are staged there (``ResidualWindow.commit``); then
+    ``query [T, H, D]`` attends over the
     dequantized pages and the full-precision chunks (``KiviStep``). Returns ``[T, H, D]`` in query's dtype."""
     S, Lg = len(step.seqs), step.context_len
     num_kv_heads, head_dim = key.shape[1:]
@@ -238,11 +255,10 @@ def kivi_attention(query, key, value, kv_cache, step: KiviStep, quantizer: KVQua
         records = quantizer.encode(sealed[0], sealed[1])                # [N, H, rec]
         halves = records.unflatten(-1, (2, -1)).transpose(1, 2)         # [N, 2, H, W]
         kv_cache.view(torch.uint8)[step.seal_blocks, :, step.seal_offsets] = halves
-    for s, seq in enumerate(step.seqs):
-        for block in seq.sealed_blocks:
-            window.entries.pop(block, None)
-        if seq.next_key is not None:
-            window.entries[seq.next_key] = full[:, s, seq.next_start:seq.length].to(key.dtype)
+    dropped = [block for seq in step.seqs for block in seq.sealed_blocks]
+    added = {seq.next_key: full[:, s, seq.next_start:seq.length].to(key.dtype)
+             for s, seq in enumerate(step.seqs) if seq.next_key is not None}
+    window.staged.append((dropped, added))  # committed by the engine once the whole pass has run
     halves = kv_cache.view(torch.uint8)[step.read_blocks, :, step.read_offsets]  # [S * Lg, 2, H, W]
     records = torch.cat((halves[:, 0], halves[:, 1]), -1).view(S, Lg, num_kv_heads, -1)
     k_codes, v_codes = quantizer.decode(records)                        # [S, Lg, H, D] each

@@ -126,3 +126,27 @@ def test_the_pool_leaves_room_for_the_windows(llama):
     per_block = 32 * 2 * 2 * (16 + 8 + 16 + 8)  # tokens x layers x kv heads x (K codes + scales, V codes + scales)
     assert llm.kv_cache.bytes_per_block == per_block
     assert llm.kv_cache.num_blocks == (CPU_KV_CACHE_BYTES - window) // per_block < 8192 * 256 // 32
+
+
+def test_a_forward_pass_that_raises_part_way_leaves_the_windows_as_they_were(llama, monkeypatch):
+    """A pass that fails after some layers ran is run again sequence by sequence (kvlab.engine.isolation):
+    the windows only take a pass's changes once every layer ran, so the rerun reads what the first try read
+    and the tokens are those of a run without the failure."""
+    from kvlab.engine import attention
+
+    path, _ = llama
+    batch = prompts(9, (20, 21))
+    expected = tokens(kivi_llm(path, "kivi_int4_g16", 32, 16, num_blocks=32), batch, max_tokens=20)
+    llm = kivi_llm(path, "kivi_int4_g16", 32, 16, num_blocks=32)
+    second_layer = llm.model.model.layers[1].self_attn.kv_window
+    real, raised = attention.kivi_attention, []
+
+    def fails_once(query, key, value, kv_cache, step, quantizer, window, scale=None):
+        sealing_a_read_chunk = any(seq.read_key is not None and seq.next_start > seq.open_start for seq in step.seqs)
+        if window is second_layer and sealing_a_read_chunk and not raised:
+            raised.append(True)
+            raise RuntimeError("a failure after the first layer ran")
+        return real(query, key, value, kv_cache, step, quantizer, window, scale)
+
+    monkeypatch.setattr(attention, "kivi_attention", fails_once)
+    assert tokens(llm, batch, max_tokens=20) == expected and raised
