@@ -19,6 +19,8 @@ A quantized cache (``LLM(kv_cache_dtype=...)``): each layer's ``kv_quantizer`` (
 ``kvlab.kernels.kv_quant``) encodes K/V on write and decodes them on read, with the same plans
 (``kvlab.kernels.torch_paged_quant``); None ("auto") runs exactly the unquantized code. With "triton" (fp8
 formats, on GPUs with fp8: ``settings.resolve_quantized_backend``) the kernels take the quantizer's scales.
+A KIVI cache (``kivi_int4``, ``kivi_int2``) keeps each sequence's newest tokens in full precision beside the
+pages, in the layer's ``kv_window`` (``kvlab.kernels.torch_paged_quant.kivi_attention``), torch path only.
 ``kv_observer``, set only during a calibration pass (``kvlab.engine.kv_calibration``), sees every K/V the
 layer writes.
 
@@ -50,7 +52,8 @@ from kvlab.kernels.step_checks import CheckedStep, check_paged_step
 from kvlab.kernels.torch_paged import (CacheWrite, PagedPlan, latent_attention_torch_unchecked,
                                        paged_attention_torch_unchecked, plan_cache_write, plan_latent_attention,
                                        plan_latent_write, plan_paged_attention, write_cache, write_latent_cache)
-from kvlab.kernels.torch_paged_quant import paged_attention_torch_quantized, write_cache_quantized
+from kvlab.kernels.torch_paged_quant import (KiviStep, ResidualWindow, kivi_attention, paged_attention_torch_quantized,
+                                             plan_kivi_step, write_cache_quantized)
 
 
 @dataclass
@@ -77,6 +80,15 @@ class AttentionBatch:
     checked: CheckedStep | None = None
     sliding_window: int | None = None
     check_every_layer: bool = False
+    kivi: KiviStep | None = None
+
+    def kivi_step(self, kv_cache: torch.Tensor, quantizer: KVQuantizer) -> KiviStep:
+        """The step's KIVI plan (torch backend), made by the first layer that asks and shared by the others
+        (every layer of a KIVI cache has the same R, G and block size)."""
+        if self.kivi is None:
+            self.kivi = plan_kivi_step(self.plan, self.block_tables, self.seq_lens, self.cu_query_lens,
+                                       kv_cache.shape[2], quantizer.residual_length, quantizer.kivi[1])
+        return self.kivi
 
     @classmethod
     def for_backend(cls, backend: str, kv_cache: torch.Tensor, *, is_prefill: bool, slot_mapping, block_tables,
@@ -134,6 +146,7 @@ class PagedSelfAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.kv_quantizer: KVQuantizer | None = None  # None: the cache holds K/V in the model's dtype
         self.kv_observer = None                        # calibration only: called with (k, v) [T, KH, D]
+        self.kv_window: ResidualWindow | None = None   # a KIVI cache's full-precision open chunks
 
     def forward(self, x: torch.Tensor, rotation: Rotation, kv_cache: torch.Tensor,
                 batch: AttentionBatch) -> torch.Tensor:
@@ -150,7 +163,10 @@ class PagedSelfAttention(nn.Module):
         # a prefix another sequence is computing in this very step reads it here).
         if self.kv_observer is not None:
             self.kv_observer(k, v)
-        if batch.plan is not None and self.kv_quantizer is not None:  # the torch backend, quantized cache
+        if batch.plan is not None and self.kv_window is not None:  # the torch backend, KIVI cache
+            out = kivi_attention(q, k, v, kv_cache, batch.kivi_step(kv_cache, self.kv_quantizer), self.kv_quantizer,
+                                 self.kv_window, scale=self.scale)
+        elif batch.plan is not None and self.kv_quantizer is not None:  # the torch backend, quantized cache
             write_cache_quantized(k, v, kv_cache, batch.cache_write, self.kv_quantizer)
             out = paged_attention_torch_quantized(q, kv_cache, batch.plan, self.kv_quantizer, scale=self.scale)
         elif batch.plan is not None:  # the torch backend

@@ -16,7 +16,7 @@ from kvlab.kernels.kv_quant import KVQuantizer
 from kvlab.sizing import (KVCacheConfig, KVCacheGroupSpec, KVLayout, activation_bytes, kv_blocks, kv_cache_groups,
                           kv_memory)
 from kvlab.sizing.groups import bytes_per_block
-from kvlab.sizing.kv_dtypes import cache_format
+from kvlab.sizing.kv_dtypes import cache_format, kivi_settings
 
 #: KV budget on a machine without a GPU when ``num_blocks`` is not given: small enough for any laptop, and the
 #: same on every machine so a notebook's pool is reproducible. SmolLM2-135M in fp32 (45 KiB of K and V per
@@ -86,6 +86,9 @@ class PagedKVCache:
         self._format = f" in {group.cache_format}" if group.is_quantized else ""
         self.bytes_per_block = config.bytes_per_block
         self.num_blocks, self.num_cpu_blocks, self.block_size = config.num_blocks, num_cpu_blocks, block_size
+        #: A KIVI cache's per-layer full-precision windows (``ResidualWindow``), which follow the block moves;
+        #: set by the engine once the layers have them, empty for every other format.
+        self.windows: list = []
 
     def _allocate_latent(self, config: KVCacheConfig, dtype, latent_dim: int, device, num_cpu_blocks,
                          num_offload_blocks) -> None:
@@ -141,6 +144,8 @@ class PagedKVCache:
             src_ids, dst_ids = (torch.tensor(ids, dtype=torch.int64) for ids in zip(*pairs))
             for src, dst in zip(*caches[kind]):
                 dst[dst_ids.to(dst.device)] = src[src_ids.to(src.device)].to(dst.device)
+            for window in self.windows:
+                window.apply_moves(kind, pairs)
 
 
 def check_kernel_support(config: ModelConfig, groups, dtype, device, attention_backend: str) -> None:
@@ -151,6 +156,10 @@ def check_kernel_support(config: ModelConfig, groups, dtype, device, attention_b
     unquantized cache only."""
     group = groups[0]  # every group has the same pages
     block_size = group.block_size
+    if kivi_settings(group.cache_format) is not None and any(g.sliding_window is not None for g in groups):
+        raise UnsupportedModelError(f"kv_cache_dtype={group.cache_format!r}: {config.path.name} has sliding-window "
+                                    "layers, and kvlab's KIVI cache reads every position from 0 (its key groups "
+                                    "start there); use it with full-attention models")
     one = torch.ones(1, dtype=torch.int32, device=device)
     table = torch.zeros(1, 1, dtype=torch.int32, device=device)
     if group.mla_latent_dim is not None:
@@ -178,13 +187,25 @@ def check_kernel_support(config: ModelConfig, groups, dtype, device, attention_b
             f"dtype {str(dtype).replace('torch.', '')} ({shape}): {e}") from None
 
 
+def kivi_window_bytes(config: ModelConfig, dtype, residual_length: int | None, max_num_seqs: int) -> int:
+    """What a KIVI cache keeps beside its pages at most: R full-precision tokens (K and V of every layer, in
+    the model's ``dtype``) for each of ``max_num_seqs`` running sequences; 0 without KIVI (``residual_length``
+    None). The windows of swapped-out sequences move to host memory with their blocks."""
+    if residual_length is None:
+        return 0
+    element = torch.empty((), dtype=dtype).element_size()
+    return max_num_seqs * residual_length * config.num_layers * 2 * config.num_kv_heads * config.head_dim * element
+
+
 def blocks_for_memory(groups, config: ModelConfig, dtype, device, *, gpu_memory_utilization: float,
-                      max_num_batched_tokens: int, max_num_seqs: int, max_useful_blocks: int) -> int:
+                      max_num_batched_tokens: int, max_num_seqs: int, max_useful_blocks: int,
+                      window_bytes: int = 0) -> int:
     """``num_blocks=None``: on a GPU, what is left of ``gpu_memory_utilization`` of its memory once the
     weights are loaded and a step's activations are set aside (``kvlab.sizing.budget``, as ``kvlab size``
-    estimates it); on CPU, ``CPU_KV_CACHE_BYTES``; divided by what a block id of ``groups`` (the model's KV
-    cache groups) costs. Never more than ``max_useful_blocks`` (every sequence at full context length). A
-    smaller cache format fits more blocks in the same bytes."""
+    estimates it); on CPU, ``CPU_KV_CACHE_BYTES``; less ``window_bytes`` (a KIVI cache's full-precision
+    windows, ``kivi_window_bytes``), divided by what a block id of ``groups`` (the model's KV cache groups)
+    costs. Never more than ``max_useful_blocks`` (every sequence at full context length). A smaller cache
+    format fits more blocks in the same bytes."""
     per_block = bytes_per_block(groups)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -196,6 +217,7 @@ def blocks_for_memory(groups, config: ModelConfig, dtype, device, *, gpu_memory_
         budget = kv_memory(total, gpu_memory_utilization, total - free, activations)
     else:
         budget = CPU_KV_CACHE_BYTES
+    budget -= window_bytes
     num_blocks = kv_blocks(budget, per_block, max_useful_blocks)
     if num_blocks < 1:
         raise InvalidArgumentError(

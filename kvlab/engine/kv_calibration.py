@@ -5,9 +5,12 @@ the range of every K and V it stores (vLLM's ``calculate_kv_scales`` does it on 
 What each codec takes from the ranges (``kvlab.kernels.kv_quant``):
   fp8           scale = |x|max / the format's largest finite value, per KV head, or (``"tensor"``) the
                 largest over the layer's heads for every head, so the calibrated |x|max maps to the top code.
-  int4_channel  (KIVI keys) zero = the channel's min, scale = (max - min) / 15, per (KV head, channel);
-                it cannot go without calibration (a unit scale would clip nearly every key to 16 levels).
-  int4_token, float   nothing (values carry their own scales per token; floats need none).
+  int4_channel  (int4_calibrated_channel's keys) zero = the channel's min, scale = (max - min) / 15, per
+                (KV head, channel); it cannot go without calibration (a unit scale would clip nearly every
+                key to 16 levels).
+  int4_token, KIVI, float   nothing (values, and KIVI's keys, carry their own scales in the rows, computed
+                from the data written; floats need none). A KIVI layer gets its residual length instead
+                and a ``ResidualWindow`` for its full-precision tokens.
 """
 
 from dataclasses import dataclass, field
@@ -21,6 +24,7 @@ from kvlab.engine.settings import SCALE_GRANULARITIES
 from kvlab.errors import InvalidArgumentError
 from kvlab.kernels import allocate_kv_cache
 from kvlab.kernels.kv_quant import FP8_CODECS, INT4_LEVELS, MIN_SCALE, KVQuantizer
+from kvlab.kernels.torch_paged_quant import ResidualWindow
 from kvlab.sizing.groups import layer_groups
 from kvlab.sizing.kv_dtypes import KV_FORMATS
 
@@ -86,11 +90,12 @@ def _fp8_scale(absmax, codec: str, granularity: str, num_kv_heads: int, device) 
 
 
 def make_quantizers(kv_cache_dtype: str, config: ModelConfig, ranges: list[KVRanges] | None,
-                    granularity: str, device) -> list[KVQuantizer]:
+                    granularity: str, device, residual_length: int | None = None) -> list[KVQuantizer]:
     """One ``KVQuantizer`` per layer for ``kv_cache_dtype`` (not "auto"), from ``calibrate``'s ranges (one
     ``KVRanges`` per layer) or, with ``ranges`` None, unit scales. ``granularity``: fp8's scales, one per layer
-    ("tensor") or per KV head ("head"). Raises InvalidArgumentError for a bad argument, or when the format
-    needs calibration and ``ranges`` is None."""
+    ("tensor") or per KV head ("head"). ``residual_length``: a KIVI format's R (checked by the engine,
+    ``check_kivi_geometry``). Raises InvalidArgumentError for a bad argument, or when the format needs
+    calibration and ``ranges`` is None."""
     if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_FORMATS:
         raise InvalidArgumentError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_FORMATS))} (\"auto\" "
                                    f"needs no quantizers), got {kv_cache_dtype!r}")
@@ -114,6 +119,8 @@ def make_quantizers(kv_cache_dtype: str, config: ModelConfig, ranges: list[KVRan
     for layer in range(config.num_layers):
         observed = ranges[layer] if ranges is not None else KVRanges()
         quantizer = KVQuantizer(kv_cache_dtype, config.head_dim)
+        if quantizer.kivi is not None:
+            quantizer.residual_length = residual_length
         k_codec, v_codec = quantizer.codecs
         if k_codec == "int4_channel":
             if observed.k_min is None:
@@ -131,14 +138,16 @@ def make_quantizers(kv_cache_dtype: str, config: ModelConfig, ranges: list[KVRan
 
 
 def quantize_kv_cache(model, groups, granularity: str, prompts: list[list[int]] | None,
-                      dtype: torch.dtype, device) -> list[KVQuantizer] | None:
+                      dtype: torch.dtype, device, residual_length: int | None = None) -> list[KVQuantizer] | None:
     """Give every attention layer of ``model`` its quantizer for the cache format of its KV cache groups
-    (``groups``: every group has the same; calibrated on ``prompts`` when given, unit scales otherwise) and
-    return them; a float format (``kv_cache_dtype="auto"``): None, and the layers stay unquantized."""
+    (``groups``: every group has the same; calibrated on ``prompts`` when given, unit scales otherwise; KIVI:
+    ``residual_length`` and an empty ``ResidualWindow``) and return them; a float format
+    (``kv_cache_dtype="auto"``): None, and the layers stay unquantized."""
     if not groups[0].is_quantized:
         return None
     ranges = calibrate(model, groups, prompts, dtype, device) if prompts else None
-    quantizers = make_quantizers(groups[0].cache_format, model.config, ranges, granularity, device)
+    quantizers = make_quantizers(groups[0].cache_format, model.config, ranges, granularity, device, residual_length)
     for layer, quantizer in zip(model.model.layers, quantizers):
         layer.self_attn.kv_quantizer = quantizer
+        layer.self_attn.kv_window = ResidualWindow() if quantizer.kivi is not None else None
     return quantizers

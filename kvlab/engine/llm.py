@@ -19,14 +19,14 @@ from kvlab.engine.hybrid import make_block_manager
 from kvlab.engine.intake import RequestIntake, load_tokenizer, prompt_token_ids
 from kvlab.engine.kv_calibration import quantize_kv_cache
 from kvlab.engine.kv_cache import (CPU_KV_CACHE_BYTES, PagedKVCache, blocks_for_memory, check_kernel_support,
-                                   engine_kv_cache_groups)
+                                   engine_kv_cache_groups, kivi_window_bytes)
 from kvlab.engine.request import Request, RequestOutput
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampler import Sampler
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.schedulers import SchedulerConfig
-from kvlab.engine.settings import (check_every_layer_from_env, check_kv_cache_options, check_settings,
-                                   resolve_device, resolve_dtype, resolve_quantized_backend)
+from kvlab.engine.settings import (check_every_layer_from_env, check_kivi_options, check_kv_cache_options,
+                                   check_settings, resolve_device, resolve_dtype, resolve_quantized_backend)
 from kvlab.engine.speculative import resolve_speculative_config
 from kvlab.engine.step_loop import StepLoop
 from kvlab.engine.step_record import records_to_dataframe
@@ -72,13 +72,16 @@ class LLM:
     ``kvlab.engine.queue_order``). Greedy outputs per request are the same either way; hits and latency differ.
 
     ``kv_cache_dtype``: "auto" (K/V in the model's dtype) or a quantized cache, vLLM's "fp8" (= "fp8_e4m3"),
-    "fp8_e4m3", "fp8_e5m2", or kvlab's "int4_kivi" (KIVI-style 4-bit: keys per channel, values per token) and
-    "k_fp16_v_fp8" (K in fp16, V in fp8): ``reshape_and_cache`` quantizes on write, attention dequantizes on
+    "fp8_e4m3", "fp8_e5m2", or kvlab's "kivi_int4" / "kivi_int2" (KIVI, Liu et al. 2024: keys per channel over
+    groups of G = 32 tokens, values per token, scales from the data; "kivi_int4_g128" etc. for another G; the
+    newest ``kv_residual_length`` tokens, R, in full precision, see ``kvlab.kernels.torch_paged_quant``),
+    "int4_calibrated_channel" (4-bit keys per channel with offline-calibrated ranges, values per token, no
+    window) and "k_fp16_v_fp8" (K in fp16, V in fp8): ``reshape_and_cache`` quantizes on write, attention dequantizes on
     read, and the pool holds more blocks in the same bytes (``kvlab.sizing.kv_dtypes``). fp8 scales are 1.0
     (vLLM's default) unless ``kv_calibration_prompts`` (prompts run once through the model before serving)
     set them from the K/V ranges seen, per layer (``kv_scale_granularity="tensor"``) or per KV head ("head");
-    int4_kivi needs calibration (``kvlab.engine.kv_calibration``). Quantized caches run on the torch attention
-    backend (None picks it; see ``settings.resolve_quantized_backend`` for the Triton kernels' share).
+    int4_calibrated_channel needs calibration (``kvlab.engine.kv_calibration``). Quantized caches run on the
+    torch attention backend (None picks it; see ``settings.resolve_quantized_backend`` for the Triton kernels' share).
 
     ``kv_events=True`` publishes vLLM's KV cache events (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``:
     what enters and leaves the prefix cache, for a router) on ``llm.kv_events``, the block manager's stream
@@ -106,7 +109,7 @@ class LLM:
                  record_events: bool = False, attention_backend: str | None = None, scheduling: str | None = None,
                  scheduler=None, record_decisions: bool = False, kv_events: bool = False, num_offload_blocks: int = 0,
                  offload_policy: str = "lru", offload_admission: str = "always", kv_cache_dtype: str = "auto",
-                 kv_scale_granularity: str = "tensor", kv_calibration_prompts=None,
+                 kv_scale_granularity: str = "tensor", kv_calibration_prompts=None, kv_residual_length=None,
                  speculative_config: dict | None = None, scheduling_policy: str = "fcfs"):
         check_settings(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -116,6 +119,7 @@ class LLM:
         check_int("num_offload_blocks", num_offload_blocks, 0)
         check_offload_options(offload_policy, offload_admission)
         check_kv_cache_options(kv_cache_dtype, kv_scale_granularity, kv_calibration_prompts)
+        residual_length = check_kivi_options(kv_cache_dtype, kv_residual_length, block_size, speculative_config)
         self.speculation = resolve_speculative_config(speculative_config)
         scheduler_config = SchedulerConfig(scheduler=scheduler, scheduling=scheduling,
                                            scheduling_policy=scheduling_policy, preemption_mode=preemption_mode,
@@ -147,7 +151,7 @@ class LLM:
         calibration = kv_calibration_prompts and [
             prompt_token_ids(self.tokenizer, config, prompt, self.max_model_len) for prompt in kv_calibration_prompts]
         self.kv_quantizers = quantize_kv_cache(self.model, groups, kv_scale_granularity, calibration, self.dtype,
-                                               self.device)
+                                               self.device, residual_length)
         sized_by = f"num_blocks={num_blocks}"
         if num_blocks is None:
             sized_by = ("num_blocks=None: gpu_memory_utilization less weights and activations"
@@ -158,7 +162,8 @@ class LLM:
             num_blocks = blocks_for_memory(
                 groups, config, self.dtype, self.device, gpu_memory_utilization=gpu_memory_utilization,
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                max_useful_blocks=max_num_seqs * longest)
+                max_useful_blocks=max_num_seqs * longest,
+                window_bytes=kivi_window_bytes(config, self.dtype, residual_length, max_num_seqs))
         #: vLLM's KVCacheConfig: the groups, their layers, the blocks and the tensors they share.
         self.kv_cache_config = KVCacheConfig(groups, num_blocks)
         if num_cpu_blocks is None:
@@ -171,6 +176,8 @@ class LLM:
         self.kv_events = self.block_manager.kv_events  # vLLM's KV cache events, None unless kv_events=True
         self.kv_cache = PagedKVCache(self.kv_cache_config, self.dtype, self.device, num_cpu_blocks,
                                      num_offload_blocks)
+        if residual_length is not None:  # KIVI: the full-precision windows follow the block moves
+            self.kv_cache.windows = [layer.self_attn.kv_window for layer in self.model.model.layers]
         logger.info("KV cache: %s (%s)", self.kv_cache.summary(), sized_by)
         self.scheduler = scheduler_config.build(self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.attention_backend,

@@ -76,8 +76,12 @@ class ModelRunner:
                 cu_query_lens=cu_query_lens, max_seq_len=longest, num_heads=self.model.config.num_heads,
                 sliding_window=window, check_every_layer=self.check_every_layer, query_dtype=self.query_dtype)
                 for group_slots, group_tables, window in zip(slots, tables, self.windows)]
+        for window in self.kv_cache.windows:  # a KIVI cache: what a pass that raised staged is dropped
+            window.discard()
         hidden = self.model(tensor(input_ids, torch.int64), tensor(positions, torch.int64),
                             [batches[g] for g in self.layer_groups], self.kv_cache.layer_caches)
+        for window in self.kv_cache.windows:  # ... and what this one staged kept, once every layer ran
+            window.commit()
         return self.model.compute_logits(hidden[_sampled_rows(entries, query_lens)])
 
 

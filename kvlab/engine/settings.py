@@ -8,7 +8,8 @@ import kvlab.device
 from kvlab.engine.config import DTYPES, ModelConfig
 from kvlab.engine.sampling_params import MAX_SEED
 from kvlab.errors import InvalidArgumentError, UnsupportedError
-from kvlab.sizing.kv_dtypes import ENGINE_KV_CACHE_DTYPES
+from kvlab.kernels.torch_paged_quant import check_kivi_geometry
+from kvlab.sizing.kv_dtypes import ENGINE_KV_CACHE_DTYPES, check_renamed_format, kivi_settings
 from kvlab.validation import check_int, check_number
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -56,6 +57,7 @@ def resolve_attention_backend(backend, device: torch.device) -> str:
 def check_kv_cache_options(kv_cache_dtype, kv_scale_granularity, kv_calibration_prompts) -> None:
     """``kv_cache_dtype``: one of ``ENGINE_KV_CACHE_DTYPES`` (vLLM's names and kvlab's); the scales' granularity
     ("tensor" or "head"); calibration prompts None or a non-empty list of prompts (checked when encoded)."""
+    check_renamed_format(kv_cache_dtype)
     if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in ENGINE_KV_CACHE_DTYPES:
         raise InvalidArgumentError(f"kv_cache_dtype must be one of {', '.join(map(repr, ENGINE_KV_CACHE_DTYPES))}, "
                                    f"got {kv_cache_dtype!r}")
@@ -69,6 +71,26 @@ def check_kv_cache_options(kv_cache_dtype, kv_scale_granularity, kv_calibration_
     if kv_calibration_prompts is not None and kv_cache_dtype == "auto":
         raise InvalidArgumentError("kv_calibration_prompts sets the scales of a quantized cache; with "
                                    "kv_cache_dtype='auto' there is nothing to calibrate")
+    if kv_calibration_prompts is not None and kivi_settings(kv_cache_dtype) is not None:
+        raise InvalidArgumentError(f"kv_calibration_prompts sets offline scales; kv_cache_dtype={kv_cache_dtype!r} "
+                                   "(KIVI) computes its scales from the K/V it quantizes: pass none")
+
+
+def check_kivi_options(kv_cache_dtype: str, kv_residual_length, block_size: int, speculative_config) -> int | None:
+    """A KIVI cache's residual length R (``check_kivi_geometry``: None gives the block size), None for any other
+    format, where ``kv_residual_length`` must be None. KIVI does not take speculative decoding: a rejected
+    draft may already have sealed a chunk into the pages."""
+    kivi = kivi_settings(kv_cache_dtype) if kv_cache_dtype != "auto" else None
+    if kivi is None:
+        if kv_residual_length is not None:
+            raise InvalidArgumentError(f"kv_residual_length is the full-precision window of a KIVI cache "
+                                       f"('kivi_int4', 'kivi_int2'); kv_cache_dtype={kv_cache_dtype!r} has none")
+        return None
+    if speculative_config is not None:
+        raise InvalidArgumentError(f"kv_cache_dtype={kv_cache_dtype!r} does not take speculative_config: a KIVI "
+                                   "cache seals whole chunks into its pages as they fill, and a rejected draft "
+                                   "could have sealed one")
+    return check_kivi_geometry(kivi[1], kv_residual_length, block_size)
 
 
 def fp8_writes_compile(device: torch.device) -> bool:

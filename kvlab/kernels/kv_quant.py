@@ -17,6 +17,15 @@ Codecs (x fp32 ``[..., H, D]``; scales per KV head ``[H]`` or per channel ``[H, 
                min / max, so a key outside the calibrated range is clipped. Two codes a byte (low nibble first).
   int4_token   per row, per group of G channels: zero = min, scale = (max - min) / 15, both kept as fp16 in
                the row after the D / 2 code bytes: decode is exact to within scale / 2 (plus fp16 rounding).
+  kivi keys    (KIVI, b = 4 or 2 bits) per channel over each group of G consecutive tokens: zero = the
+               channel's min over the group, scale = (max - min) / (2^b - 1), both fp16, code =
+               round((x - zero) / scale) in [0, 2^b - 1] (KIVI's asymmetric min/max, computed from the data).
+               A row holds its D b / 8 code bytes (8 / b codes a byte, element i at bits b (i mod 8/b)), then
+               its share of the group's scales and zeros: the group's [scale (D), zero (D)] fp16 bytes cut into
+               G slices, slice i in the group's i-th row. Encoding and decoding therefore take whole groups:
+               a leading token dim (third from last) that is a multiple of G, at a position that is too.
+  kivi values  per row, per group of gcd(D, G) channels, the same min/max code and fp16 scale, zero pairs in
+               the row (int4_token at b bits).
 """
 
 from dataclasses import dataclass
@@ -24,7 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.errors import InvalidArgumentError
-from kvlab.sizing.kv_dtypes import CODEC_BITS, KV_FORMATS, check_kv_format, row_bytes, value_group
+from kvlab.sizing.kv_dtypes import (CODEC_BITS, KV_FORMATS, check_kivi_rows, check_kv_format, kivi_codec,
+                                    kivi_settings, kivi_value_group, row_bytes, value_group)
 from kvlab.validation import check_int
 
 FLOAT_CODECS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -40,13 +50,68 @@ def _as_bytes(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.uint8)
 
 
-def _pack(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes in [0, 15] ``[..., n]`` -> ``[..., n / 2]``, element 2i in the low nibble."""
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+def _pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes below 2^bits ``[..., n]`` -> ``[..., n bits / 8]``, element i at bits ``bits * (i mod 8/bits)``
+    (4 bits: element 2i in the low nibble)."""
+    per_byte = 8 // bits
+    packed = codes[..., 0::per_byte].clone()
+    for i in range(1, per_byte):
+        packed |= codes[..., i::per_byte] << (bits * i)
+    return packed
 
 
-def _unpack(packed: torch.Tensor) -> torch.Tensor:
-    return torch.stack((packed & 15, packed >> 4), -1).flatten(-2)
+def _unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    mask = (1 << bits) - 1
+    return torch.stack([(packed >> (bits * i)) & mask for i in range(8 // bits)], -1).flatten(-2)
+
+
+def kivi_quantize(x: torch.Tensor, bits: int, dim: int):
+    """KIVI's asymmetric quantization of fp32 ``x`` over ``dim``: (uint8 codes like x, fp16 scale, fp16 zero, both
+    with ``dim`` kept as 1). zero = min, scale = (max - min) / (2^bits - 1), code = round((x - zero) / scale)
+    clamped to [0, 2^bits - 1]; the codes are computed with the fp16 scale and zero that are stored, so decoding
+    (``code * scale + zero``) is within scale / 2 of x. A constant group keeps scale ``MIN_SCALE`` and decodes
+    to its value (KIVI's reference divides by zero there)."""
+    levels = (1 << bits) - 1
+    limit = torch.finfo(torch.float16).max
+    zero = x.amin(dim, keepdim=True).clamp(-limit, limit).half()
+    scale = ((x.amax(dim, keepdim=True) - zero.float()) / levels).clamp(MIN_SCALE, limit).half()
+    codes = ((x - zero.float()) / scale.float()).round().clamp(0, levels).to(torch.uint8)
+    return codes, scale, zero
+
+
+def _kivi_key_encode(x, bits, group):
+    """[..., N, H, D] (N a multiple of ``group``) -> [..., N, H, D bits / 8 + 4 D / group]."""
+    *lead, n, h, d = x.shape
+    groups = x.reshape(*lead, n // group, group, h, d)
+    codes, scale, zero = kivi_quantize(groups, bits, -3)                   # scale, zero [..., N/G, 1, H, D]
+    meta = _as_bytes(torch.cat((scale, zero), -1)).view(*lead, n // group, h, group, -1)  # [.., N/G, H, G, 4D/G]
+    rows = torch.cat((_pack_bits(codes, bits), meta.transpose(-2, -3)), -1)
+    return rows.reshape(*lead, n, h, -1)
+
+
+def _kivi_key_decode(b, bits, group, d):
+    *lead, n, h, _ = b.shape
+    code_bytes = d * bits // 8
+    codes = _unpack_bits(b[..., :code_bytes], bits).float().reshape(*lead, n // group, group, h, d)
+    meta = b[..., code_bytes:].reshape(*lead, n // group, group, h, -1).transpose(-2, -3)  # [.., N/G, H, G, 4D/G]
+    scale_zero = meta.contiguous().view(torch.float16).reshape(*lead, n // group, 1, h, 2, d).float()
+    return (codes * scale_zero[..., 0, :] + scale_zero[..., 1, :]).reshape(*lead, n, h, d)
+
+
+def _kivi_value_encode(x, bits, group):
+    d = x.shape[-1]
+    channels = kivi_value_group(d, group)
+    codes, scale, zero = kivi_quantize(x.unflatten(-1, (d // channels, channels)), bits, -1)  # [..., D/g, 1]
+    meta = _as_bytes(torch.cat((scale, zero), -1)).flatten(-2)                               # [..., 4 D/g]
+    return torch.cat((_pack_bits(codes.flatten(-2), bits), meta), -1)
+
+
+def _kivi_value_decode(b, bits, group, d):
+    channels = kivi_value_group(d, group)
+    code_bytes = d * bits // 8
+    scale_zero = b[..., code_bytes:].contiguous().view(torch.float16).unflatten(-1, (-1, 2)).float()
+    codes = _unpack_bits(b[..., :code_bytes], bits).float().unflatten(-1, (d // channels, channels))
+    return (codes * scale_zero[..., :1] + scale_zero[..., 1:]).flatten(-2)
 
 
 def _fp8_encode(x, scale, dtype):
@@ -63,37 +128,47 @@ def _int4_token_encode(x):
     scale = ((groups.amax(-1) - zero.float()) / INT4_LEVELS).clamp(MIN_SCALE, limit).half()
     codes = ((groups - zero.float()[..., None]) / scale.float()[..., None]).round().clamp(0, INT4_LEVELS)
     meta = _as_bytes(torch.stack((scale, zero), -1)).flatten(-2)           # [..., 4 D/G]
-    return torch.cat((_pack(codes.to(torch.uint8).flatten(-2)), meta), -1)
+    return torch.cat((_pack_bits(codes.to(torch.uint8).flatten(-2), 4), meta), -1)
 
 
 def _int4_token_decode(b, d):
     codes, meta = b[..., :d // 2], b[..., d // 2:]
     scale_zero = meta.contiguous().view(torch.float16).unflatten(-1, (-1, 2)).float()  # [..., D/G, 2]
-    groups = _unpack(codes).float().unflatten(-1, (d // value_group(d), value_group(d)))
+    groups = _unpack_bits(codes, 4).float().unflatten(-1, (d // value_group(d), value_group(d)))
     return (groups * scale_zero[..., :1] + scale_zero[..., 1:]).flatten(-2)
 
 
 @dataclass
 class KVQuantizer:
     """One layer's cache format and scales. ``k_scale`` / ``v_scale``: fp32 ``[H]`` for fp8 codecs, ``[H, D]``
-    for int4_channel (with ``k_zero``), None where the codec has none."""
+    for int4_channel (with ``k_zero``), None where the codec has none (KIVI keeps its scales in the rows).
+    ``residual_length``: a KIVI cache's R, the tokens kept in full precision (``kvlab.kernels.kivi_cache``);
+    None for every other format."""
 
     format: str
     head_dim: int
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
     k_zero: torch.Tensor | None = None
+    residual_length: int | None = None
 
     def __post_init__(self):
         check_kv_format(self.format)
         check_int("head_dim", self.head_dim, 1)
-        if self.head_dim % 2 and any(CODEC_BITS[codec] == 4 for codec in self.codecs):
+        if self.kivi is not None:
+            check_kivi_rows(self.format, self.head_dim)
+        elif self.head_dim % 2 and any(CODEC_BITS[codec] == 4 for codec in self.codecs):
             raise InvalidArgumentError(f"the {self.format} cache packs two 4-bit codes a byte, so head_dim must be "
                                        f"even, got {self.head_dim}")
 
     @property
     def codecs(self) -> tuple:
         return KV_FORMATS[self.format]
+
+    @property
+    def kivi(self) -> tuple | None:
+        """(bits, G) of a KIVI format, else None."""
+        return kivi_settings(self.format)
 
     @property
     def record_bytes(self) -> tuple:
@@ -120,7 +195,10 @@ class KVQuantizer:
             return _fp8_encode(x.float(), scale, FP8_CODECS[codec])
         if codec == "int4_channel":
             codes = ((x.float() - zero) / scale).round().clamp(0, INT4_LEVELS).to(torch.uint8)
-            return _pack(codes)
+            return _pack_bits(codes, 4)
+        if kivi_codec(codec) is not None:
+            bits, part, group = kivi_codec(codec)
+            return (_kivi_key_encode if part == "key" else _kivi_value_encode)(x.float(), bits, group)
         return _int4_token_encode(x.float())
 
     def _decode(self, codec, b, scale, zero):
@@ -129,11 +207,15 @@ class KVQuantizer:
         if codec in FP8_CODECS:
             return b.view(FP8_CODECS[codec]).float() * scale[..., None]
         if codec == "int4_channel":
-            return _unpack(b).float() * scale + zero
+            return _unpack_bits(b, 4).float() * scale + zero
+        if kivi_codec(codec) is not None:
+            bits, part, group = kivi_codec(codec)
+            return (_kivi_key_decode if part == "key" else _kivi_value_decode)(b, bits, group, self.head_dim)
         return _int4_token_decode(b, self.head_dim)
 
     def encode(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """key, value ``[..., H, D]`` -> uint8 records ``[..., H, k_bytes + v_bytes]``."""
+        """key, value ``[..., H, D]`` -> uint8 records ``[..., H, k_bytes + v_bytes]`` (KIVI: ``[..., N, H, D]``,
+        whole key groups, see the module's docstring)."""
         k_codec, v_codec = self.codecs
         return torch.cat((self._encode(k_codec, key, self.k_scale, self.k_zero),
                           self._encode(v_codec, value, self.v_scale, None)), -1)

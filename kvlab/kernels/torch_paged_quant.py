@@ -7,7 +7,10 @@ V half; a read gathers both halves of every visible position, joins them into re
 fp32 K and V. Unused memory is still never read: padding positions read the sequence's last, written token.
 """
 
+from dataclasses import dataclass, replace
+
 import torch
+import torch.nn.functional as F
 
 from kvlab.errors import InvalidArgumentError
 from kvlab.kernels._checks import check_attention_options, check_tensor
@@ -81,3 +84,185 @@ def paged_attention_decode_torch_quantized(query, kv_cache, block_tables, seq_le
     plan = plan_paged_attention(kv_cache, block_tables, seq_lens, cu_query_lens, num_seqs, sliding_window)
     quantizer.check(kv_cache.shape[3])
     return paged_attention_torch_quantized(query, kv_cache, plan, quantizer, scale)
+
+
+# --- KIVI: a full-precision window beside quantized pages -----------------------------------------------------
+
+
+class ResidualWindow:
+    """One layer's full-precision K/V of every sequence's *open chunk* (KIVI's residual; see ``KiviStep``), by
+    the block id the chunk starts in: ``entries[block] [2, n, H_kv, D]`` (K, V) in the model's dtype, the
+    chunk's first n tokens. ``swapped`` holds the entries of blocks swapped out to the CPU cache, by CPU block
+    id. ``apply_moves`` follows the block moves a step makes (copy-on-write, swaps).
+
+    A forward pass only *stages* its changes (``kivi_attention``); the engine's runner commits them once the
+    whole pass returned and discards them before the next one, so a pass that raises part-way (some layers
+    ran; kvlab.engine.isolation then runs each sequence again alone) leaves every window as it was: a rerun
+    reads what the first try read, and the pages it rewrites get the same bytes."""
+
+    def __init__(self):
+        self.entries: dict[int, torch.Tensor] = {}
+        self.swapped: dict[int, torch.Tensor] = {}
+        self.staged: list[tuple[list, dict]] = []  # (blocks whose entries go, new entries), one per call
+
+    def commit(self) -> None:
+        for dropped, added in self.staged:
+            for block in dropped:
+                self.entries.pop(block, None)
+            self.entries.update(added)
+        self.staged = []
+
+    def discard(self) -> None:
+        self.staged = []
+
+    def apply_moves(self, kind: str, pairs) -> None:
+        """Copy-on-write copies an open chunk with its block; a swap moves it between the GPU and CPU dicts. The
+        offload tier takes only full blocks, whose chunks are all sealed (R divides the block size): nothing
+        to move."""
+        moves = {"copy": (self.entries, self.entries), "swap_out": (self.entries, self.swapped),
+                 "swap_in": (self.swapped, self.entries)}
+        if kind not in moves:
+            return
+        source, target = moves[kind]
+        for src, dst in pairs:
+            if src in source:
+                target[dst] = source[src].clone() if kind == "copy" else source.pop(src)
+
+
+@dataclass
+class KiviSeq:
+    """One sequence in a step: its new tokens are query rows ``rows`` at positions ``first`` .. ``length - 1``;
+    its open chunk starts at ``open_start`` (window entry ``read_key`` holds positions ``open_start`` ..
+    ``first - 1``, None when there are none); after the step the open chunk starts at ``next_start``, in block
+    ``next_key`` (None: every chunk is sealed); ``sealed_blocks``: blocks wholly before it, whose entries go."""
+    rows: slice
+    first: int
+    length: int
+    open_start: int
+    read_key: int | None
+    next_start: int
+    next_key: int | None
+    sealed_blocks: list
+
+
+@dataclass
+class KiviStep:
+    """What a step of a KIVI cache does, the same for every layer (``plan_kivi_step``).
+
+    A query at position p reads keys and values of its own chunk (positions ``R floor(p / R)`` .. p, R the
+    residual length) in full precision, every earlier position dequantized from the pages: a function of
+    positions <= p only, so a prefill, a chunked prefill, decoding one token at a time and a prefix hit all
+    give the same K/V. A chunk is *sealed* (quantized into the pages, whole key groups, G dividing R) when its
+    last token is written; the open chunk's full-precision K/V wait in the layer's ``ResidualWindow``.
+    ``seal_seqs`` / ``seal_positions`` ``[N]``: the (sequence, position) pairs sealed this step, stored at
+    ``seal_blocks`` / ``seal_offsets``; ``read_blocks`` / ``read_offsets`` ``[S * Lg]``: where position j of
+    each sequence's context is read (padding reads the sequence's last token: unused memory is never read);
+    ``quantized_ok`` / ``full_ok`` ``[S, Lg, 1, 1]``: positions holding codes / full precision;
+    ``plan``: the torch plan with the mask over [dequantized keys, full-precision keys] ``[S, 1, Q, 2 Lg]``."""
+    seqs: list
+    seal_seqs: torch.Tensor
+    seal_positions: torch.Tensor
+    seal_blocks: torch.Tensor
+    seal_offsets: torch.Tensor
+    read_blocks: torch.Tensor
+    read_offsets: torch.Tensor
+    quantized_ok: torch.Tensor
+    full_ok: torch.Tensor
+    context_len: int
+    plan: PagedPlan
+
+
+def check_kivi_geometry(group: int, residual_length, block_size: int) -> int:
+    """The residual length R (None: the block size) of a KIVI cache with key groups of ``group`` tokens:
+    G divides R and R divides the block size, so a chunk is whole key groups and a full block is sealed
+    chunks (a prefix hit reads only codes, as a recompute of the prefix would write them)."""
+    residual_length = block_size if residual_length is None else residual_length
+    if block_size % group:
+        raise InvalidArgumentError(f"a KIVI cache quantizes keys in groups of {group} tokens, and a block must "
+                                   f"hold whole groups: block_size must be a multiple of {group}, got {block_size}")
+    if (isinstance(residual_length, bool) or not isinstance(residual_length, int) or residual_length < group
+            or residual_length % group or block_size % residual_length):
+        raise InvalidArgumentError(
+            f"kv_residual_length (KIVI's R, the tokens kept in full precision) must be a multiple of the key "
+            f"group {group} that divides block_size {block_size} (None: block_size), got {residual_length!r}")
+    return residual_length
+
+
+def plan_kivi_step(plan: PagedPlan, block_tables, seq_lens, cu_query_lens, block_size: int, residual_length: int,
+                   group: int) -> KiviStep:
+    """The step's ``KiviStep`` from its torch ``plan`` (full attention) and metadata (read once, on the host)."""
+    device = seq_lens.device
+    R = residual_length
+    lens = seq_lens.tolist()
+    cu = (cu_query_lens.tolist() if cu_query_lens is not None else list(range(len(lens) + 1)))
+    tables = block_tables.tolist()
+    longest = max(lens, default=0)
+    context_len = -(-longest // group) * group                       # Lg: whole key groups
+    seqs, seal_seqs, seal_positions = [], [], []
+    for s, (length, table) in enumerate(zip(lens, tables)):
+        first = length - (cu[s + 1] - cu[s])
+        open_start = first // R * R
+        next_start = length // R * R
+        seqs.append(KiviSeq(slice(cu[s], cu[s + 1]), first, length, open_start,
+                            table[open_start // block_size] if first > open_start else None, next_start,
+                            table[next_start // block_size] if length > next_start else None,
+                            table[:next_start // block_size]))
+        seal_seqs += [s] * (next_start - open_start)
+        seal_positions += range(open_start, next_start)
+    seal_seqs = torch.tensor(seal_seqs, dtype=torch.int64, device=device)
+    seal_positions = torch.tensor(seal_positions, dtype=torch.int64, device=device)
+    table_long = block_tables.long()
+    seal_blocks = table_long[seal_seqs, seal_positions // block_size]
+    lens_t = seq_lens.long()[:, None]
+    pos = torch.arange(context_len, device=device)[None]             # [1, Lg]
+    read = torch.minimum(pos, lens_t - 1)
+    read_blocks = table_long.gather(1, read // block_size).flatten()
+    # Codes exist below each sequence's last sealed position; full precision from its open chunk on.
+    sealed = torch.tensor([seq.next_start for seq in seqs], dtype=torch.int64, device=device)[:, None]
+    opened = torch.tensor([seq.open_start for seq in seqs], dtype=torch.int64, device=device)[:, None]
+    quantized_ok = pos < sealed
+    full_ok = (pos >= opened) & (pos < lens_t)
+    # Each query row's own chunk: full precision from its start, codes before it.
+    q_lens = lens_t[:, 0] - torch.tensor([seq.first for seq in seqs], dtype=torch.int64, device=device)
+    t = torch.arange(plan.query_len, device=device)
+    q_pos = torch.where(t < q_lens[:, None], lens_t - q_lens[:, None] + t, lens_t - 1)  # [S, Q], as the plan
+    chunk = (q_pos // R * R)[:, None, :, None]                         # [S, 1, Q, 1]
+    visible = F.pad(plan.mask, (0, context_len - plan.context_len))   # [S, 1, Q, Lg]
+    keys = pos[:, None, None, :]
+    mask = torch.cat((visible & (keys < chunk), visible & (keys >= chunk)), -1)
+    return KiviStep(seqs, seal_seqs, seal_positions, seal_blocks, seal_positions % block_size, read_blocks,
+                    (read % block_size).flatten(), quantized_ok[..., None, None], full_ok[..., None, None],
+                    context_len, replace(plan, mask=mask, context_len=2 * context_len))
+
+
+def kivi_attention(query, key, value, kv_cache, step: KiviStep, quantizer: KVQuantizer, window: ResidualWindow,
+                   scale=None):
+    """One layer of a KIVI step (no checks: ``plan_kivi_step`` made ``step`` for this cache): the new tokens'
+    ``key``/``value [T, H_kv, D]`` join their sequences' open chunks; every chunk that fills is quantized into
+    the pages and leaves ``window``; the open chunks are staged there (``ResidualWindow.commit``); then
+    ``query [T, H, D]`` attends over the
+    dequantized pages and the full-precision chunks (``KiviStep``). Returns ``[T, H, D]`` in query's dtype."""
+    S, Lg = len(step.seqs), step.context_len
+    num_kv_heads, head_dim = key.shape[1:]
+    full = key.new_zeros(2, S, Lg, num_kv_heads, head_dim, dtype=torch.float32)
+    new = torch.stack((key, value)).float()
+    for s, seq in enumerate(step.seqs):
+        if seq.read_key is not None:
+            full[:, s, seq.open_start:seq.first] = window.entries[seq.read_key][:, :seq.first - seq.open_start]
+        full[:, s, seq.first:seq.length] = new[:, seq.rows]
+    if step.seal_positions.numel():
+        sealed = full[:, step.seal_seqs, step.seal_positions]          # [2, N, H, D]
+        records = quantizer.encode(sealed[0], sealed[1])                # [N, H, rec]
+        halves = records.unflatten(-1, (2, -1)).transpose(1, 2)         # [N, 2, H, W]
+        kv_cache.view(torch.uint8)[step.seal_blocks, :, step.seal_offsets] = halves
+    dropped = [block for seq in step.seqs for block in seq.sealed_blocks]
+    added = {seq.next_key: full[:, s, seq.next_start:seq.length].to(key.dtype)
+             for s, seq in enumerate(step.seqs) if seq.next_key is not None}
+    window.staged.append((dropped, added))  # committed by the engine once the whole pass has run
+    halves = kv_cache.view(torch.uint8)[step.read_blocks, :, step.read_offsets]  # [S * Lg, 2, H, W]
+    records = torch.cat((halves[:, 0], halves[:, 1]), -1).view(S, Lg, num_kv_heads, -1)
+    k_codes, v_codes = quantizer.decode(records)                        # [S, Lg, H, D] each
+    zero = k_codes.new_zeros(())
+    k = torch.cat((torch.where(step.quantized_ok, k_codes, zero), torch.where(step.full_ok, full[0], zero)), 1)
+    v = torch.cat((torch.where(step.quantized_ok, v_codes, zero), torch.where(step.full_ok, full[1], zero)), 1)
+    return attend(query, k.transpose(1, 2), v.transpose(1, 2), step.plan, scale)

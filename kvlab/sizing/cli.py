@@ -32,8 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "the weights and activations (from its Hugging Face config.json).")
     parser.add_argument("--model", required=True, help="a model directory or its config.json")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                        help="the cache's format: vLLM's names, or kvlab's int4_kivi and k_fp16_v_fp8 (auto: the "
-                             "model's dtype; default: %(default)s)")
+                        help="the cache's format: vLLM's names, or kvlab's kivi_int4 / kivi_int2 (KIVI, key groups of "
+                             "32 tokens; _g64, _g128, _g16 for others), int4_calibrated_channel and k_fp16_v_fp8 "
+                             "(auto: the model's dtype; default: %(default)s)")
     parser.add_argument("--gpu-memory", type=option(parse_memory), default="80GiB",
                         help="the GPU's memory, e.g. 80GiB, 80GB, 24e9 (default: %(default)s)")
     parser.add_argument("--gpu-memory-utilization", default=GPU_MEMORY_UTILIZATION,

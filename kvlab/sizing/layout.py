@@ -15,7 +15,8 @@ engine's ``blocks_for_memory`` and its cache's ``bytes_per_block``).
 from dataclasses import dataclass
 
 from kvlab.errors import InvalidArgumentError
-from kvlab.sizing.kv_dtypes import CODEC_BITS, KV_FORMATS, check_kv_format, row_bytes
+from kvlab.sizing.kv_dtypes import (CODEC_BITS, KV_FORMATS, check_kivi_rows, check_kv_format, kivi_settings,
+                                    row_bytes)
 from kvlab.validation import check_int, is_int
 
 #: Float dtype names (vLLM's ``--kv-cache-dtype`` spellings and torch's) -> bytes per element. fp8 caches
@@ -43,7 +44,9 @@ class KVLayout:
         check_int("head_dim", self.head_dim, 1)
         if self.mla_latent_dim is not None:
             check_int("mla_latent_dim", self.mla_latent_dim, 1)
-        if self.row_elements % 2 and any(CODEC_BITS[codec] == 4 for codec in self.codecs):
+        if kivi_settings(self.dtype) is not None:
+            check_kivi_rows(self.dtype, self.row_elements)
+        elif self.row_elements % 2 and any(CODEC_BITS[codec] == 4 for codec in self.codecs):
             raise InvalidArgumentError(f"the {self.dtype} cache packs two 4-bit codes a byte, so rows need an even "
                                        f"number of elements; got {self.row_elements}")
         if not isinstance(self.layer_windows, tuple) or not self.layer_windows or not all(

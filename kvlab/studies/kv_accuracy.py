@@ -17,9 +17,11 @@ order; the fp8 / int4 scales are calibrated on ``CALIBRATION_PROMPTS`` passages 
 evaluation passage uses.
 
 Defaults (the committed run): 50 prompts x 32 greedy tokens and two 2,048-token passages (positions up to
-2,046). Measured with ``OMP_NUM_THREADS=1 nice -n 10`` on two CPU cores shared with other jobs (load 6-11):
-14 min 50 s wall, 290 s of CPU (6 minutes for the fp32 reference and the first setting, then about 100 s
-per setting).
+2,046). Measured with ``OMP_NUM_THREADS=1 nice -n 10`` on two CPU cores shared with other jobs: 20 min 45 s
+wall, 700 s of CPU for the twelve settings. KIVI with R >= 64 keeps every token of the greedy runs (32 + 32)
+in its window, so those rows' greedy agreement is trivially complete: read their KL and perplexity, or the
+R = 32 rows. ``--kivi-attribution`` (``kivi_attribution``, ``key_error_by_channel``) shows where 2-bit KIVI
+loses: keys or values, which layer, which key channels.
 ``python -m kvlab.studies.kv_accuracy [--out data/kv_quant]`` writes ``smollm2_kv_accuracy.csv`` (one row per
 setting) and ``smollm2_kv_error_by_position.csv``.
 """
@@ -37,16 +39,27 @@ import torch
 
 from kvlab.engine import LLM, SamplingParams
 from kvlab.engine.attention import AttentionBatch
+from kvlab.engine.config import rope_parameters
 from kvlab.engine.kv_cache import cache_storage, engine_layout
 from kvlab.kernels import allocate_kv_cache
+from kvlab.kernels.kv_quant import KVQuantizer
+from kvlab.kernels.torch_paged_quant import ResidualWindow
+from kvlab.sizing.kv_dtypes import kivi_format
 
-#: (label, kv_cache_dtype, kv_scale_granularity, calibrated): the settings compared with "auto".
-CONFIGS = [("fp8_e4m3 unit scales", "fp8_e4m3", "tensor", False),
-           ("fp8_e4m3 per-tensor", "fp8_e4m3", "tensor", True),
-           ("fp8_e4m3 per-head", "fp8_e4m3", "head", True),
-           ("fp8_e5m2 unit scales", "fp8_e5m2", "tensor", False),
-           ("k_fp16_v_fp8 per-head", "k_fp16_v_fp8", "head", True),
-           ("int4_kivi", "int4_kivi", "head", True)]
+#: (label, kv_cache_dtype, kv_scale_granularity, calibrated, KIVI's residual length R or None): the settings
+#: compared with "auto". KIVI runs on blocks of R tokens (R must divide the block size).
+CONFIGS = [("fp8_e4m3 unit scales", "fp8_e4m3", "tensor", False, None),
+           ("fp8_e4m3 per-tensor", "fp8_e4m3", "tensor", True, None),
+           ("fp8_e4m3 per-head", "fp8_e4m3", "head", True, None),
+           ("fp8_e5m2 unit scales", "fp8_e5m2", "tensor", False, None),
+           ("k_fp16_v_fp8 per-head", "k_fp16_v_fp8", "head", True, None),
+           ("int4_calibrated_channel", "int4_calibrated_channel", "head", True, None),
+           ("kivi_int4 G32 R128", "kivi_int4", "tensor", False, 128),
+           ("kivi_int4 G32 R32", "kivi_int4", "tensor", False, 32),
+           ("kivi_int4 G128 R128", "kivi_int4_g128", "tensor", False, 128),
+           ("kivi_int2 G32 R128", "kivi_int2", "tensor", False, 128),
+           ("kivi_int2 G32 R32", "kivi_int2", "tensor", False, 32),
+           ("kivi_int2 G128 R128", "kivi_int2_g128", "tensor", False, 128)]
 POSITION_BUCKETS = (0, 16, 64, 256, 512, 1024, 1536, 2048)
 PROMPT_TOKENS = 32
 CALIBRATION_PROMPTS = 4
@@ -81,9 +94,13 @@ def build_corpus(tokenizer, num_prompts: int, windows: int, context: int) -> Cor
     return Corpus(prompts, [s for s in spans if len(s) == context], calibration)
 
 
-def make_llm(path, kv_cache_dtype="auto", granularity="tensor", calibration=None, num_blocks=512) -> LLM:
-    return LLM(path, block_size=BLOCK_SIZE, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype,
-               kv_scale_granularity=granularity, kv_calibration_prompts=calibration, attention_backend="torch")
+def make_llm(path, kv_cache_dtype="auto", granularity="tensor", calibration=None, num_blocks=512,
+             residual_length=None) -> LLM:
+    """An engine on ``kv_cache_dtype``; KIVI (``residual_length`` R given) on blocks of R tokens, as many tokens."""
+    block_size = residual_length or BLOCK_SIZE
+    return LLM(path, block_size=block_size, num_blocks=num_blocks * BLOCK_SIZE // block_size,
+               kv_cache_dtype=kv_cache_dtype, kv_scale_granularity=granularity, kv_calibration_prompts=calibration,
+               kv_residual_length=residual_length, attention_backend="torch")
 
 
 @torch.inference_mode()
@@ -92,19 +109,32 @@ def prefill_hidden(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     format (its layers hold their quantizers), read back from the cache as the engine reads it."""
     config, device = llm.model_config, llm.device
     n = len(token_ids)
-    num_blocks = -(-n // BLOCK_SIZE)
     kv_config = llm.kv_cache_config
+    block_size = kv_config.block_size
+    num_blocks = -(-n // block_size)
     storage, width = cache_storage(kv_config.groups[0], llm.dtype)
-    caches = allocate_kv_cache(config.num_layers, config.num_kv_heads, width, block_size=BLOCK_SIZE,
-                               dtype=storage, device=device, num_blocks=num_blocks)
+    attention = [layer.self_attn for layer in llm.model.model.layers]
+    # Each layer's width from its own quantizer: kivi_attribution mixes bits per layer (KIVI's reads and writes
+    # index the pages by block and offset, never by the plan's rows, so the widths may differ).
+    caches = [allocate_kv_cache(1, config.num_kv_heads, width if layer.kv_window is None else
+                                layer.kv_quantizer.storage_width, block_size=block_size, dtype=storage,
+                                device=device, num_blocks=num_blocks)[0] for layer in attention]
     batches = [AttentionBatch.for_backend(
         "torch", caches[0], is_prefill=True, slot_mapping=torch.arange(n, device=device),
         block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
         seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
         cu_query_lens=torch.tensor([0, n], dtype=torch.int32, device=device), max_seq_len=n,
         num_heads=config.num_heads, sliding_window=group.sliding_window) for group in kv_config.groups]
-    return llm.model(torch.tensor(token_ids, device=device), torch.arange(n, device=device),
-                     [batches[g] for g in kv_config.layer_groups], caches)
+    # A KIVI cache's windows are keyed by block id: this throwaway cache gets windows of its own.
+    engine_windows = [layer.kv_window for layer in attention]
+    for layer, window in zip(attention, engine_windows):
+        layer.kv_window = None if window is None else ResidualWindow()
+    try:
+        return llm.model(torch.tensor(token_ids, device=device), torch.arange(n, device=device),
+                         [batches[g] for g in kv_config.layer_groups], caches)
+    finally:
+        for layer, window in zip(attention, engine_windows):
+            layer.kv_window = window
 
 
 @torch.inference_mode()
@@ -137,6 +167,90 @@ def error_by_position(kl: torch.Tensor, top1: torch.Tensor) -> list[dict]:
     return rows
 
 
+class MixedKivi(KVQuantizer):
+    """A diagnostic KIVI quantizer with keys and values at their own bits (``kivi_attribution``); not a cache
+    format the engine serves."""
+
+    def __init__(self, key_bits: int, value_bits: int, group: int, head_dim: int, residual_length: int):
+        self.key_bits, self.value_bits = key_bits, value_bits
+        super().__init__(kivi_format(4, group), head_dim, residual_length=residual_length)
+
+    @property
+    def codecs(self) -> tuple:
+        group = self.kivi[1]
+        return f"kivi{self.key_bits}_key_g{group}", f"kivi{self.value_bits}_value_g{group}"
+
+
+def kivi_attribution(path, *, windows=2, context=2048, group=32, residual_length=128):
+    """Where 2-bit KIVI's loss comes from, on the study's passages: keys at 2 bits with values at 4, the
+    reverse, and each layer alone at 2 bits (keys and values) with every other layer at 4. One row each:
+    perplexity (against fp32's) and mean KL."""
+    auto = make_llm(path)
+    corpus = build_corpus(auto.tokenizer, 1, windows, context)
+    reference = [prefill_hidden(auto, window) for window in corpus.windows]
+    targets = [torch.tensor(window[1:]) for window in corpus.windows]
+    del auto
+    llm = make_llm(path, kivi_format(4, group), residual_length=residual_length)
+    layers = [layer.self_attn for layer in llm.model.model.layers]
+    head_dim = llm.model_config.head_dim
+
+    def measure(label, bits, layer=None):
+        for attention, (key_bits, value_bits) in zip(layers, bits):
+            attention.kv_quantizer = MixedKivi(key_bits, value_bits, group, head_dim, residual_length)
+        compared = zip(*(compare_logits(llm, ref[:-1], prefill_hidden(llm, window)[:-1], target)
+                         for ref, window, target in zip(reference, corpus.windows, targets)))
+        kl, nll_ref, nll, _ = (torch.stack(x) for x in compared)
+        row = dict(setting=label, layer=layer, key_bits=bits[layer or 0][0], value_bits=bits[layer or 0][1],
+                   ppl=float(nll.mean().exp()), ppl_auto=float(nll_ref.mean().exp()), kl_mean=float(kl.mean()))
+        print(f"{label:>32}: ppl {row['ppl']:.3f} (fp32 {row['ppl_auto']:.3f}), KL {row['kl_mean']:.4f}",
+              file=sys.stderr)
+        return row
+
+    n = len(layers)
+    rows = [measure(f"K {k} bits, V {v} bits, every layer", [(k, v)] * n) for k, v in ((4, 4), (2, 4), (4, 2), (2, 2))]
+    rows += [measure(f"layer {i} at 2 bits, the rest at 4", [(2, 2) if j == i else (4, 4) for j in range(n)], i)
+             for i in range(n)]
+    return pd.DataFrame(rows)
+
+
+@torch.inference_mode()
+def key_error_by_channel(path, *, windows=2, context=2048, group=32, bits=(2, 4)):
+    """Per key channel, over every layer, KV head and position of the study's passages: KIVI's relative error
+    on the keys the model writes (after the rotary embedding), at each of ``bits`` with key groups of
+    ``group`` tokens, beside the channel's rotary frequency and how much it moves from one token to the next
+    (RMS of k[t] - k[t - 1] over RMS of k): a channel that turns fast spreads over its group's range."""
+    llm = make_llm(path)
+    config = llm.model_config
+    corpus = build_corpus(llm.tokenizer, 1, windows, context)
+    layers = [layer.self_attn for layer in llm.model.model.layers]
+    keys = [[] for _ in layers]
+    for attention, seen in zip(layers, keys):
+        attention.kv_observer = lambda key, value, seen=seen: seen.append(key.float().clone())
+    try:
+        for window in corpus.windows:
+            prefill_hidden(llm, window)
+    finally:
+        for attention in layers:
+            attention.kv_observer = None
+    d = config.head_dim
+    whole = context // group * group
+    sums = {b: torch.zeros(2, d) for b in bits}                            # per channel: |error|^2, |k|^2
+    moves = torch.zeros(2, d)
+    for layer_keys in keys:
+        for key in layer_keys:                                              # one passage of one layer
+            key = key[:whole]
+            for b in bits:
+                decoded = KVQuantizer(kivi_format(b, group), d).decode(KVQuantizer(kivi_format(b, group), d)
+                                                                       .encode(key, key))[0]
+                sums[b] += torch.stack(((decoded - key).square().sum((0, 1)), key.square().sum((0, 1))))
+            moves += torch.stack(((key[1:] - key[:-1]).square().sum((0, 1)), key[1:].square().sum((0, 1))))
+    half = torch.arange(d) % (d // 2)                                       # rotate-half pairs channel c, c + D/2
+    frequency = rope_parameters(config.hf_config)["rope_theta"] ** (-2 * half / d)
+    return pd.DataFrame(dict(channel=range(d), rope_radians_per_token=frequency.tolist(),
+                             step_change=(moves[0] / moves[1]).sqrt().tolist(),
+                             **{f"kivi{b}_rel_error": (sums[b][0] / sums[b][1]).sqrt().tolist() for b in bits}))
+
+
 def greedy(llm: LLM, prompts, max_tokens: int) -> list[list[int]]:
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
                         use_tqdm=False)
@@ -158,8 +272,9 @@ def run_study(path, *, num_prompts=50, max_tokens=32, windows=2, context=2048):
     bytes_auto = engine_layout(auto.model_config, auto.dtype).bytes_per_token
     bytes_bf16 = engine_layout(auto.model_config, torch.bfloat16).bytes_per_token
     rows, by_position = [], []
-    for label, name, granularity, calibrated in CONFIGS:
-        llm = make_llm(path, name, granularity, corpus.calibration if calibrated else None)
+    for label, name, granularity, calibrated, residual_length in CONFIGS:
+        llm = make_llm(path, name, granularity, corpus.calibration if calibrated else None,
+                       residual_length=residual_length)
         agreement = [tokens_to_divergence(r, t) for r, t in zip(reference_tokens, greedy(llm, corpus.prompts,
                                                                                           max_tokens))]
         compared = zip(*(compare_logits(llm, ref[:-1], prefill_hidden(llm, window)[:-1], target)
@@ -167,7 +282,9 @@ def run_study(path, *, num_prompts=50, max_tokens=32, windows=2, context=2048):
         kl, nll_ref, nll, top1 = (torch.stack(x) for x in compared)  # each [windows, context - 1]
         bytes_per_token = engine_layout(llm.model_config, llm.dtype, name).bytes_per_token
         rows.append(dict(
-            setting=label, kv_cache_dtype=name, scales=granularity if calibrated else "unit (1.0)",
+            setting=label, kv_cache_dtype=name,
+            scales=("from the data" if residual_length else granularity if calibrated else "unit (1.0)"),
+            residual_length=residual_length,
             bytes_per_token=bytes_per_token, vs_bf16=round(bytes_bf16 / bytes_per_token, 2),
             vs_fp32=round(bytes_auto / bytes_per_token, 2), prompts=len(agreement),
             mean_tokens_to_divergence=round(float(np.mean(agreement)), 2),
@@ -194,14 +311,27 @@ def main(argv=None) -> int:
     parser.add_argument("--windows", type=int, default=2, help="teacher-forced passages (default: %(default)s)")
     parser.add_argument("--context", type=int, default=2048, help="tokens per passage (default: %(default)s)")
     parser.add_argument("--out", default="data/kv_quant", help="output directory (default: %(default)s)")
+    parser.add_argument("--kivi-attribution", action="store_true",
+                        help="instead: where 2-bit KIVI's loss comes from (keys or values, layer by layer; "
+                             "key error by channel), written to smollm2_kivi2_attribution.csv and "
+                             "smollm2_kivi_key_error_by_channel.csv")
     args = parser.parse_args(argv)
     if args.model is None:
         from kvlab.models import smollm2
         args.model = smollm2()
     torch.manual_seed(0)
+    out = Path(args.out)
+    if args.kivi_attribution:
+        table = kivi_attribution(args.model, windows=args.windows, context=args.context)
+        out.mkdir(parents=True, exist_ok=True)
+        table.to_csv(out / "smollm2_kivi2_attribution.csv", index=False, float_format="%.6g")
+        print(table.to_string(index=False))
+        channels = key_error_by_channel(args.model, windows=args.windows, context=args.context)
+        channels.to_csv(out / "smollm2_kivi_key_error_by_channel.csv", index=False, float_format="%.6g")
+        print(channels.to_string(index=False))
+        return 0
     summary, by_position = run_study(args.model, num_prompts=args.prompts, max_tokens=args.max_tokens,
                                      windows=args.windows, context=args.context)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary.to_csv(out / "smollm2_kv_accuracy.csv", index=False, float_format="%.6g")
     by_position.to_csv(out / "smollm2_kv_error_by_position.csv", index=False, float_format="%.6g")

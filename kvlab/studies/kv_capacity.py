@@ -8,6 +8,11 @@ fit; the trace is replayed once per pool size through the real ``BlockManager`` 
 sequential), so the only change between rows is the number of blocks. Rows "4x" and "8x" are the ideal 4-bit
 and 2-bit caches (no scales), to show where the curve goes.
 
+KIVI (``kivi_int4``, ``kivi_int2``, G = 32) keeps each running sequence's newest tokens, up to R = 128, in
+bf16 beside the pages (``kvlab.kernels.torch_paged_quant.ResidualWindow``): that memory is taken from the
+budget first, for ``WINDOW_SEQUENCES`` sequences (vLLM's default ``max_num_seqs``), before the pages are
+counted (``window_bytes``).
+
 ``python -m kvlab.studies.kv_capacity [--out data/kv_quant]`` writes ``mooncake_kv_capacity.csv``.
 """
 
@@ -24,25 +29,33 @@ BUDGET_BYTES = 48 << 30
 BLOCK_TOKENS = 512
 LLAMA3_8B = dict(num_kv_heads=8, head_dim=128, layer_windows=(None,) * 32)
 BF16 = KVLayout(dtype="bfloat16", **LLAMA3_8B).bytes_per_token
+#: KIVI's full-precision window: R tokens of bf16 K/V for each of this many running sequences.
+KIVI_RESIDUAL = 128
+WINDOW_SEQUENCES = 256
+KIVI = ("kivi_int4", "kivi_int2")
 
 
-def formats() -> list[tuple[str, int]]:
-    """(label, bytes per token) of each pool compared: the engine's formats, then ideal 4- and 2-bit caches."""
-    rows = [(name, KVLayout(dtype=name, **LLAMA3_8B).bytes_per_token)
-            for name in ("bfloat16", "k_fp16_v_fp8", "fp8", "int4_kivi")]
-    return rows + [("ideal 4-bit (4x)", BF16 // 4), ("ideal 2-bit (8x)", BF16 // 8)]
+def formats() -> list[tuple[str, int, int]]:
+    """(label, bytes per token, bytes kept outside the pages) of each pool compared: the engine's formats
+    (KIVI with its windows), then ideal 4- and 2-bit caches."""
+    rows = [(name, KVLayout(dtype=name, **LLAMA3_8B).bytes_per_token,
+             WINDOW_SEQUENCES * KIVI_RESIDUAL * BF16 if name in KIVI else 0)
+            for name in ("bfloat16", "k_fp16_v_fp8", "fp8", "int4_calibrated_channel", *KIVI)]
+    return rows + [("ideal 4-bit (4x)", BF16 // 4, 0), ("ideal 2-bit (8x)", BF16 // 8, 0)]
 
 
 def run_study(budget_bytes: int = BUDGET_BYTES, limit: int | None = None):
-    pools = [(label, per_token, budget_bytes // (per_token * BLOCK_TOKENS)) for label, per_token in formats()]
-    hits = cache_hit_study(["mooncake_conversation"], block_sizes=[BLOCK_TOKENS], capacities=[p[2] for p in pools],
+    pools = [(label, per_token, window, (budget_bytes - window) // (per_token * BLOCK_TOKENS))
+             for label, per_token, window in formats()]
+    hits = cache_hit_study(["mooncake_conversation"], block_sizes=[BLOCK_TOKENS], capacities=[p[3] for p in pools],
                            policies=["lru"], limit=limit, progress=False)
     by_capacity = hits.set_index("capacity_blocks")
     rows = []
-    for label, per_token, blocks in pools:
+    for label, per_token, window, blocks in pools:
         hit = by_capacity.loc[blocks]
-        rows.append(dict(format=label, bytes_per_token=per_token, blocks_vs_bf16=round(BF16 / per_token, 3),
-                         pool_blocks=blocks, pool_tokens=blocks * BLOCK_TOKENS,
+        rows.append(dict(format=label, bytes_per_token=per_token, window_bytes=window,
+                         blocks_vs_bf16=round(blocks / pools[0][3], 3), pool_blocks=blocks,
+                         pool_tokens=blocks * BLOCK_TOKENS,
                          hit_rate_tokens=round(float(hit["hit_rate_tokens"]), 4),
                          ceiling_hit_rate_tokens=round(float(hit["ceiling_hit_rate_tokens"]), 4),
                          requests=int(hit["requests"]), requests_skipped=int(hit["requests_skipped"])))

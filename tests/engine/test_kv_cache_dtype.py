@@ -19,9 +19,11 @@ from kvlab.errors import InvalidArgumentError, UnsupportedError
 from kvlab.kernels.kv_quant import FP8_CODECS, KVQuantizer
 from kvlab.kernels.torch_paged_quant import reshape_and_cache_quantized
 from kvlab.sizing.hf_config import read_model_shape
-from kvlab.sizing.kv_dtypes import ENGINE_KV_CACHE_DTYPES
+from kvlab.sizing.kv_dtypes import ENGINE_KV_CACHE_DTYPES, kivi_settings
 
-FORMATS = [name for name in ENGINE_KV_CACHE_DTYPES if name != "auto"]
+#: Every format but KIVI's other group sizes (tests/engine/test_kivi_cache.py).
+FORMATS = [name for name in ENGINE_KV_CACHE_DTYPES if name != "auto" and (kivi_settings(name) is None
+                                                                          or name in ("kivi_int4", "kivi_int2"))]
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 CALIBRATION = [list(range(1, 60)), list(range(60, 128))]
 
@@ -48,7 +50,9 @@ def test_auto_is_the_unquantized_engine(tiny_model):
 @pytest.mark.parametrize("name", FORMATS)
 def test_each_format_serves_end_to_end_with_its_bytes(tiny_model, name):
     path, _ = tiny_model
-    llm = make_llm(path, kv_cache_dtype=name, kv_calibration_prompts=CALIBRATION)
+    kivi = kivi_settings(name) is not None  # KIVI: blocks of whole key groups, scales from the data
+    llm = make_llm(path, kv_cache_dtype=name, **(dict(block_size=32) if kivi else
+                                                 dict(kv_calibration_prompts=CALIBRATION)))
     cache = llm.kv_cache
     quantizer = llm.kv_quantizers[0]
     assert cache.gpu[0].dtype == quantizer.storage_dtype and cache.gpu[0].shape[-1] == quantizer.storage_width
@@ -61,10 +65,10 @@ def test_each_format_serves_end_to_end_with_its_bytes(tiny_model, name):
     assert [len(o[0]) for o in out] == [10] * 3
 
 
-@pytest.mark.parametrize("name, ratio", [("fp8", 4), ("k_fp16_v_fp8", 8 / 3), ("int4_kivi", 256 / 36)])
+@pytest.mark.parametrize("name, ratio", [("fp8", 4), ("k_fp16_v_fp8", 8 / 3), ("int4_calibrated_channel", 256 / 36)])
 def test_the_pool_holds_more_blocks_in_the_same_bytes(llama, name, ratio):
-    """Per (token, KV head) with head_dim 32 against fp32's 256 bytes: fp8 64, fp16 K + fp8 V 96, int4_kivi
-    16 + 16 packed codes + 4 bytes of value scale and zero = 36."""
+    """Per (token, KV head) with head_dim 32 against fp32's 256 bytes: fp8 64, fp16 K + fp8 V 96,
+    int4_calibrated_channel 16 + 16 packed codes + 4 bytes of value scale and zero = 36."""
     config = load_model_config(llama[0])
     sized = {dtype: blocks_for_memory(engine_kv_cache_groups(config, torch.float32, dtype, 8), config, torch.float32,
                                       torch.device("cpu"), gpu_memory_utilization=0.9, max_num_batched_tokens=64,
@@ -72,7 +76,7 @@ def test_the_pool_holds_more_blocks_in_the_same_bytes(llama, name, ratio):
     assert sized[name] == pytest.approx(sized["auto"] * ratio, abs=1)
 
 
-@pytest.mark.parametrize("name", ["fp8_e4m3", "int4_kivi"])
+@pytest.mark.parametrize("name", ["fp8_e4m3", "int4_calibrated_channel"])
 def test_swapped_and_forked_blocks_keep_their_quantized_bytes(llama, name):
     """A pool too small for the batch swaps sequences out and back; n > 1 copies shared blocks on write. Both
     move bytes of quantized blocks: the tokens are those of a pool where nothing moves."""
@@ -104,9 +108,9 @@ def test_per_head_scales_differ_per_head_and_unit_scales_are_vllms_default(llama
     (dict(kv_cache_dtype="fp8", kv_scale_granularity="channel"), InvalidArgumentError, "kv_scale_granularity"),
     (dict(kv_cache_dtype="fp8", kv_calibration_prompts=[]), InvalidArgumentError, "kv_calibration_prompts"),
     (dict(kv_calibration_prompts=[[1, 2]]), InvalidArgumentError, "nothing to calibrate"),
-    (dict(kv_cache_dtype="int4_kivi"), InvalidArgumentError, "pass kv_calibration_prompts"),
+    (dict(kv_cache_dtype="int4_calibrated_channel"), InvalidArgumentError, "pass kv_calibration_prompts"),
     (dict(kv_cache_dtype="fp8", kv_calibration_prompts=[[1, 500]]), InvalidArgumentError, "an id in"),
-    (dict(kv_cache_dtype="int4_kivi", kv_calibration_prompts=CALIBRATION, attention_backend="triton"),
+    (dict(kv_cache_dtype="int4_calibrated_channel", kv_calibration_prompts=CALIBRATION, attention_backend="triton"),
      UnsupportedError, "cannot run on the triton backend: .* none reads the integer or asymmetric"),
 ])
 def test_bad_kv_cache_settings_are_refused(llama, options, error, message):

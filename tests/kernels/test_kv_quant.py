@@ -21,9 +21,10 @@ from kvlab.kernels.reference import paged_attention_decode_ref, paged_prefill_re
 from kvlab.kernels.torch_paged import plan_paged_attention
 from kvlab.kernels.torch_paged_quant import (paged_attention_decode_torch_quantized,
                                              paged_attention_torch_quantized, reshape_and_cache_quantized)
-from kvlab.sizing.kv_dtypes import ENGINE_KV_CACHE_DTYPES, row_bytes, value_group
+from kvlab.sizing.kv_dtypes import ENGINE_KV_CACHE_DTYPES, kivi_settings, row_bytes, value_group
 
-FORMATS = [name for name in ENGINE_KV_CACHE_DTYPES if name != "auto"]
+#: The formats whose rows encode alone (KIVI encodes whole key groups: tests/kernels/test_kivi.py).
+FORMATS = [name for name in ENGINE_KV_CACHE_DTYPES if name != "auto" and kivi_settings(name) is None]
 NUM_KV_HEADS, NUM_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 4, 32, 8, 12
 
 
@@ -145,8 +146,8 @@ def test_bad_scales_and_a_mismatched_cache_are_refused():
     with pytest.raises(InvalidArgumentError, match="k_scale"):
         bad = KVQuantizer("fp8_e4m3", HEAD_DIM, k_scale=torch.zeros(NUM_KV_HEADS), v_scale=q.v_scale)
         reshape_and_cache_quantized(key, value, poisoned_cache(q), torch.tensor([0, 1]), bad)
-    other = calibrated("int4_kivi", key, value)
-    with pytest.raises(InvalidArgumentError, match="int4_kivi cache"):
+    other = calibrated("int4_calibrated_channel", key, value)
+    with pytest.raises(InvalidArgumentError, match="int4_calibrated_channel cache"):
         reshape_and_cache_quantized(key, value, poisoned_cache(q), torch.tensor([0, 1]), other)
 
 
@@ -155,7 +156,8 @@ def test_bad_scales_and_a_mismatched_cache_are_refused():
     ((None, HEAD_DIM), "unknown KV cache dtype None"),
     (("fp8", 0), "head_dim must be an int >= 1, got 0"),
     (("fp8", 32.0), "head_dim must be an int >= 1, got 32.0"),
-    (("int4_kivi", 15), "the int4_kivi cache packs two 4-bit codes a byte, so head_dim must be even, got 15"),
+    (("int4_calibrated_channel", 15),
+     "the int4_calibrated_channel cache packs two 4-bit codes a byte, so head_dim must be even, got 15"),
 ])
 def test_a_quantizer_of_an_unknown_format_or_a_bad_head_dim_is_refused(args, message):
     with pytest.raises(InvalidArgumentError, match=re.escape(message)):

@@ -270,8 +270,14 @@ def test_kvlab_size_prints_the_all_full_layout_beside_a_hybrid_models(capsys):
 
 
 @pytest.mark.parametrize("dtype, row_bytes, formula", [
-    # KIVI int4: keys 128 / 2 packed bytes; values the same plus an fp16 scale and zero per 32 channels
-    ("int4_kivi", 128 // 2 + 128 // 2 + 4 * 128 // 32,
+    # KIVI: codes (128 x 4 / 8 or 128 x 2 / 8 bytes) plus fp16 scale and zero: keys per channel over a group of
+    # G tokens, spread over its rows (4 x 128 / G bytes a row); values per G channels (4 x 128 / G bytes)
+    ("kivi_int4", 64 + 4 * 128 // 32 + 64 + 4 * 128 // 32,
+     "8 kv heads x (K 80 B (kivi4_key_g32) + V 80 B (kivi4_value_g32) per 128-element row) = 1,280 B"),
+    ("kivi_int2_g128", 32 + 4 + 32 + 4,
+     "8 kv heads x (K 36 B (kivi2_key_g128) + V 36 B (kivi2_value_g128) per 128-element row) = 576 B"),
+    # the calibrated int4: keys 128 / 2 packed bytes; values the same plus an fp16 scale and zero per 32 channels
+    ("int4_calibrated_channel", 128 // 2 + 128 // 2 + 4 * 128 // 32,
      "8 kv heads x (K 64 B (int4_channel) + V 80 B (int4_token) per 128-element row) = 1,152 B"),
     ("k_fp16_v_fp8", 128 * 2 + 128, "8 kv heads x (K 256 B (float16) + V 128 B (fp8_e4m3) per 128-element row)"),
 ])

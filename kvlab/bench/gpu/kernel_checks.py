@@ -20,7 +20,7 @@ REL_TOL = {"fp32": 1e-4, "fp16": 5e-3, "bf16": 2e-2}
 
 @dataclass(frozen=True)
 class Check:
-    kernel: str          # decode, prefill, reshape_and_cache, copy_blocks, swap_out, swap_in
+    kernel: str          # decode, prefill, reshape_and_cache, copy_blocks, swap_out, swap_in, kivi_int4, kivi_int2
     dtype: str
     head_dim: int
     block_size: int
@@ -57,6 +57,10 @@ GPU_CHECKS = [
     Check("copy_blocks", "fp16", 256, 128, batch=64, layers=28, num_kv_heads=1),
     Check("swap_out", "fp16", 128, 16, batch=512),
     Check("swap_in", "bf16", 128, 128, batch=64),
+    # kivi_seal (kvlab.kernels.kivi_seal): batch tokens of fp32 K/V quantized, whole key groups of 32, into a
+    # KIVI cache, against KVQuantizer.encode's bytes
+    Check("kivi_int4", "fp32", 128, 128, batch=8192),
+    Check("kivi_int2", "fp32", 64, 32, batch=8192, num_kv_heads=4),
 ]
 
 
@@ -104,6 +108,8 @@ def kernel_and_twin(check, device):
         return (lambda: paged_prefill(query, kv_cache, tables, seq_lens, cu),
                 lambda: ref.paged_prefill_ref(query, kv_cache, tables, seq_lens, cu))
     dtype = DTYPES[check.dtype]
+    if check.kernel.startswith("kivi"):
+        return kivi_seal_and_twin(check, device)
     if check.kernel == "reshape_and_cache":
         num_blocks = 2 * -(-check.batch // check.block_size)
         key, value = (torch.randn(check.batch, check.num_kv_heads, check.head_dim, device=device).to(dtype)
@@ -125,6 +131,30 @@ def kernel_and_twin(check, device):
                          torch.randperm(2 * check.batch)[:check.batch]], 1)
     return (lambda: swap_blocks(src, torch.full_like(dst, math.nan), pairs),
             lambda: ref.swap_blocks_ref(src, torch.full_like(dst, math.nan), pairs))
+
+
+def kivi_seal_and_twin(check, device):
+    """``kivi_seal`` of ``batch`` tokens (rounded up to whole key groups) into random slots of a poisoned (0xFF)
+    cache of ``check.kernel``'s format, and the torch twin's bytes there."""
+    from kvlab.kernels.kivi_seal import kivi_seal
+    from kvlab.kernels.kv_quant import KVQuantizer
+
+    quantizer = KVQuantizer(check.kernel, check.head_dim)
+    group = quantizer.kivi[1]
+    tokens = -(-check.batch // group) * group
+    num_blocks = 2 * -(-tokens // check.block_size)
+    key, value = (torch.randn(tokens, check.num_kv_heads, check.head_dim, device=device) for _ in range(2))
+    slots = torch.randperm(num_blocks * check.block_size, device=device)[:tokens]
+    blocks, offsets = slots // check.block_size, slots % check.block_size
+    target = torch.full((num_blocks, 2, check.block_size, check.num_kv_heads, quantizer.storage_width), 0xFF,
+                        dtype=torch.uint8, device=device)
+
+    def twin():
+        out = target.clone()
+        out[blocks, :, offsets] = quantizer.encode(key, value).unflatten(-1, (2, -1)).transpose(1, 2)
+        return out
+
+    return lambda: kivi_seal(key, value, target.clone(), blocks, offsets, quantizer), twin
 
 
 def bits(t):

@@ -1,0 +1,147 @@
+"""KIVI's write in Triton: ``kivi_seal`` quantizes whole key groups of K/V into a KIVI cache's pages, the step
+``kvlab.kernels.torch_paged_quant.kivi_attention`` takes when a chunk leaves the window (its torch twin is
+``KVQuantizer.encode`` followed by the indexed store there).
+
+One program per (key group of G tokens, KV head). Keys: per channel, min and max over the group's G rows give
+an fp16 zero and scale (scale = (max - min) / (2^b - 1), at least ``MIN_SCALE``); each row's D b / 8 code bytes
+are built from the 8 / b channel tiles that share a byte; the group's [scales (D), zeros (D)] fp16 bytes go
+4 D / G to a row. Values: per row and group of ``gcd(D, G)`` channels, the same min / max code, and the
+group's (scale, zero) fp16 pair after the row's code bytes. Codes round half to even, as torch's ``round``.
+A record of ``k_bytes + v_bytes`` bytes is split over the cache's K and V halves at W (``KVQuantizer``), so
+every byte's address says which half it is in. Every load and store is masked: nothing outside the given
+slots is read or written.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kvlab.device import ON_GPU  # noqa: F401  (before any @triton.jit: selects the interpreter without a GPU)
+from kvlab.errors import InvalidArgumentError
+from kvlab.kernels.kv_quant import MIN_SCALE, KVQuantizer
+from kvlab.sizing.kv_dtypes import kivi_value_group
+
+FP16_MAX = 65504.0
+
+
+@triton.jit
+def _round_half_even(x):
+    r = tl.floor(x + 0.5)
+    tie = (r - x) == 0.5
+    odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
+    return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def _record_ptr(cache_ptr, blocks, offsets, head, byte, W, stride_block, stride_kv, stride_slot, stride_head):
+    """Address of record byte ``byte`` of the token in slot (blocks, offsets), KV head ``head``."""
+    half = (byte >= W).to(tl.int64)
+    return (cache_ptr + blocks * stride_block + half * stride_kv + offsets * stride_slot + head * stride_head
+            + byte - half * W)
+
+
+@triton.jit
+def _fp16_bytes(x):
+    """fp32 values exactly representable in fp16 -> (low byte, high byte) of their fp16 bits."""
+    bits = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return (bits & 0xFF).to(tl.uint8), (bits >> 8).to(tl.uint8)
+
+
+@triton.jit
+def _zero_scale(mn, mx, LEVELS: tl.constexpr, MIN_SCALE_: tl.constexpr, FP16_MAX_: tl.constexpr):
+    zero = tl.minimum(tl.maximum(mn, -FP16_MAX_), FP16_MAX_).to(tl.float16).to(tl.float32)
+    scale = tl.minimum(tl.maximum((mx - zero) / LEVELS, MIN_SCALE_), FP16_MAX_).to(tl.float16).to(tl.float32)
+    return zero, scale
+
+
+@triton.jit
+def kivi_seal_kernel(
+    key_ptr, value_ptr,        # fp32 [N, H, D] contiguous: N = groups x G rows, group g = rows gG .. gG + G - 1
+    blocks_ptr, offsets_ptr,   # int64 [N]: each row's slot
+    cache_ptr,                 # uint8 [num_blocks, 2, block_size, H, W]
+    num_heads,
+    stride_block, stride_kv, stride_slot, stride_head,
+    D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, VG: tl.constexpr, W: tl.constexpr,
+    MIN_SCALE_: tl.constexpr, FP16_MAX_: tl.constexpr,
+):
+    group = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    PER_BYTE: tl.constexpr = 8 // BITS
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    CODE_BYTES: tl.constexpr = D // PER_BYTE
+    KEY_BYTES: tl.constexpr = CODE_BYTES + 4 * D // G
+    META_PER_ROW: tl.constexpr = 4 * D // G
+    rows = group * G + tl.arange(0, G)                                        # [G]
+    blocks = tl.load(blocks_ptr + rows)
+    offsets = tl.load(offsets_ptr + rows)
+    j = tl.arange(0, CODE_BYTES)                                              # byte within the codes
+    row_base = rows[:, None] * num_heads * D + head * D                       # [G, 1]
+
+    # Keys: per channel over the group's rows.
+    key_bytes = tl.zeros((G, CODE_BYTES), dtype=tl.int32)
+    value_bytes = tl.zeros((G, CODE_BYTES), dtype=tl.int32)
+    for i in tl.static_range(PER_BYTE):
+        channel = j * PER_BYTE + i                                            # [CODE_BYTES]
+        x = tl.load(key_ptr + row_base + channel[None, :])                   # [G, CODE_BYTES]
+        zero, scale = _zero_scale(tl.min(x, 0), tl.max(x, 0), LEVELS, MIN_SCALE_, FP16_MAX_)
+        code = tl.minimum(tl.maximum(_round_half_even((x - zero[None, :]) / scale[None, :]), 0.0), LEVELS)
+        key_bytes += code.to(tl.int32) << (BITS * i)
+        # The group's meta bytes: scale of channel c at bytes 2c, 2c + 1, zero at 2 D + 2c, 2 D + 2c + 1; byte q
+        # of the meta lives in row q // META_PER_ROW, at KEY code bytes + q % META_PER_ROW.
+        for part in tl.static_range(2):
+            meta = scale if part == 0 else zero
+            low, high = _fp16_bytes(meta)
+            for k in tl.static_range(2):
+                q = part * 2 * D + 2 * channel + k                            # [CODE_BYTES]
+                meta_row = group * G + q // META_PER_ROW
+                byte = CODE_BYTES + q % META_PER_ROW
+                ptr = _record_ptr(cache_ptr, tl.load(blocks_ptr + meta_row), tl.load(offsets_ptr + meta_row),
+                                  head, byte, W, stride_block, stride_kv, stride_slot, stride_head)
+                tl.store(ptr, low if k == 0 else high)
+        # Values: per row over each group of VG channels (a channel's group read whole, [G, CODE_BYTES, VG]).
+        members = (channel // VG * VG)[:, None] + tl.arange(0, VG)[None, :]  # [CODE_BYTES, VG]
+        xs = tl.load(value_ptr + row_base[:, :, None] + members[None, :, :])
+        vzero, vscale = _zero_scale(tl.min(xs, 2), tl.max(xs, 2), LEVELS, MIN_SCALE_, FP16_MAX_)
+        xv = tl.load(value_ptr + row_base + channel[None, :])
+        vcode = tl.minimum(tl.maximum(_round_half_even((xv - vzero) / vscale), 0.0), LEVELS)
+        value_bytes += vcode.to(tl.int32) << (BITS * i)
+        first = (channel % VG) == 0                                           # one channel stores its group's pair
+        for part in tl.static_range(2):
+            meta = vscale if part == 0 else vzero
+            low, high = _fp16_bytes(meta)
+            for k in tl.static_range(2):
+                byte = KEY_BYTES + CODE_BYTES + 4 * (channel // VG) + 2 * part + k
+                ptr = _record_ptr(cache_ptr, blocks[:, None], offsets[:, None], head, byte[None, :], W,
+                                  stride_block, stride_kv, stride_slot, stride_head)
+                tl.store(ptr, low if k == 0 else high, mask=(first[None, :] & (rows[:, None] >= 0)))
+    ptr = _record_ptr(cache_ptr, blocks[:, None], offsets[:, None], head, j[None, :], W, stride_block, stride_kv,
+                      stride_slot, stride_head)
+    tl.store(ptr, key_bytes.to(tl.uint8))
+    ptr = _record_ptr(cache_ptr, blocks[:, None], offsets[:, None], head, KEY_BYTES + j[None, :], W, stride_block,
+                      stride_kv, stride_slot, stride_head)
+    tl.store(ptr, value_bytes.to(tl.uint8))
+
+
+def kivi_seal(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor,
+              offsets: torch.Tensor, quantizer: KVQuantizer) -> torch.Tensor:
+    """Quantize ``key``/``value [N, H, D]`` (N whole key groups, in position order) into the slots ``blocks`` /
+    ``offsets [N]`` of the KIVI cache ``kv_cache`` (uint8 ``[num_blocks, 2, block_size, H, W]``). Returns kv_cache."""
+    if quantizer.kivi is None:
+        raise InvalidArgumentError(f"kivi_seal writes a KIVI cache; the quantizer's format is {quantizer.format!r}")
+    bits, group = quantizer.kivi
+    n, heads, d = key.shape
+    if (value.shape != key.shape or d != quantizer.head_dim or n % group or kv_cache.dtype != torch.uint8
+            or kv_cache.shape[3] != heads or kv_cache.shape[4] != quantizer.storage_width
+            or blocks.shape != (n,) or offsets.shape != (n,)):
+        raise InvalidArgumentError(
+            f"kivi_seal takes key and value [N, H, {quantizer.head_dim}] with N a multiple of {group}, blocks and "
+            f"offsets [N], and a uint8 cache [blocks, 2, block_size, H, {quantizer.storage_width}]; got "
+            f"{tuple(key.shape)}, {tuple(value.shape)}, {tuple(blocks.shape)}, {tuple(offsets.shape)} and "
+            f"{kv_cache.dtype} {tuple(kv_cache.shape)}")
+    if n == 0:
+        return kv_cache
+    kivi_seal_kernel[(n // group, heads)](
+        key.float().contiguous(), value.float().contiguous(), blocks.long().contiguous(), offsets.long().contiguous(),
+        kv_cache, heads, *kv_cache.stride()[:4], D=d, G=group, BITS=bits, VG=kivi_value_group(d, group),
+        W=quantizer.storage_width, MIN_SCALE_=MIN_SCALE, FP16_MAX_=FP16_MAX)
+    return kv_cache
