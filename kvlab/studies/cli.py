@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "--dask-scheduler: all the cluster's worker threads)")
     parser.add_argument("--dask-scheduler", metavar="ADDRESS", default=None,
                         help="run the replays on this Dask cluster (e.g. tcp://10.0.0.5:8786) instead of locally; "
-                             "its workers need kvlab installed")
+                             "its workers need kvlab installed; 'local' starts one here, of --jobs single-threaded "
+                             "worker processes")
     parser.add_argument("--dask-timeout", metavar="SECONDS", type=option(positive_number("dask timeout")), default=10.0,
                         help="give up on --dask-scheduler after this long without a connection, or as long again "
                              "without its answer (default: %(default)g)")

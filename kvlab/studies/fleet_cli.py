@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--jobs", type=option(count_of("jobs")), default=None,
                         help="replays run in N processes (default: all cores; 1: in this process)")
     parser.add_argument("--dask-scheduler", metavar="ADDRESS", default=None,
-                        help="run the replays on this Dask cluster instead of locally")
+                        help="run the replays on this Dask cluster instead of locally ('local': one started here, "
+                             "of --jobs single-threaded worker processes)")
     parser.add_argument("--retries", type=option(retries), default=RETRIES,
                         help="try a failed replay again this many times (a dead worker's too) before reporting it "
                              "(default: %(default)s)")

@@ -227,14 +227,15 @@ def _replay_chunk(prepared: PreparedTrace, configs: list, engine: EngineModel, p
 def backend(jobs=None, dask_scheduler: str | None = None, dask_timeout: float = 10.0):
     """Yields how many tasks can run at once under joblib's backend for these settings; with
     ``dask_scheduler``, connected to it (``dask_timeout`` seconds to reach it, as many again for its answer:
-    ``kvlab.studies.dask_client``) until the block ends."""
+    ``kvlab.studies.dask_client``) until the block ends; ``dask_scheduler="local"`` starts a Dask cluster here,
+    of ``jobs`` single-threaded worker processes (default: one per core), and closes it at the end."""
     jobs = check_jobs(jobs)
     if dask_scheduler is None:  # joblib's current backend: loky processes unless the caller chose another
         yield effective_n_jobs(jobs)
         return
-    from kvlab.studies.dask_client import connect  # imports distributed, only for cluster runs: it takes a second
+    from kvlab.studies.dask_client import LOCAL, connect, local_client  # imports distributed: it takes a second
 
-    client = connect(dask_scheduler, dask_timeout)
     jobs = -1 if jobs is None else jobs
+    client = local_client(effective_n_jobs(jobs)) if dask_scheduler == LOCAL else connect(dask_scheduler, dask_timeout)
     with client, parallel_config(backend="dask", n_jobs=jobs):
         yield effective_n_jobs(jobs)

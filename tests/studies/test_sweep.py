@@ -254,3 +254,28 @@ def test_the_command_resumes_from_the_rows_beside_its_csv(tmp_path, monkeypatch)
     monkeypatch.setattr("kvlab.studies.sweep.replay_prepared", no_replays)
     assert main(args) == 0
     pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "study.csv"), first)
+
+
+def lru_that_notes_its_worker(directory):
+    """An LRU policy that writes, per instance, which process made it and that process's Dask worker's threads."""
+    class LRUThatNotesItsWorker(LRUPolicy):
+        def __init__(self):
+            super().__init__()
+            from distributed import get_worker
+
+            threads = get_worker().state.nthreads if os.getpid() != parent else 0
+            (directory / f"{os.getpid()}").write_text(str(threads))
+    parent = os.getpid()
+    return LRUThatNotesItsWorker
+
+
+def test_a_local_dask_cluster_is_one_of_single_threaded_processes(tmp_path):
+    pytest.importorskip("distributed")
+    policy = lru_that_notes_its_worker(tmp_path)
+    expected = cache_hit_study("synthetic_chat", policies=["lru", policy], jobs=1, **SMALL)
+    for note in tmp_path.iterdir():
+        note.unlink()
+    table = cache_hit_study("synthetic_chat", policies=["lru", policy], jobs=2, dask_scheduler="local", **SMALL)
+    pd.testing.assert_frame_equal(without_timings(table), without_timings(expected))
+    notes = {int(note.name): note.read_text() for note in tmp_path.iterdir()}
+    assert notes and os.getpid() not in notes and set(notes.values()) == {"1"} and len(notes) <= 2
