@@ -55,9 +55,9 @@ def run_sweep(keys: list[dict], chunk_call, chunks_of, *, workers: int, saved: "
     """One row per key, in the keys' order. ``chunk_call(indices)`` gives ``(function, args)``: a call, picklable,
     that returns the rows of those tasks; ``chunks_of(indices)`` deals the tasks to run into chunks. Rows already
     in ``saved`` are not replayed; the others are appended to it as they arrive. A chunk that raises, or that a
-    dead worker took with it (joblib's whole run then fails), is retried one task per chunk, each task up to
-    ``retries`` times; a task that fails every attempt is named in one ``ReplayError``, raised once every other
-    task has finished (and been saved)."""
+    dead worker took with it (joblib's whole run then fails), is run again one task per chunk: a task is tried
+    again up to ``retries`` times after it failed alone or was lost with a worker. A task that fails every
+    attempt is named in one ``ReplayError``, raised once every other task has finished (and been saved)."""
     names = [_key_text(key) for key in keys]
     found = saved.load() if saved is not None else {}
     rows = [found.get(name) for name in names]
@@ -76,13 +76,13 @@ def run_sweep(keys: list[dict], chunk_call, chunks_of, *, workers: int, saved: "
                     break
                 except Exception as lost:  # not a replay's error: a worker died (loky's TerminatedWorkerError,
                     # Dask's KilledWorker...) and joblib gave up on every chunk still running: each task lost a try
-                    for i in (i for indices in chunks for i in indices if rows[i] is None and i not in failed_now):
+                    for i in (i for chunk in chunks for i in chunk if rows[i] is None and i not in failed_now):
                         attempts[i], errors[i] = attempts[i] + 1, lost
                     break
                 if error is not None:
                     failed_now.update(indices)
-                    for i in indices:
-                        attempts[i], errors[i] = attempts[i] + 1, error
+                    if len(indices) == 1:  # a chunk of several is only split: which of its replays failed is unknown
+                        attempts[indices[0]], errors[indices[0]] = attempts[indices[0]] + 1, error
                     continue
                 for i, row in zip(indices, replayed):
                     rows[i] = row

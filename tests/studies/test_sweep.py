@@ -190,6 +190,17 @@ def test_one_failing_replay_costs_no_other_row(monkeypatch):
     assert "returned in this error's rows" in str(error.value) and isinstance(error.value.__cause__, RuntimeError)
 
 
+def test_a_failing_replay_costs_no_replay_that_shared_its_chunk(monkeypatch):
+    monkeypatch.setattr(LRUThatFails, "failures", 10)
+    monkeypatch.setattr(LRUThatFails, "made", 0)
+    # The tasks (40, lru), (40, LRUThatFails), (40, fifo), (inf, lru) are dealt into the chunks [0, 2] and [1, 3].
+    with pytest.raises(ReplayError, match="1 of 4 replays failed") as error:
+        cache_hit_study("synthetic_chat", jobs=1, retries=0, policies=["lru", LRUThatFails, "fifo"],
+                        **dict(SMALL, capacities=[40, math.inf]))
+    assert [row is None for row in error.value.rows] == [False, True, False, False]
+    assert LRUThatFails.made == 2  # in its chunk, then alone
+
+
 def test_a_sweep_resumes_from_its_saved_rows(tmp_path, monkeypatch):
     rows_file = tmp_path / "rows.jsonl"
     first = cache_hit_study("synthetic_chat", jobs=1, rows_file=rows_file, **SMALL)  # 3 policies: 7 replays
