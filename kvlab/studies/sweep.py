@@ -15,6 +15,7 @@ is named in one ``ReplayError`` raised after all the others have finished; and a
 rows file replays only what the file does not hold.
 """
 
+import functools
 import hashlib
 import json
 import os
@@ -25,7 +26,6 @@ import numpy as np
 from joblib import Parallel, delayed, effective_n_jobs, parallel_config
 from tqdm.auto import tqdm
 
-from kvlab._version import __version__
 from kvlab.errors import InvalidArgumentError, ReplayError
 from kvlab.studies.engine_model import EngineModel
 from kvlab.studies.parallel_options import check_jobs
@@ -169,6 +169,18 @@ class SavedRows:
             os.fsync(file.fileno())
 
 
+@functools.cache
+def code_digest() -> str:
+    """A digest of kvlab's Python source: rows made by other code (another version, or an edit of the block
+    manager in a checkout) are never taken for this code's. Reading the package's files takes milliseconds."""
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 def _plain(value):
     """numpy scalars as Python's, so that json writes them (and reads back the same numbers)."""
     if isinstance(value, np.generic):
@@ -177,9 +189,9 @@ def _plain(value):
 
 
 def settings_digest(*settings, frame=None) -> str:
-    """A short digest of everything a replay reads besides its key's parameters: ``settings`` by ``repr`` (with
-    kvlab's version, whose fixes may change rows) and a trace ``frame`` by content."""
-    digest = hashlib.sha256(repr((__version__, *settings)).encode())
+    """A short digest of everything a replay reads besides its key's parameters: ``settings`` by ``repr``, a trace
+    ``frame`` by content, and kvlab's own code (``code_digest``)."""
+    digest = hashlib.sha256(repr((code_digest(), *settings)).encode())
     if frame is not None:
         digest.update(repr(list(frame.columns)).encode())
         for _, column in frame.items():

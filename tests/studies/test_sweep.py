@@ -227,6 +227,10 @@ def test_a_sweep_resumes_from_its_saved_rows(tmp_path, monkeypatch):
     # Another trace length is another sweep: its rows are not taken for this one's.
     cache_hit_study("synthetic_chat", jobs=1, rows_file=rows_file, **dict(SMALL, limit=50))
     assert len(replayed) == 7
+    # Nor are rows made by other code (an edit of kvlab, another version).
+    monkeypatch.setattr(sweep, "code_digest", lambda: "edited")
+    cache_hit_study("synthetic_chat", jobs=1, rows_file=rows_file, **SMALL)
+    assert len(replayed) == 14
 
 
 def test_a_fleet_sweep_resumes_from_its_saved_rows(tmp_path, monkeypatch):
