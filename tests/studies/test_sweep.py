@@ -148,7 +148,7 @@ def test_a_worker_killed_mid_sweep_costs_no_row_and_duplicates_none(where, tmp_p
         from distributed import Client
 
         with Client(cluster.scheduler_address) as client:
-            client.wait_for_workers(2)
+            client.wait_for_workers(2, timeout=60)  # the nanny restarts the killed one
             assert not any(client.run(worker_has_torch).values())
 
 
