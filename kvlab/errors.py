@@ -62,3 +62,13 @@ class ProposerWarning(RuntimeWarning):
 class PuzzleNotSolvedError(KvlabError, AssertionError):
     """A puzzle's ``check(fn, strict=True)`` found a case the learner's code gets wrong (kvlab.puzzles); the
     message names the case, its inputs, and what was expected against what came back."""
+
+
+class ReplayError(KvlabError, RuntimeError):
+    """A sweep's replay failed on every attempt (``kvlab.studies.sweep``); the message names each failed replay
+    and its last error. The other replays finished: their rows are in ``rows`` (``None`` for a failed one) and,
+    when the sweep has a rows file, saved there, so running the same sweep again replays only the failed ones."""
+
+    def __init__(self, message: str, rows=()):
+        super().__init__(message)
+        self.rows = list(rows)

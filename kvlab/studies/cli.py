@@ -21,14 +21,15 @@ import matplotlib.pyplot as plt
 
 from kvlab.blocks.eviction import POLICIES
 from kvlab.blocks.tiers import OFFLOAD_ADMISSIONS, OFFLOAD_POLICIES
-from kvlab.errors import KvlabError
+from kvlab.errors import KvlabError, ReplayError
 from kvlab.sizing.kv_dtypes import KV_FORMATS
 from kvlab.studies.cli_options import (block_size_number, check_out, comma_list, count_of, directory, option,
-                                      positive_number, whole_number)
+                                      positive_number, retries, whole_number)
 from kvlab.studies.engine_model import EngineModel
 from kvlab.studies.plots import plot_hit_rates
 from kvlab.studies.simulator import MAX_CAPACITY, MODES, check_capacity, policy_factory
 from kvlab.studies.study import cache_hit_study
+from kvlab.studies.sweep import RETRIES
 from kvlab.studies.summary import summary
 from kvlab.studies.synthetic import WORKLOADS
 from kvlab.studies.tiers import check_offload_capacity
@@ -41,7 +42,7 @@ DEFAULTS = dict(trace="mooncake_conversation", block_size="512",
                 out="results", offload_capacity="0", offload_policy="lru", offload_admission="always")
 TTFT = TTFTModel()
 #: What a study writes in ``--out``: the table, its figure and the TTFT model's assumptions.
-OUTPUTS = ("study.csv", "study.png", "ttft_model.txt")
+OUTPUTS = ("study.csv", "study.png", "ttft_model.txt", "study_rows.jsonl")
 MAIN_JOB = ("the Mooncake conversation trace at 512-token blocks, pools of 1,000 to 64,000 blocks and an "
             "infinite one, LRU, FIFO and LFU, one request at a time (about 30 s).")
 SHOWN = ["trace", "block_size", "capacity_blocks", "policy", "hit_rate_tokens", "hit_rate_blocks",
@@ -137,12 +138,18 @@ def build_parser() -> argparse.ArgumentParser:
                              "--dask-scheduler: all the cluster's worker threads)")
     parser.add_argument("--dask-scheduler", metavar="ADDRESS", default=None,
                         help="run the replays on this Dask cluster (e.g. tcp://10.0.0.5:8786) instead of locally; "
-                             "its workers need kvlab installed")
+                             "its workers need kvlab installed; 'local' starts one here, of --jobs single-threaded "
+                             "worker processes")
     parser.add_argument("--dask-timeout", metavar="SECONDS", type=option(positive_number("dask timeout")), default=10.0,
                         help="give up on --dask-scheduler after this long without a connection, or as long again "
                              "without its answer (default: %(default)g)")
+    parser.add_argument("--retries", type=option(retries), default=RETRIES,
+                        help="try a failed replay again this many times (a dead worker's too) before reporting it "
+                             "(default: %(default)s)")
     parser.add_argument("--out", type=directory, default=DEFAULTS["out"],
-                        help="directory for study.csv and study.png (default: %(default)s)")
+                        help="directory for study.csv and study.png, and study_rows.jsonl: each replay's row as it "
+                             "finishes; the same study run again replays only the rows it lacks (default: "
+                             "%(default)s)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
 
@@ -184,10 +191,11 @@ def main(argv=None) -> int:
                                 jobs=-1 if args.jobs is None else args.jobs, dask_scheduler=args.dask_scheduler,
                                 dask_timeout=args.dask_timeout, offload_capacities=args.offload_capacity,
                                 offload_policies=args.offload_policy, offload_admissions=args.offload_admission,
-                                kv_cache_metrics_sample=args.kv_cache_metrics_sample, ttft=ttft)
+                                kv_cache_metrics_sample=args.kv_cache_metrics_sample, ttft=ttft,
+                                rows_file=args.out / OUTPUTS[3], retries=args.retries)
     except KvlabError as e:
         print(f"kvlab study: error: {e}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(e, ReplayError) else 2  # a replay's failure, not bad input
     assumptions = ttft.describe(table["block_size"].unique().tolist())
     try:
         write_results(table, args.out, assumptions)

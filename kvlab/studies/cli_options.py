@@ -39,6 +39,11 @@ def count_of(name: str):
     return parse_count
 
 
+def retries(text: str) -> int:
+    """``--retries``: how many times a failed replay is tried again (0: never)."""
+    return check_int("retries", whole_number(text), 0)
+
+
 def positive_number(name: str):
     def parse_positive(text: str) -> float:
         try:

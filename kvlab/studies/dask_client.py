@@ -25,6 +25,11 @@ from kvlab.errors import InvalidArgumentError
 from kvlab.studies.parallel_options import check_timeout
 
 EXAMPLE = "'tcp://10.0.0.5:8786'"
+#: The address that asks for a Dask cluster embedded in this process (``local_client``).
+LOCAL = "local"
+#: How to start the workers of a cluster that runs replays: pure-Python replays hold the GIL, so a worker's
+#: threads run them one at a time; one single-threaded process per core runs them side by side (docs/studies.md).
+WORKER_COMMAND = "dask worker ADDRESS --nworkers -1 --nthreads 1"
 #: Why a protocol cannot be used here, where distributed's own error does not say it.
 MISSING_PROTOCOL = {"ucx": "distributed needs the distributed-ucxx package for ucx:// (pip install "
                            "distributed-ucxx-cu12, or -cu13, for your CUDA version)"}
@@ -43,8 +48,15 @@ def connect(address, timeout_s: float = 10.0) -> Client:
     except (TimeoutError, asyncio.TimeoutError):
         client.close()
         raise InvalidArgumentError(f"the Dask scheduler at {address!r} has no worker (waited {timeout_s:g} s); "
-                                   "start some with `dask worker ADDRESS`") from None
+                                   f"start some with `{WORKER_COMMAND}` (one single-threaded process per "
+                                   "core)") from None
     return client
+
+
+def local_client(workers: int) -> Client:
+    """A client of a Dask cluster started in this process and closed with the client: ``workers`` worker
+    processes of one thread each (see ``WORKER_COMMAND`` for why not threads)."""
+    return Client(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None)
 
 
 def _start(address: str, timeout_s: float) -> Client:
@@ -63,7 +75,9 @@ def _start(address: str, timeout_s: float) -> Client:
 
 def check_address(address) -> str:
     """``address`` if nothing that can be checked without the network refuses it: its type, the scheme, a
-    protocol this Python cannot speak, TLS without settings, a missing or impossible port."""
+    protocol this Python cannot speak, TLS without settings, a missing or impossible port; ``LOCAL`` is one."""
+    if address == LOCAL:
+        return address
     if not isinstance(address, str):
         raise InvalidArgumentError(f"dask_scheduler must be an address such as {EXAMPLE}, got {address!r}")
 

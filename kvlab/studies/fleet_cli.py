@@ -15,11 +15,12 @@ import sys
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvlab.errors import KvlabError
+from kvlab.errors import KvlabError, ReplayError
 from kvlab.studies.cli_options import (block_size_number, check_out, comma_list, count_of, directory, option,
-                                      positive_number, whole_number)
+                                      positive_number, retries, whole_number)
 from kvlab.studies.fleet import check_capacity, check_replicas
 from kvlab.studies.fleet_study import fleet_study
+from kvlab.studies.sweep import RETRIES
 from kvlab.studies.fleet_tier import TIER_KINDS, TierSettings, check_tier_kind, tier_assumptions
 from kvlab.studies.engine_model import EngineModel
 from kvlab.studies.routers import ROUTERS, RouterSettings, check_router
@@ -29,7 +30,7 @@ from kvlab.validation import check_int, check_number
 
 SHOWN = ["block_size", "replicas", "capacity_blocks", "router", "scheduling_policy", "tier", "hit_rate_tokens",
          "hit_rate_blocks", "tier_hit_rate_blocks", "load_imbalance", "ttft_p50_s", "ttft_p99_s", "preemptions"]
-FILES = ("fleet.csv", "fleet.png")
+FILES = ("fleet.csv", "fleet.png", "fleet_rows.jsonl")
 
 
 def _number(name: str, minimum: float, maximum: float | None = None):
@@ -109,9 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--jobs", type=option(count_of("jobs")), default=None,
                         help="replays run in N processes (default: all cores; 1: in this process)")
     parser.add_argument("--dask-scheduler", metavar="ADDRESS", default=None,
-                        help="run the replays on this Dask cluster instead of locally")
+                        help="run the replays on this Dask cluster instead of locally ('local': one started here, "
+                             "of --jobs single-threaded worker processes)")
+    parser.add_argument("--retries", type=option(retries), default=RETRIES,
+                        help="try a failed replay again this many times (a dead worker's too) before reporting it "
+                             "(default: %(default)s)")
     parser.add_argument("--out", type=directory, default="results",
-                        help="directory for fleet.csv and fleet.png (default: %(default)s)")
+                        help="directory for fleet.csv and fleet.png, and fleet_rows.jsonl: each replay's row as it "
+                             "finishes; the same sweep run again replays only the rows it lacks (default: "
+                             "%(default)s)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
 
@@ -131,10 +138,11 @@ def main(argv=None) -> int:
                             engine=EngineModel(time_scale=args.time_scale), limit=args.limit,
                             progress=not args.quiet, jobs=-1 if args.jobs is None else args.jobs,
                             dask_scheduler=args.dask_scheduler, tiers=tier_settings(args),
-                            scheduling_policies=args.scheduling_policy)
+                            scheduling_policies=args.scheduling_policy, rows_file=args.out / FILES[2],
+                            retries=args.retries)
     except KvlabError as e:
         print(f"kvlab fleet: error: {e}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(e, ReplayError) else 2  # a replay's failure, not bad input
     try:
         write_results(table, args.out)
     except OSError as e:

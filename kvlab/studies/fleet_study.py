@@ -12,18 +12,15 @@ aside.
 import dataclasses
 
 import pandas as pd
-from joblib import Parallel, delayed
-from tqdm.auto import tqdm
-
 from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError
 from kvlab.studies.fleet import check_capacity, check_replicas, replay_fleet
 from kvlab.studies.fleet_tier import TierSettings
 from kvlab.studies.engine_model import EngineModel
-from kvlab.studies.parallel_options import check_jobs, check_timeout
+from kvlab.studies.parallel_options import check_jobs, check_retries, check_timeout
 from kvlab.studies.routers import RouterSettings, router_factory
 from kvlab.studies.study import resolve_trace
-from kvlab.studies.sweep import backend
+from kvlab.studies.sweep import RETRIES, SavedRows, backend, run_sweep, settings_digest
 
 FLEET_COLUMNS = ["trace", "block_size", "replicas", "capacity_blocks", "router", "hit_rate_blocks",
                  "hit_rate_tokens", "load_imbalance", "ttft_p50_s", "ttft_p99_s", "policy", "prompt_tokens",
@@ -38,8 +35,9 @@ def fleet_study(trace="mooncake_conversation", *, block_sizes=(512,), capacities
                 settings: RouterSettings | None = None, engine: EngineModel | None = None,
                 limit: int | None = None, progress: bool = True, jobs: int | None = None,
                 dask_scheduler: str | None = None, dask_timeout: float = 10.0, tiers=(TierSettings(),),
-                scheduling_policies=("fcfs",)) -> pd.DataFrame:
-    """Replay every combination; ``jobs`` and ``dask_scheduler`` as in ``cache_hit_study``. ``routers``: names
+                scheduling_policies=("fcfs",), rows_file=None, retries: int = RETRIES) -> pd.DataFrame:
+    """Replay every combination; ``jobs``, ``dask_scheduler``, ``rows_file`` and ``retries`` as in
+    ``cache_hit_study``. ``routers``: names
     in ``routers.ROUTERS``, ``Router`` subclasses or ``choose`` functions (``kvlab.studies.routers``)."""
     block_sizes = [check_block_size(b) for b in block_sizes]
     capacities = [check_capacity(c) for c in capacities]
@@ -56,7 +54,10 @@ def fleet_study(trace="mooncake_conversation", *, block_sizes=(512,), capacities
     settings, engine, jobs = settings or RouterSettings(), engine or EngineModel(), check_jobs(jobs)
     engines = [dataclasses.replace(engine, scheduling_policy=p) for p in scheduling_policies]  # each checked
     engine.scheduler_config()  # an unknown scheduler or a bad speculative_config fails before any replay
-    dask_timeout = check_timeout(dask_timeout)
+    dask_timeout, retries = check_timeout(dask_timeout), check_retries(retries)
+    saved = SavedRows(rows_file) if rows_file is not None else None
+    if saved is not None:
+        saved.load()  # a file that is not a rows file fails now
     if dask_scheduler is not None:
         from kvlab.studies.dask_client import check_address  # imports distributed: a second
 
@@ -64,18 +65,25 @@ def fleet_study(trace="mooncake_conversation", *, block_sizes=(512,), capacities
     label, frame = resolve_trace(trace, limit)
     configs = [(b, c, n, r, t, e) for b in block_sizes for c in capacities for n in replicas for r in routers
                for t in tiers for e in engines]
-    rows = [None] * len(configs)
+    digest = settings_digest(settings, frame=frame)
+    keys = [{"trace": label, "block_size": b, "capacity_blocks": c, "replicas": n, "router": _name(r),
+             "tier": repr(t), "engine": repr(e), "settings": digest} for b, c, n, r, t, e in configs]
     with backend(jobs, dask_scheduler, dask_timeout) as workers:
         inner = progress and workers == 1  # only this process can show a per-request bar
-        calls = (delayed(_replay)(i, frame, label, config, settings, inner) for i, config in enumerate(configs))
-        with tqdm(total=len(configs), desc="fleet replays", disable=not progress) as bar:
-            for i, row in Parallel(n_jobs=min(workers, len(configs)), return_as="generator_unordered")(calls):
-                rows[i] = row
-                bar.update()
+        rows = run_sweep(keys, lambda indices: (_replay, (frame, label, configs[indices[0]], settings, inner)),
+                         lambda indices: [[i] for i in indices], workers=workers, saved=saved, retries=retries,
+                         progress=progress, desc="fleet replays")
     return pd.DataFrame(rows)[FLEET_COLUMNS]
 
 
-def _replay(i, frame, label, config, settings, progress):
+def _name(router) -> str:
+    """A router's name in a rows file: a class or function by where it is defined."""
+    if isinstance(router, str):
+        return router
+    return f"{getattr(router, '__module__', '')}.{getattr(router, '__qualname__', type(router).__qualname__)}"
+
+
+def _replay(frame, label, config, settings, progress) -> list[dict]:
     block_size, capacity, replicas, router, tier, engine = config
-    return i, replay_fleet(frame, block_size=block_size, capacity=capacity, replicas=replicas, router=router,
-                           settings=settings, engine=engine, label=label, progress=progress, tier=tier)
+    return [replay_fleet(frame, block_size=block_size, capacity=capacity, replicas=replicas, router=router,
+                         settings=settings, engine=engine, label=label, progress=progress, tier=tier)]

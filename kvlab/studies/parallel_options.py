@@ -13,3 +13,8 @@ def check_jobs(jobs):
 def check_timeout(seconds) -> float:
     """A Dask scheduler's timeout: a finite number of seconds > 0."""
     return check_number("dask_timeout (seconds)", seconds, 0, min_open=True)
+
+
+def check_retries(retries) -> int:
+    """How many times a failed replay is tried again: an int >= 0."""
+    return check_int("retries", retries, 0)

@@ -24,11 +24,11 @@ from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError
 from kvlab.studies.estimate import estimate, slow_notice
 from kvlab.studies.engine_model import EngineModel
-from kvlab.studies.parallel_options import check_jobs, check_timeout
+from kvlab.studies.parallel_options import check_jobs, check_retries, check_timeout
 from kvlab.studies.reuse import block_keys, reuse_profile
 from kvlab.studies.simulator import (check_capacity, check_mode, check_sequential_only, infinite_pool_blocks,
                                     policy_factory, prepare)
-from kvlab.studies.sweep import backend, run_replays
+from kvlab.studies.sweep import RETRIES, SavedRows, backend, run_replays, settings_digest
 from kvlab.studies.synthetic import WORKLOADS
 from kvlab.studies.tiers import TIER_COLUMNS, tier_configs
 from kvlab.studies.ttft_model import TTFT_COLUMNS, TTFTModel
@@ -68,14 +68,17 @@ def cache_hit_study(traces=("mooncake_conversation",), *, block_sizes=(16,), cap
                     engine: EngineModel | None = None, progress: bool = True, jobs: int | None = None,
                     dask_scheduler: str | None = None, dask_timeout: float = 10.0, offload_capacities=(0,),
                     offload_policies=("lru",), offload_admissions=("always",),
-                    kv_cache_metrics_sample: float | None = None, ttft: TTFTModel | None = None) -> pd.DataFrame:
+                    kv_cache_metrics_sample: float | None = None, ttft: TTFTModel | None = None,
+                    rows_file=None, retries: int = RETRIES) -> pd.DataFrame:
     """Replay every combination; returns one row per trace x block size x capacity x policy x offload tier
     (``kvlab.studies.tiers.tier_configs``: 0 is no tier), with the TTFT model's columns (``ttft``, default
     ``TTFTModel()``: kvlab.studies.ttft_model) and, given ``kv_cache_metrics_sample``, residency metrics. ``jobs``:
     parallel workers (None: joblib's current setting, 1 unless set by ``joblib.parallel_config``; -1: all
     cores); ``dask_scheduler``: the address of a Dask scheduler to run on instead (``jobs`` then defaults
     to all of its workers' threads), reached within ``dask_timeout`` seconds and answering within as many
-    again."""
+    again. ``rows_file``: a path where each replay's row is saved as it finishes, and from which a sweep started
+    again takes the rows it already has (``kvlab.studies.sweep.SavedRows``); ``retries``: how many times a failed
+    replay is tried again before a ``ReplayError`` names it (raised after every other replay has finished)."""
     one_trace = isinstance(traces, (str, Path)) or (isinstance(traces, tuple) and len(traces) == 2
                                                      and isinstance(traces[1], pd.DataFrame))
     traces = [traces] if one_trace else list(traces)
@@ -90,7 +93,10 @@ def cache_hit_study(traces=("mooncake_conversation",), *, block_sizes=(16,), cap
         raise InvalidArgumentError(f"ttft must be a TTFTModel (kvlab.studies.ttft_model), got {type(ttft).__name__}")
     if mode == "overlap":
         engine.scheduler_config()  # an unknown scheduler or a bad speculative_config fails now, not per replay
-    dask_timeout = check_timeout(dask_timeout)
+    dask_timeout, retries = check_timeout(dask_timeout), check_retries(retries)
+    saved = SavedRows(rows_file) if rows_file is not None else None
+    if saved is not None:
+        saved.load()  # a file that is not a rows file fails now, not after the preparing
     if dask_scheduler is not None:  # a bad address fails before the traces are read, not after
         from kvlab.studies.dask_client import check_address  # imports distributed: a second
 
@@ -113,18 +119,28 @@ def cache_hit_study(traces=("mooncake_conversation",), *, block_sizes=(16,), cap
                     if math.inf in capacities:  # refused now, not when its replay starts
                         infinite_pool_blocks(prepared[-1], engine)
                     bar.update()
-        run = dict(engine=engine, workers=workers, progress=progress, kv_cache_metrics_sample=kv_cache_metrics_sample)
+        run = dict(engine=engine, workers=workers, progress=progress, kv_cache_metrics_sample=kv_cache_metrics_sample,
+                   saved=saved, retries=retries)
+        # What each replay reads besides its parameters (the trace, the engine model, the metrics' sampling), by
+        # trace: a rows file's row stands for a replay only when all of it is the same.
+        digests = [settings_digest(engine, kv_cache_metrics_sample, frame=frame) for _, frame in frames]
+
+        def keys(tasks):
+            return [_replay_key(p, capacity, policy, tier, digests[prepared.index(p) // len(block_sizes)])
+                    for p, capacity, policy, tier in tasks]
         # Each capacity is replayed with every (policy, tier) variant, the infinite pool with the first only: the
         # other variants share its row (it never evicts, so neither the policy nor a tier has anything to do)...
         variants = [(policy, tier) for policy in policies for tier in tiers]
         per_trace = [(c, *variant) for c in capacities for variant in (variants if c != math.inf else variants[:1])]
-        replayed = run_replays([(p, *config) for p in prepared for config in per_trace], **run)
+        tasks = [(p, *config) for p in prepared for config in per_trace]
+        replayed = run_replays(tasks, keys(tasks), **run)
         groups = [replayed[g * len(per_trace):(g + 1) * len(per_trace)] for g in range(len(prepared))]
         # ... unless it evicted after all (see the module docstring): then each variant gets its own replay.
         evicted = [g for g, rows in enumerate(groups)
                    if any(row["capacity_blocks"] == math.inf and row["evictions"] for row in rows)]
-        own = iter(run_replays([(prepared[g], c, *variant) for g in evicted for c in capacities if c == math.inf
-                                for variant in variants[1:]], **run))
+        tasks = [(prepared[g], c, *variant) for g in evicted for c in capacities if c == math.inf
+                 for variant in variants[1:]]
+        own = iter(run_replays(tasks, keys(tasks), **run))
     labels = [(name, tier) for name in names for tier in tiers]
     rows = []
     for g, ceiling in enumerate(ceilings):
@@ -132,6 +148,13 @@ def cache_hit_study(traces=("mooncake_conversation",), *, block_sizes=(16,), cap
                  for row in _in_sweep_order(capacities, labels, groups[g], own if g in evicted else None)]
     table = pd.DataFrame(rows)
     return table[COLUMNS + [c for c in table.columns if c not in COLUMNS]]
+
+
+def _replay_key(prepared, capacity, policy, tier, digest: str) -> dict:
+    """A replay's identity in a rows file: its parameters, and the digest of everything else it reads."""
+    policy = policy if isinstance(policy, str) else f"{policy.__module__}.{policy.__qualname__}"
+    return {"trace": prepared.label, "mode": prepared.mode, "block_size": prepared.block_size,
+            "capacity_blocks": capacity, "policy": policy, **tier.labels(), "settings": digest}
 
 
 def _in_sweep_order(capacities, labels, replayed: list[dict], own) -> list[dict]:

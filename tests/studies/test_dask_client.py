@@ -103,7 +103,8 @@ def test_a_scheduler_without_workers_is_one_line(tmp_path, capsys):
         address = cluster.scheduler_address
         assert main([*SMALL, "--out", str(tmp_path), "--dask-scheduler", address, "--dask-timeout", "3"]) == 2
     assert capsys.readouterr().err == (f"kvlab study: error: the Dask scheduler at '{address}' has no worker (waited "
-                                       "3 s); start some with `dask worker ADDRESS`\n")
+                                       "3 s); start some with `dask worker ADDRESS --nworkers -1 --nthreads 1` (one "
+                                       "single-threaded process per core)\n")
 
 
 def test_a_bad_address_fails_before_the_traces_are_read():
