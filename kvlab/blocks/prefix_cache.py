@@ -116,9 +116,7 @@ def hashes_of(seq, block_size: int, hash_fn: Optional[HashFn]) -> BlockHashes:
 
 def prompt_blocks(seq, block_size: int, hash_fn: Optional[HashFn]) -> tuple[list[int], list[bytes]]:
     """Hashes and bytes of all of ``seq``'s full blocks, hashing only those not hashed before."""
-    entry, tokens, keys = seq.block_hashes, seq.token_array, seq.key_bytes
-    if entry is None or entry.block_size != block_size or entry.hash_fn is not hash_fn or entry.keys is not keys:
-        entry = seq.block_hashes = BlockHashes(block_size, hash_fn, keys)  # hashed under others: start again
+    entry, tokens, keys = hashes_of(seq, block_size, hash_fn), seq.token_array, seq.key_bytes
     start, stop = len(entry.hashes), len(tokens) // block_size
     if entry.contents is None:  # dropped once every block was sealed: sliced again
         entry.contents = block_contents(tokens, block_size, 0, start, keys)

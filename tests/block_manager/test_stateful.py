@@ -223,6 +223,7 @@ class ManagerMachine(PoolRules, RuleBasedStateMachine):
         self.written = {}             # seq -> positions whose K/V the engine wrote
         self.reserved = {}            # seq -> positions with slots (written ones, drafts, lookahead slots)
         self.drafts = {}              # seq -> its draft tokens in flight (proposed, not verified yet)
+        self.pass_hit = False         # whether the next admission passes a lookup's hit on
         self.first_query = {}         # seq -> first new position of its latest step
         self.history = []             # token lists of every sequence after each of its steps
         self.clock = 0
@@ -297,15 +298,18 @@ class ManagerMachine(PoolRules, RuleBasedStateMachine):
         """Admit a prompt with ``keys`` (salt, adapter, extra keys): all of it, or (drawing from ``data``) its
         hits and a first chunk of its other tokens."""
         seq = Sequence(token_ids, self.manager.block_size, **keys)
-        cached = self.manager.get_num_cached_tokens(seq)   # the hits allocate will find
+        # Every other admission passes one lookup's hit on, as the V1 scheduler does; the others look up inside.
+        self.pass_hit = not self.pass_hit
+        hit = self.manager.lookup(seq) if self.pass_hit else None
+        cached = hit.num_tokens if hit else self.manager.get_num_cached_tokens(seq)   # the hits allocate will find
         num_new_tokens = None if data is None else data.draw(st.integers(1, seq.num_tokens - cached))
-        if self.manager.can_allocate(seq, num_new_tokens=num_new_tokens) is not AllocStatus.OK:
+        if self.manager.can_allocate(seq, num_new_tokens=num_new_tokens, hit=hit) is not AllocStatus.OK:
             try:
-                self.manager.allocate(seq, num_new_tokens=num_new_tokens)
+                self.manager.allocate(seq, num_new_tokens=num_new_tokens, hit=hit)
             except OutOfBlocksError:
                 return
             raise AssertionError("allocate succeeded although can_allocate said it would not fit")
-        self.manager.allocate(seq, num_new_tokens=num_new_tokens)
+        self.manager.allocate(seq, num_new_tokens=num_new_tokens, hit=hit)
         assert seq.num_cached_tokens == cached < seq.num_tokens
         self.history.append(seq.token_ids)
         self.running.append(seq)
