@@ -344,8 +344,8 @@ viz.check(fifo_evicted == x_blocks[:2] and stranded == x_blocks[2:3] and fifo_ag
 # > reuses never-cached free blocks first, then evicts the cached block accessed least recently, and among
 # > equally old ones the one ending the longest prefix, i.e. a chain's tail (`vllm/core/evictor.py`,
 # > `vllm/core/block/prefix_caching_block.py`). kvlab's default follows V0's first rule; it orders cached blocks
-# > by when they were freed, unless the engine records accesses with `touch(seq, now)` as
-# > V0's scheduler does. **V1** has no separate tier for never-cached blocks: one free queue, a finished
+# > by when they were freed, unless the engine records accesses with `touch(seq, now)` (V0's
+# > `access_all_blocks_in_seq`, which V0's scheduler calls). **V1** has no separate tier for never-cached blocks: one free queue, a finished
 # > request's blocks appended **tail first**, allocation popping from the head
 # > (`vllm/v1/core/kv_cache_utils.py`: `FreeKVCacheBlockQueue`; `vllm/v1/core/kv_cache_manager.py`: `free`).
 # > So in V1 a freshly freed empty block waits behind older cached ones. Read docs.vllm.ai, *Automatic Prefix
