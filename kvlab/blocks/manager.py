@@ -182,17 +182,23 @@ class BlockManager:
                  enable_prefix_caching: bool = True, sliding_window: Optional[int] = None, hash_fn=None,
                  eviction="lru", record_events: bool = False, kv_events: bool = False, num_offload_blocks: int = 0,
                  offload_policy: str = "lru", offload_admission: str = "always",
-                 kv_cache_metrics: Optional[KVCacheMetricsCollector] = None, shared_tier=None):
+                 kv_cache_metrics: Optional[KVCacheMetricsCollector] = None, shared_tier=None,
+                 use_eagle: bool = False):
         parts = _shared_parts(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, watermark=watermark,
                               enable_prefix_caching=enable_prefix_caching, sliding_window=sliding_window,
                               hash_fn=hash_fn, eviction=eviction, record_events=record_events, kv_events=kv_events,
                               num_offload_blocks=num_offload_blocks, offload_policy=offload_policy,
                               offload_admission=offload_admission, kv_cache_metrics=kv_cache_metrics,
                               shared_tier=shared_tier)
-        self._setup(parts, [spec_for(sliding_window)])
+        self._setup(parts, [spec_for(sliding_window)], use_eagle)
         self.kv_cache_metrics = kv_cache_metrics  # residency metrics (kvlab.blocks.events), or None
 
-    def _setup(self, parts: SharedParts, specs) -> None:
+    def _setup(self, parts: SharedParts, specs, use_eagle) -> None:
+        if not isinstance(use_eagle, bool):
+            raise InvalidArgumentError(f"use_eagle must be True or False, got {use_eagle!r}")
+        # vLLM's use_eagle: an EAGLE/MTP drafter needs the target's hidden states at the hit's last block, so
+        # every hit gives its last block up to be recomputed (vLLM's find_longest_cache_hit pops it).
+        self.use_eagle = use_eagle
         self.block_size, self.num_blocks = parts.block_size, parts.num_blocks
         self.enable_prefix_caching, self.hash_fn = parts.enable_prefix_caching, parts.hash_fn
         self.events, self.kv_events = parts.events, parts.kv_events
@@ -211,7 +217,8 @@ class BlockManager:
     # ---- the prefix lookup ------------------------------------------------------------------------------
     def lookup(self, seq: Sequence) -> PrefixHit:
         """The prompt's cached prefix, once per group: its first full blocks each group holds (then the offload
-        tier's), cut to the hit every group serves, at most all but the last token (always computed). Pure."""
+        tier's), cut to the hit every group serves, at most all but the last token (always computed); one block
+        less with ``use_eagle``. Pure."""
         if not isinstance(seq, Sequence) or seq.block_size != self.block_size:
             self._check_block_size(check_sequence(seq))
         if seq.token_array is None:
@@ -227,6 +234,12 @@ class BlockManager:
             hits, tier_hits = group.find_hits(hashes, contents, limit)
             found.append(hits)
             limit = len(hits) + len(tier_hits)
+        if self.use_eagle and limit:  # the last hit block is recomputed (see _setup)
+            limit -= 1
+            if tier_hits:
+                tier_hits = tier_hits[:-1]
+            else:
+                found[0] = found[0][:limit]
         hits = tuple(group_hits[:limit] for group_hits in found) if len(groups) > 1 else (found[0],)
         held = self._pool.index.content.__getitem__
         content_ids = []
@@ -793,12 +806,12 @@ class HybridBlockManager(BlockManager):
 
     def __init__(self, num_blocks: int, block_size: int = 16, *, groups, num_cpu_blocks: int = 0,
                  watermark: float = 0.0, enable_prefix_caching: bool = True, hash_fn=None, eviction="lru",
-                 record_events: bool = False, kv_events: bool = False):
+                 record_events: bool = False, kv_events: bool = False, use_eagle: bool = False):
         specs = check_group_specs(groups)
         windows = [spec.sliding_window for spec in specs if spec.sliding_window is not None]
         parts = _shared_parts(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, watermark=watermark,
                               enable_prefix_caching=enable_prefix_caching,
                               sliding_window=windows[0] if windows else None, hash_fn=hash_fn, eviction=eviction,
                               record_events=record_events, kv_events=kv_events, groups=specs)
-        self._setup(parts, specs)
+        self._setup(parts, specs, use_eagle)
         self.kv_cache_metrics = None

@@ -84,3 +84,33 @@ def test_a_hybrid_lookup_is_one_per_group_cut_to_what_every_group_serves():
     admitted = m.allocate(seq, hit=hit)
     assert seq.num_cached_tokens == 12 and len(admitted.new_blocks) == 2
     m.check_invariants()
+
+
+@pytest.mark.parametrize("groups", [None, [FullAttentionSpec(), SlidingWindowSpec(6)]])
+def test_use_eagle_gives_up_the_last_hit_block_as_vllm_does(groups):
+    # vLLM issue #54360's law for a fully cached prompt of L tokens: hits = max(0, floor((L - 1) / B) - 1) * B.
+    for length in range(1, 6 * BS):
+        eagle = (HybridBlockManager(32, BS, groups=groups, use_eagle=True) if groups else
+                 BlockManager(32, BS, use_eagle=True))
+        warm(eagle, range(length + BS))
+        seq = Sequence(range(length), BS)
+        hit = eagle.lookup(seq)
+        assert hit.num_tokens == max(0, (length - 1) // BS - 1) * BS
+        assert eagle.allocate(seq, hit=hit).num_cached_tokens == hit.num_tokens
+        eagle.check_invariants()
+
+
+def test_use_eagle_gives_up_the_tiers_last_block_when_the_hit_ends_in_the_tier():
+    m = BlockManager(4, BS, num_offload_blocks=4, use_eagle=True)
+    warm(m, range(13))                        # 3 cached blocks
+    warm(m, range(100, 113))                  # evicts them to the tier
+    seq = Sequence(list(range(12)) + [7], BS)
+    hit = m.lookup(seq)
+    assert len(hit.tier_hits) == 2 and hit.num_tokens == 8
+    assert m.allocate(seq, hit=hit).num_cached_tokens == 8
+    m.check_invariants()
+
+
+def test_use_eagle_must_be_a_bool():
+    with pytest.raises(InvalidArgumentError, match="use_eagle"):
+        BlockManager(8, BS, use_eagle="yes")

@@ -397,6 +397,7 @@ MACHINES = [
     _machine("FIFO", num_blocks=16, block_size=2, num_cpu_blocks=8, eviction="fifo"),
     _machine("LFUWindow3", num_blocks=16, block_size=2, num_cpu_blocks=8, eviction="lfu", sliding_window=3),
     _machine("UserPolicy", num_blocks=16, block_size=2, num_cpu_blocks=8, eviction=StackPolicy),
+    _machine("Eagle", num_blocks=20, block_size=2, num_cpu_blocks=8, use_eagle=True),
     _machine("NoPrefixCaching", num_blocks=20, block_size=3, num_cpu_blocks=8, enable_prefix_caching=False),
 ]
 

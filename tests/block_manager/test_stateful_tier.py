@@ -114,6 +114,7 @@ MACHINES = [
              offload_policy="arc", offload_admission="reused"),
     _machine("TierOneSlotFIFO", num_blocks=8, block_size=3, num_cpu_blocks=4, num_offload_blocks=1,
              eviction="fifo"),
+    _machine("TierEagle", num_blocks=10, block_size=2, num_cpu_blocks=6, num_offload_blocks=6, use_eagle=True),
     _machine("TierConstantHash", num_blocks=10, block_size=2, num_cpu_blocks=6, num_offload_blocks=6,
              hash_fn=lambda parent, ids: 7),
 ]
