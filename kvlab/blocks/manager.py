@@ -70,6 +70,8 @@ class PrefixHit(NamedTuple):
     tier_content_ids: tuple  # what each of those slots held
     generations: tuple  # the GPU index's and the tier index's generation then: unchanged, nothing was evicted
     num_external_tokens: int = 0  # KV a connector would load (disaggregated prefill): the seam, none today
+    num_cut_tokens: int = 0    # cached in the first group but cut off by another group's hit (a hybrid model)
+    num_eagle_tokens: int = 0  # the hit's last block, given up to be recomputed (``use_eagle``)
 
 
 class Admitted(NamedTuple):
@@ -234,8 +236,9 @@ class BlockManager:
             hits, tier_hits = group.find_hits(hashes, contents, limit)
             found.append(hits)
             limit = len(hits) + len(tier_hits)
+        cut, eagle = len(found[0]) - limit if len(groups) > 1 else 0, 0
         if self.use_eagle and limit:  # the last hit block is recomputed (see _setup)
-            limit -= 1
+            limit, eagle = limit - 1, 1
             if tier_hits:
                 tier_hits = tier_hits[:-1]
             else:
@@ -245,9 +248,10 @@ class BlockManager:
         content_ids = []
         for group_hits in hits:
             content_ids.append(tuple(map(held, group_hits)))
-        return PrefixHit(seq.seq_id, limit * self.block_size, hashes, contents, hits, tuple(content_ids), tier_hits,
+        bs = self.block_size
+        return PrefixHit(seq.seq_id, limit * bs, hashes, contents, hits, tuple(content_ids), tier_hits,
                          tuple(self._tier.index.content[slot] for slot in tier_hits) if tier_hits else (),
-                         self._generations())
+                         self._generations(), 0, cut * bs, eagle * bs)
 
     def get_num_cached_tokens(self, seq: Sequence) -> int:
         """Tokens of ``seq``'s leading full blocks the prefix cache (every group's, and the offload tier) holds

@@ -114,3 +114,15 @@ def test_use_eagle_gives_up_the_tiers_last_block_when_the_hit_ends_in_the_tier()
 def test_use_eagle_must_be_a_bool():
     with pytest.raises(InvalidArgumentError, match="use_eagle"):
         BlockManager(8, BS, use_eagle="yes")
+
+
+def test_a_hit_says_what_the_group_cut_and_the_eagle_drop_took():
+    m = HybridBlockManager(32, BS, groups=[FullAttentionSpec(), SlidingWindowSpec(6)], use_eagle=True)
+    warm(m, range(25))
+    seq = Sequence(list(range(20)) + [99], BS)  # 5 full blocks cached in both groups
+    hit = m.lookup(seq)
+    assert (hit.num_tokens, hit.num_cut_tokens, hit.num_eagle_tokens) == (16, 0, BS)
+    full = BlockManager(32, BS)
+    warm(full, range(9))
+    hit = full.lookup(Sequence(range(9), BS))
+    assert (hit.num_tokens, hit.num_cut_tokens, hit.num_eagle_tokens) == (8, 0, 0)
