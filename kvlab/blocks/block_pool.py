@@ -3,7 +3,7 @@ and its prefix index, with the transaction that makes a call's policy calls undo
 """
 
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from operator import itemgetter
 from typing import Optional
 
@@ -41,13 +41,16 @@ class PolicyTransaction:
 
     def revive(self, blocks) -> None:
         """Free blocks leave the free set without being reused (prefix hits take them back)."""
+        if self._trusted:
+            self.calling = "remove_many"
+            self._policy.remove_many(blocks)
+            return
         registered, remove = self._pool.index.registered, self._policy.remove
         self.calling = "remove"
         for block in blocks:
             remove(block)
-            if not self._trusted:
-                self._undo.append(("add", [block], [registered[block]]))
-                self._seen.add(block)
+            self._undo.append(("add", [block], [registered[block]]))
+            self._seen.add(block)
 
     def pop(self, count: int) -> list:
         """``count`` free blocks to reuse, in the policy's order."""
@@ -165,10 +168,14 @@ class BlockPool:
         self.sink = sink  # the manager's EventSink (kvlab.blocks.events), None when nobody listens
         self.tier = None  # the OffloadTier evicted blocks are offered to (kvlab.blocks.tiers), if any
         self.evictions = 0
+        # kvlab's own policies never raise on a valid call: their transaction has nothing to undo.
+        self._trusted_transaction = PolicyTransaction(self) if type(policy) in BUILTIN_POLICIES else None
         policy.add_many(list(range(first_block, num_blocks)), [False] * self.num_free)
 
     def transaction(self):
         """``with pool.transaction() as txn:`` the policy calls of one operation, undone if one raises."""
+        if self._trusted_transaction is not None:
+            return nullcontext(self._trusted_transaction)
         return policy_transaction(self)
 
     def freed_by(self, blocks) -> tuple[list[int], list[bool]]:
@@ -199,12 +206,11 @@ class BlockPool:
         ref, index = self.ref, self.index
         for block in taken:
             ref[block] = 1
-        evicted = self.index.evict(taken)
+        evicted = index.evict(taken, len(hashes))  # the first len(hashes) are sealed again below
         if evicted is not None:
             self._evicted(evicted)
             if self.tier is not None:
                 self.tier.offer(evicted)
-        index.clear(taken[len(hashes):])  # the rest hold no sealed content now (seal overwrites the others)
         self.num_free -= len(taken)
         return self.seal(taken[:len(hashes)], hashes, contents, parent, group) if hashes else parent
 
@@ -215,7 +221,6 @@ class BlockPool:
         evicted = self.index.evict(blocks)
         if evicted is not None:
             self._evicted(evicted)
-        self.index.clear(blocks)
 
     def _evicted(self, evicted: Evicted) -> None:
         self.evictions += len(evicted.slots)

@@ -68,6 +68,10 @@ class EvictionPolicy(ABC):
         for block_id, is_cached in zip(block_ids, cached):
             self.add(block_id, is_cached)
 
+    def remove_many(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            self.remove(block_id)
+
 
 # ==== LRU =============================================================================================================
 # LRU, kvlab's default policy: never-cached blocks first, then cached ones least recently used first.
@@ -88,11 +92,11 @@ class FifoSet:
         # hashing it into tables several times these lists' size costs a replay 8% more cache misses.
         self._is_member: list[bool] = []
         self._stale: list[int] = []
-        self._count = 0        # members
+        self.num_members = 0
         self._num_stale = 0    # stale entries in the queue
 
     def __len__(self) -> int:
-        return self._count
+        return self.num_members
 
     def __contains__(self, block: int) -> bool:
         return 0 <= block < len(self._is_member) and self._is_member[block]
@@ -108,16 +112,23 @@ class FifoSet:
             self._stale.extend([0] * grow)
         for block in blocks:
             is_member[block] = True
-        self._count += len(blocks)
+        self.num_members += len(blocks)
         self._queue.extend(blocks)
 
-    def remove(self, block: int) -> None:
-        if block not in self:
-            raise KeyError(block)
-        self._is_member[block] = False
-        self._count -= 1
-        self._stale[block] += 1
-        self._num_stale += 1
+    def discard_many(self, blocks) -> list[int]:
+        """Remove the members among ``blocks``; returns the others, in order."""
+        is_member, stale, others = self._is_member, self._stale, []
+        size = len(is_member)
+        for block in blocks:
+            if 0 <= block < size and is_member[block]:
+                is_member[block] = False
+                stale[block] += 1  # its entry stays in the queue: pop skips it
+            else:
+                others.append(block)
+        removed = len(blocks) - len(others)
+        self.num_members -= removed
+        self._num_stale += removed
+        return others
 
     def pop_many(self, count: int) -> list[int]:
         """The ``count`` oldest members (the caller checked there are enough)."""
@@ -128,7 +139,7 @@ class FifoSet:
         is_member = self._is_member
         for block in taken:
             is_member[block] = False
-        self._count -= len(taken)
+        self.num_members -= len(taken)
         return taken
 
     def _without_stale(self, batch: list[int]) -> list[int]:
@@ -192,21 +203,27 @@ class LRUPolicy(EvictionPolicy):
         self._cached.add_many(list(compress(block_ids, cached)))
 
     def remove(self, block_id: int) -> None:
-        if block_id in self._cached:
-            self._cached.remove(block_id)
-        elif self._touched.pop(block_id, None) is None:
-            self._uncached.remove(block_id)
+        self.remove_many((block_id,))
+
+    def remove_many(self, block_ids) -> None:
+        rest = self._cached.discard_many(block_ids)
+        if rest:  # touched cached blocks, or never-cached ones
+            rest = [block for block in rest if self._touched.pop(block, None) is None]
+            missing = self._uncached.discard_many(rest)
+            if missing:
+                raise KeyError(missing[0])
 
     def pop(self) -> int:
         return self.pop_many(1)[0]
 
     def pop_many(self, count: int) -> list[int]:
-        if count > len(self):
+        uncached, cached = self._uncached, self._cached
+        if count > uncached.num_members + cached.num_members + len(self._touched):
             raise OutOfBlocksError(f"{count} blocks wanted, {len(self)} free")
-        from_uncached = min(count, len(self._uncached))
-        taken = self._uncached.pop_many(from_uncached)
+        from_uncached = min(count, uncached.num_members)
+        taken = uncached.pop_many(from_uncached)
         if count > from_uncached:
-            taken += self._cached.pop_many(min(count - from_uncached, len(self._cached)))
+            taken += cached.pop_many(min(count - from_uncached, cached.num_members))
         while len(taken) < count:
             now, tie, block = heapq.heappop(self._heap)
             if self._touched.get(block) == (now, tie):

@@ -156,6 +156,9 @@ def serialized(cls):
     def locked(method):
         @functools.wraps(method)
         def call(self, *args, **kwargs):
+            if self.kv_events is None:  # no KV events to deliver after the change: holding the lock is all
+                with self._lock:
+                    return method(self, *args, **kwargs)
             outermost = False
             try:
                 with self._lock:
@@ -271,7 +274,7 @@ class BlockManager:
         if lookahead.__class__ is not int or lookahead < 0:
             lookahead = check_int("num_lookahead_slots", num_lookahead_slots, 0)
         cross = self._cross_blocks(seq, encoder_seq) if encoder_seq is not None or self._cross else 0
-        plans = self._plan_admission(seq, self._checked_hit(seq, hit), lookahead, num_new_tokens)
+        plans = self._plan_admission(seq, hit, lookahead, num_new_tokens)[1]
         return self._admission(sum(map(_peak_blocks, plans)) + cross, _hit_pins(self._pool, plans)[2] + cross)
 
     def allocate(self, seq: Sequence, encoder_seq: Optional[Sequence] = None, *, num_new_tokens: Optional[int] = None,
@@ -284,8 +287,7 @@ class BlockManager:
         or if the prompt could never be finished in this pool."""
         self._check_unallocated(seq)
         num_cross = self._cross_blocks(seq, encoder_seq) if encoder_seq is not None or self._cross else 0
-        hit = self._checked_hit(seq, hit)
-        plans = self._plan_admission(seq, hit, 0, num_new_tokens)
+        hit, plans = self._plan_admission(seq, hit, 0, num_new_tokens)
         pool, several = self._pool, len(plans) > 1
         pins, revived, needed = _hit_pins(pool, plans)
         peak_blocks = sum(map(_peak_blocks, plans)) + num_cross
@@ -326,16 +328,25 @@ class BlockManager:
         seq.num_computed_tokens = plans[0].scheduled
         return Admitted(hit.num_tokens, tuple(taken), self._tier.take_moves() if self._tier is not None else [])
 
-    def _checked_hit(self, seq, hit) -> PrefixHit:
-        """``hit`` if it is ``seq``'s and every block in it still holds what it held when looked up, else an
-        InvalidArgumentError (a hit goes stale once a block of it is evicted); None: a new lookup."""
+    def _plan_admission(self, seq, hit, lookahead, num_new_tokens) -> tuple[PrefixHit, list]:
+        """(the hit, each group's plan to admit ``seq`` with it). ``hit``: None for a new lookup, else it must be
+        ``seq``'s and every block in it must still hold what it held when looked up, or InvalidArgumentError (a
+        hit goes stale once a block of it is evicted)."""
         if hit is None:
-            return self.lookup(seq)
-        if not isinstance(hit, PrefixHit) or hit.seq_id != seq.seq_id or len(hit.hits) != len(self._groups):
+            hit = self.lookup(seq)
+        elif not isinstance(hit, PrefixHit) or hit.seq_id != seq.seq_id or len(hit.hits) != len(self._groups):
             raise InvalidArgumentError(f"hit must be this manager's lookup(seq) of sequence {seq.seq_id}, got {hit!r}")
+        elif hit.generations != self._generations() or (
+                self.enable_prefix_caching and len(hit.hashes) != seq.num_tokens // self.block_size):
+            self._check_fresh(seq, hit)  # something was evicted since the lookup, or the sequence grew
+        plans = []
+        for group, hits in zip(self._groups, hit.hits):
+            plans.append(group.plan_admission(seq, hits, hit.tier_hits, len(hit.hashes), lookahead, num_new_tokens))
+        return hit, plans
+
+    def _check_fresh(self, seq, hit) -> None:
+        """InvalidArgumentError unless every block of ``hit`` still holds what it held when looked up."""
         stale = self.enable_prefix_caching and len(hit.hashes) != seq.num_tokens // self.block_size
-        if not stale and hit.generations == self._generations():  # nothing was evicted since the lookup
-            return hit
         held = self._pool.index.content.__getitem__
         for blocks, content_ids in zip(hit.hits, hit.content_ids):
             stale = stale or tuple(map(held, blocks)) != content_ids
@@ -344,16 +355,9 @@ class BlockManager:
         if stale:
             raise InvalidArgumentError(f"the prefix hit of sequence {seq.seq_id} is stale (a block of it was evicted, "
                                        "or the sequence grew since): look it up again")
-        return hit
 
     def _generations(self) -> tuple:
         return self._pool.index.generation, self._tier.index.generation if self._tier is not None else 0
-
-    def _plan_admission(self, seq, hit, lookahead, num_new_tokens) -> list:
-        plans = []
-        for group, hits in zip(self._groups, hit.hits):
-            plans.append(group.plan_admission(seq, hits, hit.tier_hits, len(hit.hashes), lookahead, num_new_tokens))
-        return plans
 
     def _refuse(self, seq, needed_free: int, peak_blocks: int, num_groups: int) -> None:
         """Say why ``allocate`` does not fit: too few free blocks now, or more blocks at once than the pool has."""

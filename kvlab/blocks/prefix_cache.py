@@ -322,32 +322,31 @@ class PrefixIndex:
             self.parent_content[slot], self.block_bytes[slot] = parent, content
             registered[slot] = setdefault(h, slot) == slot
 
-    def evict(self, slots) -> Optional[Evicted]:
-        """The cached ones of ``slots`` stop being hittable (their slots are reused for new content); returns
-        what they held, or None if none was cached. Their other fields stay until overwritten or ``clear``."""
+    def evict(self, slots, num_resealed: int = 0) -> Optional[Evicted]:
+        """``slots`` are reused for new content: the cached ones stop being hittable, and all but the first
+        ``num_resealed`` (about to be sealed again, which overwrites them) hold no sealed content now. Returns
+        what the cached ones held, or None if none was cached."""
         registered = self.registered
         dropped = list(compress(slots, map(registered.__getitem__, slots)))
-        if not dropped:
-            return None
-        self.generation += 1
-        block_hash, block_bytes = self.hash, self.block_bytes
-        content, parent_content = self.content, self.parent_content
-        hashes = []
-        namespaces, group_of = self.namespaces, self.group
-        for slot in dropped:
-            registered[slot] = False
-            h = block_hash[slot]
-            del namespaces[group_of[slot]][h]
-            hashes.append(h)
-        return Evicted(dropped, hashes, [block_bytes[s] for s in dropped], [content[s] for s in dropped],
-                       [parent_content[s] for s in dropped])
-
-    def clear(self, slots) -> None:
-        """``slots`` (none of them cached) hold no sealed content now."""
+        evicted = None
+        if dropped:
+            self.generation += 1
+            block_hash, block_bytes = self.hash, self.block_bytes
+            content, parent_content = self.content, self.parent_content
+            hashes = []
+            namespaces, group_of = self.namespaces, self.group
+            for slot in dropped:
+                registered[slot] = False
+                h = block_hash[slot]
+                del namespaces[group_of[slot]][h]
+                hashes.append(h)
+            evicted = Evicted(dropped, hashes, [block_bytes[s] for s in dropped], [content[s] for s in dropped],
+                              [parent_content[s] for s in dropped])
         block_hash, content = self.hash, self.content
-        for slot in slots:
+        for slot in slots[num_resealed:]:
             block_hash[slot] = None
             content[slot] = NO_CONTENT
+        return evicted
 
     def check(self) -> None:
         """Raise InvariantViolation unless the hash map, the registered flags and the content ids agree.

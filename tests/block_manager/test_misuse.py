@@ -139,7 +139,7 @@ def test_errors_are_kvlab_errors_and_builtin_ones():
 
 def _misfile_a_cached_block(policy):
     block = next(iter(policy._cached))
-    policy._cached.remove(block)
+    policy._cached.discard_many([block])
     policy._uncached.add_many([block])
 
 
