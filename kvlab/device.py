@@ -35,9 +35,13 @@ def default_attention_backend(device: torch.device = DEVICE) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
-def summary() -> str:
-    """One line saying what really runs here: the kernels' mode and the engine's default attention backend
-    (printed by every notebook's setup cell)."""
+def summary(kernels: bool = True) -> str:
+    """One line saying what really runs here: the kernels' mode (``kernels=False``: for a notebook that runs no
+    kernel of its own, only where it runs) and the engine's default attention backend (printed by every
+    notebook's setup cell)."""
+    if not kernels and not ON_GPU:
+        return (f"kvlab {__version__}: no GPU: everything runs on the CPU (small sizes); the engine's attention "
+                f"backend: {default_attention_backend()}")
     if ON_GPU:
         kernels = f"Triton kernels compiled for {torch.cuda.get_device_name()}"
     elif torch.cuda.is_available():

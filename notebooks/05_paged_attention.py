@@ -36,6 +36,7 @@ from pathlib import Path
 # The repository to clone when kvlab is not installed: for a fork, change it here or set $KVLAB_REPO.
 KVLAB_REPO = os.environ.get("KVLAB_REPO", "https://github.com/kvlab/kvlab")
 KVLAB_EXTRAS = ""  # pyproject.toml's extras this notebook uses ("": kvlab's core only)
+KVLAB_KERNELS = True  # whether this notebook runs kvlab's Triton kernels itself (it imports kvlab.kernels)
 if importlib.util.find_spec("kvlab") is None:
     checkout = Path.cwd().parent
     if not (checkout / "kvlab" / "__init__.py").is_file():  # not run from notebooks/ in a checkout
@@ -53,10 +54,10 @@ if importlib.util.find_spec("kvlab") is None:
     sys.path.insert(0, str(checkout))
 import kvlab.device
 
-print(kvlab.device.summary())
+print(kvlab.device.summary(kernels=KVLAB_KERNELS))
 if kvlab.device.mode() != "gpu":
-    print("For real sizes and compiled kernels, use a GPU: on Colab, Runtime > Change runtime type > a GPU, "
-          "then run the notebook again.")
+    print("For real sizes" + (" and compiled kernels" if KVLAB_KERNELS else "") + ", use a GPU: on Colab, "
+          "Runtime > Change runtime type > a GPU, then run the notebook again.")
 
 # %%
 import math

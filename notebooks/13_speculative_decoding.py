@@ -24,7 +24,8 @@
 # **Objectives.** After this notebook you can:
 # 1. draw a block table during a speculative step: drafts in slots after the last token, then after
 #    verification the accepted drafts' K/V kept, the rejected slots left to be overwritten, and the target's own
-#    token (the *bonus* token) waiting for its slot;
+#    token waiting for its slot (the *recovered* token in a rejected draft's place, or the *bonus* token after a
+#    run whose every draft was accepted);
 # 2. explain why a block holding an unverified token must never be hashed, with the wrong hit it would cause;
 # 3. measure acceptance against k and against the workload (text the answer copies vs plain chat), and weigh
 #    what speculation costs in KV slots written for rejected drafts against what it saves in decode steps;
@@ -46,6 +47,7 @@ from pathlib import Path
 # The repository to clone when kvlab is not installed: for a fork, change it here or set $KVLAB_REPO.
 KVLAB_REPO = os.environ.get("KVLAB_REPO", "https://github.com/kvlab/kvlab")
 KVLAB_EXTRAS = "engine"  # pyproject.toml's extras this notebook uses ("": kvlab's core only)
+KVLAB_KERNELS = False  # whether this notebook runs kvlab's Triton kernels itself (it imports kvlab.kernels)
 if importlib.util.find_spec("kvlab") is None:
     checkout = Path.cwd().parent
     if not (checkout / "kvlab" / "__init__.py").is_file():  # not run from notebooks/ in a checkout
@@ -63,10 +65,10 @@ if importlib.util.find_spec("kvlab") is None:
     sys.path.insert(0, str(checkout))
 import kvlab.device
 
-print(kvlab.device.summary())
+print(kvlab.device.summary(kernels=KVLAB_KERNELS))
 if kvlab.device.mode() != "gpu":
-    print("For real sizes and compiled kernels, use a GPU: on Colab, Runtime > Change runtime type > a GPU, "
-          "then run the notebook again.")
+    print("For real sizes" + (" and compiled kernels" if KVLAB_KERNELS else "") + ", use a GPU: on Colab, "
+          "Runtime > Change runtime type > a GPU, then run the notebook again.")
 
 # %%
 import tempfile
@@ -161,8 +163,9 @@ check(hashed_before == [True, True, False, False],
 # **Verification.** Logit row i of the pass is the target's distribution for the token after the context and
 # the first i drafts, so row i checks draft i + 1 (`kvlab.engine.speculative.accept`). Say the target's greedy
 # choices are *"on the rug"*: drafts *"on"* and *"the"* are accepted, *"mat"* is rejected, and the target's own
-# token for that row, *"rug"*, is kept instead (after a fully accepted run it would be the **bonus** token:
-# one more token than drafts accepted, every step). Rows past the first rejection were computed after a wrong
+# token for that row, *"rug"*, is kept instead (vLLM calls it the **recovered** token; after a run whose every
+# draft is accepted the target's next token is the **bonus** token): one more token than drafts accepted, every
+# step. Rows past the first rejection were computed after a wrong
 # draft and are ignored. The engine then appends the kept tokens and calls `accept_drafts(seq, 2)`.
 
 # %%
@@ -329,7 +332,7 @@ plt.show()
 # ## 3. Acceptance against k and against the workload, on a real model
 #
 # Now SmolLM2-135M-Instruct (`kvlab.models.smollm2()`, converted once from a PyPI wheel; without it a tiny
-# random model, whose noise no proposer can guess) on two workloads of two prompts each:
+# random model, whose noise no proposer can guess) on two workloads of four prompts each:
 #
 # * **copy-heavy**: the answer repeats text from the prompt (correct a sentence, repeat one): prompt lookup's
 #   home ground;
@@ -358,8 +361,13 @@ WORKLOADS = {
     "copy-heavy": ["Correct the spelling in this sentence and write it out again: The quick brown fox jumpd over "
                    "the lazy dog and then the fox ran into the forrest to find its friends.",
                    "Repeat this sentence word for word: Paged attention stores the keys and values of every token "
-                   "in fixed-size blocks, so memory is allocated on demand."],
-    "chat": ["Why is the sky blue?", "Give me three tips for sleeping well."],
+                   "in fixed-size blocks, so memory is allocated on demand.",
+                   "Copy this list exactly as it is: apples, bananas, cherries, dates, elderberries, figs, grapes, "
+                   "kiwis, lemons, mangoes.",
+                   "Fix the capital letters in this sentence and write it out again: the block manager keeps a "
+                   "table of blocks for every sequence in the batch."],
+    "chat": ["Why is the sky blue?", "Give me three tips for sleeping well.", "How do plants make their food?",
+             "What should I pack for a weekend of hiking?"],
 }
 requests = [(workload, prompt_ids(text)) for workload, texts in WORKLOADS.items() for text in texts]
 PROMPTS = [ids_ for _, ids_ in requests]
@@ -453,23 +461,33 @@ check((replayed[["proposed", "drafting_steps"]] == measured[["proposed", "drafti
       defaults=True)
 
 # %% [markdown]
-# What each k buys and costs, per workload: the acceptance rate (accepted drafts over proposed ones), the decode
+# What each k buys and costs, per workload: the acceptance rate (accepted drafts over proposed ones, drawn only
+# where at least `MIN_DRAFTS` drafts were proposed: a rate from a handful says little; each point is labelled
+# with its count), the decode
 # steps saved against plain decoding (one token per step), and the KV slots written for drafts that were
 # rejected, per generated token. Those slots are the memory price: they are written and read by the
 # verification pass and then overwritten; they never hold anything another request can hit.
 
 # %%
+MIN_DRAFTS = 20  # fewer proposed drafts than this: no acceptance rate drawn
 fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
 for workload, frame in by_k.groupby(level="workload"):
     ks = frame.index.get_level_values("k")
-    axes[0].plot(ks, frame.acceptance_rate, "o-", label=workload)
+    enough = frame.proposed >= MIN_DRAFTS
+    line, = axes[0].plot(ks[enough], frame.acceptance_rate[enough], "o-",
+                         label=f"{workload} ({int(frame.proposed.sum())} drafts in all)")
+    for k, rate, n in zip(ks[enough], frame.acceptance_rate[enough], frame.proposed[enough]):
+        axes[0].annotate(f"{n}", (k, rate), textcoords="offset points", xytext=(0, 5), ha="center", fontsize=6.5,
+                         color=line.get_color())
     axes[1].plot(ks, 100 * frame.steps_saved, "o-", label=workload)
     axes[2].plot(ks, frame.rejected_slots_per_token, "o-", label=workload)
 for ax, ylabel, title in zip(axes, ["accepted / proposed", "% of plain decode steps", "slots per generated token"],
                              ["acceptance rate", "decode steps saved", "KV slots written for rejected drafts"]):
     ax.set(xlabel="k (num_speculative_tokens)", ylabel=ylabel, title=title)
     ax.grid(alpha=0.3)
-axes[0].legend()
+axes[0].set_ylim(0, 1.08)
+axes[0].legend(fontsize=7, loc="lower left", title=f"n = drafts proposed (rates from >= {MIN_DRAFTS})",
+               title_fontsize=7)
 fig.suptitle(f"n-gram prompt lookup on {'SmolLM2-135M-Instruct' if CHAT else 'a tiny random model'}, "
              "greedy, replayed", fontsize=10)
 plt.tight_layout()
@@ -502,7 +520,7 @@ fig, ax = plt.subplots(figsize=(10, 3))
 ax.bar(steps.step, steps.accepted_tokens, color=LOOK["accepted"], label="accepted drafts")
 ax.bar(steps.step, steps.rejected_draft_slots, bottom=steps.accepted_tokens, color=LOOK["rejected"],
        label="slots written for rejected drafts")
-ax.set(xlabel="engine step", ylabel="draft tokens", title=f"Drafts per step, all four requests (n-gram, k={K})")
+ax.set(xlabel="engine step", ylabel="draft tokens", title=f"Drafts per step, all {len(PROMPTS)} requests (n-gram, k={K})")
 ax.legend()
 ax.grid(alpha=0.3, axis="y")
 plt.show()
@@ -514,7 +532,7 @@ print(f"engine steps: {plain_steps} plain, {spec_steps} with n-gram k={K} (a bat
 # %% [markdown]
 # ## 4. Prefix hits under speculation, and vLLM's EAGLE last-block drop
 #
-# All four prompts start with the chat template's default system prompt, so a request can hit the blocks
+# All the prompts start with the chat template's default system prompt, so a request can hit the blocks
 # another one sealed (the table counts each request's prompt tokens read from the prefix cache). Speculation
 # leaves those hits alone in kvlab: a prefix hit depends only on verified tokens, and a model-free proposer
 # needs nothing from the hit blocks but their tokens.
@@ -578,7 +596,7 @@ print("drafts:", " ".join(WORD[t] for t in drafts))
 answer(PREDICTED_ACCEPTED, len(verify("on the mat . the end .")) - 1, "drafts are accepted up to the first "
        "disagreement: 'on the mat . the' agree, 'cat' against 'end' does not; 'end' is kept in its place.")
 answer(PREDICTED_ALL_KEPT, len(verify("on the mat . the cat sat")), "six accepted drafts plus the target's own "
-       "token after them (the bonus token): one more token than drafts, every step.")
+       "token after them (the bonus token, which exists only when every draft is accepted).")
 
 # %% [markdown]
 # **Answer.** (a) 5 drafts accepted, and the step keeps 6 tokens (the 5 and the target's *"end"*); only one

@@ -55,9 +55,9 @@ def extras_of(text: str) -> tuple[str, ...]:
     return tuple(extra for extra in EXTRA_MODULES if extra in needed)
 
 
-def setup_cell(extras: tuple[str, ...] = ()) -> str:
+def setup_cell(extras: tuple[str, ...] = (), kernels: bool = False) -> str:
     """A notebook's first code cell, as it appears in the .py (jupytext comments out the %-magic there): the
-    same in every notebook but for the extras it installs."""
+    same in every notebook but for the extras it installs and whether it runs Triton kernels itself."""
     return f'''\
 # Setup (generated from scripts/sync_notebooks.py: edit it there, then `make notebooks`). In a checkout, or in
 # CI, this uses the checkout's kvlab. On Colab it clones the repository (code and bundled traces) and installs
@@ -73,6 +73,7 @@ from pathlib import Path
 # The repository to clone when kvlab is not installed: for a fork, change it here or set $KVLAB_REPO.
 KVLAB_REPO = os.environ.get("KVLAB_REPO", "{KVLAB_REPO_URL}")
 KVLAB_EXTRAS = "{",".join(extras)}"  # pyproject.toml's extras this notebook uses ("": kvlab's core only)
+KVLAB_KERNELS = {kernels}  # whether this notebook runs kvlab's Triton kernels itself (it imports kvlab.kernels)
 if importlib.util.find_spec("kvlab") is None:
     checkout = Path.cwd().parent
     if not (checkout / "kvlab" / "__init__.py").is_file():  # not run from notebooks/ in a checkout
@@ -90,10 +91,10 @@ if importlib.util.find_spec("kvlab") is None:
     sys.path.insert(0, str(checkout))
 import kvlab.device
 
-print(kvlab.device.summary())
+print(kvlab.device.summary(kernels=KVLAB_KERNELS))
 if kvlab.device.mode() != "gpu":
-    print("For real sizes and compiled kernels, use a GPU: on Colab, Runtime > Change runtime type > a GPU, "
-          "then run the notebook again.")'''
+    print("For real sizes" + (" and compiled kernels" if KVLAB_KERNELS else "") + ", use a GPU: on Colab, "
+          "Runtime > Change runtime type > a GPU, then run the notebook again.")'''
 
 
 #: The setup cell of a notebook that needs no extra (tests run it as a script).
@@ -152,10 +153,17 @@ def setup_cell_of(text: str) -> str:
     return text[start:end]
 
 
+def runs_kernels(text: str) -> bool:
+    """Whether a notebook's source imports kvlab's Triton kernels (its setup cell says how they run here)."""
+    return any(m == "kvlab.kernels" or m.startswith("kvlab.kernels.") for m in (a or b for a, b in IMPORT.findall(text)))
+
+
 def setup_cell_for(text: str) -> str:
-    """The setup cell a notebook's source should start with: the one for the extras the rest of it imports."""
+    """The setup cell a notebook's source should start with: the one for the extras the rest of it imports and
+    whether it imports the kernels."""
     start, end = setup_cell_span(text)
-    return setup_cell(extras_of(text[:start] + text[end:]))
+    rest = text[:start] + text[end:]
+    return setup_cell(extras_of(rest), runs_kernels(rest))
 
 
 def with_setup_cell(text: str) -> str:

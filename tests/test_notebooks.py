@@ -66,8 +66,9 @@ def test_ipynb_is_a_clean_twin_of_a_py(ipynb: Path) -> None:
 @pytest.mark.parametrize("py", SOURCES, ids=lambda path: path.stem)
 def test_every_notebook_starts_with_the_generated_setup_cell(py: Path) -> None:
     text = py.read_text(encoding="utf-8")
-    extras = sync_notebooks.extras_of(text.replace(sync_notebooks.setup_cell_of(text), ""))
-    assert sync_notebooks.setup_cell_of(text) == sync_notebooks.setup_cell(extras), (
+    rest = text.replace(sync_notebooks.setup_cell_of(text), "")
+    extras, kernels = sync_notebooks.extras_of(rest), sync_notebooks.runs_kernels(rest)
+    assert sync_notebooks.setup_cell_of(text) == sync_notebooks.setup_cell(extras, kernels), (
         f"{py.name}: its setup cell differs from scripts/sync_notebooks.py's setup_cell{extras}: run `make notebooks`")
     # The .ipynb's copy has the %-magic uncommented by jupytext, and the extras the notebook imports.
     first_code = [c.source for c in nbformat.read(py.with_suffix(".ipynb"), as_version=4).cells
@@ -76,11 +77,12 @@ def test_every_notebook_starts_with_the_generated_setup_cell(py: Path) -> None:
     assert f'KVLAB_EXTRAS = "{",".join(extras)}"  #' in first_code
 
 
-def test_setup_cells_differ_only_in_the_extras_they_install() -> None:
-    """One cell to maintain: two notebooks' setup cells are the same once their KVLAB_EXTRAS line is dropped."""
+def test_setup_cells_differ_only_in_the_extras_they_install_and_whether_they_run_kernels() -> None:
+    """One cell to maintain: two notebooks' setup cells are the same once their KVLAB_EXTRAS and KVLAB_KERNELS
+    lines are dropped."""
     def without_extras(py: Path) -> list[str]:
         return [line for line in sync_notebooks.setup_cell_of(py.read_text(encoding="utf-8")).splitlines()
-                if not line.startswith("KVLAB_EXTRAS = ")]
+                if not line.startswith(("KVLAB_EXTRAS = ", "KVLAB_KERNELS = "))]
     assert all(without_extras(py) == without_extras(SOURCES[0]) for py in SOURCES)
 
 
@@ -143,7 +145,7 @@ def test_the_setup_cell_says_what_runs_and_asks_for_a_gpu_without_one(tmp_path: 
     import kvlab.device
 
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    cell = sync_notebooks.SETUP_CELL.replace("# %matplotlib inline", "")
+    cell = sync_notebooks.setup_cell((), kernels=True).replace("# %matplotlib inline", "")
     run = subprocess.run([sys.executable, "-c", cell], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr
@@ -151,6 +153,23 @@ def test_the_setup_cell_says_what_runs_and_asks_for_a_gpu_without_one(tmp_path: 
     assert f"the engine's attention backend: {kvlab.device.default_attention_backend()}" in run.stdout
     asks = "Runtime > Change runtime type" in run.stdout
     assert asks == (kvlab.device.mode() != "gpu")
+
+
+def test_a_notebook_that_runs_no_kernel_does_not_say_it_runs_them_in_the_interpreter(tmp_path: Path) -> None:
+    """Notebook 13 runs only the engine (its torch path on a CPU): its setup cell must not speak of the kernels'
+    interpreter mode there."""
+    import kvlab.device
+
+    assert sync_notebooks.runs_kernels("from kvlab.kernels.cache import x\n")
+    assert not sync_notebooks.runs_kernels("from kvlab.engine import LLM\nimport kvlab.kernelsmith\n")
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    cell = sync_notebooks.setup_cell((), kernels=False).replace("# %matplotlib inline", "")
+    run = subprocess.run([sys.executable, "-c", cell], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert kvlab.device.summary(kernels=False) in run.stdout
+    if kvlab.device.mode() != "gpu":
+        assert "interpreter" not in run.stdout and "kernels" not in run.stdout.lower().replace("kvlab", "")
 
 
 # ---- execution -------------------------------------------------------------------------------------------
