@@ -28,8 +28,8 @@
 # 4. explain why a paged, continuously batched engine beats Hugging Face `generate` on a batch of chat
 #    prompts that share a system prompt, in time and in KV memory, from a committed measurement.
 #
-# Run time: about 2-3 minutes on a 2-core CPU (SmolLM2 already cached); the first run converts the model
-# (about a minute, ~0.8 GB of disk).
+# Run time: about half a minute on a 2-core CPU with SmolLM2 already cached (the teacher's guide times every
+# notebook); the first run converts the model (about a minute, ~0.8 GB of disk).
 
 # %%
 # Setup (generated from scripts/sync_notebooks.py: edit it there, then `make notebooks`). In a checkout, or in

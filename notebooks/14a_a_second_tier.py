@@ -8,9 +8,9 @@
 # %% [markdown]
 # # 14a · A second tier: a CPU cache behind the GPU pool
 #
-# A GPU pool holds a few hundred thousand tokens of KV; a server's host memory holds ten or a hundred times
-# more. When the pool must reuse a cached block, the prefix it held is lost, unless it is first copied to a
-# **second tier** in CPU memory. A later request that misses on the GPU but hits the tier gets the block
+# A GPU pool holds a few hundred thousand tokens of KV. When the pool must reuse a cached block, the prefix it
+# held is lost, unless it is first copied to a **second tier**: the server's CPU memory, or further out a local
+# disk or a pooled store. A later request that misses on the GPU but hits the tier gets the block
 # copied back instead of recomputed. vLLM V1's native KV offloading (`vllm/v1/kv_offload/`), SGLang's
 # HiCache, LMCache and Mooncake's store all do this; kvlab's block manager does it with
 # `BlockManager(..., num_offload_blocks=N)`. This notebook is about the mechanics and the hits; notebook 14b
@@ -298,6 +298,8 @@ display(runs.pivot(index="blocks", columns="tier", values="total_hit").mul(100).
 
 # %%
 small, large = TIER_BLOCKS[0], TIER_BLOCKS[-1]
+viz.check(large / GPU_BLOCKS > 80 and 3.5 < large * block_bytes / 2**40 < 4.5,
+          "the largest tier is over 80 times the pool, about 4 TiB of KV", defaults=DEFAULTS)
 at = runs.set_index(["tier", "blocks"]).total_hit
 filtered_cap = runs[runs.tier == "LRU + reuse filter"].total_hit.max()
 print(f"A {small:,}-block tier: LRU {at['LRU', small]:.1%}, ARC {at['ARC', small]:.1%}, "
@@ -373,9 +375,10 @@ answer(PREDICTED_BETTER_SPEND, "pool" if spent_hit["pool"] > spent_hit["tier"] e
 # allocations and evictions as without a tier, and every point of the sweep adds tier hits on top of the same
 # GPU hits (14b prices them). An LRU tier of the pool's size then acts as the doubled pool's second half, only
 # slightly worse: a promoted block keeps its CPU copy, so some slots hold blocks the GPU holds too. The tier's
-# case is not slot for slot but size and price: host memory is ten or a hundred times larger and cheaper than
-# the GPU's (the sweep's largest tier is over 80 times the pool), and a different policy can use the slots better:
-# the ARC tier of the same size beats the doubled pool.
+# case is not slot for slot but size: a tier can be far larger than the pool (the sweep's largest is over 80
+# times it, about 4 TiB of this model's KV per replica: more than a server's CPU memory, so in practice a disk
+# or a pooled store such as Mooncake's), and a different policy can use the slots better: the ARC tier of the
+# same size beats the doubled pool.
 
 # %% [markdown]
 # ## Takeaways

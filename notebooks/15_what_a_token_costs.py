@@ -85,7 +85,7 @@ DEFAULTS = (GPU_MEMORY, CONTEXT, KV_CACHE_DTYPE, SEED) == (80e9, 8192, "fp8", 0)
 CONFIGS = Path("..") / "tests" / "sizing" / "configs"   # published config.json files (see its README)
 RESULTS = Path("..") / "data" / "kv_quant"              # the studies' committed CSVs
 MODELS = ["SmolLM2-135M", "Qwen3-0.6B", "Meta-Llama-3-8B", "gemma-3-4b-it", "gpt-oss-20b", "DeepSeek-V3"]
-torch.manual_seed(SEED)
+_ = torch.manual_seed(SEED)
 
 # %% [markdown]
 # ## 1. Sizing: bytes per token, per block, per GPU
@@ -95,6 +95,9 @@ torch.manual_seed(SEED)
 # vLLM #22291's 4x overestimate). An MLA layer (DeepSeek-V3) keeps one latent of `kv_lora_rank +
 # qk_rope_head_dim` elements for both K and V. A sliding-window layer keeps the same per token, but only for
 # its last `window` tokens. `kvlab size --model DIR` prints all of this with the arithmetic; here is the table.
+# Its last column is what vLLM V1 logs as "Maximum concurrency for `CONTEXT` tokens per request": requests of
+# that length the KV memory holds at once, counted in vLLM's hybrid layout (kvlab's engine lays the cache out
+# the same way, so the figure is the engine's too; `kvlab size` also prints the every-layer-full figure).
 
 # %%
 rows = []
@@ -106,10 +109,11 @@ for name in MODELS:
                      dtype=layout.dtype, per_layer=layout.per_layer_formula(),
                      KiB_per_token=layout.bytes_per_token / 1024,
                      GiB_weights=sizing.weights / 2**30, GiB_for_kv=max(sizing.kv_memory, 0) / 2**30,
-                     requests_at_context=round(pool.max_concurrency, 1)))
+                     vllm_max_concurrency=pool.max_concurrency))
+    check(pool.name == "kvlab engine and vLLM V1", f"{name}: kvlab's engine no longer lays the cache out as vLLM V1",
+          defaults=True)
 table = pd.DataFrame(rows).set_index("model")
-with pd.option_context("display.max_colwidth", 90, "display.width", 200):
-    display(table)  # noqa: F821 - IPython's display
+display(table.style.format(precision=2))  # noqa: F821 - IPython's display
 llama = table.loc["Meta-Llama-3-8B"]
 check(llama.KiB_per_token == 128, "Llama-3-8B keeps 2 x 8 x 128 x 2 B x 32 layers = 128 KiB per token", defaults=True)
 
@@ -263,6 +267,10 @@ display(capacity[["format", "window_bytes", "blocks_vs_bf16", "pool_blocks", "hi
 ppl_ratio = accuracy.set_index("setting").eval("ppl / ppl_auto")
 check(ppl_ratio["kivi_int4 G32 R128"] < 1.03 < ppl_ratio["int4_calibrated_channel"],
       "KIVI 4-bit is within 3% of fp32's perplexity; the calibrated int4 is not", defaults=DEFAULTS)
+hit_at = capacity.set_index("format").hit_rate_tokens
+gain_4x, gain_8x = (hit_at[f"ideal {b}-bit ({x}x)"] - hit_at["bfloat16"] for b, x in ((4, 4), (2, 8)))
+check(gain_8x > 2 * gain_4x and hit_at["ideal 2-bit (8x)"] < capacity.ceiling_hit_rate_tokens.iloc[0] / 2,
+      "the hit rate grows faster than the block count, far below the ceiling", defaults=DEFAULTS)
 
 # %%
 fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
@@ -415,6 +423,7 @@ answer(PREDICTED_K16_V8_GROWTH, round(growth["k_fp16_v_fp8"], 2), "2 bytes of K 
 #   need per-channel scales because of their outlier channels, computed from the data (KIVI) rather than
 #   calibrated offline, and a paged cache can hold KIVI exactly when a block holds whole sealed chunks.
 # * The price grows with the context (the error accumulates over every quantized key read) and is smallest
-#   when the keys stay exact; the prize is more blocks, hence more prefix hits, with diminishing returns once
-#   the cache holds the trace's working set.
+#   when the keys stay exact; the prize is more blocks, hence more prefix hits. On Mooncake at 48 GiB the hit
+#   rate even grows faster than the block count over this range (8x the blocks gains more than twice what 4x
+#   does), still far below the infinite-cache ceiling: the pool holds a small part of the trace's working set.
 # * The block manager does not change: the pool just holds more blocks in the same bytes.
