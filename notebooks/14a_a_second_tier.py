@@ -191,9 +191,11 @@ table = pd.DataFrame([dict(request=s["name"], gpu_hits=s["stats"].gpu_hit_blocks
                       for s, p in zip(steps, [TierHitStats()] + [s["stats"] for s in steps])]).set_index("request")
 with pd.option_context("display.max_colwidth", 100):
     display(table)  # noqa: F821 - IPython's display
-print(m.tier_stats)
+stats = m.tier_stats
+print(f"the tier's counters after the five requests: {stats.gpu_hit_blocks} blocks hit on the GPU, "
+      f"{stats.tier_hit_blocks} in the tier, {stats.miss_blocks} missed; {stats.offloaded_blocks} offloaded")
 events = [e for e in m.events if e.kind in ("offload", "promote", "tier_evict")]
-print("the event log's tier events:", ", ".join(viz.event_label(e) + f" {e.kind}" for e in events))
+print("the event log's tier events (c: a CPU slot):", ", ".join(f"{e.kind} {viz.event_label(e)}" for e in events))
 by_name = {s["name"]: s for s in steps}
 viz.check([k for k, _, _ in by_name["B"]["moves"]] == ["offload"] * 2 and sorted(filter(None, by_name["B"]["tier"]))
           == ["A0", "A1"],

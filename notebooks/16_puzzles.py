@@ -73,6 +73,7 @@ import inspect
 
 import matplotlib.pyplot as plt
 import torch  # noqa: F401 - for your solutions, as the next three imports
+from IPython.display import Markdown, display
 
 from kvlab.blocks import AllocStatus, EvictionPolicy  # noqa: F401
 from kvlab.errors import OutOfBlocksError  # noqa: F401
@@ -90,8 +91,11 @@ def grade(name, your_code):
 
 
 def spec(name):
-    """Print the puzzle's spec: its module's docstring, which also says what to read first."""
-    print(inspect.getdoc(puzzle(name).module))
+    """Show the puzzle's spec, formatted: its module's docstring (reStructuredText, shown as Markdown: inline
+    code in single backquotes, a "::" paragraph ending in a colon before its indented example), which also says
+    what to read first."""
+    text = inspect.getdoc(puzzle(name).module).replace("``", "`").replace("::\n", ":\n")
+    display(Markdown(text))
 
 
 # %% [markdown]

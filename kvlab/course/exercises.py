@@ -1,9 +1,10 @@
 """Exercises that grade themselves: a learner edits a value, the notebook's own run computes the truth.
 
 A notebook must run top to bottom in CI as committed, with every exercise still unanswered, so ``answer``
-never raises on the learner's input: it prints "not answered yet", "right" or what is wrong, and returns
-``None``, ``True`` or ``False``. The truth comes from the notebook's machinery, never from a constant typed
-next to the question, so a changed knob changes the truth with it.
+never raises on the learner's input: it prints "not answered yet" (naming the variable to set), "right" or
+what is wrong, and returns a ``Verdict`` (``.right``: ``None``, ``True`` or ``False``), which shows nothing as
+a cell's last value (the printed line said it all). The truth comes from the notebook's machinery, never from
+a constant typed next to the question, so a changed knob changes the truth with it.
 
 How two values compare (both sides alike, so a truth computed with NumPy or pandas grades as it reads):
 
@@ -20,6 +21,8 @@ How two values compare (both sides alike, so a truth computed with NumPy or pand
   says what happened, not a crash.
 """
 
+import ast
+import inspect
 import math
 from fractions import Fraction
 
@@ -30,20 +33,42 @@ from kvlab.validation import check_number
 ABS_TOL = 1e-12  # with a tolerance, numbers this close to 0 match 0
 
 
-def answer(yours, truth, why: str, *, rel_tol: float = 0.0) -> bool | None:
+class Verdict:
+    """What ``answer`` decided: ``right`` is None (not answered yet), True or False; ``bool(verdict)`` is
+    whether it is right. A notebook cell ending with ``answer(...)`` shows nothing more than the printed line."""
+    __slots__ = ("right",)
+
+    def __init__(self, right: bool | None):
+        self.right = right
+
+    def __bool__(self) -> bool:
+        return bool(self.right)
+
+    def __repr__(self) -> str:
+        return f"Verdict(right={self.right})"
+
+    def _ipython_display_(self) -> None:
+        """IPython calls this instead of printing ``Out[n]: ...``: answer printed the verdict already."""
+
+
+def answer(yours, truth, why: str, *, rel_tol: float = 0.0) -> Verdict:
     """Grade ``yours`` against ``truth`` and say why the truth is what it is.
 
     ``yours``: the learner's value; ``None`` means not answered yet (the committed state). ``truth``: what
     the notebook measured. ``why``: one sentence, printed either way, that explains the truth. ``rel_tol``:
     relative tolerance for numbers (a finite number >= 0; 0: exact). How values compare: the module
-    docstring. Returns ``None`` when unanswered, else whether the answer is right.
+    docstring. Returns the ``Verdict``.
     """
     if not isinstance(why, str) or not why.strip():
         raise InvalidArgumentError("answer(why=...) must explain the truth in a non-empty sentence")
     rel_tol = check_number("rel_tol (the relative tolerance; 0: exact)", rel_tol, 0)
+    why = why.strip()
+    why = why[0].upper() + why[1:]  # it follows a full stop
     if yours is None:
-        print("Not answered yet: replace None with your prediction, then run this cell again.")
-        return None
+        name = _first_argument(inspect.currentframe().f_back)
+        print(f"Not answered yet: set {name or 'your prediction'} (now None) to what you predict, then run this "
+              "cell again.")
+        return Verdict(None)
     yours, truth = as_python(yours), as_python(truth)
     try:
         right = call_learner(lambda: _matches(yours, truth, rel_tol))
@@ -52,9 +77,24 @@ def answer(yours, truth, why: str, *, rel_tol: float = 0.0) -> bool | None:
         right, hint = False, f" (the comparison {failed})"
     if right:
         print(f"Right: {describe(truth)}. {why}")
-        return True
+        return Verdict(True)
     print(f"Not quite: you said {describe(yours)}, the run gives {describe(truth)}{hint}. {why}")
-    return False
+    return Verdict(False)
+
+
+def _first_argument(frame) -> str | None:
+    """The source text of the first argument of the ``answer(...)`` call running on ``frame``'s current line
+    (a notebook's ``PREDICTED_...`` variable), or None where the source cannot be read (then the message
+    says "your prediction"). Jupyter keeps each cell's source where ``inspect`` finds it."""
+    try:
+        source = "".join(inspect.findsource(frame)[0])
+        for node in ast.walk(ast.parse(source)):
+            if (isinstance(node, ast.Call) and node.args and node.lineno <= frame.f_lineno <= node.end_lineno
+                    and getattr(node.func, "id", getattr(node.func, "attr", None)) == "answer"):
+                return ast.get_source_segment(source, node.args[0])
+    except (OSError, TypeError, SyntaxError):
+        pass
+    return None
 
 
 def _matches(yours, truth, rel_tol: float) -> bool:

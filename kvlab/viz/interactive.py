@@ -40,8 +40,8 @@ def is_interactive() -> bool:
 
 #: Printed under the sliders of a live explore: saved notebooks keep the figure, not the widgets.
 REOPENED_NOTE = ("(Move the sliders to redraw. The figure below is saved with the notebook; in a reopened or "
-                 "shared copy the sliders read 'Error displaying widget' or are missing: run this cell to bring "
-                 "them back.)")
+                 "shared copy the sliders read 'Error displaying widget' or are missing: Run > Run All Cells brings "
+                 "them back (this cell alone would miss the cells before it in a new kernel).)")
 
 
 def _draw(fn, kwargs) -> list[tuple[dict, dict]]:

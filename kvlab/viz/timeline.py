@@ -43,7 +43,8 @@ LABEL_MEANING = {"allocate": "sequence", "free": "sequence", "fork": "child<pare
 
 def event_label(e: Event, names=None) -> str:
     """Short text for one event: the sequence (``names[seq_id]``, else ``s3``) for allocate/free, ``B<A`` for a
-    fork, ``2>5`` for a copy (src > dst), ``4>c1`` / ``c1>7`` for swaps (c: a CPU block), else the block id."""
+    fork, ``2>5`` for a copy (src > dst), ``4>c1`` / ``c1>7`` for swaps and the offload tier's offloads and
+    promotions (c: a CPU block or tier slot), ``c3`` for a tier slot dropped, else the block id."""
     def seq(seq_id):
         return str(names[seq_id]) if names and seq_id in names else f"s{seq_id}"
 
@@ -53,10 +54,12 @@ def event_label(e: Event, names=None) -> str:
         return f"{seq(e.seq_id)}<{seq(e.other)}"
     if e.kind == "cow":
         return f"{e.other}>{e.block_id}"
-    if e.kind == "swap_out":
+    if e.kind in ("swap_out", "offload"):
         return f"{e.block_id}>c{e.other}"
-    if e.kind == "swap_in":
+    if e.kind in ("swap_in", "promote"):
         return f"c{e.other}>{e.block_id}"
+    if e.kind == "tier_evict":
+        return f"c{e.other}"
     return str(e.block_id)
 
 

@@ -81,7 +81,8 @@ def test_live_explore_keeps_its_figure_as_an_output_and_shows_no_stray_value(ker
     assert len(figures) == 1 and figures[0]["transient"]["display_id"]
     assert texts and texts[0]["data"]["text/plain"] == "drew n=2, lru\n"
     assert REOPENED_NOTE in "".join(s["text"] for s in contents(shown, "stream"))
-    assert "run this cell to bring them back" in REOPENED_NOTE
+    # In a new kernel one cell alone raises NameError on the cells before it and erases the saved figure.
+    assert "Run All Cells" in REOPENED_NOTE and "run this cell" not in REOPENED_NOTE
 
     # Moving a slider (JupyterLab sets the value through the widget's comm) redraws those same outputs in place.
     moved = run(kernel, "box = _\nbox.children[0].value = 8")

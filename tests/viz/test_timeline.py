@@ -61,6 +61,12 @@ def test_labels_name_sequences_copies_and_blocks():
     assert event_label(Event("free", 5)) == "s5"
 
 
+def test_labels_name_the_offload_tiers_moves_not_none():
+    assert event_label(Event("offload", block_id=4, other=2)) == "4>c2"
+    assert event_label(Event("promote", block_id=7, other=2)) == "c2>7"
+    assert event_label(Event("tier_evict", other=3)) == "c3"
+
+
 def test_kinds_choose_and_order_the_rows():
     m = forked_and_swapped()
     ax = draw_timeline(m, kinds=["cow", "hit"])
