@@ -400,7 +400,7 @@ for ax in axes:
         if label not in labels:
             handles.append(h)
             labels.append(label)
-fig.legend(handles, labels, loc="outside upper center", ncol=4, fontsize=8)
+fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=8)  # the title keeps the top
 fig.suptitle("memory saved by sharing: kvlab's block manager on drawn lengths vs the PagedAttention paper",
              fontsize=11)
 plt.show()

@@ -239,9 +239,9 @@ for ax, (scheduling, budget) in zip(axes, PICTURES):
             if seq.prefill and seq.request_id in "CD":
                 label = f"{seq.request_id}\n{seq.num_tokens}"
                 if seq.num_tokens >= 10:  # inside its chunk
-                    ax.text(decision.step, below + seq.num_tokens / 2, label, ha="center", va="center", fontsize=7)
+                    ax.text(decision.step, below + seq.num_tokens / 2, label, ha="center", va="center", fontsize=9)
                 else:  # too thin to hold a label: above the bar
-                    ax.text(decision.step, total + 1, label, ha="center", va="bottom", fontsize=7)
+                    ax.text(decision.step, total + 1, label, ha="center", va="bottom", fontsize=9)
             below += seq.num_tokens if seq.prefill else 0
     ax.axhline(budget, color="gray", ls="--", lw=1, label=f"budget ({budget})")
     ax.set(ylabel="tokens in the step", ylim=(0, 1.25 * MIX_BUDGET),
