@@ -47,6 +47,8 @@ def _cases(rng: random.Random, num_cases: int):
         manager = BlockManager(64, bs, enable_prefix_caching=rng.random() < 0.5)
         parent = Sequence([rng.randrange(50) for _ in range(rng.randint(1, 4 * bs))], bs)
         manager.allocate(parent)
+        if rng.random() < 0.5:  # slots reserved ahead (as for drafts): a fork then shares blocks not yet written,
+            manager.append_slots(parent, num_lookahead_slots=rng.randint(1, 2 * bs))  # and a step may write two
         family = [parent]
         for _ in range(rng.randint(1, 3)):
             family.append(Sequence([], bs))

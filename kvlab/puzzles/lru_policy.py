@@ -17,16 +17,21 @@ head outlives its tail.
 
 ``check(MyLRU)`` runs the same random workload (prompts sharing prefixes, growth, frees) on a
 ``BlockManager(eviction=MyLRU())`` and on one with kvlab's LRU, and compares the free blocks' order and the
-block tables after every operation.
+block tables after every operation. Then two cases on your policy alone: ``pop()`` on an empty free set, and
+the O(1) rule (with hundreds of free blocks, no call may compare or hash more than a few block ids: a scan of
+the free blocks, as ``list.remove`` or ``in`` on a list does, touches them all).
 """
 
 import random
 
 from kvlab.blocks import BlockManager, EvictionPolicy, Sequence
+from kvlab.errors import OutOfBlocksError
 from kvlab.puzzles.grading import Case, Report, grade, not_an_int, same, seeded
 
 NAME = "lru_policy"
 OPS_PER_POOL = 25
+NUM_FREE_FOR_O1 = 400  # free blocks in the O(1) case
+MAX_TOUCHES = 8        # block ids one O(1) call may compare or hash (a dict operation hashes one)
 
 
 class MyLRU(EvictionPolicy):
@@ -53,9 +58,11 @@ class MyLRU(EvictionPolicy):
 
 def check(policy_class, *, strict: bool = False, seed: int = 0, num_cases: int = 200) -> Report:
     """Replay ``num_cases`` random operations (from ``seed``) on a manager using ``policy_class()`` and on one
-    using kvlab's LRU; the first operation after which they differ is the failing case."""
+    using kvlab's LRU (the first operation after which they differ is the failing case), then the empty pop and
+    the O(1) rule on ``policy_class()`` alone."""
     rng = seeded(seed, num_cases)
-    return grade(NAME, policy_class, _cases(rng, num_cases), strict=strict)
+    cases = [*_cases(rng, num_cases), _empty_pop_case(), _constant_time_case()]
+    return grade(NAME, policy_class, cases, strict=strict)
 
 
 class _Twins:
@@ -128,6 +135,57 @@ def _operation(rng, twins: _Twins, prefixes) -> Case:
         return theirs.free_block_ids(), [theirs.get_block_table(seq) for seq in twins.their_running]
     return Case(f"a pool of {twins.num_blocks} blocks of {bs} tokens; {what}", run,
                 lambda got: _judge(free, cached, tables, got))
+
+
+def _empty_pop_case() -> Case:
+    def run(policy_class):
+        policy = policy_class()
+        policy.add(3, False)
+        policy.add(5, True)
+        policy.pop()
+        policy.pop()
+        try:
+            return f"returned {policy.pop()!r}"
+        except OutOfBlocksError:
+            return "raised OutOfBlocksError"
+        except Exception as error:  # noqa: BLE001 - the wrong exception is the answer to judge
+            return f"raised {type(error).__name__}: {error}"
+    return Case("a policy given blocks 3 (not cached) and 5 (cached), popped twice, then popped once more", run,
+                lambda got: None if got == "raised OutOfBlocksError" else
+                f"pop() on an empty free set must raise kvlab.errors.OutOfBlocksError (the pool and the scheduler "
+                f"catch it), yours {got}")
+
+
+class _CountedId(int):
+    """A block id that counts how often a policy compares or hashes it (``touches``, over every id)."""
+    touches = 0
+
+    def __eq__(self, other):
+        _CountedId.touches += 1
+        return int(self) == other
+
+    def __hash__(self):
+        _CountedId.touches += 1
+        return int.__hash__(self)
+
+
+def _constant_time_case() -> Case:
+    def run(policy_class):
+        policy, ids = policy_class(), [_CountedId(i) for i in range(NUM_FREE_FOR_O1)]
+        calls = [("add", lambda b=b: policy.add(b, b % 2 == 0)) for b in ids]
+        calls += [("remove", lambda b=b: policy.remove(b)) for b in ids[NUM_FREE_FOR_O1 // 2::7]]
+        calls += [("pop", policy.pop)] * (NUM_FREE_FOR_O1 // 4)
+        worst = (0, "")
+        for name, call in calls:
+            _CountedId.touches = 0
+            returned = call()
+            worst = max(worst, (_CountedId.touches, f"{name}({returned if name == 'pop' else ''})"))
+        return list(worst)
+    return Case(f"{NUM_FREE_FOR_O1} blocks added, some removed from the middle, a quarter popped", run,
+                lambda got: None if got[0] <= MAX_TOUCHES else
+                f"{got[1] or 'a call'} compared or hashed {got[0]} block ids, with hundreds of blocks free: it scans "
+                f"the free blocks (list.remove, `in` on a list, a loop); every call must cost O(1), at most "
+                f"{MAX_TOUCHES} here (hint: collections.OrderedDict)")
 
 
 def _grow(manager, seq, tokens, room=None) -> bool:

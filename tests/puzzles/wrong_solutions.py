@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import torch
 
-from kvlab.blocks import AllocStatus
+from kvlab.blocks import AllocStatus, EvictionPolicy
+from kvlab.errors import OutOfBlocksError
 from kvlab.puzzles.solutions.kv_cost_router import MyRouter
 from kvlab.puzzles.solutions.lru_policy import MyLRU
 from kvlab.studies.routers import Router
@@ -85,6 +86,36 @@ class PopsForever(MyLRU):
         return self.cached.popitem(last=False)[0]
 
 
+class ScansLists(EvictionPolicy):
+    """The right order kept in two Python lists: ``in`` and ``list.remove`` scan the free blocks (O(n) a call)."""
+    def __init__(self):
+        self.uncached, self.cached = [], []
+
+    def add(self, block_id, cached):
+        (self.cached if cached else self.uncached).append(block_id)
+
+    def remove(self, block_id):
+        (self.cached if block_id in self.cached else self.uncached).remove(block_id)
+
+    def pop(self):
+        if not (self.uncached or self.cached):
+            raise OutOfBlocksError("no free block")
+        return (self.uncached or self.cached).pop(0)
+
+    def __iter__(self):
+        return iter(self.uncached + self.cached)
+
+    def __len__(self):
+        return len(self.uncached) + len(self.cached)
+
+
+class EmptyPopRaisesKeyError(MyLRU):
+    """Pops with ``popitem`` and lets its KeyError out when nothing is free, not kvlab's OutOfBlocksError."""
+    def pop(self):
+        queue = self.uncached if self.uncached else self.cached
+        return queue.popitem(last=False)[0]
+
+
 # ---- copy_on_write ------------------------------------------------------------------------------------------
 def copies_every_written_block(table, refs, computed, n, bs):
     needed = -(-n // bs)  # ">= 1" where kvlab has "> 1": copies blocks nobody shares
@@ -99,6 +130,13 @@ def never_copies(table, refs, computed, n, bs):
 def starts_one_position_early(table, refs, computed, n, bs):
     needed = -(-n // bs)  # (computed - 1) // bs: the block of the last computed token, not of the first new one
     return [i for i in range(max(0, computed - 1) // bs, min(len(table), needed)) if refs[table[i]] > 1], \
+        max(0, needed - len(table))
+
+
+def copies_only_the_last_block(table, refs, computed, n, bs):
+    needed = -(-n // bs)  # the block of the last new token: misses an earlier shared block the step writes too
+    last = min(len(table), needed) - 1
+    return [last] if computed < n and last >= computed // bs and refs[table[last]] > 1 else [], \
         max(0, needed - len(table))
 
 
@@ -211,9 +249,12 @@ WRONG = [
     ("lru_policy", OneQueue, "never-cached first"),
     ("lru_policy", ForgetsRemove, "through remove"),
     ("lru_policy", PopsForever, "your code ran past the time limit"),
+    ("lru_policy", ScansLists, "every call must cost O(1)"),
+    ("lru_policy", EmptyPopRaisesKeyError, "must raise kvlab.errors.OutOfBlocksError"),
     ("copy_on_write", copies_every_written_block, "held by this sequence alone: write in place"),
     ("copy_on_write", never_copies, "written by this step and shared: copy it"),
     ("copy_on_write", starts_one_position_early, "is not written by this step"),
+    ("copy_on_write", copies_only_the_last_block, "written by this step and shared: copy it"),
     ("decode_attention", attends_whole_blocks, "has NaN: it read a slot that holds no token"),
     ("decode_attention", groups_heads_with_repeat, "max abs error"),
     ("window_release", releases_one_position_late, ": release it"),
