@@ -56,8 +56,9 @@ def slow_notice(seconds: float, pool_bytes: int, workers: int) -> str | None:
               "replays it" if pool_bytes >= LARGE_POOL_BYTES / 2 else "")
     return (f"kvlab study: this study will take roughly {_duration(seconds)} on {workers} worker"
             f"{'s' if workers != 1 else ''}{memory}. Time and memory grow with requests x configurations / block "
-            "size: for a quicker study use a larger --block-size, fewer --capacity or --policy values, or --limit "
-            "N requests; more workers (--jobs, --dask-scheduler) shorten the time only.")
+            "size: for a quicker study use a larger block size, fewer capacities or policies, or fewer requests "
+            "(on the command line --block-size, --capacity, --policy, --limit; in Python cache_hit_study's "
+            "block_sizes, capacities, policies, limit); more workers (--jobs / jobs) shorten the time only.")
 
 
 def _duration(seconds: float) -> str:

@@ -99,6 +99,7 @@ def replay_sequential(compact: CompactTrace, sequences: list[Sequence], manager:
             manager.free(seq)
         if i % 256 == 0:
             bar.update(256)
+    bar.update(len(needed) % 256)  # the bar ends full
     tier = manager.tier_stats
     gpu_hits, tier_hits = manager.stats.hit_blocks, tier.tier_hit_blocks if tier is not None else 0
     hit_blocks = gpu_hits + tier_hits

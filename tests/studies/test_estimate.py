@@ -26,6 +26,7 @@ def test_the_main_job_is_not_slow_and_block_size_3_is(mooncake):
     notice = slow_notice(seconds, pool, 2)
     assert re.search(r"roughly \d+ minutes on 2 workers, .* up to 5\.5 GiB of memory", notice), notice
     assert "--block-size" in notice and "--limit" in notice
+    assert "block_sizes" in notice and "limit" in notice  # a notebook calls cache_hit_study, not the command
 
 
 class Stop(Exception):
@@ -54,3 +55,27 @@ def test_a_quick_study_says_nothing_of_the_kind(capsys):
     cache_hit_study("synthetic_parallel", limit=8, capacities=[math.inf], policies=["lru"], jobs=1)
     err = capsys.readouterr().err
     assert "preparing" in err and "replays" in err and "will take roughly" not in err
+
+
+def test_every_replay_bar_ends_full(monkeypatch):
+    """The sequential replay counts its requests in batches of 256: the remainder must reach the bar too (a
+    notebook's bar left at 94% ends red)."""
+    bars = []
+
+    class Bar:
+        def __init__(self, total=None, **kwargs):
+            self.total, self.n = total, 0
+            bars.append(self)
+
+        def update(self, n=1):
+            self.n += n
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr("kvlab.studies.simulator.tqdm", Bar)
+    cache_hit_study("synthetic_parallel", limit=300, capacities=[math.inf], policies=["lru"], jobs=1)
+    assert bars and all(bar.n == bar.total for bar in bars), [(bar.n, bar.total) for bar in bars]
