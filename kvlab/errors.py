@@ -64,6 +64,10 @@ class PuzzleNotSolvedError(KvlabError, AssertionError):
     message names the case, its inputs, and what was expected against what came back."""
 
 
+class SolutionsNotShippedError(KvlabError, ImportError):
+    """The puzzles' solutions were asked for where kvlab is installed without them (they ship with a checkout)."""
+
+
 class ReplayError(KvlabError, RuntimeError):
     """A sweep's replay failed on every attempt (``kvlab.studies.sweep``); the message names each failed replay
     and its last error. The other replays finished: their rows are in ``rows`` (``None`` for a failed one) and,

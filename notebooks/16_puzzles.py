@@ -27,8 +27,8 @@
 # **How it works.** Each puzzle's cell holds a stub that raises `NotImplementedError`; its check cell prints
 # `not yet: ...` until your code is right, then `solved`. Nothing here raises when a check fails, so you can
 # run the whole notebook at any time. The spec of each puzzle is its module's docstring (`kvlab.puzzles.NAME`),
-# printed above its stub. The solutions are in `kvlab/puzzles/solutions/`, one file per puzzle: §9 says how to
-# peek at one without seeing the others.
+# printed above its stub. The solutions ship with the instructor's copy of the course (a kvlab checkout,
+# `kvlab/puzzles/solutions/`, one file per puzzle), not with an installed kvlab.
 
 # %%
 # Setup (generated from scripts/sync_notebooks.py: edit it there, then `make notebooks`). In a checkout, or in
@@ -286,36 +286,38 @@ def propose(tokens, max_tokens, min_n, max_n):
 grade("ngram_proposer", propose)
 
 # %% [markdown]
-# ## 9. Your scoreboard, and peeking at a solution
+# ## 9. Your scoreboard
 #
 # Each bar is one puzzle: how many random cases your code passed before its first failure, out of the cases
 # its check runs (a solved puzzle fills its bar). Run this cell again after solving one.
 
 # %%
 names = [p.name for p in PUZZLES]
-kvlabs = {name: puzzle(name).module.check(puzzle(name).solution()) for name in names}  # kvlab's own solutions
-cases = {name: kvlabs[name].num_passed for name in names}  # how many random cases each check runs
-done = [reports[name].num_passed / cases[name] if name in reports else 0 for name in names]
+done = [reports[name].num_passed / reports[name].num_cases if name in reports else 0 for name in names]
 fig, ax = plt.subplots(figsize=(8, 3.5))
 ax.barh(names, [1] * len(names), color="0.9")
 ax.barh(names, done, color=["tab:green" if reports.get(n) else "tab:orange" for n in names])
 for i, name in enumerate(names):
     status = "solved" if reports.get(name) else "not yet" if name in reports else "not run"
-    ax.text(1.01, i, f"{status} ({reports[name].num_passed if name in reports else 0}/{cases[name]})", va="center")
+    ran = f" ({reports[name].num_passed}/{reports[name].num_cases})" if name in reports else ""
+    ax.text(1.01, i, status + ran, va="center")
 ax.invert_yaxis()
 ax.set(xlim=(0, 1.35), xticks=[0, 0.25, 0.5, 0.75, 1], xlabel="share of the check's random cases passed before the first failure",
        title=f"Puzzles solved: {sum(bool(r) for r in reports.values())} of {len(names)}")
 plt.show()
+
+# %% tags=["instructor"]
+kvlabs = {name: puzzle(name).module.check(puzzle(name).solution()) for name in names}  # kvlab's own solutions
 check(all(report.passed for report in kvlabs.values()), "each of kvlab's own solutions passes its puzzle's check",
       defaults=True)
 
-# %% [markdown]
+# %% [markdown] tags=["instructor"]
 # **Peeking.** The solutions live in `kvlab/puzzles/solutions/`, one file per puzzle. To read one, and only
 # that one, uncomment the line below with the puzzle's name. To check a solution the way CI does:
 # `puzzle("slot_mapping").module.check(puzzle("slot_mapping").solution())`. Any check also takes `seed=` (other
 # random cases) and `strict=True` (raise `PuzzleNotSolvedError` instead of printing, for your own tests).
 
-# %%
+# %% tags=["instructor"]
 # print(puzzle("slot_mapping").solution_source())
 
 # %% [markdown]

@@ -16,6 +16,8 @@ COMMANDS = {
               "kvlab.studies.fleet_cli:main"),
     "size": ("KV cache bytes per token and per block, and the blocks, tokens and concurrent requests a GPU holds",
              "kvlab.sizing.cli:main"),
+    "course": ("the course's homework edition: export a student or instructor copy, grade a class's notebooks",
+               "kvlab.course.homework:main"),
     "info": ("which kernel mode is active (GPU or Triton interpreter), with versions", "kvlab.cli:info"),
     "bench": ("benchmarks: blocks (block manager), kernels (GPU), engine (vs Hugging Face generate)",
               "kvlab.cli:bench"),

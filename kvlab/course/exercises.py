@@ -6,6 +6,11 @@ what is wrong, and returns a ``Verdict`` (``.right``: ``None``, ``True`` or ``Fa
 a cell's last value (the printed line said it all). The truth comes from the notebook's machinery, never from
 a constant typed next to the question, so a changed knob changes the truth with it.
 
+Two editions (``kvlab course export``): in the instructor's (the default) a wrong answer is told the truth and
+why at once; in the student's (``student_edition()``, which the exported notebooks call first) it gets a hint
+(higher or lower, the shape, "not that word"), and ``reveal()`` shows the truth when the learner asks. Under
+``kvlab course grade`` every verdict is also recorded for the class's report (``record_grade``).
+
 How two values compare (both sides alike, so a truth computed with NumPy or pandas grades as it reads):
 
 * NumPy scalars are the Python numbers they hold (``np.True_`` is True, ``np.int64(3)`` is 3);
@@ -27,10 +32,30 @@ import math
 from fractions import Fraction
 
 from kvlab.errors import InvalidArgumentError
-from kvlab.puzzles.grading import LearnerCodeFailed, as_python, call_learner, describe
+from kvlab.puzzles.grading import LearnerCodeFailed, as_python, call_learner, describe, record_grade
 from kvlab.validation import check_number
 
 ABS_TOL = 1e-12  # with a tolerance, numbers this close to 0 match 0
+
+_student = False  # the student edition: hints first, the truth on request (``reveal``)
+_withheld: dict = {}  # exercise -> (its truth, why), for ``reveal``: answered wrong in the student edition
+
+
+def student_edition() -> None:
+    """From now on a wrong answer gets a hint, not the truth; ``reveal()`` shows the truth on request (the
+    student edition's notebooks call this first)."""
+    global _student
+    _student = True
+
+
+def reveal(name: str | None = None) -> None:
+    """Print the truth and why of the exercises answered wrong so far (``name``: only that one, e.g.
+    ``"PREDICTED_BLOCKS"``)."""
+    shown = {name: _withheld[name]} if name in _withheld else {} if name is not None else _withheld
+    if not shown:
+        print(f"No wrong answer to reveal{' for ' + name if name is not None else ''} yet: answer first.")
+    for exercise, (truth, why) in shown.items():
+        print(f"{exercise}: the run gives {describe(truth)}. {why}")
 
 
 class Verdict:
@@ -64,10 +89,11 @@ def answer(yours, truth, why: str, *, rel_tol: float = 0.0) -> Verdict:
     rel_tol = check_number("rel_tol (the relative tolerance; 0: exact)", rel_tol, 0)
     why = why.strip()
     why = why[0].upper() + why[1:]  # it follows a full stop
+    name = _first_argument(inspect.currentframe().f_back)
     if yours is None:
-        name = _first_argument(inspect.currentframe().f_back)
         print(f"Not answered yet: set {name or 'your prediction'} (now None) to what you predict, then run this "
               "cell again.")
+        record_grade(kind="exercise", name=name or "an exercise", passed=False, message="not answered")
         return Verdict(None)
     yours, truth = as_python(yours), as_python(truth)
     try:
@@ -76,10 +102,21 @@ def answer(yours, truth, why: str, *, rel_tol: float = 0.0) -> Verdict:
     except LearnerCodeFailed as failed:
         right, hint = False, f" (the comparison {failed})"
     if right:
-        print(f"Right: {describe(truth)}. {why}")
-        return Verdict(True)
-    print(f"Not quite: you said {describe(yours)}, the run gives {describe(truth)}{hint}. {why}")
-    return Verdict(False)
+        message = f"Right: {describe(truth)}. {why}"
+    elif _student:
+        _withheld[name or "your last answer"] = (truth, why)
+        try:
+            hint = hint or call_learner(lambda: _direction_hint(yours, truth))
+        except LearnerCodeFailed:
+            hint = " (not that one)"
+        message = (f"Not quite: you said {describe(yours)}{hint}. Think again, "
+                   f"or run kvlab.course.reveal({name or ''!r}) to see the answer.")
+    else:
+        message = f"Not quite: you said {describe(yours)}, the run gives {describe(truth)}{hint}. {why}"
+    print(message)
+    record_grade(kind="exercise", name=name or "an exercise", passed=bool(right),
+                 message=message if right or not _student else f"you said {describe(yours)}")
+    return Verdict(bool(right))
 
 
 def _first_argument(frame) -> str | None:
@@ -128,6 +165,18 @@ def _shape(value) -> tuple:
             break
         value = value[0]
     return tuple(shape)
+
+
+def _direction_hint(yours, truth) -> str:
+    """The student edition's hint for a value of the right shape: which way a number is off, else that a
+    word or a value is not it."""
+    if isinstance(truth, (int, float)) and isinstance(yours, (int, float)) and not isinstance(truth, bool) \
+            and not isinstance(yours, bool) and yours == yours and truth == truth:
+        return f" (the run's value is {'higher' if truth > yours else 'lower'})"
+    if isinstance(truth, (list, tuple)) and isinstance(yours, (list, tuple)):
+        first = next(i for i, (y, t) in enumerate(zip(yours, truth)) if not _matches(y, t, 0.0))
+        return f" (element {first} of your list is not the run's)"
+    return " (not that one)"
 
 
 def _shape_hint(yours, truth) -> str:

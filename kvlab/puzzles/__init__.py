@@ -6,7 +6,8 @@ kvlab's own behaviour, and the report says which case fails first, its inputs, a
 what came back. ``check(..., strict=True)`` raises ``kvlab.errors.PuzzleNotSolvedError`` instead of returning a
 failed report. Whatever your code does (loops forever, calls ``sys.exit()``, answers with NumPy values), the
 check comes back with a report: ``kvlab.puzzles.grading`` says how. The solutions are in
-``kvlab.puzzles.solutions``, one module per puzzle, so that you can look at one without seeing the others.
+``kvlab.puzzles.solutions``, one module per puzzle, so that you can look at one without seeing the others; they
+ship with a kvlab checkout only, not in the installed package (``SolutionsNotShippedError`` says so).
 
 ``PUZZLES`` lists them in course order, each with what it teaches and the notebook to read first::
 
@@ -24,7 +25,7 @@ import inspect
 from types import ModuleType
 from typing import NamedTuple
 
-from kvlab.errors import InvalidArgumentError
+from kvlab.errors import InvalidArgumentError, SolutionsNotShippedError
 from kvlab.puzzles.grading import Report
 
 __all__ = ["PUZZLES", "Puzzle", "Report", "puzzle"]
@@ -43,10 +44,20 @@ class Puzzle(NamedTuple):
 
     def solution(self):
         """The solved function or class (it passes ``check``)."""
-        return getattr(importlib.import_module(f"kvlab.puzzles.solutions.{self.name}"), self.stub)
+        return getattr(self._solution_module(), self.stub)
 
     def solution_source(self) -> str:
-        return inspect.getsource(importlib.import_module(f"kvlab.puzzles.solutions.{self.name}"))
+        return inspect.getsource(self._solution_module())
+
+    def _solution_module(self) -> ModuleType:
+        try:
+            return importlib.import_module(f"kvlab.puzzles.solutions.{self.name}")
+        except ModuleNotFoundError as missing:
+            if not missing.name.startswith("kvlab.puzzles.solutions"):
+                raise
+            raise SolutionsNotShippedError(
+                "the puzzles' solutions ship with a kvlab checkout (the instructor's copy), not with an installed "
+                "kvlab: `git clone` kvlab and install it from there to read them") from None
 
 
 #: The puzzles in course order.

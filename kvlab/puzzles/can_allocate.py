@@ -32,7 +32,7 @@ def can_allocate(num_tokens: int, block_size: int, num_free_blocks: int, num_blo
 def check(fn, *, strict: bool = False, seed: int = 0, num_cases: int = 300) -> Report:
     """Run ``fn`` on ``num_cases`` random pools and prompts (from ``seed``) against kvlab's own admission."""
     rng = seeded(seed, num_cases)
-    return grade(NAME, fn, (_case(rng) for _ in range(num_cases)), strict=strict)
+    return grade(NAME, fn, (_case(rng) for _ in range(num_cases)), num_cases=num_cases, strict=strict)
 
 
 def _case(rng: random.Random) -> Case:

@@ -37,7 +37,7 @@ def plan_append(block_table: list[int], ref_counts: dict[int, int], num_computed
 def check(fn, *, strict: bool = False, seed: int = 0, num_cases: int = 200) -> Report:
     """Run ``fn`` on ``num_cases`` random steps of forked sequences (from ``seed``) against kvlab's manager."""
     rng = seeded(seed, num_cases)
-    return grade(NAME, fn, _cases(rng, num_cases), strict=strict)
+    return grade(NAME, fn, _cases(rng, num_cases), num_cases=num_cases, strict=strict)
 
 
 def _cases(rng: random.Random, num_cases: int):

@@ -36,7 +36,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
 def check(fn, *, strict: bool = False, seed: int = 0, num_cases: int = 12) -> Report:
     """Run ``fn`` on ``num_cases`` random batches (from ``seed``) against kvlab's torch paged attention."""
     rng = seeded(seed, num_cases)
-    return grade(NAME, fn, (_case(rng) for _ in range(num_cases)), strict=strict)
+    return grade(NAME, fn, (_case(rng) for _ in range(num_cases)), num_cases=num_cases, strict=strict)
 
 
 def _case(rng: random.Random) -> Case:

@@ -29,6 +29,8 @@ whatever the code does, the grader comes back with a verdict:
 """
 
 import ctypes
+import json
+import os
 import random
 import signal
 import sys
@@ -57,11 +59,13 @@ class Case(NamedTuple):
 
 @dataclass(frozen=True)
 class Report:
-    """The outcome of a check: ``passed`` (also the report's truth value), how many cases ran, and, when a case
-    failed, ``problem``: which case, its inputs, and what was expected against what came back."""
+    """The outcome of a check: ``passed`` (also the report's truth value), how many cases passed out of the
+    ``num_cases`` it runs, and, when a case failed, ``problem``: which case, its inputs, and what was expected
+    against what came back."""
     puzzle: str
     num_passed: int
     problem: Optional[str] = None
+    num_cases: Optional[int] = None
 
     @property
     def passed(self) -> bool:
@@ -114,17 +118,36 @@ def seeded(seed, num_cases) -> random.Random:
     return random.Random(check_int("seed", seed))
 
 
-def grade(puzzle: str, learner, cases: Iterable[Case], *, strict: bool = False) -> Report:
-    """Run ``learner`` on ``cases`` in order until one fails; the Report names the first failure."""
+def grade(puzzle: str, learner, cases: Iterable[Case], *, num_cases: Optional[int] = None,
+          strict: bool = False) -> Report:
+    """Run ``learner`` on ``cases`` (``num_cases`` of them, None: unsaid) in order until one fails; the Report
+    names the first failure. A class being graded (``$KVLAB_GRADES``: ``record_grade``) gets the report too."""
     if not callable(learner):
         raise InvalidArgumentError(f"check takes your function (or class) itself, got {learner!r}")
-    num_passed = 0
+    num_passed, report = 0, None
     for number, case in enumerate(cases, 1):
         problem = _problem(number, case, learner)
         if problem is not None:
-            return _finish(Report(puzzle, num_passed, problem), strict)
+            report = Report(puzzle, num_passed, problem, num_cases)
+            break
         num_passed += 1
-    return _finish(Report(puzzle, num_passed), strict)
+    if report is None:
+        report = Report(puzzle, num_passed, None, num_cases)
+    record_grade(kind="puzzle", name=puzzle, passed=report.passed, message=str(report))
+    return _finish(report, strict)
+
+
+#: When set (``kvlab course grade`` sets it for each notebook it runs), the file every graded exercise and
+#: puzzle check appends one JSON line to.
+GRADES_ENV = "KVLAB_GRADES"
+
+
+def record_grade(**entry) -> None:
+    """Append ``entry`` as a JSON line to the file named by ``$KVLAB_GRADES``; nothing when it is unset."""
+    path = os.environ.get(GRADES_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as file:
+            file.write(json.dumps(entry) + "\n")
 
 
 def _problem(number: int, case: Case, learner) -> Optional[str]:

@@ -51,7 +51,7 @@ class FakeReplica:
 def check(router_class, *, strict: bool = False, seed: int = 0, num_cases: int = 200) -> Report:
     """Route ``num_cases`` random requests (from ``seed``) with ``router_class`` and with kvlab's kv_cost."""
     rng = seeded(seed, num_cases)
-    return grade(NAME, router_class, _cases(rng, num_cases), strict=strict)
+    return grade(NAME, router_class, _cases(rng, num_cases), num_cases=num_cases, strict=strict)
 
 
 def _cases(rng: random.Random, num_cases: int):

@@ -31,7 +31,7 @@ def propose(tokens: list[int], max_tokens: int, min_n: int, max_n: int) -> list[
 def check(fn, *, strict: bool = False, seed: int = 0, num_cases: int = 300) -> Report:
     """Run ``fn`` on ``num_cases`` random contexts (from ``seed``) against kvlab's NgramProposer."""
     rng = seeded(seed, num_cases)
-    return grade(NAME, fn, (_case(rng) for _ in range(num_cases)), strict=strict)
+    return grade(NAME, fn, (_case(rng) for _ in range(num_cases)), num_cases=num_cases, strict=strict)
 
 
 def _case(rng: random.Random) -> Case:

@@ -27,7 +27,7 @@ def slot_mapping(block_table: list[int], block_size: int, start: int, end: int) 
 def check(fn, *, strict: bool = False, seed: int = 0, num_cases: int = 100) -> Report:
     """Run ``fn`` on ``num_cases`` random sequences (from ``seed``) against kvlab's own slot mapping."""
     rng = seeded(seed, num_cases)
-    return grade(NAME, fn, (_case(rng) for _ in range(num_cases)), strict=strict)
+    return grade(NAME, fn, (_case(rng) for _ in range(num_cases)), num_cases=num_cases, strict=strict)
 
 
 def _case(rng: random.Random) -> Case:

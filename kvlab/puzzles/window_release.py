@@ -33,7 +33,7 @@ def released_blocks(block_table: list[int], num_released: int, first_query: int,
 def check(fn, *, strict: bool = False, seed: int = 0, num_cases: int = 200) -> Report:
     """Run ``fn`` on ``num_cases`` random steps (from ``seed``) against kvlab's sliding-window manager."""
     rng = seeded(seed, num_cases)
-    return grade(NAME, fn, _cases(rng, num_cases), strict=strict)
+    return grade(NAME, fn, _cases(rng, num_cases), num_cases=num_cases, strict=strict)
 
 
 def _cases(rng: random.Random, num_cases: int):

@@ -119,3 +119,45 @@ def test_unanswered_names_the_variable_to_set_and_a_verdict_shows_nothing_more(c
 def test_the_explanation_starts_with_a_capital_after_the_verdict(capsys):
     assert answer(2, 2, "two blocks: one full, one partial").right is True
     assert capsys.readouterr().out.startswith("Right: 2. Two blocks: one full")
+
+
+@pytest.fixture
+def student(monkeypatch):
+    from kvlab.course import exercises
+
+    monkeypatch.setattr(exercises, "_student", False)
+    monkeypatch.setattr(exercises, "_withheld", {})
+    exercises.student_edition()
+    return exercises
+
+
+def test_the_student_edition_hints_first_and_reveals_on_request(student, capsys):
+    PREDICTED_BLOCKS = 2
+    assert answer(PREDICTED_BLOCKS, 3, "two full blocks and a partial one").right is False
+    out = capsys.readouterr().out
+    assert "higher" in out and "3" not in out.replace("you said 2", "") and "partial one" not in out
+    assert "reveal('PREDICTED_BLOCKS')" in out
+    student.reveal("PREDICTED_BLOCKS")
+    assert capsys.readouterr().out == "PREDICTED_BLOCKS: the run gives 3. Two full blocks and a partial one\n"
+    PREDICTED_POLICY = "fifo"
+    answer(PREDICTED_POLICY, "lru", "recency")
+    assert "(not that one)" in capsys.readouterr().out
+    PREDICTED_BLOCKS = 3
+    answer(PREDICTED_BLOCKS, 3, "two full blocks and a partial one")
+    assert capsys.readouterr().out.startswith("Right: 3.")  # a right answer says everything, as before
+
+
+def test_every_verdict_is_recorded_for_a_class_report_when_asked(tmp_path, monkeypatch, capsys):
+    import json
+
+    grades = tmp_path / "grades.jsonl"
+    monkeypatch.setenv("KVLAB_GRADES", str(grades))
+    PREDICTED_A, PREDICTED_B = None, 4
+    answer(PREDICTED_A, 3, "three")
+    answer(PREDICTED_B, 4, "four")
+    from kvlab.puzzles import puzzle
+    puzzle("slot_mapping").module.check(lambda *args: [])
+    rows = [json.loads(line) for line in grades.read_text().splitlines()]
+    assert [(r["kind"], r["name"], r["passed"]) for r in rows] == [
+        ("exercise", "PREDICTED_A", False), ("exercise", "PREDICTED_B", True), ("puzzle", "slot_mapping", False)]
+    assert rows[0]["message"] == "not answered"
