@@ -8,9 +8,10 @@
 # %% [markdown]
 # # 16 · Puzzles: write a piece of kvlab yourself
 #
-# Eight small pieces of a paged KV cache, each 5 to 30 lines to write: where a token's K/V lives, who may be
+# Eleven small pieces of a paged KV cache, each 5 to 30 lines to write: where a token's K/V lives, who may be
 # admitted, which free block goes first, what a fork must copy, attention through a block table, what a
-# sliding window frees, where a router sends a request, and what prompt lookup guesses. Each puzzle gives a
+# sliding window frees, where a router sends a request, what prompt lookup guesses, and three Triton kernels
+# (writing K/V into the cache, copying blocks, paged decode attention). Each puzzle gives a
 # spec and a stub; you replace the stub's body, run its check cell, and kvlab grades your code on random
 # cases against its own behaviour. A check that fails names the first case your code gets wrong, its inputs,
 # and what was expected against what came back. Solve them in any order; each says which notebook to read
@@ -19,7 +20,8 @@
 # **Objectives.** After this notebook you can:
 # 1. write the block manager's core rules yourself: the slot mapping, admission with a watermark, LRU
 #    eviction, copy-on-write on append and sliding-window release;
-# 2. write paged decode attention in torch that never reads a slot no token was written to;
+# 2. write paged decode attention in torch, then as a Triton kernel with the online softmax, that never reads
+#    a slot no token was written to, and the cache's write and copy kernels with strides and masks;
 # 3. plug your own code into kvlab's seams: an `EvictionPolicy` into `BlockManager(eviction=...)`, a `Router`
 #    into a fleet, a proposer's lookup rule;
 # 4. read a failing case and find the bug from it.
@@ -72,7 +74,9 @@ if kvlab.device.mode() != "gpu":
 import inspect
 
 import matplotlib.pyplot as plt
-import torch  # noqa: F401 - for your solutions, as the next three imports
+import torch  # noqa: F401 - for your solutions, as the next five imports
+import triton
+import triton.language as tl
 from IPython.display import Markdown, display
 
 from kvlab.blocks import AllocStatus, EvictionPolicy  # noqa: F401
@@ -81,7 +85,7 @@ from kvlab.puzzles import PUZZLES, puzzle
 from kvlab.studies.routers import Router
 from kvlab.viz import check
 
-reports = {}  # puzzle name -> the last Report of your code, for the scoreboard in §9
+reports = {}  # puzzle name -> the last Report of your code, for the scoreboard in §12
 
 
 def grade(name, your_code):
@@ -286,7 +290,77 @@ def propose(tokens, max_tokens, min_n, max_n):
 grade("ngram_proposer", propose)
 
 # %% [markdown]
-# ## 9. Your scoreboard
+# ## 9. A Triton kernel: reshape_and_cache
+#
+# The last three puzzles are Triton kernels, graded as the ones in `kvlab/kernels/` are tested: on a GPU they
+# compile; on a CPU they run in Triton's interpreter (slowly, so the checks use tiny shapes). Each gives you the
+# kernel's signature and its launcher (`launch` in the puzzle's module: the grid and every argument); you
+# write the body. The checks poison every element a kernel must not touch with NaN and pad the cache between
+# heads, so a missing mask or an assumed stride shows. The first writes a step's new K/V into their slots:
+# notebook 04 draws it.
+
+# %%
+spec("triton_reshape_and_cache")
+
+
+# %%
+@triton.jit
+def reshape_and_cache_kernel(key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, num_heads, head_dim, block_size,
+                             stride_block, stride_kv, stride_slot, stride_head,
+                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    pass  # your code here: one program per token
+
+
+# %%
+grade("triton_reshape_and_cache", reshape_and_cache_kernel)
+
+# %% [markdown]
+# ## 10. A Triton kernel: copy_blocks
+#
+# Copy-on-write (notebook 03a, puzzle 4) decides which blocks to copy; this kernel copies them, one program per
+# pair of blocks and per half of the cache (K or V).
+
+# %%
+spec("triton_copy_blocks")
+
+
+# %%
+@triton.jit
+def copy_blocks_kernel(cache_ptr, block_mapping_ptr, num_heads, head_dim, block_size,
+                       stride_block, stride_kv, stride_slot, stride_head,
+                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    pass  # your code here: one program per (pair, K or V)
+
+
+# %%
+grade("triton_copy_blocks", copy_blocks_kernel)
+
+# %% [markdown]
+# ## 11. A Triton kernel: paged decode attention
+#
+# Puzzle 5's math as a kernel: one program per sequence and query head walks the sequence's blocks through its
+# table, one block at a time, with the online softmax (notebook 05 §2 shows it on a tile), so no program ever
+# holds the whole context. kvlab's own kernel (`kvlab/kernels/paged_attention_decode.py`) adds tiles of several
+# blocks, the grouped heads of one KV head in one program, and split-K.
+
+# %%
+spec("triton_decode_attention")
+
+
+# %%
+@triton.jit
+def decode_attention_kernel(out_ptr, query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, scale,
+                            num_query_heads, num_kv_heads, head_dim,
+                            stride_table, stride_block, stride_kv, stride_slot, stride_head,
+                            BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
+    pass  # your code here: one program per (sequence, query head)
+
+
+# %%
+grade("triton_decode_attention", decode_attention_kernel)
+
+# %% [markdown]
+# ## 12. Your scoreboard
 #
 # Each bar is one puzzle: how many random cases your code passed before its first failure, out of the cases
 # its check runs (a solved puzzle fills its bar). Run this cell again after solving one.

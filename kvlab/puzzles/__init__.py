@@ -17,7 +17,8 @@ ship with a kvlab checkout only, not in the installed package (``SolutionsNotShi
     p.module.check(my_slot_mapping)           # the report
     print(p.solution_source())                # when you are done (or stuck)
 
-Modules load on first use: the decode-attention puzzle needs torch, the others only the block manager.
+Modules load on first use: the decode-attention puzzle needs torch, the Triton puzzles torch and Triton (in its
+interpreter on a CPU), the others only the block manager.
 """
 
 import importlib
@@ -78,6 +79,12 @@ PUZZLES: tuple[Puzzle, ...] = (
            "taking turns", "12 (§1, §3)"),
     Puzzle("ngram_proposer", "propose", "speculative decoding's n-gram prompt lookup: the longest, most recent match",
            "13"),
+    Puzzle("triton_reshape_and_cache", "reshape_and_cache_kernel", "a Triton kernel: new tokens' K/V into their "
+           "slots, strides and masks", "04"),
+    Puzzle("triton_copy_blocks", "copy_blocks_kernel", "a Triton kernel: copy-on-write's block copies, a program "
+           "per pair and half", "03a, 04"),
+    Puzzle("triton_decode_attention", "decode_attention_kernel", "a Triton kernel: paged decode attention with "
+           "the online softmax, a program per sequence and head", "05"),
 )
 
 

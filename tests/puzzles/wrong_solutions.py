@@ -5,8 +5,11 @@ failed case with a report, never a hang or a crash (the test runs them with a sh
 
 import sys
 
+import kvlab.device  # noqa: F401 - first: it selects Triton's interpreter on a CPU, before triton loads
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 
 from kvlab.blocks import AllocStatus, EvictionPolicy
 from kvlab.errors import OutOfBlocksError
@@ -166,6 +169,71 @@ def groups_heads_with_repeat(query, kv_cache, block_tables, seq_lens, scale):
     return out
 
 
+# ---- the Triton puzzles ---------------------------------------------------------------------------------------
+@triton.jit
+def caches_with_contiguous_heads(key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, num_heads, head_dim, block_size,
+                                 stride_block, stride_kv, stride_slot, stride_head,
+                                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t)
+    if slot >= 0:
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        dims = tl.arange(0, BLOCK_D)[None, :]
+        mask = (heads < num_heads) & (dims < head_dim)
+        row = t * num_heads * head_dim + heads * head_dim + dims
+        dst = cache_ptr + (slot // block_size) * stride_block + (slot % block_size) * stride_slot \
+            + heads * head_dim + dims  # head_dim where the cache's head stride is stride_head
+        tl.store(dst, tl.load(key_ptr + row, mask=mask), mask=mask)
+        tl.store(dst + stride_kv, tl.load(value_ptr + row, mask=mask), mask=mask)
+
+
+@triton.jit
+def copies_keys_only(cache_ptr, block_mapping_ptr, num_heads, head_dim, block_size,
+                     stride_block, stride_kv, stride_slot, stride_head,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    pair = tl.program_id(0)  # forgets program_id(1): both programs of a pair copy K, nobody copies V
+    src = tl.load(block_mapping_ptr + 2 * pair)
+    dst = tl.load(block_mapping_ptr + 2 * pair + 1)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < num_heads) & (dims < head_dim)
+    tile = heads * stride_head + dims
+    for offset in range(block_size):
+        values = tl.load(cache_ptr + src * stride_block + offset * stride_slot + tile, mask=mask)
+        tl.store(cache_ptr + dst * stride_block + offset * stride_slot + tile, values, mask=mask)
+
+
+@triton.jit
+def attends_to_whole_blocks(out_ptr, query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, scale,
+                            num_query_heads, num_kv_heads, head_dim,
+                            stride_table, stride_block, stride_kv, stride_slot, stride_head,
+                            BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
+    s, h = tl.program_id(0), tl.program_id(1)
+    kv_head = h // (num_query_heads // num_kv_heads)
+    seq_len = tl.load(seq_lens_ptr + s)
+    dims = tl.arange(0, BLOCK_D)
+    offsets = tl.arange(0, BLOCK_SIZE)
+    row = (s * num_query_heads + h) * head_dim
+    q = tl.load(query_ptr + row + dims, mask=dims < head_dim, other=0.0)
+    best, total = -float("inf"), 0.0
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
+        block = tl.load(block_tables_ptr + s * stride_table + j).to(tl.int64)
+        mask = dims[None, :] < head_dim  # forgets positions >= seq_len in the last block
+        slots = cache_ptr + block * stride_block + offsets[:, None] * stride_slot + kv_head * stride_head \
+            + dims[None, :]
+        k = tl.load(slots, mask=mask, other=0.0)
+        v = tl.load(slots + stride_kv, mask=mask, other=0.0)
+        scores = tl.sum(k * q[None, :], axis=1) * scale
+        new_best = tl.maximum(best, tl.max(scores, axis=0))
+        rescale = tl.exp(best - new_best)
+        weights = tl.exp(scores - new_best)
+        total = total * rescale + tl.sum(weights, axis=0)
+        acc = acc * rescale + tl.sum(weights[:, None] * v, axis=0)
+        best = new_best
+    tl.store(out_ptr + row + dims, acc / total, mask=dims < head_dim)
+
+
 # ---- window_release -----------------------------------------------------------------------------------------
 def releases_one_position_late(table, released, first, window, bs):
     return table[released:max(0, first - window) // bs]  # the first query still sees first - window + 1
@@ -268,4 +336,7 @@ WRONG = [
     ("ngram_proposer", first_occurrence_in_numpy, "not the first"),
     ("ngram_proposer", shortest_n_first, "the longest n that matches wins"),
     ("ngram_proposer", matches_itself, "one must end before the last token"),
+    ("triton_reshape_and_cache", caches_with_contiguous_heads, "step heads by stride_head"),
+    ("triton_copy_blocks", copies_keys_only, "every one of its slots, K and V"),
+    ("triton_decode_attention", attends_to_whole_blocks, "mask positions >= seq_len"),
 ]
