@@ -8,10 +8,11 @@
 # %% [markdown]
 # # 16 · Puzzles: write a piece of kvlab yourself
 #
-# Eleven small pieces of a paged KV cache, each 5 to 30 lines to write: where a token's K/V lives, who may be
-# admitted, which free block goes first, what a fork must copy, attention through a block table, what a
-# sliding window frees, where a router sends a request, what prompt lookup guesses, and three Triton kernels
-# (writing K/V into the cache, copying blocks, paged decode attention). Each puzzle gives a
+# Fourteen small pieces of a paged KV cache, each 5 to 30 lines to write: where a token's K/V lives, what a
+# block's hash covers, who may be admitted, which free block goes first, what a fork must copy, attention
+# through a block table (decode, prefill over a cached prefix, split-K), what a sliding window frees, where a
+# router sends a request, what prompt lookup guesses, and three Triton kernels (writing K/V into the cache,
+# copying blocks, paged decode attention). Each puzzle gives a
 # spec and a stub; you replace the stub's body, run its check cell, and kvlab grades your code on random
 # cases against its own behaviour. A check that fails names the first case your code gets wrong, its inputs,
 # and what was expected against what came back. Solve them in any order; each says which notebook to read
@@ -20,8 +21,9 @@
 # **Objectives.** After this notebook you can:
 # 1. write the block manager's core rules yourself: the slot mapping, admission with a watermark, LRU
 #    eviction, copy-on-write on append and sliding-window release;
-# 2. write paged decode attention in torch, then as a Triton kernel with the online softmax, that never reads
-#    a slot no token was written to, and the cache's write and copy kernels with strides and masks;
+# 2. write paged attention in torch (decode, prefill over a cached prefix, the split-K merge), then decode as a
+#    Triton kernel with the online softmax, never reading a slot no token was written to, and the cache's write
+#    and copy kernels with strides and masks;
 # 3. plug your own code into kvlab's seams: an `EvictionPolicy` into `BlockManager(eviction=...)`, a `Router`
 #    into a fleet, a proposer's lookup rule;
 # 4. read a failing case and find the bug from it.
@@ -85,7 +87,7 @@ from kvlab.puzzles import PUZZLES, puzzle
 from kvlab.studies.routers import Router
 from kvlab.viz import check
 
-reports = {}  # puzzle name -> the last Report of your code, for the scoreboard in §12
+reports = {}  # puzzle name -> the last Report of your code, for the scoreboard in §15
 
 
 def grade(name, your_code):
@@ -125,7 +127,25 @@ def slot_mapping(block_table, block_size, start, end):
 grade("slot_mapping", slot_mapping)
 
 # %% [markdown]
-# ## 2. Admission with a watermark
+# ## 2. Chained block hashes
+#
+# Prefix caching finds a prompt's cached blocks by hash, but a block's K/V depends on every token before it:
+# so each full block's hash also covers its parent's hash. Notebook 02 §1 draws the chain.
+
+# %%
+spec("block_hashes")
+
+
+# %%
+def block_hashes(tokens, block_size, hash_fn):
+    raise NotImplementedError  # your code here
+
+
+# %%
+grade("block_hashes", block_hashes)
+
+# %% [markdown]
+# ## 3. Admission with a watermark
 #
 # `can_allocate` answers OK, LATER or NEVER before the scheduler admits a prompt; the watermark keeps a few
 # blocks free so that running sequences can grow without an immediate preemption. Notebook 01 §4 introduces
@@ -144,7 +164,7 @@ def can_allocate(num_tokens, block_size, num_free_blocks, num_blocks, watermark)
 grade("can_allocate", can_allocate)
 
 # %% [markdown]
-# ## 3. An eviction policy
+# ## 4. An eviction policy
 #
 # The pool hands the eviction policy every block that becomes free, and asks it which one to reuse next.
 # kvlab's LRU reuses blocks that hold no cached prefix first, then cached ones, least recently freed first
@@ -184,7 +204,7 @@ class MyLRU(EvictionPolicy):
 grade("lru_policy", MyLRU)
 
 # %% [markdown]
-# ## 4. Copy-on-write on append
+# ## 5. Copy-on-write on append
 #
 # A fork shares its parent's blocks; the first write into a shared block must copy it first. Notebook 03a
 # shows forks, beams and the copy-on-write pairs `append_slots` returns.
@@ -202,7 +222,7 @@ def plan_append(block_table, ref_counts, num_computed_tokens, num_tokens, block_
 grade("copy_on_write", plan_append)
 
 # %% [markdown]
-# ## 5. Decode attention over a block table, in torch
+# ## 6. Decode attention over a block table, in torch
 #
 # One query per sequence attends to its whole context, gathered block by block through its table. Notebook 05
 # §1 writes the gather and §3 grouped-query attention. The check poisons every slot that holds no token with
@@ -221,7 +241,43 @@ def decode_attention(query, kv_cache, block_tables, seq_lens, scale):
 grade("decode_attention", decode_attention)
 
 # %% [markdown]
-# ## 6. Sliding-window release
+# ## 7. Prefill over a cached prefix, in torch
+#
+# A prompt admitted with a prefix hit computes only its new tokens, and each of them attends causally to the
+# cached prefix and to the new tokens before it (notebook 06). The check poisons every slot past the sequence.
+
+# %%
+spec("prefill_attention")
+
+
+# %%
+def prefill_attention(query, kv_cache, block_table, seq_len, scale):
+    raise NotImplementedError  # your code here: return a [T, H, D] tensor
+
+
+# %%
+grade("prefill_attention", prefill_attention)
+
+# %% [markdown]
+# ## 8. Merging split-K partitions
+#
+# A long context's decode runs in partitions, each a softmax over its own keys (notebook 05 §4); merging them
+# must give exactly one softmax over all the keys, and never overflow.
+
+# %%
+spec("split_k_merge")
+
+
+# %%
+def split_k_merge(partial_out, partial_max, partial_sum, num_partitions):
+    raise NotImplementedError  # your code here: return a [S, H, D] tensor
+
+
+# %%
+grade("split_k_merge", split_k_merge)
+
+# %% [markdown]
+# ## 9. Sliding-window release
 #
 # A sliding-window layer frees a block once no query of this step or a later one can see it. Notebook 11 §1
 # follows a sequence growing past the window.
@@ -243,7 +299,7 @@ def released_blocks(block_table, num_released, first_query, window, block_size):
 grade("window_release", released_blocks)
 
 # %% [markdown]
-# ## 7. A router
+# ## 10. A router
 #
 # A fleet's router sees each replica only through what it publishes: its cached block hashes (from KV events)
 # and its queue. Notebook 12 §1 shows what a router sees and §3 compares kvlab's routers on a real trace,
@@ -266,7 +322,7 @@ class MyRouter(Router):
 grade("kv_cost_router", MyRouter)
 
 # %% [markdown]
-# ## 8. The n-gram proposer
+# ## 11. The n-gram proposer
 #
 # Prompt lookup drafts the next tokens from the context itself, for free; the model verifies them in one
 # pass. Notebook 13 measures how often its drafts are accepted.
@@ -290,7 +346,7 @@ def propose(tokens, max_tokens, min_n, max_n):
 grade("ngram_proposer", propose)
 
 # %% [markdown]
-# ## 9. A Triton kernel: reshape_and_cache
+# ## 12. A Triton kernel: reshape_and_cache
 #
 # The last three puzzles are Triton kernels, graded as the ones in `kvlab/kernels/` are tested: on a GPU they
 # compile; on a CPU they run in Triton's interpreter (slowly, so the checks use tiny shapes). Each gives you the
@@ -315,9 +371,9 @@ def reshape_and_cache_kernel(key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, nu
 grade("triton_reshape_and_cache", reshape_and_cache_kernel)
 
 # %% [markdown]
-# ## 10. A Triton kernel: copy_blocks
+# ## 13. A Triton kernel: copy_blocks
 #
-# Copy-on-write (notebook 03a, puzzle 4) decides which blocks to copy; this kernel copies them, one program per
+# Copy-on-write (notebook 03a, puzzle 5) decides which blocks to copy; this kernel copies them, one program per
 # pair of blocks and per half of the cache (K or V).
 
 # %%
@@ -336,9 +392,9 @@ def copy_blocks_kernel(cache_ptr, block_mapping_ptr, num_heads, head_dim, block_
 grade("triton_copy_blocks", copy_blocks_kernel)
 
 # %% [markdown]
-# ## 11. A Triton kernel: paged decode attention
+# ## 14. A Triton kernel: paged decode attention
 #
-# Puzzle 5's math as a kernel: one program per sequence and query head walks the sequence's blocks through its
+# Puzzle 6's math as a kernel: one program per sequence and query head walks the sequence's blocks through its
 # table, one block at a time, with the online softmax (notebook 05 §2 shows it on a tile), so no program ever
 # holds the whole context. kvlab's own kernel (`kvlab/kernels/paged_attention_decode.py`) adds tiles of several
 # blocks, the grouped heads of one KV head in one program, and split-K.
@@ -360,7 +416,7 @@ def decode_attention_kernel(out_ptr, query_ptr, cache_ptr, block_tables_ptr, seq
 grade("triton_decode_attention", decode_attention_kernel)
 
 # %% [markdown]
-# ## 12. Your scoreboard
+# ## 15. Your scoreboard
 #
 # Each bar is one puzzle: how many random cases your code passed before its first failure, out of the cases
 # its check runs (a solved puzzle fills its bar). Run this cell again after solving one.

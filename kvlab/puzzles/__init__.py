@@ -65,6 +65,8 @@ class Puzzle(NamedTuple):
 PUZZLES: tuple[Puzzle, ...] = (
     Puzzle("slot_mapping", "slot_mapping", "block tables: where a token's K/V lives in the paged cache",
            "01 (§2-3), 04 (§3)"),
+    Puzzle("block_hashes", "block_hashes", "prefix caching's chained block hashes: a block's hash covers every "
+           "token before it", "02 (§1)"),
     Puzzle("can_allocate", "can_allocate", "admission: OK, LATER or NEVER, and the blocks a watermark keeps free",
            "01 (§4), 10a (§2)"),
     Puzzle("lru_policy", "MyLRU", "an eviction policy behind kvlab's seam: never-cached blocks first, then least "
@@ -73,6 +75,10 @@ PUZZLES: tuple[Puzzle, ...] = (
            "03a"),
     Puzzle("decode_attention", "decode_attention", "paged decode attention in torch: the gather through the block "
            "table, grouped-query heads, never reading a stale slot", "05 (§1, §3)"),
+    Puzzle("prefill_attention", "prefill_attention", "prefill over a cached prefix in torch: the new tokens' "
+           "causal attention over the whole paged context", "06"),
+    Puzzle("split_k_merge", "split_k_merge", "split-K decode: merge partitions' softmax results exactly, "
+           "without overflow", "05 (§2, §4)"),
     Puzzle("window_release", "released_blocks", "a sliding window: which blocks no query can see any more",
            "11 (§1)"),
     Puzzle("kv_cost_router", "MyRouter", "a fleet router behind kvlab's ROUTERS seam: least prefill work, ties "

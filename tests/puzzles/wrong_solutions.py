@@ -48,6 +48,19 @@ def slots_interrupting_itself(table, bs, start, end):
     raise KeyboardInterrupt  # a learner's own "stop here", not the user pressing Ctrl-C
 
 
+# ---- block_hashes -------------------------------------------------------------------------------------------
+def hashes_each_block_alone(tokens, bs, hash_fn):
+    return [hash_fn(None, tuple(tokens[i:i + bs])) for i in range(0, len(tokens) - bs + 1, bs)]  # no parent
+
+
+def hashes_the_partial_block_too(tokens, bs, hash_fn):
+    hashes, parent = [], None
+    for i in range(0, len(tokens), bs):  # a partial last block is never looked up
+        parent = hash_fn(parent, tuple(tokens[i:i + bs]))
+        hashes.append(parent)
+    return hashes
+
+
 # ---- can_allocate -------------------------------------------------------------------------------------------
 def admits_without_watermark(num_tokens, bs, free, num_blocks, watermark):
     needed = -(-num_tokens // bs)
@@ -167,6 +180,43 @@ def groups_heads_with_repeat(query, kv_cache, block_tables, seq_lens, scale):
         v = kv_cache[blocks, 1, positions % bs].repeat(1, heads // kv_heads, 1)
         out[s] = torch.einsum("hn,nhd->hd", (torch.einsum("hd,nhd->hn", query[s], k) * scale).softmax(-1), v)
     return out
+
+
+# ---- prefill_attention --------------------------------------------------------------------------------------
+def prefill_without_causal_mask(query, kv_cache, block_table, seq_len, scale):
+    """Every new token sees every key, the later new tokens' too."""
+    heads, bs, kv_heads = query.shape[1], kv_cache.shape[2], kv_cache.shape[3]
+    positions = torch.arange(seq_len)
+    blocks = block_table.long()[positions // bs]
+    k = kv_cache[blocks, 0, positions % bs].repeat_interleave(heads // kv_heads, 1)
+    v = kv_cache[blocks, 1, positions % bs].repeat_interleave(heads // kv_heads, 1)
+    return torch.einsum("htn,nhd->thd", (torch.einsum("thd,nhd->htn", query, k) * scale).softmax(-1), v)
+
+
+def prefill_counting_from_zero(query, kv_cache, block_table, seq_len, scale):
+    """Row i sees positions 0 .. i: as if nothing were cached, the prefix's keys cut off."""
+    new, heads, _ = query.shape
+    bs, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    positions = torch.arange(seq_len)
+    blocks = block_table.long()[positions // bs]
+    k = kv_cache[blocks, 0, positions % bs].repeat_interleave(heads // kv_heads, 1)
+    v = kv_cache[blocks, 1, positions % bs].repeat_interleave(heads // kv_heads, 1)
+    scores = torch.einsum("thd,nhd->htn", query, k) * scale
+    scores = scores.masked_fill(positions[None, :] > torch.arange(new)[:, None], float("-inf"))
+    return torch.einsum("htn,nhd->thd", scores.softmax(-1), v)
+
+
+# ---- split_k_merge ------------------------------------------------------------------------------------------
+def merges_by_averaging(partial_out, partial_max, partial_sum, num_partitions):
+    return torch.stack([partial_out[s, :int(n)].mean(0) for s, n in enumerate(num_partitions)])  # equal weights
+
+
+def merges_without_the_maximum(partial_out, partial_max, partial_sum, num_partitions):
+    merged = []
+    for s, n in enumerate(num_partitions.tolist()):
+        weights = partial_sum[s, :n] * partial_max[s, :n].exp()  # exp of a raw score overflows
+        merged.append((weights[..., None] * partial_out[s, :n]).sum(0) / weights.sum(0)[..., None])
+    return torch.stack(merged)
 
 
 # ---- the Triton puzzles ---------------------------------------------------------------------------------------
@@ -312,6 +362,8 @@ WRONG = [
     ("slot_mapping", slots_forever, "your code ran past the time limit"),
     ("slot_mapping", slots_then_exit, "your code raised SystemExit(0) (sys.exit), which would stop"),
     ("slot_mapping", slots_interrupting_itself, "your code raised KeyboardInterrupt itself"),
+    ("block_hashes", hashes_each_block_alone, "takes its parent's hash"),
+    ("block_hashes", hashes_the_partial_block_too, "the last block is partial"),
     ("can_allocate", admits_without_watermark, "the watermark keeps"),
     ("can_allocate", admits_strictly_above_watermark, "which is >="),
     ("lru_policy", OneQueue, "never-cached first"),
@@ -325,6 +377,10 @@ WRONG = [
     ("copy_on_write", copies_only_the_last_block, "written by this step and shared: copy it"),
     ("decode_attention", attends_whole_blocks, "has NaN: it read a slot that holds no token"),
     ("decode_attention", groups_heads_with_repeat, "max abs error"),
+    ("prefill_attention", prefill_without_causal_mask, "no later one"),
+    ("prefill_attention", prefill_counting_from_zero, "it must see positions 0 .."),
+    ("split_k_merge", merges_by_averaging, "its share of the whole softmax"),
+    ("split_k_merge", merges_without_the_maximum, "without subtracting the maximum"),
     ("window_release", releases_one_position_late, ": release it"),
     ("window_release", releases_a_block_still_seen, "is still seen"),
     ("window_release", releases_again, "released by an earlier step"),
