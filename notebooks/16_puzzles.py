@@ -8,10 +8,10 @@
 # %% [markdown]
 # # 16 · Puzzles: write a piece of kvlab yourself
 #
-# Fourteen small pieces of a paged KV cache, each 5 to 30 lines to write: where a token's K/V lives, what a
+# Fifteen small pieces of a paged KV cache, each 5 to 30 lines to write: where a token's K/V lives, what a
 # block's hash covers, who may be admitted, which free block goes first, what a fork must copy, attention
 # through a block table (decode, prefill over a cached prefix, split-K), what a sliding window frees, where a
-# router sends a request, what prompt lookup guesses, and three Triton kernels (writing K/V into the cache,
+# router sends a request, what prompt lookup guesses and how drafts are verified, and three Triton kernels (writing K/V into the cache,
 # copying blocks, paged decode attention). Each puzzle gives a
 # spec and a stub; you replace the stub's body, run its check cell, and kvlab grades your code on random
 # cases against its own behaviour. A check that fails names the first case your code gets wrong, its inputs,
@@ -87,7 +87,7 @@ from kvlab.puzzles import PUZZLES, puzzle
 from kvlab.studies.routers import Router
 from kvlab.viz import check
 
-reports = {}  # puzzle name -> the last Report of your code, for the scoreboard in §15
+reports = {}  # puzzle name -> the last Report of your code, for the scoreboard in §16
 
 
 def grade(name, your_code):
@@ -346,7 +346,26 @@ def propose(tokens, max_tokens, min_n, max_n):
 grade("ngram_proposer", propose)
 
 # %% [markdown]
-# ## 12. A Triton kernel: reshape_and_cache
+# ## 12. Verification by rejection sampling
+#
+# A model-free proposer's drafts are certain guesses; a draft *model* proposes from a distribution, and the
+# target must accept each draft with probability min(1, p / q) and, at the first rejection, draw from what is
+# left of its own distribution, so that the kept tokens are distributed exactly as the target's own samples.
+
+# %%
+spec("rejection_sampling")
+
+
+# %%
+def verify(drafts, draft_probs, target_probs, uniforms, sample):
+    raise NotImplementedError  # your code here
+
+
+# %%
+grade("rejection_sampling", verify)
+
+# %% [markdown]
+# ## 13. A Triton kernel: reshape_and_cache
 #
 # The last three puzzles are Triton kernels, graded as the ones in `kvlab/kernels/` are tested: on a GPU they
 # compile; on a CPU they run in Triton's interpreter (slowly, so the checks use tiny shapes). Each gives you the
@@ -371,7 +390,7 @@ def reshape_and_cache_kernel(key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, nu
 grade("triton_reshape_and_cache", reshape_and_cache_kernel)
 
 # %% [markdown]
-# ## 13. A Triton kernel: copy_blocks
+# ## 14. A Triton kernel: copy_blocks
 #
 # Copy-on-write (notebook 03a, puzzle 5) decides which blocks to copy; this kernel copies them, one program per
 # pair of blocks and per half of the cache (K or V).
@@ -392,7 +411,7 @@ def copy_blocks_kernel(cache_ptr, block_mapping_ptr, num_heads, head_dim, block_
 grade("triton_copy_blocks", copy_blocks_kernel)
 
 # %% [markdown]
-# ## 14. A Triton kernel: paged decode attention
+# ## 15. A Triton kernel: paged decode attention
 #
 # Puzzle 6's math as a kernel: one program per sequence and query head walks the sequence's blocks through its
 # table, one block at a time, with the online softmax (notebook 05 §2 shows it on a tile), so no program ever
@@ -416,7 +435,7 @@ def decode_attention_kernel(out_ptr, query_ptr, cache_ptr, block_tables_ptr, seq
 grade("triton_decode_attention", decode_attention_kernel)
 
 # %% [markdown]
-# ## 15. Your scoreboard
+# ## 16. Your scoreboard
 #
 # Each bar is one puzzle: how many random cases your code passed before its first failure, out of the cases
 # its check runs (a solved puzzle fills its bar). Run this cell again after solving one.

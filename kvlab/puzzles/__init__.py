@@ -85,6 +85,8 @@ PUZZLES: tuple[Puzzle, ...] = (
            "taking turns", "12 (§1, §3)"),
     Puzzle("ngram_proposer", "propose", "speculative decoding's n-gram prompt lookup: the longest, most recent match",
            "13"),
+    Puzzle("rejection_sampling", "verify", "speculative verification by rejection sampling: accepted drafts, then "
+           "a recovered or bonus token, exact in distribution", "13 (§1)"),
     Puzzle("triton_reshape_and_cache", "reshape_and_cache_kernel", "a Triton kernel: new tokens' K/V into their "
            "slots, strides and masks", "04"),
     Puzzle("triton_copy_blocks", "copy_blocks_kernel", "a Triton kernel: copy-on-write's block copies, a program "

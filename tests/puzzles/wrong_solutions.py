@@ -219,6 +219,31 @@ def merges_without_the_maximum(partial_out, partial_max, partial_sum, num_partit
     return torch.stack(merged)
 
 
+# ---- rejection_sampling -------------------------------------------------------------------------------------
+def accepts_by_target_alone(drafts, draft_probs, target_probs, uniforms, sample):
+    for i, draft in enumerate(drafts):
+        if uniforms[i] <= target_probs[i][draft]:  # min(1, p) where the rule has min(1, p / q)
+            continue
+        residual = [max(p - q, 0.0) for p, q in zip(target_probs[i], draft_probs[i])]
+        return list(drafts[:i]) + [sample([r / sum(residual) for r in residual])]
+    return list(drafts) + [sample(target_probs[len(drafts)])]
+
+
+def recovers_from_the_target(drafts, draft_probs, target_probs, uniforms, sample):
+    for i, draft in enumerate(drafts):
+        if uniforms[i] * draft_probs[i][draft] > target_probs[i][draft]:
+            return list(drafts[:i]) + [sample(target_probs[i])]  # p itself: the rejected draft's odds counted twice
+    return list(drafts) + [sample(target_probs[len(drafts)])]
+
+
+def forgets_the_bonus_token(drafts, draft_probs, target_probs, uniforms, sample):
+    for i, draft in enumerate(drafts):
+        if uniforms[i] * draft_probs[i][draft] > target_probs[i][draft]:
+            residual = [max(p - q, 0.0) for p, q in zip(target_probs[i], draft_probs[i])]
+            return list(drafts[:i]) + [sample([r / sum(residual) for r in residual])]
+    return list(drafts)
+
+
 # ---- the Triton puzzles ---------------------------------------------------------------------------------------
 @triton.jit
 def caches_with_contiguous_heads(key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, num_heads, head_dim, block_size,
@@ -392,6 +417,9 @@ WRONG = [
     ("ngram_proposer", first_occurrence_in_numpy, "not the first"),
     ("ngram_proposer", shortest_n_first, "the longest n that matches wins"),
     ("ngram_proposer", matches_itself, "one must end before the last token"),
+    ("rejection_sampling", accepts_by_target_alone, "is accepted: uniforms["),
+    ("rejection_sampling", recovers_from_the_target, "the recovered token from max(target_probs["),
+    ("rejection_sampling", forgets_the_bonus_token, "then one bonus token"),
     ("triton_reshape_and_cache", caches_with_contiguous_heads, "step heads by stride_head"),
     ("triton_copy_blocks", copies_keys_only, "every one of its slots, K and V"),
     ("triton_decode_attention", attends_to_whole_blocks, "mask positions >= seq_len"),
