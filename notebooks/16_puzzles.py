@@ -11,16 +11,16 @@
 # Fifteen small pieces of a paged KV cache, each 5 to 30 lines to write: where a token's K/V lives, what a
 # block's hash covers, who may be admitted, which free block goes first, what a fork must copy, attention
 # through a block table (decode, prefill over a cached prefix, split-K), what a sliding window frees, where a
-# router sends a request, what prompt lookup guesses and how drafts are verified, and three Triton kernels (writing K/V into the cache,
-# copying blocks, paged decode attention). Each puzzle gives a
-# spec and a stub; you replace the stub's body, run its check cell, and kvlab grades your code on random
-# cases against its own behaviour. A check that fails names the first case your code gets wrong, its inputs,
-# and what was expected against what came back. Solve them in any order; each says which notebook to read
-# first.
+# router sends a request, what prompt lookup guesses, how drafts are verified, and three Triton kernels
+# (writing K/V into the cache, copying blocks, paged decode attention). Each puzzle gives a spec and a stub;
+# you replace the stub's body, run its check cell, and kvlab grades your code on random cases against its own
+# behaviour (or, where kvlab has no such function, the rule the spec states). A check that fails names the
+# first case your code gets wrong, its inputs, and what was expected against what came back. Solve them in
+# any order; each says which notebook to read first.
 #
 # **Objectives.** After this notebook you can:
-# 1. write the block manager's core rules yourself: the slot mapping, admission with a watermark, LRU
-#    eviction, copy-on-write on append and sliding-window release;
+# 1. write the block manager's core rules yourself: the slot mapping, chained block hashes, admission with a
+#    watermark, LRU eviction, copy-on-write on append and sliding-window release;
 # 2. write paged attention in torch (decode, prefill over a cached prefix, the split-K merge), then decode as a
 #    Triton kernel with the online softmax, never reading a slot no token was written to, and the cache's write
 #    and copy kernels with strides and masks;
@@ -28,7 +28,8 @@
 #    into a fleet, a proposer's lookup rule;
 # 4. read a failing case and find the bug from it.
 #
-# **How it works.** Each puzzle's cell holds a stub that raises `NotImplementedError`; its check cell prints
+# **How it works.** Each puzzle's cell holds a stub that raises `NotImplementedError` (a Triton kernel's stub
+# has the body `pass`); its check cell prints
 # `not yet: ...` until your code is right, then `solved`. Nothing here raises when a check fails, so you can
 # run the whole notebook at any time. The spec of each puzzle is its module's docstring (`kvlab.puzzles.NAME`),
 # printed above its stub. The solutions ship with the instructor's copy of the course (a kvlab checkout,
