@@ -39,7 +39,7 @@ def test_the_vllm_laws_are_reproduced_exactly():
     eagle, = validate.check_eagle()
     assert eagle.measured == eagle.published == (0, 4288, 8576, 12864, 15008) and eagle.status == "ok"
     hybrid, = validate.check_hybrid_block()
-    assert hybrid.measured == (0.0, round(100 * 528 / 552, 2), round(100 * 528 / 979, 2))
+    assert hybrid.measured == (0.0, 0.0, round(100 * 528 / 552, 2), round(100 * 528 / 979, 2))
 
 
 def test_the_sharing_study_gives_notebook_03b_s_numbers():
@@ -83,7 +83,8 @@ def test_csv_json_and_markdown_carry_every_row(monkeypatch, capsys):
     assert rows[0]["measured"] == [0, 2] and rows[1]["measured"] is None and rows[1]["gap"] is None
     assert main(["--markdown"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 4 and "a \\| law" in lines[2] and "| 0, 2 tokens | 0, 2 tokens | 0 | ±0 | ok |" in lines[2]
+    assert len(lines) == 4 and "a \\| law" in lines[2] and "| 0, 2 tokens | 0, 2 tokens | 0 tokens | ±0 tokens | ok |" in lines[2]
+    assert "| 5% | - | - | - | not reproduced | no workload |" in lines[3]
 
 
 def test_one_check_runs_alone_through_the_kvlab_command(capsys):
