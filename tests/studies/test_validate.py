@@ -11,7 +11,7 @@ import pytest
 
 from kvlab.cli import main as kvlab_main
 from kvlab.studies import validate
-from kvlab.studies.validate import CHECKS, Row, main
+from kvlab.studies.validate import CHECKS, Row, main, markdown
 
 REPO = Path(__file__).parents[2]
 
@@ -33,6 +33,12 @@ def test_every_fast_row_is_within_its_tolerance_and_imports_no_torch():
             "agentic_consecutive_median", "agentic_consecutive_mean"} <= checked
     assert all(r["source"] and r["note"] for r in rows)
     assert not {r["check"] for r in rows} & {"sharing_beam_4", "agentic_cpu_tier_95"}  # slow rows: --full only
+    # docs/validate.md shows a run of today's code: regenerate it (kvlab validate --full --markdown) when a row moves.
+    page = (REPO / "docs" / "validate.md").read_text(encoding="utf-8").splitlines()
+    fields = set(Row.__dataclass_fields__)
+    stale = [line for line in markdown([Row(**{k: v for k, v in r.items() if k in fields}) for r in rows])
+             .splitlines()[2:] if line not in page]
+    assert not stale, stale
 
 
 def test_the_vllm_laws_are_reproduced_exactly():
