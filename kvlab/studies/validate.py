@@ -160,7 +160,8 @@ def check_memory_waste() -> list[Row]:
 
     table = memory_waste("azure_conv", block_sizes=(16,)).set_index("scheme")
     workload = ("kvlab's workload is the Azure conversation trace (2023) as a backlog in a 48,000-slot budget, max "
-                "length 8,192; the paper's was its own OPT-13B requests, max length 2,048")
+                "length 8,192; the paper's was its section 6.2 experiment (requests synthesized from ShareGPT and "
+                "Alpaca lengths, Orca's maximum 2,048)")
     rows = [Row("paged_attention_token_states", "token-state share of KV memory, paged (vLLM, 16-token blocks)",
                 PAGED_SOURCE, 100 * PAPER_TOKEN_STATES["Paged 16"],
                 round(100 * table.loc["Paged 16", "token_states"], 2),
@@ -302,6 +303,18 @@ def check_hybrid_block() -> list[Row]:
         "others' vLLM logs for Qwen3.5/3.8-27B, without published hit rates).")]
 
 
+def check_inert_block() -> list[Row]:
+    return [Row(
+        "vllm_hybrid_8320_block", "tokens hit by a 4,096-token prompt sent again, hybrid model with 8,320-token "
+                                  "attention blocks (max_model_len 4,096)",
+        "vLLM issue #48401 (nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-NVFP4: \"max_model_len 4096 (< block size "
+        "8320): prefix_cache_hits = 0 out of 10608 queries\")",
+        0, _repeat_hit(8320, 4096, 4096), TOKENS, 0,
+        "BlockManager(block_size=8320): no prompt the model accepts fills a block, so nothing is ever cached. The "
+        "issue's other figure (16,640 hits of 38,448 queried tokens at max_model_len 16,384, two whole blocks) comes "
+        "from a workload it does not describe, so it is not replayed.")]
+
+
 EAGLE_BLOCK = 2144
 #: vLLM issue #54360 (chiptoe-svg's comment, v0.28.0): exact-repeat probes, (prompt tokens, repeat hits).
 EAGLE_PROBES = ((3784, 0), (7542, 4288), (11292, 8576), (15019, 12864), (18770, 15008))
@@ -328,9 +341,9 @@ def check_eagle_workload() -> list[Row]:
         "vLLM issue #53670 (Qwen3.8-27B, 1,648-token scheduler block: \"97.5% -> 86.9-91.7% in our harness\")",
         97.5, None, PERCENT, None,
         "Not replayed: the issue's harness (its prompts, their lengths and what they share) is not published. The law "
-        "above says each hit loses exactly one 1,648-token block, so a 5.8- to 10.6-point drop means hitting prompts "
-        "of about 15,500 to 28,400 tokens on average (1,648 / 0.106 and 1,648 / 0.058), which the issue does not "
-        "state.")]
+        "above says each hit loses exactly one 1,648-token block, so if every request hits, a 5.8- to 10.6-point drop "
+        "means prompts of about 15,500 to 28,400 tokens on average (1,648 / 0.106 and 1,648 / 0.058), which the "
+        "issue does not state.")]
 
 
 # ---- agentic sessions (kv-cache-tester) -----------------------------------------------------------------
@@ -404,7 +417,8 @@ def check_speculation() -> list[Row]:
 
 #: Every check, in table order: (name, slow, function returning its rows).
 CHECKS = [("mooncake", False, check_mooncake), ("memory_waste", False, check_memory_waste),
-          ("sharing", True, check_sharing), ("hybrid_block", False, check_hybrid_block), ("eagle", False, check_eagle),
+          ("sharing", True, check_sharing), ("hybrid_block", False, check_hybrid_block),
+          ("inert_block", False, check_inert_block), ("eagle", False, check_eagle),
           ("eagle_workload", False, check_eagle_workload), ("agentic", False, check_agentic),
           ("agentic_tier", True, check_agentic_tier), ("speculation", False, check_speculation)]
 
