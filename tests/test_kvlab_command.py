@@ -35,7 +35,7 @@ def exit_status(command, argv) -> int:
 
 
 @pytest.mark.parametrize("command, argv, choices", [
-    (main, ["frobnicate"], ["study", "fleet", "size", "info", "bench"]),
+    (main, ["frobnicate"], ["study", "fleet", "validate", "size", "info", "bench"]),
     (bench_main, ["nothing"], ["blocks", "kernels", "engine"]),
     (main, ["bench", "nothing"], ["blocks", "kernels", "engine"]),
 ])
@@ -52,12 +52,13 @@ def test_a_missing_command_is_an_error(command, argv, capsys):
 
 
 @pytest.mark.parametrize("command, argv, listed", [
-    (main, ["--help"], ["study", "fleet", "size", "info", "bench", "engine", "kvlab COMMAND --help"]),
+    (main, ["--help"], ["study", "fleet", "validate", "size", "info", "bench", "engine", "kvlab COMMAND --help"]),
     (bench_main, ["-h"], ["blocks", "kernels", "engine", "python -m kvlab.bench COMMAND --help"]),
     (main, ["bench", "--help"], ["blocks", "kernels", "engine", "kvlab bench COMMAND --help"]),
     (main, ["info", "--help"], ["usage: kvlab info"]),
     (main, ["study", "--help"], ["usage: kvlab study"]),
     (main, ["fleet", "--help"], ["usage: kvlab fleet", "kv_cost"]),
+    (main, ["validate", "--help"], ["usage: kvlab validate", "--full", "--csv", "--json", "tolerance"]),
     (main, ["size", "--help"], ["usage: kvlab size", "--kv-cache-dtype", "fp8_e5m2", "80GiB"]),
 ])
 def test_help_lists_every_command_and_exits_0(command, argv, listed, capsys):

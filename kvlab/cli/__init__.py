@@ -14,6 +14,8 @@ COMMANDS = {
               "kvlab.studies.cli:main"),
     "fleet": ("route a trace across replicas (KV-event routers) and report hit rates, load imbalance and TTFT",
               "kvlab.studies.fleet_cli:main"),
+    "validate": ("reproduce published prefix-cache figures (Dynamo, Mooncake, PagedAttention, vLLM's hit laws) "
+                 "beside kvlab's, with the gap and why they differ", "kvlab.studies.validate:main"),
     "size": ("KV cache bytes per token and per block, and the blocks, tokens and concurrent requests a GPU holds",
              "kvlab.sizing.cli:main"),
     "course": ("the course's homework edition: export a student or instructor copy, grade a class's notebooks",
