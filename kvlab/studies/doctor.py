@@ -138,30 +138,51 @@ class HitDoctor:
         tail = length - num_full * bs
         if first_miss == num_full and not tail:
             return
-        last_use, seen_probes = self._last_use, self._probes
-        hittable = (length - 1) // bs  # the block holding the last token is always computed
-        free_hashes = free_probes = None  # the salt-free identities, computed on a salted prompt's first need
-        for j in range(first_miss, num_full + (1 if tail else 0)):
-            size = bs if j < num_full else tail
-            used = last_use.get(hashes[j]) if j < num_full else None
-            if used is not None and j < hittable:
-                if self.tier and hashes[j] in self._offloaded:
-                    tokens["tier_miss"] += size
-                else:
-                    tokens["evicted"] += size
-                    self.reuse_distances.append(self._now - used)
-            elif used is not None or probes[j] in seen_probes:
-                tokens["partial_block"] += size
+        # What was remembered is prefix-closed (a block's hash names its whole prefix, and every prompt is
+        # remembered from its start): the missed blocks seen before come first, then one unit that may share
+        # its first tokens (a partial block), then units never seen here (cold, or isolated by a salt).
+        uses = list(map(self._last_use.get, hashes[first_miss:]))
+        seen = uses.index(None) if None in uses else len(uses)
+        lost = min(seen, max(0, (length - 1) // bs - first_miss))  # the block holding the last token never hits
+        if self.tier:
+            in_tier = sum(map(self._offloaded.__contains__, hashes[first_miss:first_miss + lost]))
+            tokens["tier_miss"] += in_tier * bs
+        else:
+            in_tier = 0
+        if lost > in_tier:
+            tokens["evicted"] += (lost - in_tier) * bs
+            now, offloaded = self._now, self._offloaded
+            self.reuse_distances += [now - used for h, used in zip(hashes[first_miss:], uses[:lost])
+                                     if h not in offloaded]
+        tokens["partial_block"] += (seen - lost) * bs
+        j = first_miss + seen  # the first unit not seen before
+        units = num_full + (1 if tail else 0)
+        if j == units:
+            return
+        if probes[j] in self._probes:
+            tokens["partial_block"] += bs if j < num_full else tail
+            j += 1
+        if j < units and (salted or self._salt_free_blocks or self._salt_free_probes):
+            j = self._isolated(seq, hit, hashes, probes, salted, j, units, tail)
+        if j < units:  # the rest: the full blocks from j on, then the tail (the last unit)
+            tokens["cold"] += max(0, num_full - j) * bs + tail
+
+    def _isolated(self, seq, hit, hashes, probes, salted, j, units, tail) -> int:
+        """Count the units from ``j`` on whose tokens another salt cached (a prefix of them); the first that is not."""
+        if salted:
+            free_hashes, free_probes = self._salt_free(seq, hit)
+        else:
+            free_hashes, free_probes = hashes, probes
+        bs, num_full = self.block_size, len(hashes)
+        while j < units:
+            if j < num_full and (free_hashes[j] in self._salt_free_blocks or salted and free_hashes[j] in self._last_use):
+                self.tokens["isolated"] += bs
+            elif free_probes[j] in self._salt_free_probes or salted and free_probes[j] in self._probes:
+                self.tokens["isolated"] += bs if j < num_full else tail
             else:
-                if salted and free_hashes is None:
-                    free_hashes, free_probes = self._salt_free(seq, hit)
-                key = (free_hashes if salted else hashes)[j] if j < num_full else None
-                probe = (free_probes if salted else probes)[j]
-                if (key is not None and (key in self._salt_free_blocks or salted and key in last_use)) or \
-                        probe in self._salt_free_probes or salted and probe in seen_probes:
-                    tokens["isolated"] += size
-                else:
-                    tokens["cold"] += size
+                break
+            j += 1
+        return j
 
     def _remember(self, hashes, probes) -> None:
         self._last_use.update(zip(hashes, repeat(self._now)))
