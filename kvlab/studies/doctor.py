@@ -112,9 +112,7 @@ class HitDoctor:
     # ---- the answer -------------------------------------------------------------------------------------
     def columns(self) -> dict:
         """A study row's ``COLUMNS``: tokens per cause and the median reuse distance of the evicted blocks."""
-        distance = float(np.median(self.reuse_distances)) if self.reuse_distances else float("nan")
-        return {**{f"{cause}_tokens": self.tokens[cause] for cause in CAUSES},
-                "evicted_reuse_distance_p50": distance}
+        return columns([self])
 
     def table(self):
         """Tokens and share per cause, hits first (a pandas DataFrame)."""
@@ -219,6 +217,13 @@ class HitDoctor:
             if move == "offload" and gpu_block in gpu_hash:
                 self._offloaded.add(gpu_hash[gpu_block])
         gpu_hash.update(zip(self.manager.block_tables(seq)[0], hashes))
+
+
+def columns(doctors) -> dict:
+    """``COLUMNS`` of several doctors together (a fleet's replicas): tokens summed, reuse distances pooled."""
+    distances = [d for doctor in doctors for d in doctor.reuse_distances]
+    return {**{f"{cause}_tokens": sum(doctor.tokens[cause] for doctor in doctors) for cause in CAUSES},
+            "evicted_reuse_distance_p50": float(np.median(distances)) if distances else None}  # None: nothing evicted
 
 
 class DoctorView:

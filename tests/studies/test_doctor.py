@@ -1,8 +1,6 @@
 """The hit-rate doctor (kvlab.studies.doctor): every admitted prompt token is a hit or a miss with one cause,
 the causes add up exactly (property-tested on random workloads), and vLLM's two hit laws get their names."""
 
-import math
-
 import pytest
 from hypothesis import given, strategies as st
 
@@ -10,7 +8,10 @@ from kvlab import Sequence
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
 from kvlab.blocks.manager import BlockManager, HybridBlockManager
 from kvlab.errors import InvalidArgumentError
+from kvlab.studies import replay
 from kvlab.studies.doctor import CAUSES, HITS, DoctorView, HitDoctor
+from kvlab.studies.fleet import replay_fleet
+from kvlab.studies.synthetic import multi_turn_chat
 
 BS = 4
 
@@ -167,7 +168,8 @@ def test_the_causes_add_up_to_the_misses_exactly(workload, num_blocks, kind, use
     assert any(salt for _, _, salt, _ in workload) or not tokens["isolated"]
     assert len(doctor.reuse_distances) * block_size == tokens["evicted"]
     columns = doctor.columns()
-    assert columns["evicted_reuse_distance_p50"] > 0 or math.isnan(columns["evicted_reuse_distance_p50"])
+    assert (columns["evicted_reuse_distance_p50"] or 1) > 0 and (columns["evicted_reuse_distance_p50"] is None) == \
+        (not doctor.reuse_distances)
 
 
 @given(prompts)
@@ -177,3 +179,16 @@ def test_a_pool_that_never_evicts_has_no_evicted_tokens(workload):
     for stem, length, salt, _ in workload:
         admit(m, doctor, [stem * 1000 + t for t in range(length)], salt=salt)
     assert not doctor.tokens["evicted"] and not doctor.tokens["tier_miss"]
+
+
+def test_study_fleet_and_overlap_rows_split_every_prompt_token():
+    chat = multi_turn_chat(num_conversations=8, turns=5, rate_per_s=4.0, seed=1)
+    causes_but_recompute = [f"{c}_tokens" for c in CAUSES if c != "recompute"]
+    for row in (replay(chat, block_size=16, capacity=60, mode="overlap"),
+                replay(chat, block_size=16, capacity=200),
+                replay_fleet(chat, block_size=16, capacity=300, replicas=3, router="round_robin")):
+        assert sum(row[c] for c in causes_but_recompute) == row["prompt_tokens"]
+        assert row["hit_gpu_tokens"] == row["prefill_tokens_saved"]
+    assert row["cold_tokens"] > 0
+    squeezed = replay(chat, block_size=16, capacity=60, mode="overlap")
+    assert squeezed["preemptions"] and squeezed["recompute_tokens"] > 0
