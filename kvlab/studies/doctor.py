@@ -13,8 +13,8 @@ admitted (``doctor.tokens``; property-tested in tests/studies/test_doctor.py):
 - Then each missed unit (a full block after those, or the prompt's partial last block), by its own history:
 
   - ``evicted``: the block was cached here before (its reuse distance: admissions since it was last used),
-    or its chain was: a block after an evicted one misses too. ``tier_miss`` instead when it went to the
-    offload tier since and was lost there too.
+    or its chain was: a block after an evicted one misses too. ``tier_miss`` instead when the offload tier
+    took it in at some point: it was lost there too (or its chain was).
   - ``partial_block``: the prompt shares a prefix with an earlier one that ends inside this unit (its first
     token continued the same prefix before, but not all of its block did), or the unit is the partial tail of
     such a prompt, or the block holds the prompt's last token (always computed) and was seen before. A prompt
@@ -69,7 +69,7 @@ class HitDoctor:
         self._salt_free_blocks: set = set()  # salted prompts' blocks' hashes without their salt
         self._salt_free_probes: set = set()
         self._gpu_hash: dict = {}      # GPU block -> the hash it holds (with an offload tier only)
-        self._offloaded: set = set()   # hashes sent to the tier since their last use
+        self._offloaded: set = set()   # hashes the tier ever took in
 
     # ---- what the manager did ---------------------------------------------------------------------------
     def admitted(self, seq, hit, *, tier_moves=(), num_tokens=None, probes=None) -> None:
@@ -210,8 +210,7 @@ class HitDoctor:
         return hashes, self._probes_of(seq, hashes, root=keys.get(0, 0))
 
     def _follow_tier(self, seq, hashes, tier_moves) -> None:
-        """Which hashes the offload tier took in since their last use (its moves name GPU blocks)."""
-        self._offloaded.difference_update(hashes)
+        """Which hashes the offload tier ever took in (its moves name GPU blocks)."""
         gpu_hash = self._gpu_hash
         for move, gpu_block, _ in tier_moves:
             if move == "offload" and gpu_block in gpu_hash:
