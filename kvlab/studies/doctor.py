@@ -77,24 +77,24 @@ class HitDoctor:
         prompt gives its real ``num_tokens`` and its units' ``probes`` (one hashable per unit, equal exactly
         when the units' first tokens continue equal prefixes)."""
         self._now += 1
-        bs, mbs = self.block_size, self.manager_block_size
+        mbs = self.manager_block_size
         length = seq.num_tokens if num_tokens is None else num_tokens
         num_full = seq.num_tokens // mbs
         hashes = hit.hashes[:num_full]
-        salted = seq.cache_salt is not None
         if probes is None:
             probes = self._probes_of(seq, hashes)
+        # A salted prompt's identities without its salt: what another tenant's same tokens are cached under.
+        salt_free = self._salt_free(seq) if seq.cache_salt is not None else None
         if seq.num_preemptions:  # its own blocks again: recomputed, never a hit
             self.tokens["recompute"] += length
         else:
-            self._classify(seq, hit, hashes, length, probes, salted)
+            self._classify(hit, hashes, length, probes, salt_free)
         # What the allocation wrote is cached now (a chunked prompt's later chunks: when freed).
         written = seq.num_computed_tokens
         self._remember(hashes[:written // mbs], probes[:-(-written // mbs)] if written < seq.num_tokens else probes)
-        if salted:
-            free_hashes, free_probes = self._salt_free(seq, hit)
-            self._salt_free_blocks.update(free_hashes)
-            self._salt_free_probes.update(free_probes)
+        if salt_free is not None:
+            self._salt_free_blocks.update(salt_free[0])
+            self._salt_free_probes.update(salt_free[1])
         if self.tier:
             self._follow_tier(seq, hashes, tier_moves)
 
@@ -124,7 +124,7 @@ class HitDoctor:
                             index=pd.Index(CAUSES, name="cause"))
 
     # ---- internals --------------------------------------------------------------------------------------
-    def _classify(self, seq, hit, hashes, length, probes, salted) -> None:
+    def _classify(self, hit, hashes, length, probes, salt_free) -> None:
         bs, mbs, tokens = self.block_size, self.manager_block_size, self.tokens
         gpu, tier = len(hit.hits[0]), len(hit.tier_hits)
         eagle, cut = hit.num_eagle_tokens // mbs, hit.num_cut_tokens // mbs
@@ -160,22 +160,22 @@ class HitDoctor:
         if probes[j] in self._probes:
             tokens["partial_block"] += bs if j < num_full else tail
             j += 1
-        if j < units and (salted or self._salt_free_blocks or self._salt_free_probes):
-            j = self._isolated(seq, hit, hashes, probes, salted, j, units, tail)
+        if j < units and (salt_free or self._salt_free_blocks or self._salt_free_probes):
+            j = self._isolated(hashes, probes, salt_free, j, units, tail)
         if j < units:  # the rest: the full blocks from j on, then the tail (the last unit)
             tokens["cold"] += max(0, num_full - j) * bs + tail
 
-    def _isolated(self, seq, hit, hashes, probes, salted, j, units, tail) -> int:
-        """Count the units from ``j`` on whose tokens another salt cached (a prefix of them); the first that is not."""
-        if salted:
-            free_hashes, free_probes = self._salt_free(seq, hit)
-        else:
-            free_hashes, free_probes = hashes, probes
-        bs, num_full = self.block_size, len(hashes)
+    def _isolated(self, hashes, probes, salt_free, j, units, tail) -> int:
+        """Count the units from ``j`` on whose tokens another salt cached (a prefix of them); the first that is
+        not. A salted prompt's salt-free identities may match an unsalted prompt's (``_last_use``, ``_probes``)
+        or another salt's; an unsalted prompt's only a salted one's."""
+        salted = salt_free is not None
+        free_hashes, free_probes = salt_free if salted else (hashes, probes)
+        bs, num_full, blocks, probes_seen = self.block_size, len(hashes), self._salt_free_blocks, self._salt_free_probes
         while j < units:
-            if j < num_full and (free_hashes[j] in self._salt_free_blocks or salted and free_hashes[j] in self._last_use):
+            if j < num_full and (free_hashes[j] in blocks or salted and free_hashes[j] in self._last_use):
                 self.tokens["isolated"] += bs
-            elif free_probes[j] in self._salt_free_probes or salted and free_probes[j] in self._probes:
+            elif free_probes[j] in probes_seen or salted and free_probes[j] in self._probes:
                 self.tokens["isolated"] += bs if j < num_full else tail
             else:
                 break
@@ -197,7 +197,7 @@ class HitDoctor:
             probes = [(*probe, keys.get(j)) if j else probe for j, probe in enumerate(probes)]
         return probes
 
-    def _salt_free(self, seq, hit) -> tuple[list, list]:
+    def _salt_free(self, seq) -> tuple[list, list]:
         """A salted prompt's hashes and probes as if it had no salt (what another tenant's prompt would have)."""
         keys = dict(seq.key_bytes)
         header = b"S" + encode_key(seq.cache_salt)
