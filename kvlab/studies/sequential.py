@@ -24,7 +24,6 @@ import pandas as pd
 
 from kvlab.blocks.manager import BlockManager
 from kvlab.blocks.sequence import Sequence
-from kvlab.errors import InvalidArgumentError
 
 COMPACT_BLOCK_SIZE = 2  # a full block is two tokens, so that a one-token partial block stays partial
 
@@ -37,12 +36,12 @@ class CompactTrace:
     lengths: np.ndarray
     tokens: np.ndarray
     ends: np.ndarray
+    probes: np.ndarray  # every request's units' probe keys, in arrival order (the hit-rate doctor's)
     arrivals_s: np.ndarray | None = None  # request i's arrival time in seconds (the residency metrics' clock)
-    probes: np.ndarray | None = None  # every request's units' probe keys, in arrival order (the hit-rate doctor's)
 
     @classmethod
     def build(cls, trace: pd.DataFrame, block_size: int, numbers: np.ndarray, request: np.ndarray,
-              probes: np.ndarray | None = None) -> "CompactTrace":
+              probes: np.ndarray) -> "CompactTrace":
         """``numbers``: the full blocks' prefix keys (``kvlab.studies.reuse.block_keys``) renumbered 0, 1, ...
         (so never negative); ``request``: the request of each block, as ``block_keys`` returns it; ``probes``:
         ``kvlab.studies.reuse.unit_probe_keys``, in request order, for the hit-rate doctor."""
@@ -56,21 +55,19 @@ class CompactTrace:
         tokens = np.zeros(int(ends[-1]), dtype=np.int64)  # a partial block keeps token 0: it is never hashed
         first = start[request] + 2 * (np.arange(len(numbers)) - (np.cumsum(full) - full)[request])
         tokens[first], tokens[first + 1] = 2 * numbers, 2 * numbers + 1
-        if probes is not None:  # into arrival order: the units of request order[0], then of order[1], ...
-            units = -(-lengths // block_size)
-            first_unit = np.cumsum(units) - units
-            arrived = np.repeat(order, units[order])
-            offset = np.arange(len(probes)) - np.repeat(np.cumsum(units[order]) - units[order], units[order])
-            probes = probes[first_unit[arrived] + offset]
-        return cls(block_size, lengths[order], tokens, ends, trace["timestamp"].to_numpy(np.float64)[order] / 1000.0,
-                   probes)
+        units = -(-lengths // block_size)  # the probes, into arrival order: request order[0]'s units, then ...
+        first_unit = np.cumsum(units) - units
+        arrived = np.repeat(order, units[order])
+        offset = np.arange(len(probes)) - np.repeat(np.cumsum(units[order]) - units[order], units[order])
+        probes = probes[first_unit[arrived] + offset]
+        return cls(block_size, lengths[order], tokens, ends, probes,
+                   trace["timestamp"].to_numpy(np.float64)[order] / 1000.0)
 
     def __sizeof__(self) -> int:
         # Dask's joblib backend ships arguments larger than a kilobyte to its workers once, not once per task;
         # it measures them with sys.getsizeof, which would otherwise see only this small object.
         return (object.__sizeof__(self) + self.lengths.nbytes + self.tokens.nbytes + self.ends.nbytes
-                + (self.arrivals_s.nbytes if self.arrivals_s is not None else 0)
-                + (self.probes.nbytes if self.probes is not None else 0))
+                + self.probes.nbytes + (self.arrivals_s.nbytes if self.arrivals_s is not None else 0))
 
     def sequences(self) -> list[Sequence]:
         """Every request's compact prompt as a ``Sequence``, in arrival order. A freed sequence can be
@@ -79,9 +76,7 @@ class CompactTrace:
         return [Sequence(self.tokens[ends[i]:ends[i + 1]], COMPACT_BLOCK_SIZE) for i in range(len(self.lengths))]
 
     def unit_probes(self) -> list[list]:
-        """Every request's units' probe keys (``probes``, built with them), a list per request in arrival order."""
-        if self.probes is None:
-            raise InvalidArgumentError("this compact trace was built without probes (CompactTrace.build(probes=))")
+        """Every request's units' probe keys (``probes``), a list per request in arrival order."""
         ends = np.cumsum(-(-self.lengths // self.block_size)).tolist()
         probes = self.probes.tolist()
         return [probes[start:end] for start, end in zip([0, *ends], ends)]
