@@ -37,6 +37,7 @@ from itertools import repeat
 
 import numpy as np
 
+from kvlab.blocks.manager import BlockManager, PrefixHit
 from kvlab.blocks.prefix_cache import block_hashes, hashes_of
 from kvlab.blocks.sequence import encode_key
 from kvlab.errors import InvalidArgumentError
@@ -56,6 +57,9 @@ class HitDoctor:
     kvlab.studies.sequential), whose units then come with their probes (``admitted(..., probes=)``)."""
 
     def __init__(self, manager, block_size=None):
+        if not isinstance(manager, BlockManager):
+            raise InvalidArgumentError(f"a HitDoctor observes a BlockManager (or HybridBlockManager), got "
+                                       f"{type(manager).__name__}")
         self.manager_block_size = manager.block_size
         self.block_size = self.manager_block_size if block_size is None else check_int("block_size", block_size, 1)
         self.hash_fn = manager.hash_fn
@@ -76,6 +80,8 @@ class HitDoctor:
         """``seq`` was just allocated with ``hit`` (its ``lookup``); ``tier_moves``: ``allocate``'s. A compact
         prompt gives its real ``num_tokens`` and its units' ``probes`` (one hashable per unit, equal exactly
         when the units' first tokens continue equal prefixes)."""
+        if not isinstance(hit, PrefixHit) or hit.seq_id != seq.seq_id:
+            raise InvalidArgumentError(f"hit must be the manager's lookup(seq) of sequence {seq.seq_id}, got {hit!r}")
         self._now += 1
         mbs = self.manager_block_size
         length = seq.num_tokens if num_tokens is None else num_tokens

@@ -120,6 +120,12 @@ def test_the_engine_view_tells_the_doctor_and_refuses_what_is_not_a_doctor():
     assert view.doctor.tokens["hit_gpu"] == 8 and view.num_free_blocks == m.num_free_blocks
     with pytest.raises(InvalidArgumentError, match="HitDoctor"):
         DoctorView(m, object())
+    with pytest.raises(InvalidArgumentError, match="BlockManager"):
+        HitDoctor(object())
+    doctor, seq = HitDoctor(m), Sequence(range(5), BS)
+    with pytest.raises(InvalidArgumentError, match="lookup"):
+        doctor.admitted(seq, m.lookup(Sequence(range(5), BS)))
+    assert sum(doctor.tokens.values()) == 0
 
 
 prompts = st.lists(st.tuples(st.integers(0, 3), st.integers(1, 40), st.sampled_from([None, None, "a", "b"]),
