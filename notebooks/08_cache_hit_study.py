@@ -71,7 +71,8 @@ from kvlab import viz
 from kvlab.blocks.eviction import EvictionPolicy
 from kvlab.course import answer
 from kvlab.studies import EngineModel, cache_hit_study, replay, reuse_profile
-from kvlab.studies.plots import plot_hit_rates
+from kvlab.studies.doctor import COLUMNS as DOCTOR_COLUMNS
+from kvlab.studies.plots import plot_hit_rates, plot_miss_causes
 from kvlab.studies.reuse import reuse_counts
 from kvlab.studies.synthetic import WORKLOADS
 from kvlab.studies.traces import load_trace
@@ -160,6 +161,49 @@ print(f"Reading: LRU reaches half the ceiling at {half:,} blocks, {100 * half / 
       f"cache keeps. The best policy changes with capacity ({', '.join(by_capacity['best'])}, smallest first): in a "
       f"cache too small to hold conversations between turns the shared openings are what is worth keeping "
       f"(frequency), and once it can hold them, recency keeps the conversations that come back.")
+
+# %% [markdown]
+# ### Why the rest misses: every miss has a cause
+#
+# A hit rate says how much was served, not why the rest was not. Every study row also carries the **hit-rate
+# doctor**'s columns (`kvlab.studies.doctor`; the CSV's `*_tokens` columns): each prompt token is a hit or a miss
+# with one cause. **Cold**: these tokens after this prefix were never seen before; **evicted**: the block was
+# cached and lost (with its reuse distance: requests since it was last used); **partial block**: the prompt
+# shares a prefix with an earlier one that ends inside the block, or its last block holds the last token
+# (always computed). The causes add up to the prompt tokens exactly (a property test checks it on random
+# workloads). Here are section 2's LRU rows, stacked:
+
+# %%
+lru_rows = study[study["policy"] == "lru"].sort_values("capacity_blocks")
+ax = plot_miss_causes(lru_rows, "capacity_blocks")
+ax.set_title("Mooncake, LRU: the hits and each miss's cause, by capacity (blocks of 512)", fontsize=10)
+plt.show()
+causes = lru_rows.set_index("capacity_blocks")[["hit_gpu_tokens", "cold_tokens", "evicted_tokens",
+                                                "partial_block_tokens", "evicted_reuse_distance_p50"]]
+(causes.iloc[:, :4].div(lru_rows["prompt_tokens"].to_numpy(), axis=0) * 100).round(2).assign(
+    evicted_reuse_distance_p50=causes["evicted_reuse_distance_p50"]).rename_axis("capacity (blocks)")
+
+# %%
+finite_lru = causes.loc[causes.index != math.inf]
+ceiling_tokens = lru_rows["ceiling_hit_rate_tokens"].iloc[0] * lru_rows["prompt_tokens"].iloc[0]
+viz.check(causes["cold_tokens"].nunique() == 1 and causes["partial_block_tokens"].nunique() == 1,
+          "cold and partial-block tokens are the trace's, not the cache's: the same at every capacity", defaults=True)
+viz.check((causes["cold_tokens"] > causes["evicted_tokens"]).all(),
+          "most misses are cold at every capacity, even the smallest", defaults=(LIMIT, TRACE_BS) == (3000, 512))
+viz.check(np.allclose(causes["hit_gpu_tokens"] + causes["evicted_tokens"], ceiling_tokens)
+          and causes.loc[math.inf, "evicted_tokens"] == 0,
+          "every token the infinite cache hits is, in a finite one, either a hit or evicted", defaults=True)
+viz.check(finite_lru["evicted_tokens"].is_monotonic_decreasing
+          and finite_lru["evicted_reuse_distance_p50"].is_monotonic_increasing,
+          "a larger cache evicts fewer tokens, and the ones it still loses come back later (a longer median "
+          "reuse distance)", defaults=(LIMIT, TRACE_BS) == (3000, 512))
+print(f"Reading: {100 * causes['cold_tokens'].iloc[0] / lru_rows['prompt_tokens'].iloc[0]:.0f}% of the prompt "
+      f"tokens are cold at every capacity: no cache could serve them. Capacity only moves tokens between "
+      f"'evicted' and 'hit'. The smallest pool loses blocks reused after a median of "
+      f"{finite_lru['evicted_reuse_distance_p50'].iloc[0]:,.0f} requests; the largest finite one only those "
+      f"reused after {finite_lru['evicted_reuse_distance_p50'].iloc[-1]:,.0f}. Partial blocks are "
+      f"{100 * causes['partial_block_tokens'].iloc[0] / lru_rows['prompt_tokens'].iloc[0]:.2f}% here: the "
+      f"trace's ids are 512 tokens wide, so sharing ends on a block boundary (section 4 shows where it does not).")
 
 # %% [markdown]
 # ## 3. Synthetic workloads: patterns with known sharing
@@ -309,7 +353,8 @@ for name in ("synthetic_few_shot", "synthetic_chat", "mooncake_conversation"):
         row = replay(frame, block_size=b, capacity=max(1, budget // b), policy="lru", label=name)
         fixed.append({"trace": name, "block size": b, "hit rate (%)": 100 * row["hit_rate_tokens"],
                       "skipped": row["requests_skipped"],
-                      "replay s per M prompt tokens": row["wall_s"] / (row["prompt_tokens"] / 1e6)})
+                      "replay s per M prompt tokens": row["wall_s"] / (row["prompt_tokens"] / 1e6),
+                      **{column: row[column] for column in DOCTOR_COLUMNS}})  # the causes, for below
 fixed = pd.DataFrame(fixed)
 fig, (left, right) = plt.subplots(1, 2, figsize=(12, 3.6), layout="constrained")
 for name, rows in fixed.groupby("trace", sort=False):
@@ -333,6 +378,36 @@ print(f"Reading: where sharing ends anywhere (few-shot, chat), small blocks keep
       f"replay time per prompt token grows {cost.iloc[0] / cost.iloc[-1]:.0f}x "
       f"on Mooncake's long prompts (32x as many blocks), less on the short synthetic prompts, where per-request "
       f"costs dominate. A GPU kernel pays a related price in block-table lookups; vLLM settles on 16.")
+
+# %% [markdown]
+# Where do the points go that larger blocks lose? The doctor's columns of the same replays, stacked by block
+# size: the **partial block** band is the sharing that ends inside a block.
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(13, 3.6), layout="constrained")
+for ax, name in zip(axes, ["synthetic_few_shot", "synthetic_chat"]):
+    plot_miss_causes(fixed[fixed["trace"] == name], "block size", ax=ax)
+    ax.set_title(f"{name.removeprefix('synthetic_')}: a quarter of the working set, LRU", fontsize=10)
+axes[0].get_legend().remove()
+plt.show()
+fixed["partial block (%)"] = 100 * fixed["partial_block_tokens"] / fixed.filter(like="_tokens").sum(axis=1)
+partial = fixed.pivot(index="block size", columns="trace", values="partial block (%)")
+viz.check(partial["synthetic_few_shot"].is_monotonic_increasing and partial["synthetic_chat"].is_monotonic_increasing
+          and (partial.loc[512, ["synthetic_few_shot", "synthetic_chat"]] > 20).all()
+          and partial["mooncake_conversation"].max() < 0.1
+          and all(fixed[fixed["trace"] == name]["cold_tokens"].is_monotonic_decreasing
+                  and fixed[fixed["trace"] == name].set_index("block size")["hit_gpu_tokens"].diff().iloc[-1] < 0
+                  for name in ("synthetic_few_shot", "synthetic_chat")),
+          "partial blocks grow with the block size where sharing ends anywhere (past a fifth of the tokens at 512), "
+          "and stay under 0.1% on the 512-aligned Mooncake trace; the cold band shrinks as they grow, and the last "
+          "doubling takes hits too", defaults=True)
+partial.round(2)
+
+# %% [markdown]
+# Reading: on few-shot and chat prompts the partial-block band grows with every doubling of the block, taking
+# tokens from the cold band (a longer unit more often starts with a shared token) and, at the largest blocks,
+# from the hits. That is vLLM #40696's 0% hit rate with a 528-token hybrid block, named: the prompts shared
+# less than a block, so those tokens are partial blocks, not cold ones.
 
 # %% [markdown]
 # ## 5. Requests that overlap in time
@@ -461,7 +536,9 @@ rates = with_random[with_random["capacity_blocks"] != math.inf].pivot(index="cap
 #   distinct blocks are never used twice.
 # * Capacity matters most; recency suits conversational reuse once the cache can hold conversations between
 #   turns, frequency helps when a fixed set of prefixes stays popular (few-shot) and falls behind on chats.
-# * Sharing that ends mid-block is lost, so small blocks help where prefixes end anywhere, at a bookkeeping
-#   cost per block.
+# * Every miss has a cause (the doctor's columns): on Mooncake most misses are cold at every capacity, and
+#   capacity only moves tokens between evicted and hit, losing those reused furthest apart.
+# * Sharing that ends mid-block is lost (the partial-block band), so small blocks help where prefixes end
+#   anywhere, at a bookkeeping cost per block.
 # * In a running server, active requests compete with the cache for the same blocks, and better hits make
 #   steps shorter; the simulation's hit rates are a floor where replies are reused.

@@ -20,7 +20,7 @@
 # 1. decide with a stated model when a tier hit beats recomputing: bytes per block over a host-to-device
 #    bandwidth against tokens over a prefill throughput;
 # 2. spot three hit-rate pitfalls: the 0% that is correct, a recomputation after preemption counted as a
-#    hit, and cumulative counters read as a run's;
+#    hit, and cumulative counters read as a run's; and name every miss's cause with the hit-rate doctor;
 # 3. measure two more levers on the same trace: cache-aware (LPM) admission against FCFS, and a second tier
 #    shared by a fleet against one per replica.
 
@@ -73,14 +73,19 @@ import torch
 from tqdm.auto import tqdm
 
 from kvlab import BlockManager, Sequence, viz
+from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
+from kvlab.blocks.manager import HybridBlockManager
 from kvlab.blocks.records import TierHitStats
 from kvlab.course import answer
 from kvlab.course.tiers import tier_hit_runs
 from kvlab.device import ON_GPU
 from kvlab.sizing.hf_config import read_model_shape
+from kvlab.studies import cache_hit_study
+from kvlab.studies.doctor import HitDoctor
 from kvlab.studies.engine_model import EngineModel
 from kvlab.studies.fleet import replay_fleet
 from kvlab.studies.fleet_tier import TierSettings
+from kvlab.studies.plots import plot_miss_causes
 from kvlab.studies.ttft_model import TTFTModel
 from kvlab.studies.traces import load_trace, mooncake_token_ids
 from kvlab.viz.snapshot import CPU_COLOR, STATE_COLORS, USED
@@ -351,6 +356,86 @@ viz.check(np.allclose(stairs, expected) and all(r == 0 for n, r in zip(lengths, 
           "a shared prefix shorter than a block hits nothing; a longer one hits its full blocks only", defaults=True)
 
 # %% [markdown]
+# **Name the cause, not just the rate.** kvlab's hit-rate doctor (`kvlab.studies.doctor.HitDoctor`) sits beside
+# a block manager and files every prompt token it admits under one cause: a hit (GPU or tier), or a miss that
+# is **cold** (never seen), **evicted** (was cached, lost), **partial block** (a shared prefix that ends inside
+# the block, or a prompt shorter than one), **group cut** (a hybrid model's hit cut to what every KV cache
+# group serves), **speculative drop** (the block EAGLE gives up), **isolated** (another tenant's cache salt),
+# **recompute** (re-admitted after a preemption: never a hit) or **tier miss** (lost in the offload tier
+# too). `kvlab study`, `kvlab fleet` and `LLM.miss_causes` report these columns. On vLLM #40696's setting, a
+# hybrid model (full attention and a sliding window) with 528-token blocks: eight 1,000-token prompts share a
+# 400-token system prompt. The 0% hit rate is correct, and the doctor says why:
+
+# %%
+def doctor_run(manager, prompts):
+    """Allocate and free each prompt in turn, telling a HitDoctor what every lookup found."""
+    doctor = HitDoctor(manager)
+    for tokens in prompts:
+        seq = Sequence(tokens, manager.block_size)
+        hit = manager.lookup(seq)
+        done = manager.allocate(seq, hit=hit)
+        doctor.admitted(seq, hit, tier_moves=done.tier_moves)
+        doctor.freed(seq)
+        manager.free(seq)
+    return doctor
+
+
+SYSTEM, LENGTH = 400, 1000
+system_prompts = [list(range(SYSTEM)) + list(range(10_000 * r, 10_000 * r + LENGTH - SYSTEM)) for r in range(1, 9)]
+HYBRID_BLOCK_SIZES = [16, 64, 128, 256, 528, 784]  # vLLM #40696's 528 and #54607's 784 among them
+by_block = pd.DataFrame([
+    {"block_size": bs, **doctor_run(HybridBlockManager(64 * 1024 // bs, bs, groups=[
+        FullAttentionSpec(), SlidingWindowSpec(1024)]), system_prompts).columns()} for bs in HYBRID_BLOCK_SIZES])
+print(by_block.set_index("block_size").filter(like="_tokens").loc[:, lambda f: (f != 0).any()])
+
+# %% [markdown]
+# And vLLM #53670's EAGLE drop: with `use_eagle=True` a drafter needs the target's hidden states at the hit's
+# last block, so every hit gives that block up (vLLM #54360's law: a fully cached prompt of L tokens hits
+# `max(0, floor((L - 1) / B) - 1) * B`). The doctor files that block under **speculative drop**:
+
+# %%
+eagle = []
+for length in range(1, 6 * PITFALL_BS):
+    warm_then_prompt = [list(range(length + PITFALL_BS)), list(range(length))]
+    first = doctor_run(BlockManager(32, PITFALL_BS, use_eagle=True), warm_then_prompt[:1]).tokens
+    both = doctor_run(BlockManager(32, PITFALL_BS, use_eagle=True), warm_then_prompt).tokens
+    eagle.append({"L": length, **{cause: both[cause] - first[cause] for cause in
+                                  ("hit_gpu", "speculative_drop", "partial_block")}})
+eagle = pd.DataFrame(eagle).set_index("L")
+print(eagle.iloc[PITFALL_BS - 2::PITFALL_BS // 2].T)  # around each block boundary
+viz.check((eagle["hit_gpu"] == [max(0, (n - 1) // PITFALL_BS - 1) * PITFALL_BS for n in eagle.index]).all()
+          and (eagle["speculative_drop"] == [PITFALL_BS if (n - 1) // PITFALL_BS else 0 for n in eagle.index]).all(),
+          "with use_eagle the hit follows #54360's law, and the block given up is a speculative drop", defaults=True)
+
+# %% [markdown]
+# The same split, drawn: against the block size for the shared system prompt above (left), and against the
+# GPU pool's size for the first `LIMIT` Mooncake requests with an LRU offload tier of 4,000 blocks behind it
+# (right; `kvlab study --offload-capacity 4000`'s rows):
+
+# %%
+CAUSE_CAPACITIES = [250, 500, 1000, 2000, 4000]
+with_tier = cache_hit_study("mooncake_conversation", block_sizes=[TRACE_BS], capacities=CAUSE_CAPACITIES,
+                            policies=["lru"], limit=LIMIT, offload_capacities=[4000], progress=False)
+fig, (left, right) = plt.subplots(1, 2, figsize=(13, 3.8), layout="constrained")
+plot_miss_causes(by_block, "block_size", ax=left)
+left.set_title(f"8 prompts of {LENGTH} tokens sharing {SYSTEM}: a hybrid model", fontsize=10)
+plot_miss_causes(with_tier, "capacity_blocks", ax=right)
+right.set(xlabel="GPU pool (blocks of 512)")
+right.set_title(f"Mooncake, first {LIMIT:,} requests, LRU tier of 4,000 blocks", fontsize=10)
+plt.show()
+small = by_block.set_index("block_size")
+viz.check((small.loc[small.index >= 528, "hit_gpu_tokens"] == 0).all()
+          and (small.loc[small.index >= 528, "partial_block_tokens"] >= 7 * SYSTEM).all()
+          and (small.loc[small.index < SYSTEM, "hit_gpu_tokens"] > 0).all(),
+          "blocks of 528 and 784 hit nothing: the shared 400 tokens of the 7 later prompts are partial blocks, "
+          "not cold ones; smaller blocks hit the system prompt's full blocks", defaults=(SYSTEM, LENGTH) == (400, 1000))
+lost = with_tier.set_index("capacity_blocks")
+viz.check((lost["evicted_tokens"] == 0).all() and (lost["tier_miss_tokens"] > lost["hit_tier_tokens"]).all()
+          and lost["tier_miss_tokens"].is_monotonic_decreasing,
+          "behind a tier that takes every evicted block, nothing is merely evicted: what the GPU loses is a tier "
+          "hit or a tier miss, and at these sizes tier misses outnumber tier hits", defaults=DEFAULTS)
+
+# %% [markdown]
 # **A recomputation counted as a hit** (vLLM #25780: a "32% hit rate" on a random dataset). A request preempted
 # by recompute is re-admitted later and finds its *own* blocks still cached. That saves work, but it is not a
 # prefix shared with anyone: counting it would report hits on prompts that share nothing. kvlab counts it
@@ -513,5 +598,7 @@ viz.check(gain["kv_cost"] < gain["round_robin"],
 #   0.6B model; over a slow link even Llama-3-8B loses, and a higher hit rate means a slower prefill.
 # * Read a hit rate with its denominator: full blocks only, never the last token, recomputations apart, and
 #   per run.
+# * Ask why the rest missed: the doctor files every prompt token under one cause, so vLLM's 0% under a
+#   528-token hybrid block reads "partial block", not "cold", and EAGLE's lost block reads "speculative drop".
 # * Admission order and tier placement matter too: LPM admission turns a queue into more hits and a lower TTFT,
 #   and a tier the fleet shares beats per-replica tiers of the same size, by less behind a cache-aware router.

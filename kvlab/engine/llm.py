@@ -32,6 +32,7 @@ from kvlab.engine.step_loop import StepLoop
 from kvlab.engine.step_record import records_to_dataframe
 from kvlab.engine.weights import load_model
 from kvlab.errors import InvalidArgumentError
+from kvlab.studies.doctor import DoctorView, HitDoctor
 from kvlab.sizing import KVCacheConfig
 from kvlab.validation import check_int, is_int
 
@@ -179,7 +180,9 @@ class LLM:
         if residual_length is not None:  # KIVI: the full-precision windows follow the block moves
             self.kv_cache.windows = [layer.self_attn.kv_window for layer in self.model.model.layers]
         logger.info("KV cache: %s (%s)", self.kv_cache.summary(), sized_by)
-        self.scheduler = scheduler_config.build(self.block_manager)
+        #: Names the cause of every prompt token the scheduler admits (``miss_causes``; kvlab.studies.doctor).
+        self.hit_doctor = HitDoctor(self.block_manager)
+        self.scheduler = scheduler_config.build(DoctorView(self.block_manager, self.hit_doctor))
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.attention_backend,
                                   check_every_layer=check_every_layer)
         self._loop = StepLoop(self.scheduler, self.runner, Sampler(seed, self.device), config.eos_token_ids,
@@ -301,6 +304,15 @@ class LLM:
         preempted by recompute finds its own blocks again under ``recomputed_*``, never as hits), cumulative;
         per run, ``make_prefix_cache_stats()``; per request, ``RequestOutput.metrics.num_cached_prompt_tokens``."""
         return self.block_manager.stats
+
+    @property
+    def miss_causes(self):
+        """Every prompt token admitted so far, cumulative: hit on the GPU, hit in the offload tier, or missed
+        and why (cold, evicted, partial block, group cut, speculative drop, isolated by a cache salt, recomputed
+        after a preemption, lost in the tier): a DataFrame of tokens and shares per cause
+        (``kvlab.studies.doctor``; ``hit_doctor.tokens`` has the counts, ``hit_doctor.reuse_distances`` the
+        evicted blocks' reuse distances in admissions)."""
+        return self.hit_doctor.table()
 
     def make_prefix_cache_stats(self):
         """The prefix-cache counters since the last call (a run's; vLLM V1's name), then a new run starts."""

@@ -20,6 +20,8 @@ recomputations included; 1.0 is perfect balance); ttft_p50_s / ttft_p99_s: arriv
 that samples the request's first token (queueing, then the steps that compute its prompt, the last chunk's
 step included: each ``decode_step_ms`` plus the prompt tokens it computes), over the requests that got one;
 evictions, preemptions and requests summed; makespan_s the last replica's clock.
+The hit-rate doctor's columns (kvlab.studies.doctor), summed over the replicas, each replica's doctor knowing
+its own pool's history only: a prompt whose blocks another replica caches is "cold" where it was routed.
 Per tier (``fleet_tier.tier_columns``): gpu_hit_blocks + tier_hit_blocks = the full prompt blocks hit,
 tier_hit_rate_blocks the tier's share of all full prompt blocks, tier_capacity_blocks the tier memory held.
 """
@@ -37,6 +39,7 @@ from kvlab.blocks.events import CachedHashes
 from kvlab.blocks.manager import MAX_BLOCKS
 from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError
+from kvlab.studies.doctor import HitDoctor, columns as doctor_columns
 from kvlab.studies.engine_model import EngineModel
 from kvlab.studies.fleet_tier import TierSettings, fleet_managers, tier_columns
 from kvlab.studies.overlap import Engine, arrivals
@@ -96,7 +99,9 @@ def replay_fleet(trace: pd.DataFrame, *, block_size: int = 512, capacity: int = 
     with tqdm(total=len(jobs), disable=not progress, leave=False, mininterval=0.5,
               desc=f"{label} bs={bs} cap={capacity} x{n} {router} {tier.kind}") as bar:
         managers = fleet_managers(tier, n, capacity, bs, policy_class)
-        engines = [Engine(prompts, [], manager, engine, bar) for manager in managers]
+        doctors = [HitDoctor(manager) for manager in managers]  # each replica's causes (kvlab.studies.doctor)
+        engines = [Engine(prompts, [], manager, engine, bar, doctor=doctor)
+                   for manager, doctor in zip(managers, doctors)]
         fleet = [Replica(e, manager) for e, manager in zip(engines, managers)]  # all the router sees
         next_start = [0.0] * n  # when each engine's next step would start, given what it was pushed so far
         advance = _advance_in_time_order if tier.kind == "shared" else _advance_each
@@ -110,7 +115,7 @@ def replay_fleet(trace: pd.DataFrame, *, block_size: int = 512, capacity: int = 
             next_start[i] = -math.inf  # its next step may come sooner now
         advance(engines, next_start, math.inf)
     row = _row(trace, label, bs, capacity, n, router, policy_name, engines, managers, time.perf_counter() - start)
-    return {**row, "scheduling_policy": engine.scheduling_policy, "tier_ms_per_block": engine.tier_ms_per_block,
+    return {**row, **doctor_columns(doctors), "scheduling_policy": engine.scheduling_policy, "tier_ms_per_block": engine.tier_ms_per_block,
             **tier_columns(tier, managers, row["hit_rate_blocks"], int((trace["input_length"] // bs).sum()))}
 
 

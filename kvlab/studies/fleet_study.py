@@ -17,6 +17,7 @@ from kvlab.errors import InvalidArgumentError
 from kvlab.studies.fleet import check_capacity, check_replicas, replay_fleet
 from kvlab.studies.fleet_tier import TierSettings
 from kvlab.studies.engine_model import EngineModel
+from kvlab.studies.doctor import COLUMNS as DOCTOR_COLUMNS
 from kvlab.studies.parallel_options import check_jobs, check_retries, check_timeout
 from kvlab.studies.routers import RouterSettings, router_factory
 from kvlab.studies.study import resolve_trace
@@ -27,7 +28,7 @@ FLEET_COLUMNS = ["trace", "block_size", "replicas", "capacity_blocks", "router",
                  "prefill_tokens_saved", "requests", "requests_skipped", "requests_dropped_mid_decode",
                  "preemptions", "recomputed_tokens", "evictions", "makespan_s", "scheduling_policy", "tier",
                  "tier_capacity_blocks", "gpu_hit_rate_blocks", "tier_hit_rate_blocks", "tier_hit_blocks",
-                 "offloaded_blocks", "tier_ms_per_block", "wall_s"]
+                 "offloaded_blocks", "tier_ms_per_block", "wall_s", *DOCTOR_COLUMNS]
 
 
 def fleet_study(trace="mooncake_conversation", *, block_sizes=(512,), capacities=(2000,), replicas=(1, 8),

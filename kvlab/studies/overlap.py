@@ -57,6 +57,7 @@ from kvlab.engine.request import Request, RequestMetrics
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.errors import InvalidArgumentError
 from kvlab.studies.engine_model import EngineModel
+from kvlab.studies.doctor import DoctorView, HitDoctor
 from kvlab.studies.fast_forward import CostModelView, generated_token, plain_decode_steps, run_plain_decode_steps
 from kvlab.studies.traces import PromptTokens
 
@@ -87,9 +88,10 @@ class Engine:
     """One engine replaying the jobs in ``jobs`` (in arrival order; ``push`` adds later ones)."""
 
     def __init__(self, prompts: PromptTokens, jobs: list[_Job], manager, model: EngineModel, bar, *,
-                 record_decisions: bool = False):
+                 record_decisions: bool = False, doctor: HitDoctor | None = None):
         self.m, self.bs, self.model, self.bar = manager, manager.block_size, model, bar
-        self.scheduler = model.make_scheduler(CostModelView(manager))
+        self.doctor = doctor  # told of every admission and free (kvlab.studies.doctor), or None
+        self.scheduler = model.make_scheduler(CostModelView(DoctorView(manager, doctor) if doctor else manager))
         self.prompts, self.arrivals = prompts, jobs
         self.next_arrival = 0
         self.jobs: dict[int, _Job] = {}  # seq_id -> its job, while the scheduler holds it
@@ -264,6 +266,8 @@ class Engine:
     def _abort(self, job: _Job) -> None:
         if not job.admitted:  # never admitted: its prompt can never be prefilled in this pool
             self.waiting_tokens -= job.prompt_len
+            if self.doctor is not None:
+                self.doctor.not_admitted(job.prompt_len)
         self.c["dropped" if job.admitted else "skipped"] += 1
         self._finish(job)
 
@@ -282,8 +286,9 @@ class Engine:
              {"draft_tokens": c["draft_tokens"], "accepted_draft_tokens": c["accepted_draft_tokens"]})
 
 
-def replay_overlap(trace, manager, model: EngineModel, bar) -> dict:
-    """Run the continuous-batching replay of ``trace`` on ``manager``; ``bar`` is a tqdm bar (or disabled)."""
-    engine = Engine(PromptTokens(trace), arrivals(trace, model), manager, model, bar)
+def replay_overlap(trace, manager, model: EngineModel, bar, doctor: HitDoctor | None = None) -> dict:
+    """Run the continuous-batching replay of ``trace`` on ``manager``; ``bar`` is a tqdm bar (or disabled);
+    ``doctor``, if given, hears of every admission and free."""
+    engine = Engine(PromptTokens(trace), arrivals(trace, model), manager, model, bar, doctor=doctor)
     engine.advance()
     return engine.metrics()

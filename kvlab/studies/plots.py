@@ -1,4 +1,5 @@
-"""Figures for the studies: hit rate versus capacity per policy, and memory-waste stacked bars."""
+"""Figures for the studies: hit rate versus capacity per policy, memory-waste stacked bars, and the hit-rate
+doctor's causes stacked."""
 
 import math
 
@@ -6,9 +7,14 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from kvlab.studies.doctor import CAUSES
 from kvlab.studies.memory_waste import SHARES
 from kvlab.studies.tiers import tier_label
 
+#: The doctor's causes (kvlab.studies.doctor): hits green, misses by cause.
+CAUSE_COLORS = {"hit_gpu": "#4c956c", "hit_tier": "#8cd17d", "cold": "#bab0ac", "evicted": "#e15759",
+                "partial_block": "#f2c14e", "group_cut": "#b07aa1", "speculative_drop": "#76b7b2",
+                "isolated": "#9c755f", "recompute": "#f28e2b", "tier_miss": "#ff9da7", "not_admitted": "#79706e"}
 SHARE_COLORS = {"token_states": "#4c956c", "reservation": "#f2c14e",
                 "internal_fragmentation": "#f78154", "external_fragmentation": "#b0b0b0"}
 
@@ -67,6 +73,29 @@ def plot_memory_waste(table: pd.DataFrame, ax=None):
             labelled = True
     ax.set_xticks(positions, table["scheme"])
     ax.set_ylabel("share of the KV memory budget (%)")
+    ax.set_ylim(0, 100)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return ax
+
+
+def plot_miss_causes(rows: pd.DataFrame, x: str, ax=None, labels=None):
+    """Stacked bars, one per row of a study's ``rows`` (in their order): the share of the prompt tokens each
+    cause of ``kvlab.studies.doctor.CAUSES`` took (the causes a row has none of are left out of the legend);
+    ``x`` names the bars' column, ``labels`` overrides their text. Returns the axes."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 3.6))
+    positions = np.arange(len(rows))
+    total = rows[[f"{cause}_tokens" for cause in CAUSES]].sum(axis=1).to_numpy(np.float64)
+    bottom = np.zeros(len(rows))
+    for cause in CAUSES:
+        values = 100 * rows[f"{cause}_tokens"].to_numpy(np.float64) / total
+        if values.any():
+            ax.bar(positions, values, bottom=bottom, color=CAUSE_COLORS[cause], label=cause.replace("_", " "))
+            bottom += values
+    ax.set_xticks(positions, labels if labels is not None else [
+        "inf" if value == math.inf else f"{int(value):,}" for value in rows[x]])
+    ax.set_xlabel(x.replace("_", " "))
+    ax.set_ylabel("share of the tokens admitted (%)")  # the prompts, and any recomputation's tokens
     ax.set_ylim(0, 100)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return ax

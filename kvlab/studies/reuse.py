@@ -33,18 +33,24 @@ def _id_prefix_numbers(hash_ids: list, id_tokens: np.ndarray) -> np.ndarray:
 
 
 def _hash_id_keys(hash_ids: list, lengths: np.ndarray, id_tokens: np.ndarray, block_size: int) -> np.ndarray:
-    """Keys for prompts given as hash ids of ``id_tokens`` tokens each (Mooncake: 512). The prefix ending at
-    token p is the expansion of the ids up to the one covering token p - 1, cut p - id_tokens * (its index)
+    """Keys for prompts given as hash ids of ``id_tokens`` tokens each (Mooncake: 512): one per full block."""
+    num_full = lengths // block_size
+    starts = np.cumsum(num_full) - num_full
+    request = np.repeat(np.arange(len(lengths)), num_full)
+    ends = (np.arange(num_full.sum()) - starts[request] + 1) * block_size   # p, one per full block
+    return _hash_id_prefix_keys(hash_ids, lengths, id_tokens, request, ends)
+
+
+def _hash_id_prefix_keys(hash_ids: list, lengths: np.ndarray, id_tokens: np.ndarray, request: np.ndarray,
+                         ends: np.ndarray) -> np.ndarray:
+    """The key of the prefix of request ``request[k]`` ending at token ``ends[k]``, for every k. The prefix ending
+    at token p is the expansion of the ids up to the one covering token p - 1, cut p - id_tokens * (its index)
     tokens into it, so the key is that id prefix's number * (2 * the largest id_tokens) + those tokens;
     vectorised over the whole trace but for one dict lookup per id."""
     id_counts = np.array([len(h) for h in hash_ids], dtype=np.int64)
     if (id_counts * id_tokens < lengths).any():
         r = int(np.flatnonzero(id_counts * id_tokens < lengths)[0])
         raise InvalidArgumentError(f"request {r}: {id_counts[r]} hash ids cannot cover input_length {lengths[r]}")
-    num_full = lengths // block_size
-    starts = np.cumsum(num_full) - num_full
-    request = np.repeat(np.arange(len(lengths)), num_full)
-    ends = (np.arange(num_full.sum()) - starts[request] + 1) * block_size   # p, one per full block
     tokens = id_tokens[request]
     index = (ends - 1) // tokens
     prefixes = _id_prefix_numbers(hash_ids, id_tokens)
@@ -81,6 +87,40 @@ def block_keys(trace: pd.DataFrame, block_size: int) -> tuple[np.ndarray, np.nda
     if explicit or hashed.any():  # a mix: follow the tokens a replay would see, one block at a time
         return _token_keys(PromptTokens(trace), block_size), request
     return -1 - np.arange(num_full.sum(), dtype=np.int64), request  # private blocks: all distinct
+
+
+def _token_probe_keys(prompts: PromptTokens, block_size: int) -> np.ndarray:
+    """Probe keys for explicit token ids: (the prefix key before the unit, its first token), numbered."""
+    known: dict[tuple[int, bytes], int] = {}
+    probes: dict[tuple[int, int], int] = {}
+    keys = []
+    for i in range(len(prompts)):
+        tokens = prompts[i]
+        parent = -1
+        for start in range(0, len(tokens), block_size):
+            keys.append(probes.setdefault((parent, int(tokens[start])), len(probes)))
+            if start + block_size <= len(tokens):
+                parent = known.setdefault((parent, tokens[start:start + block_size].tobytes()), len(known))
+    return np.array(keys, dtype=np.int64)
+
+
+def unit_probe_keys(trace: pd.DataFrame, block_size: int) -> np.ndarray:
+    """One key per unit of every prompt (its full blocks, then its partial last block if any), in request
+    order: two units' keys are equal exactly when the prefixes ending at their first tokens are (the prompts
+    agree up to and including that token). The hit-rate doctor (kvlab.studies.doctor) reads them to tell a
+    prefix shared into a block (a partial block) from a block never seen (cold)."""
+    block_size = check_block_size(block_size)
+    lengths = trace["input_length"].to_numpy(np.int64)
+    units = -(-lengths // block_size)
+    explicit = "token_ids" in trace and trace["token_ids"].notna().any()
+    hashed = trace["hash_ids"].notna() if "hash_ids" in trace else pd.Series(False, index=trace.index)
+    if not explicit and hashed.all():
+        request = np.repeat(np.arange(len(trace)), units)
+        ends = (np.arange(units.sum()) - (np.cumsum(units) - units)[request]) * block_size + 1
+        return _hash_id_prefix_keys(trace["hash_ids"].tolist(), lengths, hash_id_tokens(trace), request, ends)
+    if explicit or hashed.any():
+        return _token_probe_keys(PromptTokens(trace), block_size)
+    return -1 - np.arange(units.sum(), dtype=np.int64)  # private prompts: no unit is shared
 
 
 def reuse_profile(trace: pd.DataFrame, block_size: int, *, keys=None) -> dict:

@@ -36,12 +36,15 @@ class CompactTrace:
     lengths: np.ndarray
     tokens: np.ndarray
     ends: np.ndarray
+    probes: np.ndarray  # every request's units' probe keys, in arrival order (the hit-rate doctor's)
     arrivals_s: np.ndarray | None = None  # request i's arrival time in seconds (the residency metrics' clock)
 
     @classmethod
-    def build(cls, trace: pd.DataFrame, block_size: int, numbers: np.ndarray, request: np.ndarray) -> "CompactTrace":
+    def build(cls, trace: pd.DataFrame, block_size: int, numbers: np.ndarray, request: np.ndarray,
+              probes: np.ndarray) -> "CompactTrace":
         """``numbers``: the full blocks' prefix keys (``kvlab.studies.reuse.block_keys``) renumbered 0, 1, ...
-        (so never negative); ``request``: the request of each block, as ``block_keys`` returns it."""
+        (so never negative); ``request``: the request of each block, as ``block_keys`` returns it; ``probes``:
+        ``kvlab.studies.reuse.unit_probe_keys``, in request order, for the hit-rate doctor."""
         lengths = trace["input_length"].to_numpy(np.int64)
         full, partial = lengths // block_size, (lengths % block_size > 0).astype(np.int64)
         sizes = 2 * full + partial
@@ -52,19 +55,31 @@ class CompactTrace:
         tokens = np.zeros(int(ends[-1]), dtype=np.int64)  # a partial block keeps token 0: it is never hashed
         first = start[request] + 2 * (np.arange(len(numbers)) - (np.cumsum(full) - full)[request])
         tokens[first], tokens[first + 1] = 2 * numbers, 2 * numbers + 1
-        return cls(block_size, lengths[order], tokens, ends, trace["timestamp"].to_numpy(np.float64)[order] / 1000.0)
+        units = -(-lengths // block_size)  # the probes, into arrival order: request order[0]'s units, then ...
+        first_unit = np.cumsum(units) - units
+        arrived = np.repeat(order, units[order])
+        offset = np.arange(len(probes)) - np.repeat(np.cumsum(units[order]) - units[order], units[order])
+        probes = probes[first_unit[arrived] + offset]
+        return cls(block_size, lengths[order], tokens, ends, probes,
+                   trace["timestamp"].to_numpy(np.float64)[order] / 1000.0)
 
     def __sizeof__(self) -> int:
         # Dask's joblib backend ships arguments larger than a kilobyte to its workers once, not once per task;
         # it measures them with sys.getsizeof, which would otherwise see only this small object.
         return (object.__sizeof__(self) + self.lengths.nbytes + self.tokens.nbytes + self.ends.nbytes
-                + (self.arrivals_s.nbytes if self.arrivals_s is not None else 0))
+                + self.probes.nbytes + (self.arrivals_s.nbytes if self.arrivals_s is not None else 0))
 
     def sequences(self) -> list[Sequence]:
         """Every request's compact prompt as a ``Sequence``, in arrival order. A freed sequence can be
         allocated again, in any manager, so a process builds them once for all the replays it runs."""
         ends = [0, *self.ends.tolist()]
         return [Sequence(self.tokens[ends[i]:ends[i + 1]], COMPACT_BLOCK_SIZE) for i in range(len(self.lengths))]
+
+    def unit_probes(self) -> list[list]:
+        """Every request's units' probe keys (``probes``), a list per request in arrival order."""
+        ends = np.cumsum(-(-self.lengths // self.block_size)).tolist()
+        probes = self.probes.tolist()
+        return [probes[start:end] for start, end in zip([0, *ends], ends)]
 
 
 class ReplayClock:
@@ -79,22 +94,34 @@ class ReplayClock:
 
 
 def replay_sequential(compact: CompactTrace, sequences: list[Sequence], manager: BlockManager, bar,
-                      clock: ReplayClock | None = None) -> dict:
+                      clock: ReplayClock | None = None, doctor=None, probes: list | None = None) -> dict:
     """Replay ``compact.sequences()`` on ``manager`` (block size ``COMPACT_BLOCK_SIZE``, empty); ``bar`` is a
-    tqdm bar (or disabled); ``clock``, if given, follows the requests' arrival times. With an offload tier, the
-    tier hits are counted apart from the GPU's (``tier_hit_blocks``) and the copies ``allocate`` returns are
-    dropped (nothing applies them: no K/V is held)."""
+    tqdm bar (or disabled); ``clock``, if given, follows the requests' arrival times; ``doctor`` (a
+    ``kvlab.studies.doctor.HitDoctor`` of ``manager`` at the real block size), if given, hears of every prompt,
+    with its units' ``probes`` (``compact.unit_probes()``). With an offload tier, the tier hits are counted
+    apart from the GPU's (``tier_hit_blocks``) and the copies ``allocate`` returns are dropped (nothing applies
+    them: no K/V is held)."""
     needed = (-(-compact.lengths // compact.block_size)).tolist()  # blocks per prompt, as with the real tokens
     arrivals = compact.arrivals_s.tolist() if clock is not None else None
+    lengths = compact.lengths.tolist() if doctor is not None else None
     pool = manager.num_blocks
     skipped = peak = 0
     for i, (blocks, seq) in enumerate(zip(needed, sequences), start=1):
         if blocks > pool:
             skipped += 1
+            if doctor is not None:
+                doctor.not_admitted(lengths[i - 1])
         else:
             if arrivals is not None:
                 clock.now = arrivals[i - 1]
-            manager.allocate(seq)  # between requests every block is free: a prompt that fits the pool fits now
+            # Between requests every block is free: a prompt that fits the pool fits now.
+            if doctor is None:
+                manager.allocate(seq)
+            else:
+                hit = manager.lookup(seq)
+                admitted = manager.allocate(seq, hit=hit)
+                doctor.admitted(seq, hit, tier_moves=admitted.tier_moves, num_tokens=lengths[i - 1],
+                                probes=probes[i - 1])
             peak = max(peak, pool - manager.num_free_blocks)
             manager.free(seq)
         if i % 256 == 0:

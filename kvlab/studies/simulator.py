@@ -44,7 +44,8 @@ from kvlab.blocks.manager import MAX_BLOCKS, BlockManager
 from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError
 from kvlab.studies.engine_model import EngineModel
-from kvlab.studies.reuse import block_keys
+from kvlab.studies.doctor import HitDoctor
+from kvlab.studies.reuse import block_keys, unit_probe_keys
 from kvlab.studies.sequential import COMPACT_BLOCK_SIZE, CompactTrace, ReplayClock, replay_sequential
 from kvlab.studies.tiers import TierConfig, tier_columns
 from kvlab.studies.traces import check_frame
@@ -115,7 +116,8 @@ def prepare(trace: pd.DataFrame, block_size: int, mode: str = "sequential", labe
     sequential = mode == "sequential"
     return PreparedTrace(label, mode, block_size, distinct_blocks=len(distinct),
                          prompt_tokens=int(lengths.sum()), full_blocks=int((lengths // block_size).sum()),
-                         compact=CompactTrace.build(trace, block_size, numbers.reshape(-1), request)
+                         compact=CompactTrace.build(trace, block_size, numbers.reshape(-1), request,
+                                                    unit_probe_keys(trace, block_size))
                          if sequential else None,
                          frame=None if sequential else trace)
 
@@ -177,7 +179,8 @@ def replay_prepared(prepared: PreparedTrace, configs, *, engine: EngineModel | N
     if prepared.mode == "overlap":
         engine.scheduler_config()  # an unknown scheduler or a bad speculative_config fails before any replay
     started = time.perf_counter()
-    sequences = prepared.compact.sequences() if prepared.mode == "sequential" else None
+    sequential = prepared.mode == "sequential"
+    sequences = (prepared.compact.sequences(), prepared.compact.unit_probes()) if sequential else None
     shared_s = (time.perf_counter() - started) / max(len(configs), 1)
     return [_replay_one(prepared, capacity, name, policy_class, tier, engine, sequences, progress, shared_s,
                         kv_cache_metrics_sample)
@@ -194,14 +197,15 @@ def _replay_one(prepared, capacity, policy_name, policy_class, tier, engine, seq
     manager = BlockManager(pool, COMPACT_BLOCK_SIZE if sequential else bs, eviction=policy_class(),
                            kv_cache_metrics=metrics_collector, **tier.manager_options())
     requests = len(prepared.compact.lengths) if sequential else len(prepared.frame)
+    doctor = HitDoctor(manager, block_size=bs)  # every prompt token's cause (kvlab.studies.doctor)
     with tqdm(total=requests, disable=not progress, leave=False, mininterval=0.5,
               desc=f"{prepared.label} bs={bs} cap={capacity} {policy_name}") as bar:
         if sequential:
-            metrics = replay_sequential(prepared.compact, sequences, manager, bar, clock)
+            metrics = replay_sequential(prepared.compact, sequences[0], manager, bar, clock, doctor, sequences[1])
         else:
             from kvlab.studies.overlap import replay_overlap  # the serving engine's scheduler
 
-            metrics = replay_overlap(prepared.frame, manager, engine, bar)
+            metrics = replay_overlap(prepared.frame, manager, engine, bar, doctor)
     # Rates over the whole trace: a skipped request's prompt counts as computed, so every row of a trace
     # shares one denominator and rows compare across capacities.
     hit_tokens, hit_blocks = metrics.pop("hit_tokens"), metrics.pop("hit_blocks")
@@ -216,6 +220,6 @@ def _replay_one(prepared, capacity, policy_name, policy_class, tier, engine, seq
         "prompt_tokens": prepared.prompt_tokens, "prefill_tokens_saved": hit_tokens,
         "hit_rate_tokens": hit_tokens / prepared.prompt_tokens,
         "hit_rate_blocks": hit_blocks / max(prepared.full_blocks, 1),
-        **metrics, "evictions": manager.num_evictions, **per_tier, **residency,
+        **metrics, "evictions": manager.num_evictions, **per_tier, **residency, **doctor.columns(),
         "wall_s": time.perf_counter() - start + shared_s,
     }

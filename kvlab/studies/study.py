@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError
 from kvlab.studies.estimate import estimate, slow_notice
+from kvlab.studies.doctor import COLUMNS as DOCTOR_COLUMNS
 from kvlab.studies.engine_model import EngineModel
 from kvlab.studies.parallel_options import check_jobs, check_retries, check_timeout
 from kvlab.studies.reuse import block_keys, reuse_profile
@@ -39,7 +40,7 @@ from kvlab.validation import check_optional_int
 COLUMNS = ["trace", "mode", "block_size", "capacity_blocks", "capacity_tokens", "policy", "hit_rate_tokens",
            "hit_rate_blocks", "ceiling_hit_rate_tokens", "prefill_tokens_saved", "prompt_tokens", "evictions",
            "peak_blocks_used", "pool_blocks", "requests", "requests_skipped", "requests_dropped_mid_decode",
-           "wall_s", *TIER_COLUMNS, *TTFT_COLUMNS]
+           "wall_s", *TIER_COLUMNS, *TTFT_COLUMNS, *DOCTOR_COLUMNS]
 
 
 def resolve_trace(trace, limit: int | None = None) -> tuple[str, pd.DataFrame]:

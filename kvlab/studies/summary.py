@@ -5,13 +5,15 @@ Policies that tie are said to tie, not one of them named best (with a pool too s
 between requests every policy hits the same blocks). A hit rate counts a skipped request's prompt as all
 misses (``kvlab.studies.simulator``), so the requests skipped (a prompt larger than the pool) and those
 dropped mid-decode (overlap mode: a sequence that outgrew the whole pool) are said beside it: they are part
-of why it is low.
+of why it is low. The hit-rate doctor's columns (kvlab.studies.doctor), where the rows have them, add the
+best row's main causes of misses.
 """
 
 import math
 
 import pandas as pd
 
+from kvlab.studies.doctor import CAUSES, HITS
 from kvlab.studies.tiers import tier_label
 
 TIER_KEYS = ["offload_capacity_blocks", "offload_policy", "offload_admission"]
@@ -29,7 +31,7 @@ def summary(table: pd.DataFrame) -> str:
         for key, at_capacity in finite.groupby(["capacity_blocks", *tiers], sort=False):
             capacity, *tier = key if isinstance(key, tuple) else (key,)
             lines.append(f"  {int(capacity):>9,} blocks{tier_label(*tier) if tier else ''}: "
-                         f"{_policies(at_capacity, ceiling)}{_unserved(at_capacity)}")
+                         f"{_policies(at_capacity, ceiling)}{_unserved(at_capacity)}{_causes(at_capacity)}")
     return "\n".join(lines)
 
 
@@ -56,3 +58,21 @@ def _unserved(rows: pd.DataFrame) -> str:
         varies = rows["requests_dropped_mid_decode"].nunique() > 1
         said += f"; {'up to ' if varies else ''}{dropped:,} of {total:,} dropped mid-decode (outgrew the pool)"
     return said
+
+
+def _causes(rows: pd.DataFrame, most: int = 3) -> str:
+    """``; misses: 68.0% cold, 27.9% evicted (reuse distance p50: 332 admissions)``: the best row's largest miss
+    causes, as shares of the tokens admitted; nothing for rows without the doctor's columns."""
+    columns = [f"{cause}_tokens" for cause in CAUSES]
+    if not set(columns) <= set(rows.columns):
+        return ""
+    best = rows.loc[rows["hit_rate_tokens"].idxmax()]
+    total = sum(best[c] for c in columns)
+    misses = sorted(((best[f"{c}_tokens"], c) for c in CAUSES if c not in HITS and best[f"{c}_tokens"]), reverse=True)
+    if not total or not misses:
+        return ""
+    said = ", ".join(f"{tokens / total:.1%} {cause.replace('_', ' ')}" for tokens, cause in misses[:most])
+    distance = best.get("evicted_reuse_distance_p50")
+    if any(cause == "evicted" for _, cause in misses[:most]) and distance is not None and not pd.isna(distance):
+        said += f" (reuse distance p50: {distance:,.0f} admissions)"
+    return f"; misses: {said}"

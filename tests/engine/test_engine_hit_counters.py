@@ -26,3 +26,18 @@ def test_preemption_by_recompute_is_not_a_prefix_hit_and_runs_are_counted_apart(
     second = llm.make_prefix_cache_stats()  # this run alone: a 16-token prompt whose first block is cached
     assert (second.queried_tokens, second.hit_blocks, second.recomputed_blocks) == (16, 1, 0)
     assert llm.prefix_cache_stats.queried_tokens == 3 * 15 + 16
+
+
+def test_the_engine_names_every_prompt_token_s_cause(qwen3):
+    path, _ = qwen3
+    llm = make_llm(path, num_blocks=10, preemption_mode="recompute")
+    rng = random.Random(2)
+    prompts = [[rng.randrange(1, VOCAB) for _ in range(15)] for _ in range(3)]
+    llm.generate(prompts, SamplingParams(max_tokens=16, **GREEDY), use_tqdm=False)
+    llm.generate([prompts[0] + [1]], SamplingParams(max_tokens=1, **GREEDY), use_tqdm=False)
+    stats, tokens = llm.prefix_cache_stats, llm.hit_doctor.tokens
+    assert tokens["recompute"] == stats.recomputed_queried_tokens > 0  # re-admissions: never a hit
+    assert tokens["hit_gpu"] == stats.hit_tokens > 0
+    assert sum(tokens.values()) - tokens["recompute"] == stats.queried_tokens == 3 * 15 + 16
+    causes = llm.miss_causes
+    assert causes["tokens"].sum() == sum(tokens.values()) and abs(causes["share"].sum() - 1) < 1e-9

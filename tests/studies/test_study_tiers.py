@@ -110,8 +110,10 @@ def test_the_summary_says_each_tier_on_its_own_line():
     table = cache_hit_study([("t", trace_of(EVICT_THEN_RETURN))], block_sizes=[4], capacities=[3],
                             policies=["lru"], offload_capacities=[0, 4], progress=False, jobs=1)
     lines = summary(table).splitlines()
-    assert lines[1] == "          3 blocks: lru hits 0.0% (0% of the ceiling)"
-    assert lines[2] == "          3 blocks + 4-block tier (lru, always): lru hits 26.7% (100% of the ceiling)"
+    assert lines[1] == ("          3 blocks: lru hits 0.0% (0% of the ceiling); misses: 66.7% cold, 26.7% evicted, "
+                        "6.7% partial block (reuse distance p50: 2 admissions)")
+    assert lines[2] == ("          3 blocks + 4-block tier (lru, always): lru hits 26.7% (100% of the ceiling); misses: "
+                        "66.7% cold, 6.7% partial block")  # the tier serves what the GPU pool evicted
 
 
 def test_a_tier_or_residency_metrics_in_overlap_mode_are_refused_before_any_replay():

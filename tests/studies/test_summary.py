@@ -36,3 +36,12 @@ def test_skipped_and_dropped_requests_are_said():
 
 def test_a_trace_without_reuse_has_no_share_of_a_zero_ceiling():
     assert lines(rows(10, [0.0, 0.0, 0.0], ceiling=0.0))[1].endswith("all policies tie at 0.0%")
+
+
+def test_the_best_row_s_main_miss_causes_are_said():
+    causes = {"hit_gpu_tokens": 20, "hit_tier_tokens": 0, "cold_tokens": 50, "evicted_tokens": 25,
+              "partial_block_tokens": 5, "group_cut_tokens": 0, "speculative_drop_tokens": 0, "isolated_tokens": 0,
+              "recompute_tokens": 0, "tier_miss_tokens": 0, "not_admitted_tokens": 0, "evicted_reuse_distance_p50": 7.0}
+    with_causes = [{**row, **causes} for row in rows(10, [0.1, 0.2, 0.1])]
+    assert lines(with_causes)[1].endswith("best policy fifo hits 20.0% (40% of the ceiling); misses: 50.0% cold, "
+                                          "25.0% evicted, 5.0% partial block (reuse distance p50: 7 admissions)")
