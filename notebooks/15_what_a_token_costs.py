@@ -273,20 +273,23 @@ check(gain_8x > 2 * gain_4x and hit_at["ideal 2-bit (8x)"] < capacity.ceiling_hi
       "the hit rate grows faster than the block count, far below the ceiling", defaults=DEFAULTS)
 
 # %%
-fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
-for _, row in accuracy.iterrows():
-    left.scatter(row.vs_bf16, row.kl_mean, s=40)
-    left.annotate(row.setting, (row.vs_bf16, row.kl_mean), fontsize=7, xytext=(4, 2), textcoords="offset points")
+# Many settings sit close together, so each has a marker in a legend rather than a label on the plot.
+MARKERS = "osD^v<>pPX*hH8d"
+fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), sharex=True, layout="constrained")
+for i, (_, row) in enumerate(accuracy.iterrows()):
+    left.scatter(row.vs_bf16, row.kl_mean, s=45, marker=MARKERS[i % len(MARKERS)], label=row.setting)
 left.set(yscale="log", xlabel="page bytes per token (x fewer than bf16)", ylabel="next-token KL vs fp32 cache",
          title="the price: accuracy (SmolLM2-135M)")
-right.plot(capacity.blocks_vs_bf16, capacity.hit_rate_tokens, "o-")
-for _, row in capacity.iterrows():
-    right.annotate(row.format, (row.blocks_vs_bf16, row.hit_rate_tokens), fontsize=7, xytext=(4, -8),
-                   textcoords="offset points")
+left.legend(fontsize=7, ncol=2, loc="upper left")
+in_order = capacity.sort_values("blocks_vs_bf16")
+right.plot(in_order.blocks_vs_bf16, in_order.hit_rate_tokens, "-", color="0.7", zorder=1)
+for i, (_, row) in enumerate(in_order.iterrows()):
+    right.scatter(row.blocks_vs_bf16, row.hit_rate_tokens, s=45, marker=MARKERS[i % len(MARKERS)], label=row.format,
+                  zorder=2)
 right.axhline(capacity.ceiling_hit_rate_tokens.iloc[0], ls="--", color="grey", label="infinite cache")
 right.set(xlabel="blocks in the same bytes (x bf16)", ylabel="prefix hit rate (tokens)",
           title="the prize: prefix hits (Mooncake, 48 GiB)")
-right.legend()
+right.legend(fontsize=7, loc="center left")
 for ax in (left, right):
     ax.grid(alpha=0.3)
 plt.show()
