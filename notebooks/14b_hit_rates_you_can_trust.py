@@ -582,10 +582,23 @@ viz.check(all(total[r, "shared"] > total[r, "local"] > total[r, "none"] for r in
 viz.check(gain["kv_cost"] < gain["round_robin"],
           "the cache-aware router narrows the shared tier's lead: it already sends a conversation back to the "
           "replica (and local tier) that holds it", defaults=DEFAULTS)
+# The GPU pools above are too small for routing to show in GPU hits (every router's are the same); with ten
+# times the blocks, and no tier, the router's own effect shows.
+gpu_only = fleet_rates.gpu_hit_rate_blocks
+larger = {router: replay_fleet(fleet_trace, block_size=TRACE_BS, capacity=10 * f_gpu, replicas=f_replicas,
+                               router=router, tier=TierSettings("none", 0))["gpu_hit_rate_blocks"]
+          for router in ("round_robin", "kv_cost")}
+print(f"GPU hits with {10 * f_gpu:,} blocks per replica and no tier: round robin {larger['round_robin']:.2%}, "
+      f"kv_cost {larger['kv_cost']:.2%}")
+viz.check(gpu_only["kv_cost", "none"] == gpu_only["round_robin", "none"] and larger["kv_cost"] > larger["round_robin"],
+          f"with {f_gpu} GPU blocks per replica the routers' GPU hits are equal, and with ten times as many "
+          "kv_cost's are higher", defaults=DEFAULTS)
 
 # %% [markdown]
 # Here the shared tier gets about 1.27x the local tiers' hit rate behind a round-robin router and 1.17x behind
-# the cache-aware one. At full size (`kvlab fleet`, 8 replicas x 250 GPU blocks, a 2,000-block tier, the first
+# the cache-aware one. The GPU hits themselves are the same for both routers: pools of this size evict a
+# conversation's blocks before its next turn whichever replica it lands on, so the router's difference shows
+# only through the tiers; with ten times the GPU blocks (the line above) `kv_cost` hits more on the GPU alone. At full size (`kvlab fleet`, 8 replicas x 250 GPU blocks, a 2,000-block tier, the first
 # 3,000 requests) kvlab measures shared/local = 1.71x with round robin and 1.63x with the cache-aware router,
 # short of Mooncake's "up to 2.36x": kvlab's tier is small next to the trace's reuse distances (a conversation's
 # next turn comes minutes later, after tens of thousands of other blocks), and a cache-aware router already
