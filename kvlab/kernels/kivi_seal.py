@@ -33,7 +33,7 @@ def _round_half_even(x):
 
 
 @triton.jit
-def _record_ptr(cache_ptr, blocks, offsets, head, byte, W, stride_block, stride_kv, stride_slot, stride_head):
+def record_byte_ptr(cache_ptr, blocks, offsets, head, byte, W, stride_block, stride_kv, stride_slot, stride_head):
     """Address of record byte ``byte`` of the token in slot (blocks, offsets), KV head ``head``."""
     half = (byte >= W).to(tl.int64)
     return (cache_ptr + blocks * stride_block + half * stride_kv + offsets * stride_slot + head * stride_head
@@ -95,7 +95,7 @@ def kivi_seal_kernel(
                 q = part * 2 * D + 2 * channel + k                            # [CODE_BYTES]
                 meta_row = group * G + q // META_PER_ROW
                 byte = CODE_BYTES + q % META_PER_ROW
-                ptr = _record_ptr(cache_ptr, tl.load(blocks_ptr + meta_row), tl.load(offsets_ptr + meta_row),
+                ptr = record_byte_ptr(cache_ptr, tl.load(blocks_ptr + meta_row), tl.load(offsets_ptr + meta_row),
                                   head, byte, W, stride_block, stride_kv, stride_slot, stride_head)
                 tl.store(ptr, low if k == 0 else high)
         # Values: per row over each group of VG channels (a channel's group read whole, [G, CODE_BYTES, VG]).
@@ -111,13 +111,13 @@ def kivi_seal_kernel(
             low, high = _fp16_bytes(meta)
             for k in tl.static_range(2):
                 byte = KEY_BYTES + CODE_BYTES + 4 * (channel // VG) + 2 * part + k
-                ptr = _record_ptr(cache_ptr, blocks[:, None], offsets[:, None], head, byte[None, :], W,
+                ptr = record_byte_ptr(cache_ptr, blocks[:, None], offsets[:, None], head, byte[None, :], W,
                                   stride_block, stride_kv, stride_slot, stride_head)
                 tl.store(ptr, low if k == 0 else high, mask=(first[None, :] & (rows[:, None] >= 0)))
-    ptr = _record_ptr(cache_ptr, blocks[:, None], offsets[:, None], head, j[None, :], W, stride_block, stride_kv,
+    ptr = record_byte_ptr(cache_ptr, blocks[:, None], offsets[:, None], head, j[None, :], W, stride_block, stride_kv,
                       stride_slot, stride_head)
     tl.store(ptr, key_bytes.to(tl.uint8))
-    ptr = _record_ptr(cache_ptr, blocks[:, None], offsets[:, None], head, KEY_BYTES + j[None, :], W, stride_block,
+    ptr = record_byte_ptr(cache_ptr, blocks[:, None], offsets[:, None], head, KEY_BYTES + j[None, :], W, stride_block,
                       stride_kv, stride_slot, stride_head)
     tl.store(ptr, value_bytes.to(tl.uint8))
 
