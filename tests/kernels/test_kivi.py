@@ -275,5 +275,5 @@ def test_the_triton_read_refuses_what_it_cannot_read():
         kivi_paged_attention(query, cache, tables, seq_lens, cu, open_kv[:, :, :15], quantizer)
     with pytest.raises(InvalidArgumentError, match="one query per sequence: 4 rows, got 3"):
         kivi_paged_attention(query[:3], cache, tables, seq_lens, cu, open_kv, quantizer)
-    with pytest.raises(InvalidArgumentError, match=r"is uint8 \[blocks, 2, a multiple of 16, kv heads, 18\]"):
+    with pytest.raises(InvalidArgumentError, match=r"is uint8 \[blocks, 2, a multiple of 16, kv heads, 24\]"):
         kivi_paged_attention(query, cache[..., :17], tables, seq_lens, cu, open_kv, quantizer)
