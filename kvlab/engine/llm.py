@@ -181,7 +181,8 @@ class LLM:
         logger.info("KV cache: %s (%s)", self.kv_cache.summary(), sized_by)
         self.scheduler = scheduler_config.build(self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.attention_backend,
-                                  check_every_layer=check_every_layer)
+                                  check_every_layer=check_every_layer,
+                                  kivi=None if residual_length is None else self.kv_quantizers[0])
         self._loop = StepLoop(self.scheduler, self.runner, Sampler(seed, self.device), config.eos_token_ids,
                               self.max_model_len, record_decisions)
         self._intake = RequestIntake(config, self.tokenizer, self.max_model_len, self.scheduler, max_num_batched_tokens)

@@ -39,9 +39,10 @@ from kvlab.errors import InvalidArgumentError
 from kvlab.kernels._checks import (check_attention_options, check_block_tables, check_cu_query_lens, check_seq_lens,
                                    check_tensor)
 from kvlab.kernels.attention_tiles import NEG_BIG, attention_scores, online_softmax_step
-from kvlab.kernels.kivi_seal import record_byte_ptr
+from kvlab.kernels.kivi_seal import kivi_seal, record_byte_ptr
 from kvlab.kernels.kv_quant import KVQuantizer
 from kvlab.kernels.paged_prefill import query_tile_map
+from kvlab.kernels.torch_paged_quant import KiviStep, ResidualWindow, kivi_open_chunks, kivi_stage
 from kvlab.sizing.kv_dtypes import kivi_value_group
 
 
@@ -279,3 +280,22 @@ def kivi_paged_attention_unchecked(query, kv_cache, block_tables, seq_lens, cu_q
         **config,
     )
     return out
+
+
+def kivi_attention_triton(query, key, value, kv_cache, step: KiviStep, quantizer: KVQuantizer,
+                          window: ResidualWindow, block_tables, seq_lens, cu_query_lens, tile_map, scale=None,
+                          checked: bool = False):
+    """One layer of a KIVI step with the Triton kernels: ``kvlab.kernels.torch_paged_quant.kivi_attention``'s
+    steps, the seal by ``kivi_seal`` and the read by ``kivi_paged_attention`` (``step``: ``plan_kivi_step``'s
+    without a torch plan; ``tile_map``: ``kivi_tile_map``'s; ``cu_query_lens`` None: decode). ``checked``:
+    the read's checks run on this call too (the engine's debug switch; the seal always checks)."""
+    open_kv = kivi_open_chunks(key, value, step, window)
+    if step.seal_positions.numel():
+        sealed = open_kv[:, step.seal_seqs, step.seal_rows]
+        kivi_seal(sealed[0], sealed[1], kv_cache, step.seal_blocks, step.seal_offsets, quantizer)
+    kivi_stage(step, window, open_kv)
+    if checked:
+        return kivi_paged_attention(query, kv_cache, block_tables, seq_lens, cu_query_lens, open_kv, quantizer,
+                                    scale)
+    return kivi_paged_attention_unchecked(query, kv_cache, block_tables, seq_lens, cu_query_lens, open_kv, tile_map,
+                                          quantizer, scale)

@@ -99,6 +99,27 @@ def test_swaps_forks_preemption_and_the_tier_keep_the_tokens(llama, name, block_
     assert [got[0], got[2]] == expected and tiered.block_manager.tier_stats.tier_hit_blocks >= 1
 
 
+@pytest.mark.slow  # ~25 s each: the interpreter runs every program of both kernels in Python
+@pytest.mark.parametrize("name, block_size, residual, check_every_layer", [("kivi_int4_g16", 32, 16, "0"),
+                                                                        ("kivi_int2", 32, 32, "1")])
+def test_the_triton_backend_gives_the_torch_paths_tokens(llama, monkeypatch, name, block_size, residual,
+                                                         check_every_layer):
+    """``attention_backend="triton"`` (interpreted here) seals chunks with ``kivi_seal`` and reads with
+    ``kivi_paged_attention``: greedy tokens of a batch decoding past several chunks, then of a prefix hit read in
+    a chunked prefill, are the torch path's (with the per-layer checks on, the checked launchers run)."""
+    monkeypatch.setenv("KVLAB_CHECK_EVERY_LAYER", check_every_layer)
+    path, _ = llama
+    batch = prompts(10, (20, 2 * block_size + 5))
+    second = batch[1][:block_size + 3] + [4, 5]                    # its first block is a prefix hit
+    runs = {}
+    for backend in ("torch", "triton"):
+        llm = kivi_llm(path, name, block_size, residual, num_blocks=16, max_num_seqs=4, max_num_batched_tokens=24,
+                       attention_backend=backend)
+        runs[backend] = tokens(llm, batch, max_tokens=14) + tokens(llm, [second], max_tokens=4)
+        assert llm.make_prefix_cache_stats().hit_blocks == 1
+    assert runs["triton"] == runs["torch"]
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(kv_cache_dtype="int4_kivi"), "'int4_kivi' was not KIVI .* now 'int4_calibrated_channel'. KIVI itself is "
                                        "'kivi_int4' or 'kivi_int2'"),
