@@ -2,7 +2,8 @@
 pages on the fly and reads each query's own R-chunk from a full-precision buffer, for decode (one query per
 sequence) and prefix prefill (a chunk of new tokens over a cached prefix). The torch twin is
 ``kvlab.kernels.torch_paged_quant.kivi_read_torch``; the write (sealing whole chunks into the pages) is
-``kvlab.kernels.kivi_seal``, which must run first.
+``kvlab.kernels.kivi_seal``, which must run first. ``kivi_attention_triton`` is one layer of a step with both,
+as the engine's Triton backend runs it (``kvlab.kernels.torch_paged_quant.kivi_attention``'s steps).
 
 What a query reads (``KiviStep``): the query at position p sees positions below ``R floor(p / R)`` as KIVI
 codes in the pages and positions ``R floor(p / R)`` .. p in full precision. The full-precision K/V of a
