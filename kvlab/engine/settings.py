@@ -8,8 +8,7 @@ import kvlab.device
 from kvlab.engine.config import DTYPES, ModelConfig
 from kvlab.engine.sampling_params import MAX_SEED
 from kvlab.errors import InvalidArgumentError, UnsupportedError
-from kvlab.kernels.torch_paged_quant import check_kivi_geometry
-from kvlab.sizing.kv_dtypes import ENGINE_KV_CACHE_DTYPES, check_renamed_format, kivi_settings
+from kvlab.sizing.kv_dtypes import ENGINE_KV_CACHE_DTYPES, check_kivi_geometry, check_renamed_format, kivi_settings
 from kvlab.validation import check_int, check_number
 
 PREEMPTION_MODES = ("recompute", "swap")

@@ -179,22 +179,6 @@ class KiviStep:
     plan: PagedPlan | None = None
 
 
-def check_kivi_geometry(group: int, residual_length, block_size: int) -> int:
-    """The residual length R (None: the block size) of a KIVI cache with key groups of ``group`` tokens:
-    G divides R and R divides the block size, so a chunk is whole key groups and a full block is sealed
-    chunks (a prefix hit reads only codes, as a recompute of the prefix would write them)."""
-    residual_length = block_size if residual_length is None else residual_length
-    if block_size % group:
-        raise InvalidArgumentError(f"a KIVI cache quantizes keys in groups of {group} tokens, and a block must "
-                                   f"hold whole groups: block_size must be a multiple of {group}, got {block_size}")
-    if (isinstance(residual_length, bool) or not isinstance(residual_length, int) or residual_length < group
-            or residual_length % group or block_size % residual_length):
-        raise InvalidArgumentError(
-            f"kv_residual_length (KIVI's R, the tokens kept in full precision) must be a multiple of the key "
-            f"group {group} that divides block_size {block_size} (None: block_size), got {residual_length!r}")
-    return residual_length
-
-
 def plan_kivi_step(plan: PagedPlan | None, block_tables, seq_lens, cu_query_lens, block_size: int,
                    residual_length: int, group: int) -> KiviStep:
     """The step's ``KiviStep`` from its metadata (read once, on the host) and, for the torch read, its torch

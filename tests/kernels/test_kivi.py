@@ -15,9 +15,8 @@ import torch
 from kvlab.errors import InvalidArgumentError
 from kvlab.kernels.kv_quant import KVQuantizer
 from kvlab.kernels.torch_paged import plan_paged_attention
-from kvlab.kernels.torch_paged_quant import (ResidualWindow, check_kivi_geometry, kivi_attention, kivi_read_torch,
-                                             plan_kivi_step)
-from kvlab.sizing.kv_dtypes import kivi_format, row_bytes
+from kvlab.kernels.torch_paged_quant import ResidualWindow, kivi_attention, kivi_read_torch, plan_kivi_step
+from kvlab.sizing.kv_dtypes import check_kivi_geometry, kivi_format, row_bytes
 
 NUM_KV_HEADS, NUM_HEADS, HEAD_DIM = 2, 4, 32
 
