@@ -180,6 +180,8 @@ class LLM:
             self.kv_cache.windows = [layer.self_attn.kv_window for layer in self.model.model.layers]
         logger.info("KV cache: %s (%s)", self.kv_cache.summary(), sized_by)
         self.scheduler = scheduler_config.build(self.block_manager)
+        if residual_length is not None:  # KIVI: a freed sequence's open chunks leave the windows with it
+            self.scheduler.on_blocks_freed = self.kv_cache.forget_blocks
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.attention_backend,
                                   check_every_layer=check_every_layer,
                                   kivi=None if residual_length is None else self.kv_quantizers[0])

@@ -115,6 +115,13 @@ class ResidualWindow:
     def discard(self) -> None:
         self.staged = []
 
+    def forget(self, gpu_blocks, cpu_blocks) -> None:
+        """Drop the entries of blocks (GPU) and swapped-out blocks (CPU) no sequence holds any more."""
+        for block in gpu_blocks:
+            self.entries.pop(block, None)
+        for block in cpu_blocks:
+            self.swapped.pop(block, None)
+
     def apply_moves(self, kind: str, pairs) -> None:
         """Copy-on-write copies an open chunk with its block; a swap moves it between the GPU and CPU dicts. The
         offload tier takes only full blocks, whose chunks are all sealed (R divides the block size): nothing

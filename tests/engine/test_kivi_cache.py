@@ -170,3 +170,29 @@ def test_a_forward_pass_that_raises_part_way_leaves_the_windows_as_they_were(lla
 
     monkeypatch.setattr(attention, "kivi_attention", fails_once)
     assert tokens(llm, batch, max_tokens=20) == expected and raised
+
+
+def test_a_freed_sequences_window_entries_go_with_it(llama):
+    """A finished, aborted or recompute-preempted sequence's open chunk leaves every layer's window when its
+    blocks are freed (not when another sequence happens to take the block), on the GPU and, for a sequence
+    aborted while swapped out, on the host; two samples sharing their open block keep it until both are gone."""
+    path, _ = llama
+    llm = kivi_llm(path, "kivi_int4_g16", 32, 16, num_blocks=32)
+    windows = [layer.self_attn.kv_window for layer in llm.model.model.layers]
+    tokens(llm, prompts(11, (20, 27)), max_tokens=5, n=2)   # 24 and 31 tokens with K/V: open chunks of 8, 15
+    assert [(len(w.entries), len(w.swapped)) for w in windows] == [(0, 0)] * len(windows)
+
+    small = kivi_llm(path, "kivi_int4_g16", 16, 16, num_blocks=5, preemption_mode="swap", max_num_seqs=3)
+    windows = [layer.self_attn.kv_window for layer in small.model.model.layers]
+    for prompt in prompts(8, (9, 10, 11)):
+        small.add_request(prompt, SamplingParams(max_tokens=30, **GREEDY))
+    while not small.scheduler.swapped:
+        small.step()
+    swapped = small.scheduler.owner[small.scheduler.swapped[0].seq_id].request_id
+    assert all(w.swapped for w in windows)
+    small.abort_request(swapped)
+    small.step()
+    assert [len(w.swapped) for w in windows] == [0] * len(windows)
+    while small.has_unfinished_requests():
+        small.step()
+    assert [(len(w.entries), len(w.swapped)) for w in windows] == [(0, 0)] * len(windows)
