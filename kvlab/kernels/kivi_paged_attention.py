@@ -81,12 +81,12 @@ def load_kivi_tile(cache_ptr, table_row, stride_bt_col, head, pos, pos_ok, d, d_
     # The channel's scale and zero: bytes 2c and 2 D + 2c of its key group's meta, META_PER_ROW of them in each
     # of the group's rows (all in this token's block, from the group's first row on).
     group_offset = offsets // G * G
-    q = 2 * d[None, :]
-    k_scale = _fp16_at(cache_ptr, blocks, group_offset + q // META_PER_ROW, head, CODE_BYTES + q % META_PER_ROW,
-                       mask, W, stride_block, stride_kv, stride_slot, stride_head)
-    q = 2 * D + 2 * d[None, :]
-    k_zero = _fp16_at(cache_ptr, blocks, group_offset + q // META_PER_ROW, head, CODE_BYTES + q % META_PER_ROW,
-                      mask, W, stride_block, stride_kv, stride_slot, stride_head)
+    meta = 2 * d[None, :]
+    k_scale = _fp16_at(cache_ptr, blocks, group_offset + meta // META_PER_ROW, head,
+                       CODE_BYTES + meta % META_PER_ROW, mask, W, stride_block, stride_kv, stride_slot, stride_head)
+    meta = 2 * D + 2 * d[None, :]
+    k_zero = _fp16_at(cache_ptr, blocks, group_offset + meta // META_PER_ROW, head,
+                      CODE_BYTES + meta % META_PER_ROW, mask, W, stride_block, stride_kv, stride_slot, stride_head)
 
     v_code = tl.load(record_byte_ptr(cache_ptr, blocks, offsets, head, KEY_BYTES + code_byte, W, stride_block,
                                      stride_kv, stride_slot, stride_head), mask=mask, other=0)
@@ -175,16 +175,21 @@ def kivi_launch_config(num_heads, num_kv_heads, quantizer: KVQuantizer, block_si
                        capability=None):
     """Every constexpr of ``kivi_paged_attention_kernel`` and ``num_warps``, from shapes and the device alone.
     Decode: one query token a tile, its query heads padded to 16 rows (``tl.dot``'s least); prefill: 32 rows
-    of tokens x heads (``paged_prefill``'s fp32 tile). ``capability``: None in the interpreter."""
+    of tokens x heads. Key tiles of 32 positions on a GPU, 16 in the interpreter (whose cost is per op), for
+    fp32 and before Ampere, where the prefill tiles and dequantized K/V would spill at 32 (as ptxas builds them
+    for sm_75/80/90, tests/kernels/test_gpu_compile.py); fp32 head_dim 256 also gets 16 rows. ``capability``:
+    None in the interpreter."""
     bits, group_size = quantizer.kivi
     head_dim = quantizer.head_dim
     group = num_heads // num_kv_heads
     group_pad = max(16, triton.next_power_of_2(group)) if decode else triton.next_power_of_2(group)
     block_d = max(16, triton.next_power_of_2(head_dim))
+    small = capability is None or dtype == torch.float32 or capability < (8, 0)
+    rows = 16 if capability is not None and dtype == torch.float32 and block_d >= 256 else 32
     return dict(
         num_warps=8 if block_d >= 128 else 4, GROUP=group, GROUP_PAD=group_pad,
-        BLOCK_Q=1 if decode else max(1, 32 // group_pad), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, TILE_N=16 if capability is None else 32,
+        BLOCK_Q=1 if decode else max(1, rows // group_pad), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, TILE_N=16 if small else 32,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         R=quantizer.residual_length, G=group_size, BITS=bits, VG=kivi_value_group(head_dim, group_size),
         W=quantizer.storage_width,
