@@ -20,7 +20,7 @@ import triton.language as tl
 
 from kvlab.kernels.copy_blocks import _layer_offsets, copy_blocks_config, copy_blocks_kernel
 from kvlab.kernels.kivi_paged_attention import kivi_launch_config, kivi_paged_attention_kernel
-from kvlab.kernels.kivi_seal import FP16_MAX, kivi_seal_kernel
+from kvlab.kernels.kivi_seal import FP16_MAX, kivi_seal_config, kivi_seal_kernel
 from kvlab.kernels.kv_quant import MIN_SCALE, KVQuantizer
 from kvlab.kernels.mla_decode import PRE_AMPERE_MAX_KV_LORA_RANK, mla_decode_kernel, mla_launch_config
 from kvlab.kernels.paged_attention_decode import GPU_TILE_N, decode_launch_config, paged_attention_decode_kernel
@@ -115,7 +115,7 @@ KIVI_READS = ([(dtype, case, 4) for dtype in DTYPES for case in KIVI_CASES[:3]]
 
 
 def compile_kivi_seal(name, head_dim, block_size):
-    """``kivi_seal``'s launch (its constexprs, as the launcher passes them) for 8 KV heads."""
+    """``kivi_seal``'s launch (``kivi_seal_config``) for 8 KV heads."""
     quantizer = KVQuantizer(name, head_dim)
     bits, group = quantizer.kivi
     cache = torch.empty(2, 2, block_size, 8, quantizer.storage_width, dtype=torch.uint8)
@@ -123,7 +123,7 @@ def compile_kivi_seal(name, head_dim, block_size):
     return kivi_seal_kernel.warmup(
         key, key, slots, slots, cache, 8, *cache.stride()[:4], D=head_dim, G=group, BITS=bits,
         VG=kivi_value_group(head_dim, group), W=quantizer.storage_width, MIN_SCALE_=MIN_SCALE, FP16_MAX_=FP16_MAX,
-        grid=(1,))
+        grid=(1,), **kivi_seal_config(head_dim, group))
 
 
 def compile_kivi_read(dtype, case, group, decode, target):
@@ -249,6 +249,8 @@ def kernel_variants(target):
         yield "split_k_reduce_kernel", case.label, lambda case=case: compile_split_k_reduce(case, target)
     for case in attention:
         yield "paged_prefill_kernel", case.label, lambda case=case: compile_prefill(case, target)
+    for case in KIVI_CASES + [("kivi_int4", 80, 32), ("kivi_int2_g16", 96, 64)]:  # and head dims not a power of 2
+        yield "kivi_seal_kernel", "{}-d{}-b{}".format(*case), lambda case=case: compile_kivi_seal(*case)
     for dtype, case, group in KIVI_READS:
         if allowed(dtype):
             for decode in (True, False):

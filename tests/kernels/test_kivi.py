@@ -168,11 +168,13 @@ def test_a_head_dim_that_does_not_split_into_the_rows_is_refused():
 
 
 @pytest.mark.parametrize("name, head_dim", [("kivi_int4", 32), ("kivi_int2", 32), ("kivi_int4_g16", 32),
-                                            ("kivi_int2_g64", 32), ("kivi_int4_g128", 64)])
+                                            ("kivi_int2_g64", 32), ("kivi_int4_g128", 64), ("kivi_int4_g16", 24),
+                                            ("kivi_int2_g16", 48), ("kivi_int4", 80)])
 def test_the_triton_seal_writes_the_torch_twins_bytes_and_nothing_else(name, head_dim):
     """``kivi_seal`` (interpreted on CPU) writes exactly the bytes of ``KVQuantizer.encode`` into the given slots
     of a poisoned cache, and leaves every other byte as it was. kivi_int4_g128 at head_dim 64 has K rows of 34
-    bytes and V rows of 36, so records straddle the cache's K and V halves."""
+    bytes and V rows of 36, so records straddle the cache's K and V halves; head dims 24, 48 and 80 leave the
+    last chunk of 32 channels part padding."""
     from kvlab.kernels.kivi_seal import kivi_seal
 
     q = KVQuantizer(name, head_dim)
