@@ -37,8 +37,8 @@ import triton.language as tl
 
 from kvlab.device import ON_GPU  # noqa: F401  (before any @triton.jit: selects the interpreter without a GPU)
 from kvlab.errors import InvalidArgumentError
-from kvlab.kernels._checks import (check_attention_options, check_block_tables, check_cu_query_lens, check_seq_lens,
-                                   check_tensor)
+from kvlab.kernels._checks import (CACHE_DTYPES, check_attention_options, check_block_tables, check_cache_dtype,
+                                   check_cu_query_lens, check_kernel_device, check_seq_lens, check_tensor)
 from kvlab.kernels.attention_tiles import NEG_BIG, attention_scores, online_softmax_step
 from kvlab.kernels.kivi_seal import kivi_seal, record_byte_ptr
 from kvlab.kernels.kv_quant import KVQuantizer
@@ -227,14 +227,15 @@ def kivi_paged_attention(query, kv_cache, block_tables, seq_lens, cu_query_lens,
         raise InvalidArgumentError(f"kivi_paged_attention reads a KIVI cache: quantizer must be a KVQuantizer of a "
                                    f"KIVI format with its residual_length, got {quantizer!r}")
     check_tensor(kv_cache, "kv_cache", ndim=5, dtypes=(torch.uint8,))
+    check_kernel_device(kv_cache, "kv_cache")
     num_blocks, _, block_size, num_kv_heads, width = kv_cache.shape
     head_dim, R = quantizer.head_dim, quantizer.residual_length
     if kv_cache.shape[1] != 2 or width != quantizer.storage_width or block_size % R:
         raise InvalidArgumentError(f"a {quantizer.format} cache for head_dim {head_dim} and R {R} is uint8 [blocks, "
                                    f"2, a multiple of {R}, kv heads, {quantizer.storage_width}], got "
                                    f"{tuple(kv_cache.shape)}")
-    check_tensor(query, "query", ndim=3, dtypes=(torch.float32, torch.float16, torch.bfloat16),
-                 device=kv_cache.device)
+    check_tensor(query, "query", ndim=3, device=kv_cache.device)
+    check_cache_dtype(query.dtype, "query")  # bf16 only where it computes right: a GPU with bf16
     num_heads = query.shape[1]
     if query.shape[2] != head_dim or num_heads % num_kv_heads:
         raise InvalidArgumentError(f"query must be [tokens, a multiple of {num_kv_heads} heads, {head_dim}], got "
@@ -252,8 +253,7 @@ def kivi_paged_attention(query, kv_cache, block_tables, seq_lens, cu_query_lens,
     else:
         check_cu_query_lens(cu_query_lens, num_seqs, query.shape[0], seq_lens)
         q_lens = cu_query_lens[1:] - cu_query_lens[:-1]
-    check_tensor(open_kv, "open_kv", ndim=5, dtypes=(torch.float32, torch.float16, torch.bfloat16),
-                 device=kv_cache.device)
+    check_tensor(open_kv, "open_kv", ndim=5, dtypes=CACHE_DTYPES, device=kv_cache.device)
     needed = int((seq_lens - (seq_lens - q_lens) // R * R).max()) if num_seqs else 0
     if (open_kv.shape[:2] != (2, num_seqs) or open_kv.shape[2] < needed
             or open_kv.shape[3:] != (num_kv_heads, head_dim)):

@@ -12,6 +12,7 @@
 import pytest
 import torch
 
+from kvlab.device import DEVICE, ON_GPU
 from kvlab.errors import InvalidArgumentError
 from kvlab.kernels.kv_quant import KVQuantizer
 from kvlab.kernels.torch_paged import plan_paged_attention
@@ -189,7 +190,8 @@ def test_the_triton_seal_writes_the_torch_twins_bytes_and_nothing_else(name, hea
     cache = torch.full((4, 2, block_size, NUM_KV_HEADS, q.storage_width), 0xFF, dtype=torch.uint8)
     expected = cache.clone()
     expected[blocks, :, offsets] = q.encode(key, value).unflatten(-1, (2, -1)).transpose(1, 2)
-    assert torch.equal(kivi_seal(key, value, cache, blocks, offsets, q), expected)
+    key, value, cache, blocks, offsets = (t.to(DEVICE) for t in (key, value, cache, blocks, offsets))
+    assert torch.equal(kivi_seal(key, value, cache, blocks, offsets, q).cpu(), expected)
 
 
 def test_the_triton_seal_refuses_partial_groups_and_other_formats():
@@ -208,8 +210,8 @@ def kivi_read_case(name, head_dim, num_heads, residual_length, block_size, seq_s
                    seed=3):
     """A KIVI cache holding the sealed chunks of sequences of (length, new tokens) ``seq_shapes``, each in
     random blocks of a pool whose every other byte is 0xFF (an fp16 NaN as a scale); ``open_kv`` with each
-    sequence's open chunk and NaN past it, block-table padding out of range. Returns the launcher's arguments
-    and the torch twin's step."""
+    sequence's open chunk and NaN past it, block-table padding out of range, all on ``DEVICE``. Returns the
+    launcher's arguments and the torch twin's step."""
     quantizer = KVQuantizer(name, head_dim, residual_length=residual_length)
     gen = torch.Generator().manual_seed(seed)
     lengths = [n for n, _ in seq_shapes]
@@ -236,6 +238,7 @@ def kivi_read_case(name, head_dim, num_heads, residual_length, block_size, seq_s
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
     cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    query, cache, tables, seq_lens, cu, open_kv = (t.to(DEVICE) for t in (query, cache, tables, seq_lens, cu, open_kv))
     decode = all(q == 1 for q in q_lens)
     plan = plan_paged_attention(cache, tables, seq_lens, cu, query.shape[0])
     step = plan_kivi_step(plan, tables, seq_lens, None if decode else cu, block_size, residual_length,
@@ -278,3 +281,6 @@ def test_the_triton_read_refuses_what_it_cannot_read():
         kivi_paged_attention(query[:3], cache, tables, seq_lens, cu, open_kv, quantizer)
     with pytest.raises(InvalidArgumentError, match=r"is uint8 \[blocks, 2, a multiple of 16, kv heads, 24\]"):
         kivi_paged_attention(query, cache[..., :17], tables, seq_lens, cu, open_kv, quantizer)
+    if not ON_GPU:
+        with pytest.raises(InvalidArgumentError, match="bfloat16, which the Triton interpreter .* computes wrongly"):
+            kivi_paged_attention(query.bfloat16(), cache, tables, seq_lens, cu, open_kv, quantizer)
