@@ -6,9 +6,9 @@ One program per (key group of G tokens, KV head, chunk of channels: ``kivi_seal_
 last chunk masked). Keys: per channel, min and max over the group's G rows give an fp16 zero and scale (scale =
 (max - min) / (2^b - 1), at least ``MIN_SCALE``); each row's code bytes pack 8 / b neighbouring channels; the
 group's [scales (D), zeros (D)] fp16 bytes go 4 D / G to a row. Values: per row and group of ``gcd(D, G)``
-channels, the same min / max code, and the group's (scale, zero) fp16 pair after the row's code bytes. Codes round half to even, as torch's ``round``.
-A record of ``k_bytes + v_bytes`` bytes is split over the cache's K and V halves at W (``KVQuantizer``), so
-every byte's address says which half it is in. Every load and store is masked: nothing outside the given
+channels, the same min / max code, and the group's (scale, zero) fp16 pair after the row's code bytes. Codes
+round half to even, as torch's ``round``. A record of ``k_bytes + v_bytes`` bytes is split over the cache's K
+and V halves at W (``KVQuantizer``), so every byte's address says which half it is in. Every load and store is masked: nothing outside the given
 slots is read or written.
 """
 
