@@ -8,8 +8,8 @@ last chunk masked). Keys: per channel, min and max over the group's G rows give 
 group's [scales (D), zeros (D)] fp16 bytes go 4 D / G to a row. Values: per row and group of ``gcd(D, G)``
 channels, the same min / max code, and the group's (scale, zero) fp16 pair after the row's code bytes. Codes
 round half to even, as torch's ``round``. A record of ``k_bytes + v_bytes`` bytes is split over the cache's K
-and V halves at W (``KVQuantizer``), so every byte's address says which half it is in. Every load and store is masked: nothing outside the given
-slots is read or written.
+and V halves at W (``KVQuantizer``), so every byte's address says which half it is in. Every load and store
+is masked: nothing outside the given slots is read or written.
 """
 
 import torch
