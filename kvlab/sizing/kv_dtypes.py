@@ -20,7 +20,8 @@ kvlab's: "int4_calibrated_channel" (``int4_channel`` keys, ``int4_token`` values
 window; formerly "int4_kivi", which is refused now), "kivi_int4" and "kivi_int2" (KIVI with G = 32;
 "kivi_int4_g64", "kivi_int2_g128", ... for another G in ``KIVI_GROUP_SIZES``; the full-precision window of
 the last R tokens is a setting of the engine's and of ``kvlab size``: ``check_kivi_geometry``), and
-"k_fp16_v_fp8" (asymmetric: K in fp16, V in fp8 e4m3). This module is pure Python: ``kvlab size`` uses it without loading torch.
+"k_fp16_v_fp8" (asymmetric: K in fp16, V in fp8 e4m3). This module is pure Python: ``kvlab size`` uses it
+without loading torch.
 """
 
 import math
