@@ -99,7 +99,7 @@ def test_swaps_forks_preemption_and_the_tier_keep_the_tokens(llama, name, block_
     assert [got[0], got[2]] == expected and tiered.block_manager.tier_stats.tier_hit_blocks >= 1
 
 
-@pytest.mark.slow  # ~25 s each: the interpreter runs every program of both kernels in Python
+@pytest.mark.slow  # 10-25 s each on 2 cores: the interpreter runs every program of both kernels in Python
 @pytest.mark.parametrize("name, block_size, residual, check_every_layer", [("kivi_int4_g16", 32, 16, "0"),
                                                                         ("kivi_int2", 32, 32, "1")])
 def test_the_triton_backend_gives_the_torch_paths_tokens(llama, monkeypatch, name, block_size, residual,
