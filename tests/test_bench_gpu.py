@@ -41,8 +41,27 @@ def test_dry_run_writes_every_file_flat(tmp_path, capsys):
     assert set(engine["system"]) == {"kvlab.engine (v1)", "kvlab.engine (v0)", "hf-continuous-batching", "hf-generate"}
     assert {"generated_tok_s", "ttft_ms_median", "itl_ms_median", "vs_hf"} <= set(engine.columns)
     checks = {r["check"]: r["status"] for r in rows}
+    kivi = {name.split()[0] for name, status in checks.items() if name.startswith("kivi_") and status == "ok"}
+    assert kivi == {"kivi_seal", "kivi_decode", "kivi_prefill"}, checks
     assert checks["CUDA-graph decode"] == "skipped" and checks["compute-sanitizer memcheck"] == "skipped"
     assert checks["kvlab.engine (v1)"] == checks["kvlab.engine (v0)"] == "ok"
+
+
+def test_the_run_book_checks_the_kivi_kernels_against_their_twins():
+    """The GPU checks name KIVI's write (``kivi_seal``) and reads (``kivi_paged_attention``, decode and prefill);
+    the dry run's shrunk ones pass in the interpreter: the seal bit for bit, the reads within tolerance of
+    ``kivi_read_torch`` with no NaN from the poisoned pages, and a second run gives the same bits."""
+    from kvlab.bench.gpu.kernel_checks import GPU_CHECKS, accuracy, kernel_and_twin, same_bits
+    from kvlab.bench.gpu.small_launches import small_checks
+    from kvlab.device import DEVICE
+
+    assert {c.kernel for c in GPU_CHECKS if c.kv_format} == {"kivi_seal", "kivi_decode", "kivi_prefill"}
+    small = [c for c in small_checks() if c.kv_format]
+    assert [c.kernel for c in small] == ["kivi_seal", "kivi_decode", "kivi_prefill"]
+    for check in small:
+        kernel, twin = kernel_and_twin(check, DEVICE)
+        out = kernel()
+        assert accuracy(check, out, twin()) and same_bits(out, kernel())
 
 
 def test_a_failing_stage_is_logged_and_the_next_still_runs(tmp_path):

@@ -20,7 +20,9 @@ A quantized cache (``LLM(kv_cache_dtype=...)``): each layer's ``kv_quantizer`` (
 (``kvlab.kernels.torch_paged_quant``); None ("auto") runs exactly the unquantized code. With "triton" (fp8
 formats, on GPUs with fp8: ``settings.resolve_quantized_backend``) the kernels take the quantizer's scales.
 A KIVI cache (``kivi_int4``, ``kivi_int2``) keeps each sequence's newest tokens in full precision beside the
-pages, in the layer's ``kv_window`` (``kvlab.kernels.torch_paged_quant.kivi_attention``), torch path only.
+pages, in the layer's ``kv_window``: the torch path runs ``kvlab.kernels.torch_paged_quant.kivi_attention``,
+"triton" ``kvlab.kernels.kivi_paged_attention.kivi_attention_triton`` (``kivi_seal`` writes whole chunks into
+the pages, ``kivi_paged_attention`` reads them and the window; on any device, the interpreter's included).
 ``kv_observer``, set only during a calibration pass (``kvlab.engine.kv_calibration``), sees every K/V the
 layer writes.
 
@@ -47,6 +49,7 @@ from kvlab.kernels.mla_decode import check_latent_decode_step, mla_decode_unchec
 from kvlab.kernels.paged_attention_decode import paged_attention_decode_unchecked
 from kvlab.kernels.paged_prefill import paged_prefill_unchecked
 from kvlab.kernels.reshape_and_cache import reshape_and_cache_unchecked
+from kvlab.kernels.kivi_paged_attention import kivi_attention_triton
 from kvlab.kernels.kv_quant import KVQuantizer
 from kvlab.kernels.step_checks import CheckedStep, check_paged_step
 from kvlab.kernels.torch_paged import (CacheWrite, PagedPlan, latent_attention_torch_unchecked,
@@ -83,8 +86,8 @@ class AttentionBatch:
     kivi: KiviStep | None = None
 
     def kivi_step(self, kv_cache: torch.Tensor, quantizer: KVQuantizer) -> KiviStep:
-        """The step's KIVI plan (torch backend), made by the first layer that asks and shared by the others
-        (every layer of a KIVI cache has the same R, G and block size)."""
+        """The step's KIVI plan, made by the first layer that asks and shared by the others (every layer of a
+        KIVI cache has the same R, G and block size); the Triton backend's (no torch ``plan``) has no masks."""
         if self.kivi is None:
             self.kivi = plan_kivi_step(self.plan, self.block_tables, self.seq_lens, self.cu_query_lens,
                                        kv_cache.shape[2], quantizer.residual_length, quantizer.kivi[1])
@@ -93,11 +96,13 @@ class AttentionBatch:
     @classmethod
     def for_backend(cls, backend: str, kv_cache: torch.Tensor, *, is_prefill: bool, slot_mapping, block_tables,
                     seq_lens, cu_query_lens, max_seq_len: int, num_heads: int, sliding_window=None,
-                    check_every_layer=False, query_dtype=None) -> "AttentionBatch":
+                    check_every_layer=False, query_dtype=None, kivi=None) -> "AttentionBatch":
         """The step's batch for ``backend``, its metadata checked (once for every layer); ``cu_query_lens
         [S + 1]`` is given for decode too (0, 1, ... S). ``kv_cache``: any layer's cache (they share a
         layout); ``max_seq_len``: the longest ``seq_lens`` entry, known on the host; ``num_heads``: query heads;
-        ``query_dtype``: theirs (the model's), which an fp8 cache needs for the Triton backend's prefill tile."""
+        ``query_dtype``: theirs (the model's), which an fp8 cache needs for the Triton backend's prefill tile;
+        ``kivi``: a KIVI cache's quantizer (any layer's: they share R, G and the format), whose Triton kernels
+        the step's checks and tile map are then for."""
         if backend == "torch":
             num_tokens = slot_mapping.shape[0]
             plan = plan_paged_attention(kv_cache, block_tables, seq_lens, cu_query_lens, num_tokens, sliding_window)
@@ -106,7 +111,8 @@ class AttentionBatch:
                        sliding_window=sliding_window)
         cu_query_lens = cu_query_lens if is_prefill else None  # decode: the kernel takes one query per sequence
         checked = check_paged_step(kv_cache, num_heads, slot_mapping, block_tables, seq_lens, cu_query_lens,
-                                   max_seq_len=max_seq_len, sliding_window=sliding_window, query_dtype=query_dtype)
+                                   max_seq_len=max_seq_len, sliding_window=sliding_window, query_dtype=query_dtype,
+                                   kivi=kivi)
         return cls(is_prefill, slot_mapping, block_tables, seq_lens, cu_query_lens, checked=checked,
                    sliding_window=sliding_window, check_every_layer=check_every_layer)
 
@@ -172,6 +178,11 @@ class PagedSelfAttention(nn.Module):
         elif batch.plan is not None:  # the torch backend
             write_cache(k, v, kv_cache, batch.cache_write)
             out = paged_attention_torch_unchecked(q, kv_cache, batch.plan, scale=self.scale)
+        elif self.kv_window is not None:  # the triton backend, KIVI cache
+            out = kivi_attention_triton(q, k, v, kv_cache, batch.kivi_step(kv_cache, self.kv_quantizer),
+                                        self.kv_quantizer, self.kv_window, batch.block_tables, batch.seq_lens,
+                                        batch.cu_query_lens, batch.checked.tile_map, self.scale,
+                                        checked=batch.check_every_layer)
         elif batch.check_every_layer:
             out = self._triton_checked(q, k, v, kv_cache, batch)
         else:  # checked once for the step by for_backend

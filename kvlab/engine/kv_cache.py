@@ -133,6 +133,13 @@ class PagedKVCache:
                     src, dst = (gpu, cpu) if kind in ("swap_out", "offload") else (cpu, gpu)
                     swap_blocks(src, dst, pairs)
 
+    def forget_blocks(self, gpu_blocks, cpu_blocks) -> None:
+        """Blocks a freed sequence left unreferenced: their window entries go (the scheduler's
+        ``on_blocks_freed``), so a finished, aborted or preempted sequence's open chunk does not wait for its
+        block id to be taken again."""
+        for window in self.windows:
+            window.forget(gpu_blocks, cpu_blocks)
+
     def _apply_indexed(self, moves: BlockMoves) -> None:
         """Moves of whole blocks with torch indexing, for the caches the copy kernels do not take: a quantized
         cache's bytes and MLA's latent rows (the kernels copy ``[blocks, 2, block_size, heads, head_dim]``

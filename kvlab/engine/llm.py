@@ -183,8 +183,11 @@ class LLM:
         #: Names the cause of every prompt token the scheduler admits (``miss_causes``; kvlab.studies.doctor).
         self.hit_doctor = HitDoctor(self.block_manager)
         self.scheduler = scheduler_config.build(DoctorView(self.block_manager, self.hit_doctor))
+        if residual_length is not None:  # KIVI: a freed sequence's open chunks leave the windows with it
+            self.scheduler.on_blocks_freed = self.kv_cache.forget_blocks
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.attention_backend,
-                                  check_every_layer=check_every_layer)
+                                  check_every_layer=check_every_layer,
+                                  kivi=None if residual_length is None else self.kv_quantizers[0])
         self._loop = StepLoop(self.scheduler, self.runner, Sampler(seed, self.device), config.eos_token_ids,
                               self.max_model_len, record_decisions)
         self._intake = RequestIntake(config, self.tokenizer, self.max_model_len, self.scheduler, max_num_batched_tokens)

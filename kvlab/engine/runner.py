@@ -19,11 +19,12 @@ from kvlab.engine.step import BlockMoves, ScheduledStep, SeqStep
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, device, attention_backend: str, *,
-                 check_every_layer: bool = False):
+                 check_every_layer: bool = False, kivi=None):
         self.model, self.kv_cache, self.device = model, kv_cache, device
         self.attention_backend = attention_backend
         self.query_dtype = model.lm_head.weight.dtype  # the model's (an fp8 cache's Triton prefill tile follows it)
         self.check_every_layer = check_every_layer  # Triton's debug switch (kvlab.engine.attention)
+        self.kivi = kivi  # a KIVI cache's quantizer (any layer's): the Triton kernels' steps are checked for it
         self.layer_groups = kv_cache.config.layer_groups
         self.windows = [group.sliding_window for group in kv_cache.config.groups]  # None: full attention
         # MLA: the groups' pages are latent rows (an MLA model has one group, of full-attention layers)
@@ -74,7 +75,8 @@ class ModelRunner:
                 self.attention_backend, self.kv_cache.gpu[0], is_prefill=multi_row,
                 slot_mapping=tensor(group_slots, torch.int64), block_tables=padded(group_tables), seq_lens=seq_lens,
                 cu_query_lens=cu_query_lens, max_seq_len=longest, num_heads=self.model.config.num_heads,
-                sliding_window=window, check_every_layer=self.check_every_layer, query_dtype=self.query_dtype)
+                sliding_window=window, check_every_layer=self.check_every_layer, query_dtype=self.query_dtype,
+                kivi=self.kivi)
                 for group_slots, group_tables, window in zip(slots, tables, self.windows)]
         for window in self.kv_cache.windows:  # a KIVI cache: what a pass that raised staged is dropped
             window.discard()

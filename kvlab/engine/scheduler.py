@@ -66,6 +66,11 @@ class Scheduler:
     # it promises nothing unless its own class body sets this again (``__init_subclass__``).
     repeats_plain_decode = True
 
+    #: Called as ``on_blocks_freed(gpu_block_ids, cpu_block_ids)`` with the blocks a sequence's free left
+    #: unreferenced (``_free``): the engine drops what it keeps per block beside the pages (a KIVI cache's
+    #: windows, ``PagedKVCache.forget_blocks``). None: nothing is kept.
+    on_blocks_freed = None
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls.repeats_plain_decode = cls.__dict__.get("repeats_plain_decode", False)
@@ -105,16 +110,28 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
         if seq.status in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
-            self.manager.free(seq)
+            self._free(seq)
         self.owner.pop(seq.seq_id, None)
 
     def requeue(self, seq: Sequence) -> None:
         """A prefill sequence that could not run goes back to the front of the waiting queue, its blocks
         freed (after the step's forward pass, so the ordering rule holds); it is prefilled again later."""
         self.running.remove(seq)
-        self.manager.free(seq, preempted=True)
+        self._free(seq, preempted=True)
         self.waiting.appendleft(seq)
         self._steady = False
+
+    def _free(self, seq: Sequence, *, preempted: bool = False) -> None:
+        """``manager.free``, then ``on_blocks_freed`` with the sequence's blocks nobody references any more (a
+        block it shares with a fork, or a cached prefix another sequence holds, stays)."""
+        if self.on_blocks_freed is None:
+            return self.manager.free(seq, preempted=preempted)
+        on_cpu = self.manager.is_swapped(seq)
+        blocks = set(self.manager.get_block_table(seq))
+        self.manager.free(seq, preempted=preempted)
+        references = self.manager.cpu_ref_count if on_cpu else self.manager.ref_count
+        unreferenced = [block for block in blocks if references(block) == 0]
+        self.on_blocks_freed([] if on_cpu else unreferenced, unreferenced if on_cpu else [])
 
     def forget_unwritten_prefixes(self) -> None:
         """Admit nothing until the prefix cache is reset, as soon as no device block is in use."""
@@ -268,7 +285,7 @@ class Scheduler:
             step.record("swap_out", self.manager.swap_out(seq))
             self.swapped.appendleft(seq)
         else:  # recompute (also the fallback when the CPU pool is full)
-            self.manager.free(seq, preempted=True)
+            self._free(seq, preempted=True)
             self.waiting.appendleft(seq)
         self.owner[seq.seq_id].metrics.num_preemptions += 1
         step.preempted.append(seq)

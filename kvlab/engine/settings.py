@@ -8,8 +8,7 @@ import kvlab.device
 from kvlab.engine.config import DTYPES, ModelConfig
 from kvlab.engine.sampling_params import MAX_SEED
 from kvlab.errors import InvalidArgumentError, UnsupportedError
-from kvlab.kernels.torch_paged_quant import check_kivi_geometry
-from kvlab.sizing.kv_dtypes import ENGINE_KV_CACHE_DTYPES, check_renamed_format, kivi_settings
+from kvlab.sizing.kv_dtypes import ENGINE_KV_CACHE_DTYPES, check_kivi_geometry, check_renamed_format, kivi_settings
 from kvlab.validation import check_int, check_number
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -102,19 +101,22 @@ def fp8_writes_compile(device: torch.device) -> bool:
 def resolve_quantized_backend(backend, kv_cache_dtype: str, device: torch.device) -> str:
     """The attention backend for ``kv_cache_dtype``. A quantized cache is served by the torch path when
     ``backend`` is None, on any device. "triton" serves the fp8 formats where their write compiles (a GPU with
-    fp8, sm_89+: ``reshape_and_cache`` quantizes, ``paged_prefill`` and ``paged_attention_decode`` dequantize);
-    elsewhere, and for the integer and asymmetric formats, which no Triton kernel reads, it raises
-    UnsupportedError saying so."""
+    fp8, sm_89+: ``reshape_and_cache`` quantizes, ``paged_prefill`` and ``paged_attention_decode`` dequantize)
+    and the KIVI formats anywhere (``kivi_seal`` and ``kivi_paged_attention``: integer and fp16 arithmetic,
+    which the interpreter computes as a GPU does); elsewhere, and for the other integer and asymmetric formats,
+    which no Triton kernel reads, it raises UnsupportedError saying so."""
     if kv_cache_dtype == "auto":
         return resolve_attention_backend(backend, device)
     if backend is None:
         return "torch"
     backend = resolve_attention_backend(backend, device)
+    if backend == "triton" and kivi_settings(kv_cache_dtype) is not None:
+        return backend
     if backend == "triton" and kv_cache_dtype not in TRITON_KV_CACHE_DTYPES:
         raise UnsupportedError(
             f"kv_cache_dtype={kv_cache_dtype!r} cannot run on the triton backend: kvlab's Triton kernels take fp8 "
-            f"caches ({', '.join(TRITON_KV_CACHE_DTYPES)}) only, none reads the integer or asymmetric formats. Use "
-            "attention_backend='torch' or None")
+            f"caches ({', '.join(TRITON_KV_CACHE_DTYPES)}) and KIVI's ('kivi_int4', 'kivi_int2', ...) only, none "
+            "reads the other integer or asymmetric formats. Use attention_backend='torch' or None")
     if backend == "triton" and not fp8_writes_compile(device):
         raise UnsupportedError(
             f"kv_cache_dtype={kv_cache_dtype!r} cannot run on the triton backend on {device}: kvlab's Triton "

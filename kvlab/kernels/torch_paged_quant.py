@@ -115,6 +115,13 @@ class ResidualWindow:
     def discard(self) -> None:
         self.staged = []
 
+    def forget(self, gpu_blocks, cpu_blocks) -> None:
+        """Drop the entries of blocks (GPU) and swapped-out blocks (CPU) no sequence holds any more."""
+        for block in gpu_blocks:
+            self.entries.pop(block, None)
+        for block in cpu_blocks:
+            self.swapped.pop(block, None)
+
     def apply_moves(self, kind: str, pairs) -> None:
         """Copy-on-write copies an open chunk with its block; a swap moves it between the GPU and CPU dicts. The
         offload tier takes only full blocks, whose chunks are all sealed (R divides the block size): nothing
@@ -154,50 +161,40 @@ class KiviStep:
     positions <= p only, so a prefill, a chunked prefill, decoding one token at a time and a prefix hit all
     give the same K/V. A chunk is *sealed* (quantized into the pages, whole key groups, G dividing R) when its
     last token is written; the open chunk's full-precision K/V wait in the layer's ``ResidualWindow``.
+    ``open_kv [2, S, open_len, H_kv, D]`` (``kivi_open_chunks``) holds each sequence's full-precision K/V from
+    its open chunk's start ``open_starts [S]`` on (the window's tokens, then the new ones): where the seals
+    take their rows (``seal_rows [N]``) and the reads their full-precision keys.
     ``seal_seqs`` / ``seal_positions`` ``[N]``: the (sequence, position) pairs sealed this step, stored at
-    ``seal_blocks`` / ``seal_offsets``; ``read_blocks`` / ``read_offsets`` ``[S * Lg]``: where position j of
-    each sequence's context is read (padding reads the sequence's last token: unused memory is never read);
-    ``quantized_ok`` / ``full_ok`` ``[S, Lg, 1, 1]``: positions holding codes / full precision;
-    ``plan``: the torch plan with the mask over [dequantized keys, full-precision keys] ``[S, 1, Q, 2 Lg]``."""
+    ``seal_blocks`` / ``seal_offsets``. The torch read only (None for the Triton kernels'): ``read_blocks`` /
+    ``read_offsets`` ``[S * Lg]``: where position j of each sequence's context is read (padding reads the
+    sequence's last token: unused memory is never read); ``quantized_ok`` / ``full_ok`` ``[S, Lg, 1, 1]``:
+    positions holding codes / full precision; ``plan``: the torch plan with the mask over [dequantized keys,
+    full-precision keys] ``[S, 1, Q, 2 Lg]``."""
     seqs: list
+    open_starts: torch.Tensor
+    open_len: int
     seal_seqs: torch.Tensor
     seal_positions: torch.Tensor
+    seal_rows: torch.Tensor
     seal_blocks: torch.Tensor
     seal_offsets: torch.Tensor
-    read_blocks: torch.Tensor
-    read_offsets: torch.Tensor
-    quantized_ok: torch.Tensor
-    full_ok: torch.Tensor
-    context_len: int
-    plan: PagedPlan
+    read_blocks: torch.Tensor | None = None
+    read_offsets: torch.Tensor | None = None
+    quantized_ok: torch.Tensor | None = None
+    full_ok: torch.Tensor | None = None
+    context_len: int = 0
+    plan: PagedPlan | None = None
 
 
-def check_kivi_geometry(group: int, residual_length, block_size: int) -> int:
-    """The residual length R (None: the block size) of a KIVI cache with key groups of ``group`` tokens:
-    G divides R and R divides the block size, so a chunk is whole key groups and a full block is sealed
-    chunks (a prefix hit reads only codes, as a recompute of the prefix would write them)."""
-    residual_length = block_size if residual_length is None else residual_length
-    if block_size % group:
-        raise InvalidArgumentError(f"a KIVI cache quantizes keys in groups of {group} tokens, and a block must "
-                                   f"hold whole groups: block_size must be a multiple of {group}, got {block_size}")
-    if (isinstance(residual_length, bool) or not isinstance(residual_length, int) or residual_length < group
-            or residual_length % group or block_size % residual_length):
-        raise InvalidArgumentError(
-            f"kv_residual_length (KIVI's R, the tokens kept in full precision) must be a multiple of the key "
-            f"group {group} that divides block_size {block_size} (None: block_size), got {residual_length!r}")
-    return residual_length
-
-
-def plan_kivi_step(plan: PagedPlan, block_tables, seq_lens, cu_query_lens, block_size: int, residual_length: int,
-                   group: int) -> KiviStep:
-    """The step's ``KiviStep`` from its torch ``plan`` (full attention) and metadata (read once, on the host)."""
+def plan_kivi_step(plan: PagedPlan | None, block_tables, seq_lens, cu_query_lens, block_size: int,
+                   residual_length: int, group: int) -> KiviStep:
+    """The step's ``KiviStep`` from its metadata (read once, on the host) and, for the torch read, its torch
+    ``plan`` (full attention); ``plan`` None: what the Triton kernels take (seals and the window's changes)."""
     device = seq_lens.device
     R = residual_length
     lens = seq_lens.tolist()
     cu = (cu_query_lens.tolist() if cu_query_lens is not None else list(range(len(lens) + 1)))
     tables = block_tables.tolist()
-    longest = max(lens, default=0)
-    context_len = -(-longest // group) * group                       # Lg: whole key groups
     seqs, seal_seqs, seal_positions = [], [], []
     for s, (length, table) in enumerate(zip(lens, tables)):
         first = length - (cu[s + 1] - cu[s])
@@ -209,19 +206,26 @@ def plan_kivi_step(plan: PagedPlan, block_tables, seq_lens, cu_query_lens, block
                             table[:next_start // block_size]))
         seal_seqs += [s] * (next_start - open_start)
         seal_positions += range(open_start, next_start)
+    open_starts = torch.tensor([seq.open_start for seq in seqs], dtype=torch.int64, device=device)
+    open_len = max((seq.length - seq.open_start for seq in seqs), default=0)
     seal_seqs = torch.tensor(seal_seqs, dtype=torch.int64, device=device)
     seal_positions = torch.tensor(seal_positions, dtype=torch.int64, device=device)
     table_long = block_tables.long()
     seal_blocks = table_long[seal_seqs, seal_positions // block_size]
+    step = KiviStep(seqs, open_starts, open_len, seal_seqs, seal_positions, seal_positions - open_starts[seal_seqs],
+                    seal_blocks, seal_positions % block_size)
+    if plan is None:
+        return step
+    longest = max(lens, default=0)
+    context_len = -(-longest // group) * group                       # Lg: whole key groups
     lens_t = seq_lens.long()[:, None]
     pos = torch.arange(context_len, device=device)[None]             # [1, Lg]
     read = torch.minimum(pos, lens_t - 1)
     read_blocks = table_long.gather(1, read // block_size).flatten()
     # Codes exist below each sequence's last sealed position; full precision from its open chunk on.
     sealed = torch.tensor([seq.next_start for seq in seqs], dtype=torch.int64, device=device)[:, None]
-    opened = torch.tensor([seq.open_start for seq in seqs], dtype=torch.int64, device=device)[:, None]
     quantized_ok = pos < sealed
-    full_ok = (pos >= opened) & (pos < lens_t)
+    full_ok = (pos >= open_starts[:, None]) & (pos < lens_t)
     # Each query row's own chunk: full precision from its start, codes before it.
     q_lens = lens_t[:, 0] - torch.tensor([seq.first for seq in seqs], dtype=torch.int64, device=device)
     t = torch.arange(plan.query_len, device=device)
@@ -230,39 +234,63 @@ def plan_kivi_step(plan: PagedPlan, block_tables, seq_lens, cu_query_lens, block
     visible = F.pad(plan.mask, (0, context_len - plan.context_len))   # [S, 1, Q, Lg]
     keys = pos[:, None, None, :]
     mask = torch.cat((visible & (keys < chunk), visible & (keys >= chunk)), -1)
-    return KiviStep(seqs, seal_seqs, seal_positions, seal_blocks, seal_positions % block_size, read_blocks,
-                    (read % block_size).flatten(), quantized_ok[..., None, None], full_ok[..., None, None],
-                    context_len, replace(plan, mask=mask, context_len=2 * context_len))
+    return replace(step, read_blocks=read_blocks, read_offsets=(read % block_size).flatten(),
+                   quantized_ok=quantized_ok[..., None, None], full_ok=full_ok[..., None, None],
+                   context_len=context_len, plan=replace(plan, mask=mask, context_len=2 * context_len))
 
 
-def kivi_attention(query, key, value, kv_cache, step: KiviStep, quantizer: KVQuantizer, window: ResidualWindow,
-                   scale=None):
-    """One layer of a KIVI step (no checks: ``plan_kivi_step`` made ``step`` for this cache): the new tokens'
-    ``key``/``value [T, H_kv, D]`` join their sequences' open chunks; every chunk that fills is quantized into
-    the pages and leaves ``window``; the open chunks are staged there (``ResidualWindow.commit``); then
-    ``query [T, H, D]`` attends over the
-    dequantized pages and the full-precision chunks (``KiviStep``). Returns ``[T, H, D]`` in query's dtype."""
-    S, Lg = len(step.seqs), step.context_len
-    num_kv_heads, head_dim = key.shape[1:]
-    full = key.new_zeros(2, S, Lg, num_kv_heads, head_dim, dtype=torch.float32)
-    new = torch.stack((key, value)).float()
+def kivi_open_chunks(key, value, step: KiviStep, window: ResidualWindow) -> torch.Tensor:
+    """``open_kv [2, S, open_len, H_kv, D]`` in key's dtype (``KiviStep``): each sequence's open chunk so far
+    from ``window``, then its new ``key``/``value [T, H_kv, D]`` rows; zeros past its length."""
+    open_kv = key.new_zeros(2, len(step.seqs), step.open_len, *key.shape[1:])
+    new = torch.stack((key, value))
     for s, seq in enumerate(step.seqs):
+        waiting = seq.first - seq.open_start
         if seq.read_key is not None:
-            full[:, s, seq.open_start:seq.first] = window.entries[seq.read_key][:, :seq.first - seq.open_start]
-        full[:, s, seq.first:seq.length] = new[:, seq.rows]
-    if step.seal_positions.numel():
-        sealed = full[:, step.seal_seqs, step.seal_positions]          # [2, N, H, D]
-        records = quantizer.encode(sealed[0], sealed[1])                # [N, H, rec]
-        halves = records.unflatten(-1, (2, -1)).transpose(1, 2)         # [N, 2, H, W]
-        kv_cache.view(torch.uint8)[step.seal_blocks, :, step.seal_offsets] = halves
+            open_kv[:, s, :waiting] = window.entries[seq.read_key][:, :waiting]
+        open_kv[:, s, waiting:seq.length - seq.open_start] = new[:, seq.rows]
+    return open_kv
+
+
+def kivi_stage(step: KiviStep, window: ResidualWindow, open_kv: torch.Tensor) -> None:
+    """Stage the step's window changes (``ResidualWindow.commit``): sealed chunks leave, open chunks are kept."""
     dropped = [block for seq in step.seqs for block in seq.sealed_blocks]
-    added = {seq.next_key: full[:, s, seq.next_start:seq.length].to(key.dtype)
+    added = {seq.next_key: open_kv[:, s, seq.next_start - seq.open_start:seq.length - seq.open_start].clone()
              for s, seq in enumerate(step.seqs) if seq.next_key is not None}
     window.staged.append((dropped, added))  # committed by the engine once the whole pass has run
+
+
+def kivi_read_torch(query, kv_cache, step: KiviStep, quantizer: KVQuantizer, open_kv, scale=None):
+    """The read of a KIVI step in torch (the twin of ``kvlab.kernels.kivi_paged_attention``; no checks):
+    ``query [T, H, D]`` over the dequantized pages (sealed chunks, the step's included) and ``open_kv``'s
+    full-precision chunks, as ``step`` (made with a torch plan) masks them. Returns ``[T, H, D]`` in query's
+    dtype."""
+    S, Lg = len(step.seqs), step.context_len
+    num_kv_heads = kv_cache.shape[3]
     halves = kv_cache.view(torch.uint8)[step.read_blocks, :, step.read_offsets]  # [S * Lg, 2, H, W]
     records = torch.cat((halves[:, 0], halves[:, 1]), -1).view(S, Lg, num_kv_heads, -1)
     k_codes, v_codes = quantizer.decode(records)                        # [S, Lg, H, D] each
+    # Position j of sequence s in full precision: open_kv[:, s, j - open_start], where full_ok.
+    index = (torch.arange(Lg, device=open_kv.device)[None] - step.open_starts[:, None]).clamp(0, step.open_len - 1)
+    full = open_kv.float()[:, torch.arange(S, device=open_kv.device)[:, None], index]  # [2, S, Lg, H, D]
     zero = k_codes.new_zeros(())
     k = torch.cat((torch.where(step.quantized_ok, k_codes, zero), torch.where(step.full_ok, full[0], zero)), 1)
     v = torch.cat((torch.where(step.quantized_ok, v_codes, zero), torch.where(step.full_ok, full[1], zero)), 1)
     return attend(query, k.transpose(1, 2), v.transpose(1, 2), step.plan, scale)
+
+
+def kivi_attention(query, key, value, kv_cache, step: KiviStep, quantizer: KVQuantizer, window: ResidualWindow,
+                   scale=None):
+    """One layer of a KIVI step in torch (no checks: ``plan_kivi_step`` made ``step`` for this cache, with a
+    torch plan): the new tokens' ``key``/``value [T, H_kv, D]`` join their sequences' open chunks; every chunk
+    that fills is quantized into the pages and leaves ``window``; the open chunks are staged there
+    (``ResidualWindow.commit``); then ``query [T, H, D]`` attends over the dequantized pages and the
+    full-precision chunks (``kivi_read_torch``). Returns ``[T, H, D]`` in query's dtype."""
+    open_kv = kivi_open_chunks(key, value, step, window)
+    if step.seal_positions.numel():
+        sealed = open_kv[:, step.seal_seqs, step.seal_rows]             # [2, N, H, D]
+        records = quantizer.encode(sealed[0], sealed[1])                # [N, H, rec]
+        halves = records.unflatten(-1, (2, -1)).transpose(1, 2)         # [N, 2, H, W]
+        kv_cache.view(torch.uint8)[step.seal_blocks, :, step.seal_offsets] = halves
+    kivi_stage(step, window, open_kv)
+    return kivi_read_torch(query, kv_cache, step, quantizer, open_kv, scale)

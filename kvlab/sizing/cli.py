@@ -2,7 +2,8 @@
 concurrent requests a GPU's memory holds (``kvlab.sizing.plan``), every figure with its arithmetic.
 
 ``kvlab size --model DIR_OR_CONFIG_JSON [--kv-cache-dtype auto] [--gpu-memory 80GiB] [--max-model-len N]
-[--block-size 16]``. Nothing is loaded but ``config.json`` (and the sizes of a directory's safetensors).
+[--block-size 16] [--kv-residual-length R]``. Nothing is loaded but ``config.json`` (and the sizes of a
+directory's safetensors).
 """
 
 import argparse
@@ -35,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the cache's format: vLLM's names, or kvlab's kivi_int4 / kivi_int2 (KIVI, key groups of "
                              "32 tokens; _g64, _g128, _g16 for others), int4_calibrated_channel and k_fp16_v_fp8 "
                              "(auto: the model's dtype; default: %(default)s)")
+    parser.add_argument("--kv-residual-length", type=count("kv residual length"), default=None,
+                        help="a KIVI cache's R: the newest tokens of each running sequence kept in the model's "
+                             "dtype beside the pages, counted before the blocks (default: the block size)")
     parser.add_argument("--gpu-memory", type=option(parse_memory), default="80GiB",
                         help="the GPU's memory, e.g. 80GiB, 80GB, 24e9 (default: %(default)s)")
     parser.add_argument("--gpu-memory-utilization", default=GPU_MEMORY_UTILIZATION,
@@ -65,7 +69,8 @@ def main(argv=None) -> int:
         sizing = size_model(shape, kv_cache_dtype=args.kv_cache_dtype, gpu_memory=args.gpu_memory,
                             gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                             block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                            max_num_seqs=args.max_num_seqs, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
+                            max_num_seqs=args.max_num_seqs, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+                            kv_residual_length=args.kv_residual_length)
     except KvlabError as e:
         print(f"kvlab size: error: {e}", file=sys.stderr)
         return 2

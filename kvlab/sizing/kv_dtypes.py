@@ -19,8 +19,9 @@ Names are vLLM's ``kv_cache_dtype`` spellings ("fp8" is "fp8_e4m3", as vLLM on C
 kvlab's: "int4_calibrated_channel" (``int4_channel`` keys, ``int4_token`` values: calibrated key ranges, no
 window; formerly "int4_kivi", which is refused now), "kivi_int4" and "kivi_int2" (KIVI with G = 32;
 "kivi_int4_g64", "kivi_int2_g128", ... for another G in ``KIVI_GROUP_SIZES``; the full-precision window of
-the last tokens is the engine's setting, ``kvlab.engine.kv_cache``), and "k_fp16_v_fp8" (asymmetric: K in
-fp16, V in fp8 e4m3). This module is pure Python: ``kvlab size`` uses it without loading torch.
+the last R tokens is a setting of the engine's and of ``kvlab size``: ``check_kivi_geometry``), and
+"k_fp16_v_fp8" (asymmetric: K in fp16, V in fp8 e4m3). This module is pure Python: ``kvlab size`` uses it
+without loading torch.
 """
 
 import math
@@ -138,3 +139,19 @@ def row_bytes(codec: str, n: int) -> int:
 def is_float_format(name: str) -> bool:
     """K and V both in one float type of at least 16 bits (no scales)."""
     return all(CODEC_BITS[codec] >= 16 for codec in KV_FORMATS[name]) and len(set(KV_FORMATS[name])) == 1
+
+
+def check_kivi_geometry(group: int, residual_length, block_size: int) -> int:
+    """The residual length R (None: the block size) of a KIVI cache with key groups of ``group`` tokens:
+    G divides R and R divides the block size, so a chunk is whole key groups and a full block is sealed
+    chunks (a prefix hit reads only codes, as a recompute of the prefix would write them)."""
+    residual_length = block_size if residual_length is None else residual_length
+    if block_size % group:
+        raise InvalidArgumentError(f"a KIVI cache quantizes keys in groups of {group} tokens, and a block must "
+                                   f"hold whole groups: block_size must be a multiple of {group}, got {block_size}")
+    if (isinstance(residual_length, bool) or not isinstance(residual_length, int) or residual_length < group
+            or residual_length % group or block_size % residual_length):
+        raise InvalidArgumentError(
+            f"kv_residual_length (KIVI's R, the tokens kept in full precision) must be a multiple of the key "
+            f"group {group} that divides block_size {block_size} (None: block_size), got {residual_length!r}")
+    return residual_length

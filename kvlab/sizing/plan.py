@@ -10,7 +10,10 @@ sequences; the pool is laid out in KV cache groups and tensors as vLLM V1 and kv
 (``kvlab.sizing.groups``), and a request holds each group's ``blocks_per_request`` at ``max_model_len``. A
 hybrid state model's (Qwen3-Next's, Jamba's) state layers keep their convolution state in the model's dtype and their
 recurrent state in ``mamba_ssm_cache_dtype`` (vLLM's ``--mamba-ssm-cache-dtype``; auto: the model's dtype), and
-the block size grows to vLLM's aligned one (``kvlab.sizing.groups.aligned_block_size``).
+the block size grows to vLLM's aligned one (``kvlab.sizing.groups.aligned_block_size``). A KIVI cache
+(``kivi_int4``, ``kivi_int2``) keeps each running sequence's newest R tokens in the model's dtype beside its
+pages (``kv_residual_length``, default the block size, ``check_kivi_geometry``): ``max_num_seqs`` of these
+windows are set aside before the blocks, as the engine's ``kivi_window_bytes`` does.
 """
 
 from dataclasses import dataclass, replace
@@ -19,7 +22,7 @@ from kvlab.errors import InvalidArgumentError
 from kvlab.sizing.budget import MAX_MEMORY, activation_bytes, kv_blocks, kv_memory
 from kvlab.sizing.groups import KVCacheConfig, aligned_block_size, bytes_per_block, kv_cache_groups
 from kvlab.sizing.hf_config import DEFAULT_DTYPE, MAX_TOKENS, ModelShape
-from kvlab.sizing.kv_dtypes import cache_format
+from kvlab.sizing.kv_dtypes import cache_format, check_kivi_geometry, kivi_settings
 from kvlab.sizing.layout import DTYPE_BYTES, KVLayout
 from kvlab.validation import check_int, check_number, check_optional_int
 
@@ -75,6 +78,8 @@ class Sizing:
     requested_block_size: int = 16  # the block size asked for; block_size is a state model's aligned one
     state_bytes: int = 0            # a state layer's state per request (0: no state layers)
     state_formula: str = ""         # its arithmetic
+    window_bytes: int = 0           # a KIVI cache's full-precision windows, all running sequences (0: none)
+    window_formula: str = ""        # their arithmetic
 
 
 #: quantization_config's quant_method -> (which parameters it quantizes, bytes per quantized parameter): fp8
@@ -104,7 +109,8 @@ def weights_estimate(shape: ModelShape) -> tuple[int, str]:
 
 def size_model(shape: ModelShape, *, kv_cache_dtype: str = "auto", gpu_memory: int, gpu_memory_utilization: float,
                max_model_len: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 8192,
-               max_num_seqs: int = 256, mamba_ssm_cache_dtype: str = "auto") -> Sizing:
+               max_num_seqs: int = 256, mamba_ssm_cache_dtype: str = "auto",
+               kv_residual_length: int | None = None) -> Sizing:
     if not isinstance(shape, ModelShape):
         raise InvalidArgumentError(f"shape must be a ModelShape (kvlab.sizing.hf_config.read_model_shape), got "
                                    f"{type(shape).__name__}")
@@ -126,7 +132,8 @@ def size_model(shape: ModelShape, *, kv_cache_dtype: str = "auto", gpu_memory: i
         head_dim=shape.head_dim, intermediate_size=shape.intermediate_size, vocab_size=shape.vocab_size,
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         element_bytes=DTYPE_BYTES[model_dtype])
-    memory = kv_memory(gpu_memory, gpu_memory_utilization, weights, activations)
+    window_bytes, window_formula = kivi_windows(layout, model_dtype, kv_residual_length, block_size, max_num_seqs)
+    memory = kv_memory(gpu_memory, gpu_memory_utilization, weights, activations) - window_bytes
     state_bytes, state_formula, requested_block_size = 0, "", block_size
     if shape.state_layers:
         ssm_dtype = model_dtype if mamba_ssm_cache_dtype == "auto" else mamba_ssm_cache_dtype
@@ -146,4 +153,22 @@ def size_model(shape: ModelShape, *, kv_cache_dtype: str = "auto", gpu_memory: i
         pools.append(Pool(name, config, config.blocks_per_request(max_model_len, max_num_batched_tokens)))
     return Sizing(shape, layout, block_size, max_model_len, max_num_batched_tokens, max_num_seqs, gpu_memory,
                   gpu_memory_utilization, weights, weights_source, activations, memory, tuple(pools),
-                  requested_block_size, state_bytes, state_formula)
+                  requested_block_size, state_bytes, state_formula, window_bytes, window_formula)
+
+
+def kivi_windows(layout: KVLayout, model_dtype: str, residual_length, block_size: int,
+                 max_num_seqs: int) -> tuple[int, str]:
+    """(bytes, arithmetic) of a KIVI cache's full-precision windows: R tokens of K and V in every layer, in the
+    model's dtype, for each of ``max_num_seqs`` running sequences; (0, "") for any other format, which takes
+    no ``residual_length``."""
+    kivi = kivi_settings(layout.dtype)
+    if kivi is None:
+        if residual_length is not None:
+            raise InvalidArgumentError(f"kv_residual_length is the full-precision window of a KIVI cache "
+                                       f"('kivi_int4', 'kivi_int2'); {layout.dtype} has none")
+        return 0, ""
+    R = check_kivi_geometry(kivi[1], residual_length, block_size)
+    per_token = replace(layout, dtype=model_dtype).bytes_per_token
+    total = max_num_seqs * R * per_token
+    return total, (f"{max_num_seqs} sequences x R {R} tokens x {per_token:,} B per token in {model_dtype} "
+                   f"= {total:,} B")

@@ -98,10 +98,14 @@ def _memory_lines(s: Sizing) -> list[str]:
              f"{_size(s.gpu_memory * s.gpu_memory_utilization)}",
              f"  - weights      {_size(s.weights):>12}  ({s.weights_source})",
              f"  - activations  {_size(s.activations):>12}  (a bound for {s.max_num_batched_tokens:,} batched "
-             f"tokens and {s.max_num_seqs} sequences)",
-             f"  = KV cache     {_size(s.kv_memory):>12}"]
+             f"tokens and {s.max_num_seqs} sequences)"]
+    if s.window_bytes:
+        lines.append(f"  - KIVI windows {_size(s.window_bytes):>12}  (the newest tokens in full precision beside the "
+                     f"pages: {s.window_formula})")
+    lines.append(f"  = KV cache     {_size(s.kv_memory):>12}")
     if s.kv_memory <= 0:
-        lines.append("  no room for the KV cache: the weights and activations take the whole budget")
+        lines.append("  no room for the KV cache: the weights and activations"
+                     + (" and KIVI windows" if s.window_bytes else "") + " take the whole budget")
     return lines
 
 

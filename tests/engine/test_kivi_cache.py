@@ -99,6 +99,27 @@ def test_swaps_forks_preemption_and_the_tier_keep_the_tokens(llama, name, block_
     assert [got[0], got[2]] == expected and tiered.block_manager.tier_stats.tier_hit_blocks >= 1
 
 
+@pytest.mark.slow  # 10-25 s each on 2 cores: the interpreter runs every program of both kernels in Python
+@pytest.mark.parametrize("name, block_size, residual, check_every_layer", [("kivi_int4_g16", 32, 16, "0"),
+                                                                        ("kivi_int2", 32, 32, "1")])
+def test_the_triton_backend_gives_the_torch_paths_tokens(llama, monkeypatch, name, block_size, residual,
+                                                         check_every_layer):
+    """``attention_backend="triton"`` (interpreted here) seals chunks with ``kivi_seal`` and reads with
+    ``kivi_paged_attention``: greedy tokens of a batch decoding past several chunks, then of a prefix hit read in
+    a chunked prefill, are the torch path's (with the per-layer checks on, the checked launchers run)."""
+    monkeypatch.setenv("KVLAB_CHECK_EVERY_LAYER", check_every_layer)
+    path, _ = llama
+    batch = prompts(10, (20, 2 * block_size + 5))
+    second = batch[1][:block_size + 3] + [4, 5]                    # its first block is a prefix hit
+    runs = {}
+    for backend in ("torch", "triton"):
+        llm = kivi_llm(path, name, block_size, residual, num_blocks=16, max_num_seqs=4, max_num_batched_tokens=24,
+                       attention_backend=backend)
+        runs[backend] = tokens(llm, batch, max_tokens=14) + tokens(llm, [second], max_tokens=4)
+        assert llm.make_prefix_cache_stats().hit_blocks == 1
+    assert runs["triton"] == runs["torch"]
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(kv_cache_dtype="int4_kivi"), "'int4_kivi' was not KIVI .* now 'int4_calibrated_channel'. KIVI itself is "
                                        "'kivi_int4' or 'kivi_int2'"),
@@ -149,3 +170,29 @@ def test_a_forward_pass_that_raises_part_way_leaves_the_windows_as_they_were(lla
 
     monkeypatch.setattr(attention, "kivi_attention", fails_once)
     assert tokens(llm, batch, max_tokens=20) == expected and raised
+
+
+def test_a_freed_sequences_window_entries_go_with_it(llama):
+    """A finished, aborted or recompute-preempted sequence's open chunk leaves every layer's window when its
+    blocks are freed (not when another sequence happens to take the block), on the GPU and, for a sequence
+    aborted while swapped out, on the host; two samples sharing their open block keep it until both are gone."""
+    path, _ = llama
+    llm = kivi_llm(path, "kivi_int4_g16", 32, 16, num_blocks=32)
+    windows = [layer.self_attn.kv_window for layer in llm.model.model.layers]
+    tokens(llm, prompts(11, (20, 27)), max_tokens=5, n=2)   # 24 and 31 tokens with K/V: open chunks of 8, 15
+    assert [(len(w.entries), len(w.swapped)) for w in windows] == [(0, 0)] * len(windows)
+
+    small = kivi_llm(path, "kivi_int4_g16", 16, 16, num_blocks=5, preemption_mode="swap", max_num_seqs=3)
+    windows = [layer.self_attn.kv_window for layer in small.model.model.layers]
+    for prompt in prompts(8, (9, 10, 11)):
+        small.add_request(prompt, SamplingParams(max_tokens=30, **GREEDY))
+    while not small.scheduler.swapped:
+        small.step()
+    swapped = small.scheduler.owner[small.scheduler.swapped[0].seq_id].request_id
+    assert all(w.swapped for w in windows)
+    small.abort_request(swapped)
+    small.step()
+    assert [len(w.swapped) for w in windows] == [0] * len(windows)
+    while small.has_unfinished_requests():
+        small.step()
+    assert [(len(w.entries), len(w.swapped)) for w in windows] == [(0, 0)] * len(windows)

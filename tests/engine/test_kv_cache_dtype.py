@@ -111,7 +111,7 @@ def test_per_head_scales_differ_per_head_and_unit_scales_are_vllms_default(llama
     (dict(kv_cache_dtype="int4_calibrated_channel"), InvalidArgumentError, "pass kv_calibration_prompts"),
     (dict(kv_cache_dtype="fp8", kv_calibration_prompts=[[1, 500]]), InvalidArgumentError, "an id in"),
     (dict(kv_cache_dtype="int4_calibrated_channel", kv_calibration_prompts=CALIBRATION, attention_backend="triton"),
-     UnsupportedError, "cannot run on the triton backend: .* none reads the integer or asymmetric"),
+     UnsupportedError, "cannot run on the triton backend: .* none reads the other integer or asymmetric"),
 ])
 def test_bad_kv_cache_settings_are_refused(llama, options, error, message):
     with pytest.raises(error, match=message):

@@ -19,11 +19,15 @@ import triton
 import triton.language as tl
 
 from kvlab.kernels.copy_blocks import _layer_offsets, copy_blocks_config, copy_blocks_kernel
+from kvlab.kernels.kivi_paged_attention import kivi_launch_config, kivi_paged_attention_kernel
+from kvlab.kernels.kivi_seal import FP16_MAX, kivi_seal_config, kivi_seal_kernel
+from kvlab.kernels.kv_quant import MIN_SCALE, KVQuantizer
 from kvlab.kernels.mla_decode import PRE_AMPERE_MAX_KV_LORA_RANK, mla_decode_kernel, mla_launch_config
 from kvlab.kernels.paged_attention_decode import GPU_TILE_N, decode_launch_config, paged_attention_decode_kernel
 from kvlab.kernels.paged_prefill import paged_prefill_kernel, prefill_launch_config
 from kvlab.kernels.reshape_and_cache import reshape_and_cache_config, reshape_and_cache_kernel
 from kvlab.kernels.split_k_reduce import split_k_reduce_config, split_k_reduce_kernel
+from kvlab.sizing.kv_dtypes import kivi_value_group
 
 if not isinstance(paged_prefill_kernel, triton.runtime.JITFunction):
     raise RuntimeError("kvlab's kernels were built for the Triton interpreter; import this module only after "
@@ -99,6 +103,42 @@ SPLIT_CASES = [Attention("fp16", 128, split=LONG), Attention("bf16", 80, split=S
 MLA_CASES = ([(dtype, 512, 64, 128, 16) for dtype in DTYPES]
              + [("bf16", 512, 64, 16, 64), ("fp16", 256, 32, 20, 1), ("fp32", 256, 32, 16, 16),
                 ("fp32", 32, 16, 4, 128), ("fp16", 17, 6, 5, 2)])
+
+
+# KIVI (kivi_seal, kivi_paged_attention): (format, head_dim, block_size = R); the paper's G 32 and 128 at 4 and
+# 2 bits, over head dims 64 to 256 and block sizes 16 to 128 (G 16: the smallest group and R).
+KIVI_CASES = [("kivi_int4", 128, 128), ("kivi_int2", 128, 32), ("kivi_int4_g128", 256, 128), ("kivi_int2", 64, 64),
+              ("kivi_int4_g16", 64, 16), ("kivi_int2_g128", 128, 128)]
+# The reads: every query dtype with GQA 4 (decode and prefill), MHA, and GQA 8 at head_dim 256.
+KIVI_READS = ([(dtype, case, 4) for dtype in DTYPES for case in KIVI_CASES[:3]]
+              + [("fp16", KIVI_CASES[3], 1), ("bf16", KIVI_CASES[4], 8), ("fp32", KIVI_CASES[5], 8)])
+
+
+def compile_kivi_seal(name, head_dim, block_size):
+    """``kivi_seal``'s launch (``kivi_seal_config``) for 8 KV heads."""
+    quantizer = KVQuantizer(name, head_dim)
+    bits, group = quantizer.kivi
+    cache = torch.empty(2, 2, block_size, 8, quantizer.storage_width, dtype=torch.uint8)
+    key, slots = torch.empty(group, 8, head_dim), torch.zeros(group, dtype=torch.int64)
+    return kivi_seal_kernel.warmup(
+        key, key, slots, slots, cache, 8, *cache.stride()[:4], D=head_dim, G=group, BITS=bits,
+        VG=kivi_value_group(head_dim, group), W=quantizer.storage_width, MIN_SCALE_=MIN_SCALE, FP16_MAX_=FP16_MAX,
+        grid=(1,), **kivi_seal_config(head_dim, group))
+
+
+def compile_kivi_read(dtype, case, group, decode, target):
+    """``kivi_paged_attention``'s launch (``kivi_launch_config``) of 8 KV heads x ``group`` query heads."""
+    name, head_dim, block_size = case
+    quantizer = KVQuantizer(name, head_dim, residual_length=block_size)
+    cache = torch.empty(2, 2, block_size, 8, quantizer.storage_width, dtype=torch.uint8)
+    query = torch.empty(40, 8 * group, head_dim, dtype=DTYPES[dtype])
+    out, open_kv = torch.empty_like(query), torch.empty(2, 2, 64, 8, head_dim, dtype=query.dtype)
+    block_tables, int32 = torch.zeros(2, 64, dtype=torch.int32), dict(dtype=torch.int32)
+    config = kivi_launch_config(8 * group, 8, quantizer, block_size, query.dtype, decode, target.capability)
+    return kivi_paged_attention_kernel.warmup(
+        out, query, cache, block_tables, torch.tensor([50, 60], **int32), torch.tensor([0, 20, 40], **int32),
+        torch.zeros(4, 2, **int32), open_kv, head_dim ** -0.5, query.stride(0), query.stride(1), out.stride(0),
+        out.stride(1), *cache.stride()[:4], *block_tables.stride(), *open_kv.stride()[:4], grid=(1,), **config)
 
 
 def _cache(dtype, head_dim, block_size, num_kv_heads):
@@ -209,6 +249,15 @@ def kernel_variants(target):
         yield "split_k_reduce_kernel", case.label, lambda case=case: compile_split_k_reduce(case, target)
     for case in attention:
         yield "paged_prefill_kernel", case.label, lambda case=case: compile_prefill(case, target)
+    for case in KIVI_CASES + [("kivi_int4", 80, 32), ("kivi_int2_g16", 96, 64)]:  # and head dims not a power of 2
+        yield "kivi_seal_kernel", "{}-d{}-b{}".format(*case), lambda case=case: compile_kivi_seal(*case)
+    for dtype, case, group in KIVI_READS:
+        if allowed(dtype):
+            for decode in (True, False):
+                label = "{}-{}-d{}-b{}-g{}-{}".format(dtype, *case, group, "decode" if decode else "prefill")
+                yield ("kivi_paged_attention_kernel", label,
+                       lambda dtype=dtype, case=case, group=group, decode=decode:
+                       compile_kivi_read(dtype, case, group, decode, target))
     for case in MLA_CASES:  # the launcher refuses kv_lora_rank > 256 before Ampere (mla_decode's docstring)
         if allowed(case[0]) and (case[1] <= PRE_AMPERE_MAX_KV_LORA_RANK or target.capability >= (8, 0)):
             label = "{}-r{}+{}-h{}-b{}".format(*case)

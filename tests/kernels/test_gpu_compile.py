@@ -18,7 +18,8 @@ CHECK = Path(__file__).with_name("gpu_compile_check.py")
 SKIP_EXIT = 77  # gpu_compile_check.py: no NVIDIA toolchain here
 ARCHS = (90, 80, 75)
 KERNELS = {"reshape_and_cache_kernel", "copy_blocks_kernel", "paged_attention_decode_kernel",
-           "split_k_reduce_kernel", "paged_prefill_kernel", "mla_decode_kernel"}
+           "split_k_reduce_kernel", "paged_prefill_kernel", "mla_decode_kernel", "kivi_seal_kernel",
+           "kivi_paged_attention_kernel"}
 
 
 class Check:

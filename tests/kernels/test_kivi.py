@@ -12,11 +12,12 @@
 import pytest
 import torch
 
+from kvlab.device import DEVICE, ON_GPU
 from kvlab.errors import InvalidArgumentError
 from kvlab.kernels.kv_quant import KVQuantizer
 from kvlab.kernels.torch_paged import plan_paged_attention
-from kvlab.kernels.torch_paged_quant import ResidualWindow, check_kivi_geometry, kivi_attention, plan_kivi_step
-from kvlab.sizing.kv_dtypes import kivi_format, row_bytes
+from kvlab.kernels.torch_paged_quant import ResidualWindow, kivi_attention, kivi_read_torch, plan_kivi_step
+from kvlab.sizing.kv_dtypes import check_kivi_geometry, kivi_format, row_bytes
 
 NUM_KV_HEADS, NUM_HEADS, HEAD_DIM = 2, 4, 32
 
@@ -168,11 +169,13 @@ def test_a_head_dim_that_does_not_split_into_the_rows_is_refused():
 
 
 @pytest.mark.parametrize("name, head_dim", [("kivi_int4", 32), ("kivi_int2", 32), ("kivi_int4_g16", 32),
-                                            ("kivi_int2_g64", 32), ("kivi_int4_g128", 64)])
+                                            ("kivi_int2_g64", 32), ("kivi_int4_g128", 64), ("kivi_int4_g16", 24),
+                                            ("kivi_int2_g16", 48), ("kivi_int4", 80)])
 def test_the_triton_seal_writes_the_torch_twins_bytes_and_nothing_else(name, head_dim):
     """``kivi_seal`` (interpreted on CPU) writes exactly the bytes of ``KVQuantizer.encode`` into the given slots
     of a poisoned cache, and leaves every other byte as it was. kivi_int4_g128 at head_dim 64 has K rows of 34
-    bytes and V rows of 36, so records straddle the cache's K and V halves."""
+    bytes and V rows of 36, so records straddle the cache's K and V halves; head dims 24, 48 and 80 leave the
+    last chunk of 32 channels part padding."""
     from kvlab.kernels.kivi_seal import kivi_seal
 
     q = KVQuantizer(name, head_dim)
@@ -187,7 +190,8 @@ def test_the_triton_seal_writes_the_torch_twins_bytes_and_nothing_else(name, hea
     cache = torch.full((4, 2, block_size, NUM_KV_HEADS, q.storage_width), 0xFF, dtype=torch.uint8)
     expected = cache.clone()
     expected[blocks, :, offsets] = q.encode(key, value).unflatten(-1, (2, -1)).transpose(1, 2)
-    assert torch.equal(kivi_seal(key, value, cache, blocks, offsets, q), expected)
+    key, value, cache, blocks, offsets = (t.to(DEVICE) for t in (key, value, cache, blocks, offsets))
+    assert torch.equal(kivi_seal(key, value, cache, blocks, offsets, q).cpu(), expected)
 
 
 def test_the_triton_seal_refuses_partial_groups_and_other_formats():
@@ -200,3 +204,83 @@ def test_the_triton_seal_refuses_partial_groups_and_other_formats():
         kivi_seal(x, x, cache, torch.zeros(20, dtype=torch.int64), torch.arange(20), q)
     with pytest.raises(InvalidArgumentError, match="writes a KIVI cache"):
         kivi_seal(x, x, cache, torch.zeros(20, dtype=torch.int64), torch.arange(20), KVQuantizer("fp8", HEAD_DIM))
+
+
+def kivi_read_case(name, head_dim, num_heads, residual_length, block_size, seq_shapes, dtype=torch.float32,
+                   seed=3):
+    """A KIVI cache holding the sealed chunks of sequences of (length, new tokens) ``seq_shapes``, each in
+    random blocks of a pool whose every other byte is 0xFF (an fp16 NaN as a scale); ``open_kv`` with each
+    sequence's open chunk and NaN past it, block-table padding out of range, all on ``DEVICE``. Returns the
+    launcher's arguments and the torch twin's step."""
+    quantizer = KVQuantizer(name, head_dim, residual_length=residual_length)
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [n for n, _ in seq_shapes]
+    widths = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(widths) + 3                                       # three pages nobody uses
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.full((len(lengths), max(widths) + 1), 10**6, dtype=torch.int32)  # padding is never read
+    cache = torch.full((num_blocks, 2, block_size, NUM_KV_HEADS, quantizer.storage_width), 0xFF, dtype=torch.uint8)
+    open_starts = [(n - q) // residual_length * residual_length for n, q in seq_shapes]
+    open_kv = torch.full((2, len(lengths), max(n - o for n, o in zip(lengths, open_starts)) + 5, NUM_KV_HEADS,
+                          head_dim), float("nan"), dtype=dtype)
+    for s, (n, width) in enumerate(zip(lengths, widths)):
+        tables[s, :width] = torch.tensor([order.pop() for _ in range(width)])
+        key = (torch.randn(n, NUM_KV_HEADS, head_dim, generator=gen) * 3).to(dtype).float()
+        key[:, :, 1] *= 10                                             # an outlier channel
+        value = torch.randn(n, NUM_KV_HEADS, head_dim, generator=gen).to(dtype).float()
+        sealed = n // residual_length * residual_length
+        positions = torch.arange(sealed)
+        if sealed:
+            records = quantizer.encode(key[:sealed], value[:sealed]).unflatten(-1, (2, -1)).transpose(1, 2)
+            cache[tables[s, positions // block_size].long(), :, positions % block_size] = records
+        open_kv[:, s, :n - open_starts[s]] = torch.stack((key, value))[:, open_starts[s]:].to(dtype)
+    q_lens = [q for _, q in seq_shapes]
+    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    query, cache, tables, seq_lens, cu, open_kv = (t.to(DEVICE) for t in (query, cache, tables, seq_lens, cu, open_kv))
+    decode = all(q == 1 for q in q_lens)
+    plan = plan_paged_attention(cache, tables, seq_lens, cu, query.shape[0])
+    step = plan_kivi_step(plan, tables, seq_lens, None if decode else cu, block_size, residual_length,
+                          quantizer.kivi[1])
+    return (query, cache, tables, seq_lens, None if decode else cu, open_kv, quantizer), step
+
+
+READ_CASES = {  # name, head_dim, query heads (2 KV heads), R, block_size, (length, new tokens) per sequence
+    "decode int4": ("kivi_int4_g16", 32, 4, 16, 32, [(45, 1), (70, 1), (16, 1), (3, 1)]),
+    "decode int2, head_dim 24, 3 heads a KV head": ("kivi_int2_g16", 24, 6, 32, 32, [(77, 1), (33, 1), (64, 1)]),
+    "prefill int4, chunks over cached prefixes": ("kivi_int4_g16", 32, 4, 16, 32, [(70, 25), (41, 41), (50, 3)]),
+    "prefill int2 g32, head_dim 48, one head a KV head": ("kivi_int2", 48, 2, 32, 64, [(99, 40), (20, 20)]),
+    "prefill int4 g64, records straddle the halves": ("kivi_int4_g64", 32, 4, 64, 64, [(130, 70), (65, 2)]),
+}
+
+
+@pytest.mark.parametrize("case", READ_CASES)
+def test_the_triton_read_matches_the_torch_twin_on_poisoned_memory(case):
+    """``kivi_paged_attention`` (interpreted on CPU) gives ``kivi_read_torch``'s output, decode and prefill,
+    while every page, slot and buffer entry the step must not read holds NaN (any such read would show)."""
+    from kvlab.kernels.kivi_paged_attention import kivi_paged_attention
+
+    args, step = kivi_read_case(*READ_CASES[case])
+    query, cache, _, _, _, open_kv, quantizer = args
+    expected = kivi_read_torch(query, cache, step, quantizer, open_kv)
+    out = kivi_paged_attention(*args)
+    assert bool(torch.isfinite(out).all())
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_triton_read_refuses_what_it_cannot_read():
+    from kvlab.kernels.kivi_paged_attention import kivi_paged_attention
+
+    (query, cache, tables, seq_lens, cu, open_kv, quantizer), _ = kivi_read_case(*READ_CASES["decode int4"])
+    with pytest.raises(InvalidArgumentError, match="a KVQuantizer of a KIVI format with its residual_length"):
+        kivi_paged_attention(query, cache, tables, seq_lens, cu, open_kv, KVQuantizer("kivi_int4_g16", HEAD_DIM))
+    with pytest.raises(InvalidArgumentError, match=r"open_kv must be \[2, 4, at least 16, 2, 32\]"):
+        kivi_paged_attention(query, cache, tables, seq_lens, cu, open_kv[:, :, :15], quantizer)
+    with pytest.raises(InvalidArgumentError, match="one query per sequence: 4 rows, got 3"):
+        kivi_paged_attention(query[:3], cache, tables, seq_lens, cu, open_kv, quantizer)
+    with pytest.raises(InvalidArgumentError, match=r"is uint8 \[blocks, 2, a multiple of 16, kv heads, 24\]"):
+        kivi_paged_attention(query, cache[..., :17], tables, seq_lens, cu, open_kv, quantizer)
+    if not ON_GPU:
+        with pytest.raises(InvalidArgumentError, match="bfloat16, which the Triton interpreter .* computes wrongly"):
+            kivi_paged_attention(query.bfloat16(), cache, tables, seq_lens, cu, open_kv, quantizer)

@@ -282,10 +282,34 @@ def test_kvlab_size_prints_the_all_full_layout_beside_a_hybrid_models(capsys):
     ("k_fp16_v_fp8", 128 * 2 + 128, "8 kv heads x (K 256 B (float16) + V 128 B (fp8_e4m3) per 128-element row)"),
 ])
 def test_kvlab_size_counts_integer_and_asymmetric_formats_by_their_rows(capsys, dtype, row_bytes, formula):
-    sizing = size_model(shape("Meta-Llama-3-8B"), kv_cache_dtype=dtype, gpu_memory=80 * GiB, gpu_memory_utilization=0.9)
+    sizing = size_model(shape("Meta-Llama-3-8B"), kv_cache_dtype=dtype, gpu_memory=80 * GiB, gpu_memory_utilization=0.9,
+                        block_size=128)  # whole KIVI key groups of up to 128 tokens
     assert sizing.layout.bytes_per_token == 8 * row_bytes * 32
-    assert main(["size", "--model", str(CONFIGS / "Meta-Llama-3-8B"), "--kv-cache-dtype", dtype]) == 0
+    assert main(["size", "--model", str(CONFIGS / "Meta-Llama-3-8B"), "--kv-cache-dtype", dtype,
+                 "--block-size", "128"]) == 0
     assert f"per token and layer: {formula}" in capsys.readouterr().out
+
+
+def test_kvlab_size_sets_kivis_full_precision_windows_aside(capsys):
+    """A KIVI cache keeps each running sequence's newest R tokens in the model's dtype (bf16) beside the pages:
+    256 sequences x R x 32 layers x (K and V x 8 kv heads x 128 x 2 B) come out of the KV memory before it is cut
+    into blocks, as the engine's pool does (``kivi_window_bytes``)."""
+    llama = shape("Meta-Llama-3-8B")
+    options = dict(gpu_memory=80 * GiB, gpu_memory_utilization=0.9, block_size=128)
+    r32 = size_model(llama, kv_cache_dtype="kivi_int4", kv_residual_length=32, **options)
+    window = 256 * 32 * 32 * (2 * 8 * 128 * 2)
+    assert r32.window_bytes == window == GiB
+    assert r32.kv_memory == size_model(llama, kv_cache_dtype="fp8", **options).kv_memory - window
+    assert size_model(llama, kv_cache_dtype="kivi_int4", **options).window_bytes == 4 * window  # R = block size
+    assert main(["size", "--model", str(CONFIGS / "Meta-Llama-3-8B"), "--kv-cache-dtype", "kivi_int2",
+                 "--block-size", "64", "--kv-residual-length", "32", "--max-num-seqs", "8"]) == 0
+    out = capsys.readouterr().out
+    assert f"KIVI windows    32.00 MiB  (the newest tokens in full precision beside the pages: 8 sequences x " \
+           f"R 32 tokens x 131,072 B per token in bfloat16 = {32 * 2**20:,} B)" in out
+    for dtype, residual, message in (("kivi_int4", 48, "must be a multiple of the key group 32 that divides"),
+                                     ("fp8", 32, "kv_residual_length is the full-precision window of a KIVI")):
+        with pytest.raises(InvalidArgumentError, match=message):
+            size_model(llama, kv_cache_dtype=dtype, kv_residual_length=residual, **options)
 
 
 @pytest.mark.parametrize("argv, message", [
