@@ -137,15 +137,23 @@ plt.show()
 # %% [markdown]
 # **How many requests fit?** What is left of 90% of the GPU after the weights and a step's activations,
 # divided by what one request of `CONTEXT` tokens holds (vLLM logs this as "Maximum concurrency"). A smaller
-# KV format multiplies it:
+# KV format multiplies it. A KIVI cache needs blocks that hold whole key groups (here 128 tokens, with a
+# full-precision window of R = 128 tokens per running sequence set aside first: `kvlab size` prints it):
 
 # %%
+KIVI_BLOCK_SIZE = 128  # KIVI's blocks hold whole 32-token key groups; R defaults to the block size
+
+
+def concurrency(shape, dtype):
+    block_size = KIVI_BLOCK_SIZE if kivi_settings(dtype) is not None else 16
+    return size_model(shape, kv_cache_dtype=dtype, gpu_memory=int(GPU_MEMORY), gpu_memory_utilization=0.9,
+                      max_model_len=CONTEXT, block_size=block_size).pools[0].max_concurrency
+
+
 fit = {}
 for name in MODELS:
     shape = read_model_shape(CONFIGS / name)
-    fit[name] = {dtype: size_model(shape, kv_cache_dtype=dtype, gpu_memory=int(GPU_MEMORY),
-                                   gpu_memory_utilization=0.9, max_model_len=CONTEXT).pools[0].max_concurrency
-                 for dtype in ("bfloat16", "fp8", "kivi_int4", "kivi_int2")}
+    fit[name] = {dtype: concurrency(shape, dtype) for dtype in ("bfloat16", "fp8", "kivi_int4", "kivi_int2")}
 fit = pd.DataFrame(fit).T.round(1)
 display(fit)  # noqa: F821
 check(fit.loc["DeepSeek-V3", "bfloat16"] == 0, "DeepSeek-V3's 671B parameters do not fit in 80 GB at all",
