@@ -29,10 +29,11 @@ How two values compare (both sides alike, so a truth computed with NumPy or pand
 import ast
 import inspect
 import math
+import os
 from fractions import Fraction
 
 from kvlab.errors import InvalidArgumentError
-from kvlab.puzzles.grading import LearnerCodeFailed, as_python, call_learner, describe, record_grade
+from kvlab.puzzles.grading import GRADES_ENV, LearnerCodeFailed, as_python, call_learner, describe, record_grade
 from kvlab.validation import check_number
 
 ABS_TOL = 1e-12  # with a tolerance, numbers this close to 0 match 0
@@ -89,7 +90,9 @@ def answer(yours, truth, why: str, *, rel_tol: float = 0.0) -> Verdict:
     rel_tol = check_number("rel_tol (the relative tolerance; 0: exact)", rel_tol, 0)
     why = why.strip()
     why = why[0].upper() + why[1:]  # it follows a full stop
-    name = _first_argument(inspect.currentframe().f_back)
+    # The variable's name is read from the caller's source only where a message or a grade needs it.
+    needs_name = yours is None or _student or os.environ.get(GRADES_ENV)
+    name = _first_argument(inspect.currentframe().f_back) if needs_name else None
     if yours is None:
         print(f"Not answered yet: set {name or 'your prediction'} (now None) to what you predict, then run this "
               "cell again.")

@@ -73,7 +73,7 @@ def _case(rng: random.Random) -> Case:
     lens = [rng.randint(1, 3 * bs + 1) for _ in range(rng.randint(1, 3))]
     used = [-(-n // bs) for n in lens]
     num_blocks = sum(used) + 1
-    kv_cache, _ = padded_cache(num_blocks, bs, kv_heads, dim, generator)
+    kv_cache, _ = padded_cache(num_blocks, bs, kv_heads, dim)
     order = torch.randperm(num_blocks, generator=generator).tolist()
     stale = order[sum(used)]  # no sequence's block: table entries past a sequence's end point at it
     tables = torch.full((len(lens), max(used) + 1), stale, dtype=torch.int32, device=kv_cache.device)

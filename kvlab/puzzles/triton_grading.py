@@ -20,7 +20,7 @@ from kvlab.device import DEVICE  # before triton: the interpreter on a CPU
 HEAD_PADDING = 3  # elements between one head's last dim and the next head's first: a cache that is no plain view
 
 
-def padded_cache(num_blocks: int, block_size: int, num_heads: int, head_dim: int, generator) -> tuple:
+def padded_cache(num_blocks: int, block_size: int, num_heads: int, head_dim: int) -> tuple:
     """(``cache [num_blocks, 2, block_size, num_heads, head_dim]`` whose head stride is ``head_dim +
     HEAD_PADDING``, the whole allocation under it), both NaN (poison)."""
     base = torch.full((num_blocks, 2, block_size, num_heads, head_dim + HEAD_PADDING), float("nan"), device=DEVICE)

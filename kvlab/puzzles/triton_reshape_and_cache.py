@@ -73,12 +73,12 @@ def _case(rng: random.Random) -> Case:
     slots = [slot if rng.random() > 0.2 else -1 for slot in slots]  # some padding tokens
     key, value = random_rows((len(slots), heads, dim), generator), random_rows((len(slots), heads, dim), generator)
     slot_mapping = torch.tensor(slots, dtype=torch.int64, device=key.device)
-    expected_cache, expected = padded_cache(num_blocks, bs, heads, dim, generator)
+    expected_cache, expected = padded_cache(num_blocks, bs, heads, dim)
     reshape_and_cache_torch(key, value, expected_cache, slot_mapping)
 
     def run(kernel):
         unchanged_stub(kernel)
-        cache, whole = padded_cache(num_blocks, bs, heads, dim, generator)
+        cache, whole = padded_cache(num_blocks, bs, heads, dim)
         launch(kernel, key.clone(), value.clone(), cache, slot_mapping.clone())
         return whole
 
