@@ -172,9 +172,12 @@ def summary(rep):
 
 
 WORKLOAD = workload(SEED)
-pd.DataFrame({name: {"prompt tokens": len(a.prompt), "arrives before step": a.step,
-                     "blocks at the end": -(-(len(a.prompt) + PARAMS.max_tokens) // BLOCK_SIZE)}
-              for name, a in WORKLOAD.items()}).T
+requests = pd.DataFrame({name: {"prompt tokens": len(a.prompt), "arrives before step": a.step,
+                                "blocks at the end": -(-(len(a.prompt) + PARAMS.max_tokens) // BLOCK_SIZE)}
+                         for name, a in WORKLOAD.items()}).T
+viz.check(requests["blocks at the end"].sum() == 28, "the six requests should need 28 blocks at their longest",
+          defaults=DEFAULTS)
+requests
 
 # %% [markdown]
 # ## 1. Continuous batching, step by step
@@ -264,6 +267,8 @@ at_0_3, at_0 = pd.Series(admission(0.3)), pd.Series(admission(0.0))
 moved = [f"{size.removeprefix('needs ')} {at_0[size]} -> {at_0_3[size]}" for size in at_0.index[at_0_3 != at_0]]
 answer(PREDICTED_CHANGED_AT_0_3, len(moved), "With 6 of the 20 blocks free, a reserve of 0.3 x 20 blocks moves "
        f"these answers: {'; '.join(moved) or 'none'}.")
+viz.check(moved == ["4 blocks OK -> LATER", "5 blocks OK -> LATER", "6 blocks OK -> LATER",
+                    "19 blocks LATER -> NEVER"], f"the answer below names four moves, got {moved}", defaults=True)
 
 # %% [markdown]
 # **Answer.** **4**. A reserve of 6 blocks with 6 free leaves no room at all,
@@ -320,6 +325,11 @@ sketch = pd.DataFrame({w: admit_and_decode(w) for w in sorted({0.0, 0.05, WATERM
 sketch.rename_axis("watermark").round(1)
 
 # %%
+viz.check(sketch["preemptions"].is_monotonic_decreasing
+          and sketch.loc[0.2, "mean batch"] < sketch.loc[0.0, "mean batch"]
+          and sketch.loc[0.2, "steps"] > sketch.loc[0.0, "steps"],
+          "a larger watermark should preempt less, and the largest should shrink the batch and take more steps",
+          defaults=DEFAULTS)
 print(f"Reading: from no watermark to {WATERMARK}, preemptions go from {sketch.loc[0.0, 'preemptions']:.0f} to "
       f"{sketch.loc[WATERMARK, 'preemptions']:.0f} at a mean batch of {sketch.loc[0.0, 'mean batch']:.1f} vs "
       f"{sketch.loc[WATERMARK, 'mean batch']:.1f}; each preemption throws work away. Reserve too much and admission "
@@ -393,9 +403,10 @@ for name in runs:
 price.round(1)
 
 # %%
-viz.check(recompute_tokens > 0 and swapped_blocks > 0 and (costs.loc["steps"] > base["steps"]).all(),
-          f"the {TIGHT_POOL}-block pool should make both modes preempt and take more steps than the roomy pool",
-          defaults=DEFAULTS)
+viz.check(recompute_tokens > 0 and swapped_blocks > 0 and (costs.loc["steps"] > base["steps"]).all() and
+          (costs.loc["generated tokens per step"] <= base["generated tokens per step"]).all(),
+          f"the {TIGHT_POOL}-block pool should make both modes preempt and take more steps than the roomy pool, "
+          "with no more sequences per step", defaults=DEFAULTS)
 print(f"Reading: recompute prefilled {recompute_tokens} tokens again (and found {hits} more in the prefix cache, "
       f"the victim's own blocks, still cached after it was freed) in {recompute_steps} prefill steps, "
       f"{extra_prefills} of them extra: {price.loc['recompute', 'its model ms']:.1f} model ms. Swap computed "
@@ -429,7 +440,8 @@ PREDICTED_PREEMPTIONS_AT_10 = None   # preemptions (recompute): "more", "fewer" 
 PREDICTED_RECOMPUTED_AT_10 = None    # recomputed tokens (recompute): "more", "fewer" or "same"
 PREDICTED_SWAPPED_AT_10 = None       # blocks swapped out + in (swap): "more", "fewer" or "same"
 
-tighter = {mode_name: summary(run(10, mode_name)) for mode_name in ("recompute", "swap")}
+tighter_runs = {mode_name: run(10, mode_name) for mode_name in ("recompute", "swap")}
+tighter = {mode_name: summary(r) for mode_name, r in tighter_runs.items()}
 now = {"preemptions (recompute)": (tighter["recompute"]["preemptions"], costs.loc["preemptions", "recompute"]),
        "recomputed tokens": (tighter["recompute"]["recomputed tokens"], recompute_tokens),
        "blocks swapped (swap)": (tighter["swap"]["blocks swapped out + in"], swapped_blocks)}
@@ -446,6 +458,20 @@ for (name, (at_10, at_tight)), yours in zip(now.items(), (PREDICTED_PREEMPTIONS_
 # recomputed tokens are **more** and swapped blocks **fewer**. The numbers:
 
 # %%
+def victims(rep):
+    """The requests preempted in a run, and the step each was first prefilled."""
+    frame = rep.schedule_frame()
+    first_prefill = frame[frame["state"] == "prefill"].groupby("request")["step"].min()
+    return sorted(set(frame.loc[frame["preempted"], "request"])), first_prefill
+
+
+(victims_tight, _), (victims_10, prefilled_10) = victims(runs["recompute"]), victims(tighter_runs["recompute"])
+viz.check([now[name] for name in now] == [(1, 1), (17, 6), (6, 10)] and victims_tight == ["C"] and
+          victims_10 == ["E"] and prefilled_10["C"] == 10 and hits == 32 and
+          tighter["recompute"]["recompute tokens found in the prefix cache"] == 8,
+          "the answer and the paragraph below describe one preemption in each pool (C in 14 blocks, E in 10), "
+          "C first prefilled at step 10 in 10 blocks, 6 and 17 tokens recomputed after 32 and 8 hits, 10 and 6 "
+          "blocks swapped", defaults=DEFAULTS)
 pd.DataFrame({name: {f"{TIGHT_POOL} blocks": at_tight, "10 blocks": at_10}
               for name, (at_10, at_tight) in now.items()}).T
 
@@ -521,6 +547,15 @@ print(f"Reading: averaged over {NUM_WORKLOADS} workloads, throughput at {min(POO
       f"{small['mean latency (model ms)']:.0f} model ms against {large['mean latency (model ms)']:.0f}; preemptions "
       f"per workload fall from {small['preemptions']:.1f} to {large['preemptions']:.1f}.")
 steps_by_pool = sweep[sweep["mode"] == "recompute"].groupby("pool (blocks)")[["steps", "prefill steps"]].mean()
+interior = POOL_SWEEP[1:-1]
+viz.check({14, 20} <= set(POOL_SWEEP)
+          and recompute.loc[20, "generated tokens per model s"]
+          <= 1.02 * recompute.loc[14, "generated tokens per model s"]
+          and steps_by_pool.loc[14, "prefill steps"] < steps_by_pool.loc[20, "prefill steps"]
+          and mean.loc["recompute", "recomputed tokens"].idxmax() in interior
+          and mean.loc["swap", "blocks swapped out + in"].idxmax() in interior,
+          "the paragraph below says: throughput flat or dipping from 14 to 20 blocks, fewer prefill steps at 14 "
+          "than at 20, and both prices peaking in the middle of the sweep", defaults=DEFAULTS and NUM_WORKLOADS == 20)
 steps_by_pool.T.round(2)
 
 # %% [markdown]

@@ -151,11 +151,16 @@ for ax, (budget, r) in zip(axes, budgets.items()):
     viz.draw_schedule(r.schedule_frame(), ax=ax, title=f"V0, budget {budget} tokens per step")
     ax.tick_params(labelbottom=True)
 plt.show()
-pd.DataFrame({f"budget {budget}": {
+by_budget = pd.DataFrame({f"budget {budget}": {
     "prefill steps": int((r.llm.step_dataframe()["kind"] == "prefill").sum()),
     "largest prefill step (tokens)": int(r.llm.step_dataframe()["num_tokens"].max()),
     **{f"{n}: time to first token (steps)": steps for n, steps in r.time_to_first_token().items()}}
     for budget, r in budgets.items()})
+first_tokens = by_budget[f"budget {SMALL_BUDGET}"].filter(like="time to first token").to_dict()
+viz.check(by_budget.loc["largest prefill step (tokens)", f"budget {SMALL_BUDGET}"] <= SMALL_BUDGET and
+          [first_tokens[f"{n}: time to first token (steps)"] for n in "ABCEF"] == [1, 2, 3, 1, 2],
+          "the small budget should admit each burst one prompt per step (A, B, C; then E, F)", defaults=DEFAULTS)
+by_budget
 
 # %% [markdown]
 # The small budget caps the largest step, but the same prefill work now takes more steps: queued prompts get
@@ -188,8 +193,10 @@ budget_sweep.round(1)
 # %%
 tight, wide = (budget_sweep.set_index("budget").loc[b] for b in (SMALL_BUDGET, TOKEN_BUDGET))
 viz.check(tight["prefill steps"] > wide["prefill steps"] and
-          tight["mean time to first token (model ms)"] > wide["mean time to first token (model ms)"],
-          "the small budget should need more prefill steps and give later first tokens", defaults=DEFAULTS)
+          tight["mean time to first token (model ms)"] > wide["mean time to first token (model ms)"] and
+          budget_sweep["longest decode gap (model ms)"].is_monotonic_decreasing,
+          "the small budget should need more prefill steps and give later first tokens, and no smaller budget "
+          "should shorten the longest decode stall", defaults=DEFAULTS)
 print(f"Reading: from budget {TOKEN_BUDGET} to {SMALL_BUDGET}, prefill steps go from {wide['prefill steps']:.0f} to "
       f"{tight['prefill steps']:.0f}, the mean time to first token from "
       f"{wide['mean time to first token (model ms)']:.1f} to {tight['mean time to first token (model ms)']:.1f} "
@@ -306,9 +313,16 @@ stalls.round(1)
 # %%
 v0, v1 = (stalls[(stalls["scheduling"] == s) & (stalls["budget"] == MIX_BUDGET)].iloc[0] for s in ("v0", "v1"))
 small = stalls[(stalls["scheduling"] == "v1")].iloc[0]
+v1_rows = stalls[stalls["scheduling"] == "v1"]
 viz.check(v0["longest decode gap (steps)"] >= 2 and v1["longest decode gap (steps)"] == 1 and
           v1["longest decode gap (tokens)"] < v0["longest decode gap (tokens)"],
           "V1 should never skip a decode step here, and V0 should", defaults=DEFAULTS)
+viz.check((v1_rows["longest decode gap (steps)"] == 1).all() and
+          (v1_rows["longest decode gap (tokens)"] <= v1_rows["budget"]).all() and
+          v1_rows["longest decode gap (tokens)"].is_monotonic_increasing and
+          v1_rows["long prompt TTFT (model ms)"].is_monotonic_decreasing,
+          "in V1 the longest decode gap should be one step of at most the budget, and a smaller budget should give "
+          "a shorter gap and a later first token", defaults=DEFAULTS)
 print(f"Reading: at budget {MIX_BUDGET}, V0 makes A or B wait {v0['longest decode gap (steps)']:.0f} steps "
       f"({v0['longest decode gap (tokens)']:.0f} tokens computed between two of its tokens, "
       f"{v0['longest decode gap (model ms)']:.1f} model ms); V1 gives them a token every step, the longest gap "
@@ -352,7 +366,12 @@ answer(PREDICTED_V0_STALL_AT_120, stall_120, f"At budget {max(fits_120)} A and B
 # of the sweep still gives A and B a token every step.
 
 # %%
-print(f"V0 budgets for 120-token prompts: {fits_120}; longest decode gap at {max(fits_120)}: {stall_120} tokens")
+v1_gaps_at_120 = [stall_summary("v1", b, long_prompt=120)["longest decode gap (steps)"] for b in BUDGET_SWEEP]
+viz.check(fits_120 == [128] and 120 < stall_120 <= 130 and set(v1_gaps_at_120) == {1},
+          "the answer says: only budget 128, a gap of about 120 + 4 tokens, and V1 a token every step",
+          defaults=DEFAULTS)
+print(f"V0 budgets for 120-token prompts: {fits_120}; longest decode gap at {max(fits_120)}: {stall_120} tokens; "
+      f"V1's longest gap at every budget of the sweep: {max(v1_gaps_at_120)} step")
 
 # %% [markdown]
 # ## Takeaways

@@ -56,6 +56,7 @@ if kvlab.device.mode() != "gpu":
 # %%
 import matplotlib.pyplot as plt
 import numpy as np
+import pandas as pd
 
 from kvlab import Sequence, viz
 from kvlab.course import answer
@@ -161,6 +162,8 @@ answer(PREDICTED_NULL_W4, null_pages(4), f"The last query is at position {last_q
        f"{last_query - 3} on, so the pages wholly before that go: ({last_query} - 4 + 1) // {BS}.")
 answer(PREDICTED_NULL_W64, null_pages(64), f"The window is longer than the whole sequence ({last_query + 1} "
        "tokens): every key stays visible, and the two tables look alike.")
+viz.check((last_query, null_pages(4), null_pages(64)) == (19, 4, 0), "the answer below says: the last query at 19, "
+          "4 null pages for W = 4 and none for W = 64", defaults=DEFAULTS)
 
 # %% [markdown]
 # **Answer.** With the defaults (`BS = 4`, `PROMPT = 10`), 4 and 0. The window group releases the pages wholly
@@ -250,6 +253,8 @@ viz.check(cached_after[0] == [True] * len(cached_after[0]) and cached_after[1][0
 viz.check(kvlab_before == vllm_before > kvlab_after and vllm_after == vllm_before,
           "evicting window page 0 should cut kvlab's hit to nothing and leave vLLM's rule's hit whole",
           defaults=DEFAULTS)
+viz.check((kvlab_before, kvlab_after, -(-(WINDOW - 1) // BS)) == (20, 0, 2), "the text below says: 20 tokens hit "
+          "before the burst, 0 after, and vLLM's window rule looks for 2 contiguous pages", defaults=DEFAULTS)
 
 # %% [markdown]
 # Before the burst both rules hit the whole conversation (5 pages, 20 tokens; the last prompt token is always
@@ -294,6 +299,7 @@ gpt_oss = summary.loc[hybrid_memory.GPT_OSS_LIKE.name, "mean_mean_vs_full"]
 viz.check(gemma < gpt_oss < 0.6, f"on long conversation prompts, 5:1 keeps least ({gemma:.2f} of all-full) and "
           f"1:1 about half ({gpt_oss:.2f})", defaults=DEFAULTS)
 full_pages = summary.loc[hybrid_memory.ALL_FULL.name, "mean_mean"]
+window_share = {}  # a window layer's mean pages over a full layer's, per mix
 for mix in [hybrid_memory.GEMMA3_LIKE, hybrid_memory.GPT_OSS_LIKE]:
     layers = mix.sliding + mix.full
     # mean_mean = (full * full_pages + sliding * window_pages) / layers: solve for a window layer's pages
@@ -304,6 +310,12 @@ for mix in [hybrid_memory.GEMMA3_LIKE, hybrid_memory.GPT_OSS_LIKE]:
           f"{mix.sliding / layers * window_pages / full_pages:.3f} = {share:.3f} of all-full")
     viz.check(abs(share - summary.loc[mix.name, "mean_mean_vs_full"]) < 1e-9, "the sum should give the table's "
               "ratio", defaults=True)
+    window_share[mix.name] = window_pages / full_pages
+viz.check(800 < full_pages < 850 and 64 < window_share[hybrid_memory.GEMMA3_LIKE.name] * full_pages < 75
+          and window_share[hybrid_memory.GEMMA3_LIKE.name] < 0.1 and round(gemma, 3) == 0.239
+          and 1 / 60 < window_share[hybrid_memory.GPT_OSS_LIKE.name] < 1 / 40 and round(gpt_oss, 2) == 0.51,
+          "the paragraph below says: about 820 pages per full layer, about 71 per Gemma-like window layer (under a "
+          "tenth), 0.239 of all-full for 5:1, and about 1/50 per window layer and 0.51 for 1:1", defaults=DEFAULTS)
 
 # %% [markdown]
 # The full layers dominate. A mean request here holds about 820 pages per full layer; a window layer holds its
@@ -335,6 +347,8 @@ answer(PREDICTED_PEAK_CHUNKED, window_peak(10_000, 2048), "A chunk's queries see
        "before it: about (2,048 + 1,024) / 16 pages, whatever the prompt's length.")
 answer(PREDICTED_PEAK_ONE_STEP, window_peak(10_000, None), "In one step the first query still needs page 0 "
        "while the last one writes the last page: every page of the prompt, 10,000 / 16 rounded up.")
+viz.check((window_peak(10_000, 2048), window_peak(10_000, None)) == (192, 625), "the answer below says 192 and 625 "
+          "pages", defaults=True)
 
 # %% [markdown]
 # **Answer.** 192 and 625 pages. In chunks of 2,048 the step that computes tokens 2,048-4,095 holds pages
@@ -342,3 +356,29 @@ answer(PREDICTED_PEAK_ONE_STEP, window_peak(10_000, None), "In one step the firs
 # holds all 625 pages of the prompt, as a full layer does. That is why `mean_peak_vs_full` with `CHUNK = None`
 # is much closer to 1 than with chunking (run the notebook with `CHUNK = None` to see the table move), while
 # the mean barely changes: the decode steps, which are most of a request's steps, hold the window either way.
+
+# %%
+_, one_step = hybrid_memory.run(limit=LIMIT, block_size=16, chunk=None)
+chunking = pd.DataFrame({f"chunks of {CHUNK}": summary["mean_peak_vs_full"],
+                         "one step": one_step["mean_peak_vs_full"],
+                         f"mean, chunks of {CHUNK}": summary["mean_mean_vs_full"],
+                         "mean, one step": one_step["mean_mean_vs_full"]}).drop(hybrid_memory.ALL_FULL.name)
+mean_moved = (chunking["mean, one step"] - chunking[f"mean, chunks of {CHUNK}"]).abs()
+viz.check(CHUNK is None or ((chunking["one step"] > 0.9).all() and (chunking[f"chunks of {CHUNK}"] < 0.6).all()
+                            and (mean_moved < 0.02).all()),
+          "prefilling in one step should bring the peak close to all-full and move the mean by under 0.02",
+          defaults=DEFAULTS)
+print("mean_peak_vs_full and mean_mean_vs_full, chunked against one step:")
+chunking.round(3)
+
+# %% [markdown]
+# ## Takeaways
+#
+# * A hybrid model gives each kind of layer a KV cache group with its own block table; a window group releases
+#   the pages no query can see any more (to the null block), and the full group keeps every page.
+# * A prefix hit must be served by every group, so it is the shortest of the groups' hits. kvlab verifies every
+#   hit from page 0, so evicting one early window page can cost the whole hit; vLLM's window rule needs only
+#   the pages under the window.
+# * On the Mooncake conversation trace, a 5:1 window mix keeps about a quarter of the all-full memory on average,
+#   and a 1:1 mix with a short window about half: the full layers dominate. The peak falls only with chunked
+#   prefill; a prompt prefilled in one step holds every page in every layer for that step.
