@@ -149,6 +149,8 @@ ax.grid(alpha=0.3)
 ax.legend()
 plt.show()
 by_capacity = (100 * gap).round(1).assign(best=gap.idxmax(axis=1))
+viz.check(profile["never_reused"] > 0.5, "most distinct blocks should be used by one request only",
+          defaults=(LIMIT, TRACE_BS) == (3000, 512))
 by_capacity.index = [f"{int(c):,} ({100 * c / working_set:.1f}%)" for c in by_capacity.index]
 by_capacity.rename_axis("capacity in blocks (share of working set)")
 
@@ -157,10 +159,16 @@ viz.check((gap["lru"] >= 0.5).any(), "LRU never reaches half the ceiling in this
           "(LIMIT) or another block size the working set and its reuse change",
           defaults=(LIMIT, TRACE_BS) == (3000, 512))
 half = int(gap.index[np.argmax(gap["lru"].to_numpy() >= 0.5)]) if (gap["lru"] >= 0.5).any() else int(gap.index[-1])
+lru_lead = 100 * (gap["lru"] - gap["lfu"])  # points of the ceiling
+viz.check(by_capacity["best"].iloc[0] == "lfu" and by_capacity["best"].iloc[-1] != "fifo"
+          and lru_lead.loc[half] > 0 and lru_lead.iloc[-1] > -1,
+          "the reading below says: frequency wins the smallest cache, recency wins once conversations fit, and the "
+          "policies converge near the working set", defaults=(LIMIT, TRACE_BS) == (3000, 512))
 print(f"Reading: LRU reaches half the ceiling at {half:,} blocks, {100 * half / working_set:.0f}% of what an infinite "
       f"cache keeps. The best policy changes with capacity ({', '.join(by_capacity['best'])}, smallest first): in a "
       f"cache too small to hold conversations between turns the shared openings are what is worth keeping "
-      f"(frequency), and once it can hold them, recency keeps the conversations that come back.")
+      f"(frequency), and once it can hold them, recency keeps the conversations that come back; near the working "
+      f"set the policies converge (LRU and LFU within {abs(lru_lead.iloc[-1]):.1f} points of the ceiling).")
 
 # %% [markdown]
 # ### Why the rest misses: every miss has a cause
@@ -252,8 +260,13 @@ for ax in axes:
 plt.show()
 at_middle = synthetic.loc[synthetic.groupby(["trace", "policy"])["capacity_blocks"].transform(
     lambda c: c == sorted(c.unique())[len(c.unique()) // 2])]
-(100 * at_middle.pivot(index="trace", columns="policy", values="hit_rate_tokens")[POLICIES]).round(1).assign(
-    capacity_blocks=at_middle.groupby("trace")["capacity_blocks"].first()).rename_axis("hit rate (%) at a mid capacity")
+mid = 100 * at_middle.pivot(index="trace", columns="policy", values="hit_rate_tokens")[POLICIES]
+viz.check(all(mid.loc[name].round(6).nunique() == 1 for name in ("synthetic_system_prompt", "synthetic_parallel"))
+          and mid.loc["synthetic_few_shot"].idxmax() == "lfu" and mid.loc["synthetic_chat"].idxmax() == "lru",
+          "the reading below says: the system prompt and parallel sampling hit the same whatever the policy, LFU "
+          "wins few-shot and LRU wins chat", defaults=SYNTHETIC_BS == 16)
+mid.round(1).assign(capacity_blocks=at_middle.groupby("trace")["capacity_blocks"].first()).rename_axis(
+    "hit rate (%) at a mid capacity")
 
 # %% [markdown]
 # Reading: a shared system prompt or a prompt sampled several times at once reaches its ceiling as soon as
@@ -280,6 +293,8 @@ answer(PREDICTED_LFU_VS_LRU, "more" if by_policy["lfu"] > by_policy["lru"] else 
        f"at {eighth:,} blocks LFU hits {100 * by_policy['lfu']:.1f}% of prompt tokens, LRU "
        f"{100 * by_policy['lru']:.1f}%: a conversation's next turn comes back after a think time, so recency "
        "predicts reuse better than a count that never decays.")
+viz.check([round(100 * by_policy[p], 1) for p in ("lfu", "lru")] == [14.6, 15.6],
+          "the answer below quotes LFU 14.6% against LRU 15.6%", defaults=(LIMIT, TRACE_BS) == (3000, 512))
 
 # %% [markdown]
 # **Answer.** Fewer: about 14.6% against LRU's 15.6% at an eighth of the working set. On this chat trace
@@ -372,7 +387,16 @@ plt.show()
 fixed.pivot(index="block size", columns="trace", values="hit rate (%)").round(1)
 
 # %%
-cost = fixed.pivot(index="block size", columns="trace", values="replay s per M prompt tokens")["mooncake_conversation"]
+costs = fixed.pivot(index="block size", columns="trace", values="replay s per M prompt tokens")
+cost = costs["mooncake_conversation"]
+hit_by_size = fixed.pivot(index="block size", columns="trace", values="hit rate (%)")
+viz.check(all(hit_by_size[name].iloc[0] > hit_by_size[name].iloc[-1]
+              for name in ("synthetic_few_shot", "synthetic_chat"))
+          and hit_by_size["mooncake_conversation"].iloc[0] <= hit_by_size["mooncake_conversation"].iloc[-1] + 0.1
+          and all(costs[name].iloc[0] / costs[name].iloc[-1] < cost.iloc[0] / cost.iloc[-1]
+                  for name in ("synthetic_few_shot", "synthetic_chat")),
+          "small blocks should hit more on few-shot and chat, nothing more on Mooncake, and cost Mooncake's long "
+          "prompts the most", defaults=(LIMIT, TRACE_BS) == (3000, 512))
 print(f"Reading: where sharing ends anywhere (few-shot, chat), small blocks keep more of it in the same memory; on "
       f"the 512-aligned trace they buy nothing. The price is bookkeeping: from blocks of 512 to blocks of 16 the "
       f"replay time per prompt token grows {cost.iloc[0] / cost.iloc[-1]:.0f}x "
@@ -447,6 +471,11 @@ plt.show()
 overlap = both[both["mode"] == "overlap"].set_index("capacity_blocks")
 sequential = both[both["mode"] == "sequential"].set_index("capacity_blocks")
 uncached = overlap["prompt_tokens"] * (1 - overlap["hit_rate_tokens"]) + overlap["recomputed_tokens"]
+viz.check(((overlap["hit_rate_tokens"] - sequential["hit_rate_tokens"]).abs() < 0.01).all()
+          and overlap["mean_batch"].iloc[1:].is_monotonic_decreasing
+          and overlap["mean_queue_s"].idxmax() == overlap.index[0] and overlap["preemptions"].iloc[0] > 0,
+          "the reading below says: the two modes hit within a point, the mean batch falls past the smallest pool, "
+          "and the smallest pool queues and preempts most", defaults=(LIMIT, TRACE_BS) == (3000, 512))
 pd.DataFrame({"hit rate, sequential (%)": 100 * sequential["hit_rate_tokens"],
               "hit rate, overlap (%)": 100 * overlap["hit_rate_tokens"],
               "prefill in the model (s)": uncached * model.prefill_ms_per_token / 1000,
@@ -514,6 +543,10 @@ plot_hit_rates(with_random)
 plt.show()
 rates = with_random[with_random["capacity_blocks"] != math.inf].pivot(index="capacity_blocks", columns="policy",
                                                                      values="hit_rate_tokens")
+random_gap = rates["lru"] - rates["RandomPolicy"]
+viz.check((random_gap > 0).all() and random_gap.idxmax() in rates.index[-2:],
+          "random eviction should trail LRU at every capacity, most at the largest pools",
+          defaults=(LIMIT, TRACE_BS) == (3000, 512))
 (100 * rates[["RandomPolicy", *POLICIES]]).round(1).rename_axis("capacity (blocks)")
 
 # %% [markdown]
@@ -527,7 +560,7 @@ rates = with_random[with_random["capacity_blocks"] != math.inf].pivot(index="cap
 # > waiting queue* to raise hits (longest prefix match first, the `--schedule-policy lpm` option), a lever this
 # > notebook's FIFO replays do not pull. Both offload evicted blocks to CPU memory or storage in recent
 # > versions (vLLM's KV connectors, SGLang's hierarchical cache), turning a miss into a copy instead of a
-# > recomputation: Mooncake's own design, which section 2's "beyond one GPU" numbers argue for.
+# > recomputation: Mooncake's own design, and the subject of notebook 14a.
 
 # %% [markdown]
 # ## 7. Coding agents: each request re-sends the last

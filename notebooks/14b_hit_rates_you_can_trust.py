@@ -306,6 +306,15 @@ answer(PREDICTED_LOAD_ALL_AT_10_GBPS, "lower" if largest_ms < none_ms else "high
        f"{none_ms:.1f} ms with no tier, {largest_ms:.1f} ms with {TIER_BLOCKS[-1]:,} blocks: 10 GB/s is above "
        f"{MODEL}'s break-even of {llama.break_even_GB_per_s:.1f} GB/s, so each loaded hit replaces a recompute "
        "with a cheaper copy, and more hits can only help.")
+smol_break_even_at = {mfu: smol_bytes / TRACE_BS * prefill_tokens_per_s(smol_shape) * mfu / MFU / 1e9
+                      for mfu in (0.5, 0.1)}
+llama_copy_ms_at_10, llama_recompute_ms = 1e3 * transfer_s(block_bytes, 10e9), 1e3 * recompute_s(TRACE_BS, shape)
+viz.check(smol_copy < smol_recompute and largest_ms < none_ms and 53 < smol_break_even_at[0.5] < 55
+          and 10 < smol_break_even_at[0.1] < 12 and 6.5 < llama_copy_ms_at_10 < 6.9 and 14.3 < llama_recompute_ms < 14.7
+          and 4.5 < llama.break_even_GB_per_s < 4.7,
+          "the answer below says: copy and lower; SmolLM2's break-even about 54 GB/s at MFU 0.5 and 11 at 0.1; a "
+          "Llama-3-8B block copies at 10 GB/s in about 6.7 ms and recomputes in about 14.5; its break-even about "
+          "4.6 GB/s", defaults=DEFAULTS)
 
 # %% [markdown]
 # **Answer.** With the defaults, **copy** and **lower**. The break-even bandwidth is bytes per token x prefill
@@ -536,6 +545,11 @@ viz.check(lpm.hit_rate_blocks > 1.1 * fcfs.hit_rate_blocks,
 viz.check(lpm.ttft_p50_s < fcfs.ttft_p50_s and lpm.ttft_p99_s < fcfs.ttft_p99_s,
           "LPM lowers both the median and the p99 TTFT: the hits shorten the prefills everyone queues behind",
           defaults=DEFAULTS)
+viz.check([round(100 * fcfs.hit_rate_blocks, 1), round(100 * lpm.hit_rate_blocks, 1)] == [3.7, 5.4]
+          and [round(v) for v in (fcfs.ttft_p50_s, lpm.ttft_p50_s, fcfs.ttft_p99_s, lpm.ttft_p99_s)]
+          == [54, 49, 132, 128],
+          "the text below quotes this slice's hit rates (3.7% -> 5.4%) and TTFTs (p50 54 -> 49 s, p99 132 -> 128 s)",
+          defaults=DEFAULTS)
 
 # %% [markdown]
 # On this CPU-sized slice LPM hits about 1.5x as many blocks (3.7% -> 5.4%) and trims the TTFT a little (p50
@@ -576,6 +590,8 @@ print((fleet_rates * 100).round(2).rename(columns=lambda c: c.replace("_rate_blo
 total = fleet_rates.hit_rate_blocks
 gain = {r: total[r, "shared"] / total[r, "local"] for r in ("round_robin", "kv_cost")}
 print("shared / local:", {r: round(float(g), 2) for r, g in gain.items()})
+viz.check({r: round(float(g), 2) for r, g in gain.items()} == {"round_robin": 1.27, "kv_cost": 1.17},
+          "the text below quotes shared / local as 1.27x (round robin) and 1.17x (kv_cost)", defaults=DEFAULTS)
 viz.check(all(total[r, "shared"] > total[r, "local"] > total[r, "none"] for r in gain),
           "for both routers: a shared tier beats local tiers of the same total size, and any tier beats none",
           defaults=DEFAULTS)
