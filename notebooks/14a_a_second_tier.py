@@ -316,6 +316,14 @@ viz.check(at["LRU", large] > 1.5 * filtered_cap,
 viz.check(abs(at["LRU", large] - ceiling) < 1e-3 and abs(at["ARC", large] - ceiling) < 1e-3,
           "a tier that holds every distinct block loses nothing: it reaches the infinite-cache ceiling",
           defaults=DEFAULTS)
+blocks_per_request = trace["input_length"].sum() / TRACE_BS / len(prompts)
+tens_of_times = min(b for b in TIER_BLOCKS if b >= 20 * GPU_BLOCKS)
+viz.check(runs.total_hit[0] < 0.1 and 20 < blocks_per_request < 30 and 25 < GPU_BLOCKS / blocks_per_request < 35
+          and at["LRU", tens_of_times] > 0.8 * ceiling and profile["never_reused"] > 0.5
+          and all(at["ARC", b] > at["LRU", b] - 1e-3 for b in TIER_BLOCKS),
+          "the reading below says: the pool alone hits a few percent, holds about 30 requests of some 26 blocks, a "
+          "tier 20 times its size recovers most of the ceiling, most distinct blocks are used once, and ARC never "
+          "trails LRU", defaults=DEFAULTS)
 
 # %% [markdown]
 # Reading the curves:
@@ -370,6 +378,10 @@ answer(PREDICTED_BETTER_SPEND, "pool" if spent_hit["pool"] > spent_hit["tier"] e
        f"A doubled pool serves {spent_hit['pool']:.2%}, the pool plus an LRU tier of {GPU_BLOCKS} blocks "
        f"{spent_hit['tier']:.2%} (an ARC tier of that size: {spent_hit['ARC tier']:.2%}). An LRU tier behind an "
        "LRU pool is roughly one longer LRU list, less the blocks it holds twice (it is inclusive).")
+viz.check(lru_gpu.nunique() == 1 and spent_hit["tier"] < spent_hit["pool"] < 1.1 * spent_hit["tier"]
+          and spent_hit["ARC tier"] > spent_hit["pool"],
+          "the answer below says: the GPU's hits stay the same, the doubled pool beats an LRU tier narrowly, and "
+          "an ARC tier of the same size beats the doubled pool", defaults=DEFAULTS)
 
 # %% [markdown]
 # **Answer.** With the defaults, **same** and **pool**, narrowly. The GPU's hits do not move at all: a tier
