@@ -40,7 +40,8 @@ def run_forward(runner: ModelRunner, step: ScheduledStep, block_size: int) -> Fo
         pass
     result, rows, unwritten = ForwardResult([], None), [], set()
     for entry in step.entries:
-        if step.kind != "decode" and unwritten.intersection(block for t in entry.tables for block in t):
+        if step.kind != "decode" and unwritten.intersection(
+                block for table in runner.block_tables(entry.seq.seq_id) for block in table):
             result.blocked.append(entry.seq)
             unwritten |= entry.written_blocks(block_size)  # what hit its new blocks cannot run either
             continue

@@ -1,8 +1,9 @@
 """Turn a step's entries into tensors, move blocks, run the model, return logits.
 
 Everything comes from the frozen step (``kvlab.engine.step``): for each sequence the positions it computes
-(after the cached prefix, one chunk of a prompt, or a decode's one token without K/V), their slots, and its
-block tables, as the scheduler read them from the block manager. A model with several kinds of layer
+(after the cached prefix, one chunk of a prompt, or a decode's one token without K/V), their slots, and what
+changed in its block tables, as the scheduler read them from the block manager; the runner keeps each
+sequence's tables from those edits (``begin_step``). A model with several kinds of layer
 (``kvlab.engine.hybrid``) gets one attention batch per KV cache group, from that group's tables and slots,
 with its window; each layer runs with its group's batch on its cache tensor (the cache's ``KVCacheConfig``).
 """
@@ -14,7 +15,7 @@ import torch
 from kvlab.engine.attention import AttentionBatch
 from kvlab.engine.kv_cache import PagedKVCache
 from kvlab.engine.model import CausalLM
-from kvlab.engine.step import BlockMoves, ScheduledStep, SeqStep
+from kvlab.engine.step import ScheduledStep, SeqStep
 
 
 class ModelRunner:
@@ -29,15 +30,27 @@ class ModelRunner:
         self.windows = [group.sliding_window for group in kv_cache.config.groups]  # None: full attention
         # MLA: the groups' pages are latent rows (an MLA model has one group, of full-attention layers)
         self.latent_pages = kv_cache.config.groups[0].mla_latent_dim is not None
+        self._tables: dict[int, list[list[int]]] = {}  # seq_id -> [groups][blocks], from the steps' edits
 
-    def apply_moves(self, moves: BlockMoves) -> None:
-        """The step's swaps and copy-on-write copies, once, before any forward pass of the step."""
-        self.kv_cache.apply(moves)
+    def begin_step(self, step: ScheduledStep) -> None:
+        """Once per step, before any forward pass of it: drop the tables of the sequences the step forgot, apply
+        its table edits, then its block moves (swaps, copy-on-write copies, the offload tier's copies)."""
+        for seq_id in step.forgotten:
+            self._tables.pop(seq_id, None)
+        for entry in step.entries:
+            tables = self._tables.setdefault(entry.seq.seq_id, [[] for _ in entry.table_edits])
+            for table, (start, blocks) in zip(tables, entry.table_edits):
+                table[start:] = blocks
+        self.kv_cache.apply(step.moves)
+
+    def block_tables(self, seq_id: int) -> list[list[int]]:
+        """``[groups][blocks]``: the runner's tables of a sequence its steps have scheduled."""
+        return self._tables[seq_id]
 
     def forward(self, step: ScheduledStep, entries: Sequence[SeqStep]) -> torch.Tensor:
         """fp32 logits ``[sum(1 + entry.num_draft_tokens), vocab]``, entry by entry: each sequence's
         distribution after the last token this step computes for it, and with d drafts, d + 1 rows: after its
-        last token and after each draft (``entries``: some or all of ``step.entries``, after ``apply_moves``).
+        last token and after each draft (``entries``: some or all of ``step.entries``, after ``begin_step``).
         Prompt chunks, decode tokens and drafts go through one forward pass: a decode row is query length 1
         over its cached context, a decode with d drafts query length d + 1 (as a prompt chunk is). Running
         some of them again is harmless: each new token's K/V is written again, the same, into the same slot.
@@ -51,14 +64,14 @@ class ModelRunner:
                 group += group_slots
             query_lens.append(entry.num_tokens)
             context_lens.append(entry.end)  # a chunk sees its prompt up to its own last token, no further
-        tables = list(zip(*(entry.tables for entry in entries)))  # [groups][S]
+        tables = list(zip(*(self._tables[entry.seq.seq_id] for entry in entries)))  # [groups][S]
 
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype, device=self.device)
 
         def padded(group_tables):  # padding is never read
             width = max(len(t) for t in group_tables)
-            return tensor([t + (0,) * (width - len(t)) for t in group_tables], torch.int32)
+            return tensor([t + [0] * (width - len(t)) for t in group_tables], torch.int32)
 
         cu_query_lens = tensor([0] + query_lens, torch.int32).cumsum(0, dtype=torch.int32)
         seq_lens = tensor(context_lens, torch.int32)

@@ -34,7 +34,7 @@ from kvlab.blocks.manager import AllocStatus, BlockManager
 from kvlab.blocks.sequence import Sequence, SequenceStatus
 from kvlab.engine.queue_order import WaitingOrder
 from kvlab.engine.request import Request
-from kvlab.engine.step import ScheduledStep, StepBuilder
+from kvlab.engine.step import ScheduledStep, SentTables, StepBuilder
 from kvlab.errors import InvalidArgumentError
 from kvlab.validation import is_int
 
@@ -88,6 +88,7 @@ class Scheduler:
         self.prefix_reset_pending = False        # admissions wait for the prefix cache reset (see above)
         self.waiting_order = WaitingOrder()      # FCFS; LLM(scheduling_policy="lpm") sets longest prefix first
         self._steady = False                     # the last step was plain decode, nothing changed since
+        self.sent_tables = SentTables()          # the block tables the runner holds: steps send what changed
 
     def add(self, request: Request) -> None:
         self.owner[request.seqs[0].seq_id] = request
@@ -124,6 +125,7 @@ class Scheduler:
     def _free(self, seq: Sequence, *, preempted: bool = False) -> None:
         """``manager.free``, then ``on_blocks_freed`` with the sequence's blocks nobody references any more (a
         block it shares with a fork, or a cached prefix another sequence holds, stays)."""
+        self.sent_tables.forget(seq.seq_id)
         if self.on_blocks_freed is None:
             return self.manager.free(seq, preempted=preempted)
         on_cpu = self.manager.is_swapped(seq)
@@ -227,7 +229,7 @@ class Scheduler:
                 f"({pool_text(self.manager)})")
 
     def _schedule_prefill(self) -> StepBuilder:
-        step = StepBuilder("prefill")
+        step = StepBuilder("prefill", self.sent_tables)
         with self.waiting_order.admission_pass(self):
             self._admit_waiting(step)
         self.running.extend(step.seqs)
@@ -257,7 +259,7 @@ class Scheduler:
             tokens += seq.num_tokens
 
     def _schedule_decode(self) -> StepBuilder:
-        step = StepBuilder("decode")
+        step = StepBuilder("decode", self.sent_tables)
         self._swap_in(step)
         queue = deque(self.running)
         while queue:

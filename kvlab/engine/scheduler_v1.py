@@ -40,7 +40,7 @@ class V1Scheduler(Scheduler):
     def schedule(self) -> ScheduledStep:
         if self.prefix_reset_pending and not self.running and not self.swapped:
             self.prefix_reset_pending = not self.manager.reset_prefix_cache()
-        step = StepBuilder("mixed")
+        step = StepBuilder("mixed", self.sent_tables)
         self._swap_in(step)
         budget = self._schedule_running(step, self.max_num_batched_tokens)
         if not step.num_preempted and not self.swapped and not self.prefix_reset_pending:

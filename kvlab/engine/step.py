@@ -1,10 +1,19 @@
 """The step contract: what the scheduler decided, frozen, and the only thing the runner and the step loop read.
 
 vLLM V1's ``SchedulerOutput``: once ``schedule()`` returns, the step says for every sequence which positions
-its forward pass computes, whether it samples, and (per KV cache group) its block table and the slots of
-those positions, read from the block manager once, when the sequence was scheduled. The runner builds its
-tensors from that, the step loop samples from it, and failure isolation re-runs from it, so a call into the
-manager after scheduling can no longer change what runs (they used to ask the manager again mid-step).
+its forward pass computes, whether it samples, and (per KV cache group) what changed in its block table and
+the slots of those positions, read from the block manager once, when the sequence was scheduled. The runner
+keeps every running sequence's tables and brings them up to date from the step (as vLLM's worker keeps its
+``InputBatch.block_table`` from ``new_block_ids``), builds its tensors from that, the step loop samples from
+it, and failure isolation re-runs from it, so a call into the manager after scheduling can no longer change
+what runs.
+
+Table edits: ``SentTables`` remembers, per sequence, the tables the scheduler last sent; a step carries for
+each group only ``TableEdit(start, blocks)``, "table[start:] = blocks" (a decode that stays in its last block
+sends nothing; a new block, a copy-on-write, a sliding window's release or a swap-in send the tail from the
+first block that changed), and ``forgotten``: the sequences freed since the last step with entries, whose
+tables the runner drops before applying the edits (a sequence freed and scheduled again starts from a whole
+table).
 
 Invariant: entries are in scheduling order, one per sequence; ``start < end``; ``end`` is the sequence's
 ``num_computed_tokens`` once scheduled (the progress counter lives on the sequence: kvlab.blocks.sequence);
@@ -20,6 +29,39 @@ from dataclasses import dataclass, field
 from kvlab.blocks.sequence import Sequence
 
 Round = namedtuple("Round", "kind pairs srcs dsts")
+TableEdit = namedtuple("TableEdit", "start blocks")  # one group's table: table[start:] = blocks
+
+
+class SentTables:
+    """The block tables the runner holds, as the scheduler last sent them: what lets a step carry only what
+    changed. Owned by the scheduler; ``forget`` when it frees a sequence."""
+
+    def __init__(self):
+        self._tables: dict[int, tuple[tuple[int, ...], ...]] = {}  # seq_id -> [groups][blocks]
+        self._forgotten: list[int] = []
+
+    def edits(self, seq_id: int, tables: tuple[tuple[int, ...], ...]) -> tuple[TableEdit, ...]:
+        """One edit per group turning what the runner holds for ``seq_id`` into ``tables``, now recorded as
+        sent."""
+        old = self._tables.get(seq_id) or ((),) * len(tables)
+        self._tables[seq_id] = tables
+        starts = map(_first_change, old, tables)
+        return tuple(TableEdit(start, table[start:]) for start, table in zip(starts, tables))
+
+    def forget(self, seq_id: int) -> None:
+        if self._tables.pop(seq_id, None) is not None:
+            self._forgotten.append(seq_id)
+
+    def take_forgotten(self) -> tuple[int, ...]:
+        forgotten, self._forgotten = tuple(self._forgotten), []
+        return forgotten
+
+
+def _first_change(old: tuple, new: tuple) -> int:
+    """The first index where ``new`` differs from ``old`` (``len(old)`` when it only grew)."""
+    if new[:len(old)] == old:  # the usual case, compared in C
+        return len(old)
+    return next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), len(new))
 
 
 class BlockMoves:
@@ -55,7 +97,7 @@ class SeqStep:
                                      # last token (the one with no K/V yet)
     end: int                         # one past the last position with a slot
     prefill: bool                    # prompt (or recomputed) tokens; else one decode token
-    tables: tuple[tuple[int, ...], ...]  # [groups][blocks]: each KV cache group's block table
+    table_edits: tuple[TableEdit, ...]   # [groups]: what changed in each KV cache group's block table
     slots: tuple[tuple[int, ...], ...]   # [groups][end - start]: where each new token's K/V goes
     num_draft_tokens: int = 0        # of those positions, the last ones hold proposed tokens to verify
     draft_token_ids: tuple[int, ...] = ()  # those tokens (num_draft_tokens of them when the scheduler drafts)
@@ -99,6 +141,7 @@ class ScheduledStep(_EntriesView):
     num_cached_tokens: int = 0         # prompt tokens found in the prefix cache (not computed)
     preempted: tuple[Sequence, ...] = ()  # preempted (recompute or swap) to make room, in that order
     aborted: tuple = ()                # (sequence, why): can never run in this pool
+    forgotten: tuple[int, ...] = ()    # seq_ids freed since the last step with entries: the runner drops them
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -117,8 +160,10 @@ class ScheduledStep(_EntriesView):
 
 @dataclass
 class StepBuilder(_EntriesView):
-    """The scheduler's draft of a step; ``freeze`` makes the ``ScheduledStep`` everyone else reads."""
+    """The scheduler's draft of a step; ``freeze`` makes the ``ScheduledStep`` everyone else reads. ``sent``:
+    the scheduler's record of the runner's tables (None: every entry sends its whole tables)."""
     kind: str
+    sent: SentTables | None = None
     moves: BlockMoves = field(default_factory=BlockMoves)
     entries: list[SeqStep] = field(default_factory=list)
     num_cached_tokens: int = 0
@@ -141,17 +186,16 @@ class StepBuilder(_EntriesView):
         the manager, whose records are read here, once; ``drafts``: the tokens of its last positions, proposed
         (``append_slots(seq, num_draft_tokens=len(drafts))`` gave them slots)."""
         end = seq.num_computed_tokens
-        entry = SeqStep(seq, start, end, prefill, *_tables_and_slots(manager, seq, start, end), len(drafts),
-                        tuple(drafts))
+        tables = tuple(map(tuple, manager.block_tables(seq)))
+        edits = (tuple(TableEdit(0, table) for table in tables) if self.sent is None
+                 else self.sent.edits(seq.seq_id, tables))
+        entry = SeqStep(seq, start, end, prefill, edits, tuple(map(tuple, manager.slot_mappings(seq, start, end))),
+                        len(drafts), tuple(drafts))
         self.entries.append(entry)
         return entry
 
     def freeze(self, kind: str | None = None) -> ScheduledStep:
+        # A step without entries never reaches the runner: its forgotten ids wait for the next one.
+        forgotten = self.sent.take_forgotten() if self.sent is not None and self.entries else ()
         return ScheduledStep(kind or self.kind, tuple(self.entries), self.moves, self.num_cached_tokens,
-                             tuple(self.preempted), tuple(self.aborted))
-
-
-def _tables_and_slots(manager, seq: Sequence, start: int, end: int) -> tuple[tuple, tuple]:
-    """Each KV cache group's block table and slots for positions start..end-1."""
-    return (tuple(map(tuple, manager.block_tables(seq))),
-            tuple(map(tuple, manager.slot_mappings(seq, start, end))))
+                             tuple(self.preempted), tuple(self.aborted), forgotten)

@@ -66,7 +66,7 @@ class StepLoop:
             pool = self._pool_state()
             touched = [self._finish(seq, Finish("abort", abort_reason=why)) for seq, why in step.aborted]
             if step.entries:
-                self.runner.apply_moves(step.moves)
+                self.runner.begin_step(step)
                 touched += self._run(step)
         except BaseException as error:
             self.finished_between = earlier  # still to be returned, before the requests aborted now

@@ -155,7 +155,7 @@ def test_only_v0_scheduling_refuses_a_prompt_longer_than_the_token_budget(llama)
     assert out.outputs[0].finish_reason == "length" and list(v1.step_dataframe()["prefill_tokens"]) == [30, 1]
 
 
-@pytest.mark.parametrize("where, error", [("apply_moves", RuntimeError("device lost")),
+@pytest.mark.parametrize("where, error", [("begin_step", RuntimeError("device lost")),
                                           ("forward", KeyboardInterrupt("device lost"))])
 def test_a_step_that_fails_aborts_everything_and_forgets_unwritten_blocks(llama, monkeypatch, where, error):
     """A failure no request can be blamed for: in the step's block moves, or an interrupt."""

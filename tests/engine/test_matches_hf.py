@@ -37,7 +37,7 @@ def test_prefill_logits_match_hf(tiny_model, backend):
         ids = [llm.add_request(p, SamplingParams(max_tokens=1)) for p in batch]
         step = llm.scheduler.schedule()
         assert step.kind == "prefill" and len(step.seqs) == len(batch)
-        llm.runner.apply_moves(step.moves)
+        llm.runner.begin_step(step)
         logits = llm.runner.forward(step, step.entries)
         for i in ids:  # the step ran, so its sequences may be freed now
             llm.abort_request(i)

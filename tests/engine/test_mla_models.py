@@ -93,7 +93,7 @@ def test_prefill_logits_match_hf(deepseek):
         llm.add_request(prompt, SamplingParams(max_tokens=1))
     step = llm.scheduler.schedule()
     assert step.kind == "prefill" and step.entries[0].start == 8  # two cached blocks of the first prompt
-    llm.runner.apply_moves(step.moves)
+    llm.runner.begin_step(step)
     logits = llm.runner.forward(step, step.entries)
     with torch.no_grad():
         expected = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in batch])

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from engine_helpers import hf_greedy, make_llm
+from engine_helpers import BLOCK_SIZE, hf_greedy, make_llm, save_tiny_model
 from kvlab.blocks.sequence import Sequence
 from kvlab.engine import SamplingParams
 from kvlab.engine.step import SeqStep
@@ -53,7 +53,8 @@ def test_a_scheduled_step_is_frozen_and_says_what_each_sequence_computes(llama):
     step = llm.scheduler.schedule()
     [entry] = step.entries
     assert (entry.start, entry.end, entry.prefill, entry.samples) == (0, 6, True, False)  # a first chunk of 6
-    assert len(entry.slots[0]) == 6 and entry.tables[0] == tuple(llm.block_manager.get_block_table(entry.seq))
+    assert len(entry.slots[0]) == 6  # and the whole table, sent for the first time:
+    assert entry.table_edits[0] == (0, tuple(llm.block_manager.get_block_table(entry.seq)))
     with pytest.raises(dataclasses.FrozenInstanceError):
         step.kind = "decode"
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -83,3 +84,77 @@ def test_a_step_entry_has_room_for_draft_tokens():
     assert (plain.num_draft_tokens, plain.samples) == (0, True)
     assert (drafted.num_tokens, drafted.samples) == (4, True)
     assert not dataclasses.replace(drafted, num_draft_tokens=2).samples
+
+
+def _recording_steps(llm) -> list:
+    steps, schedule = [], llm.scheduler.schedule
+
+    def recorded():
+        steps.append(schedule())
+        return steps[-1]
+
+    llm.scheduler.schedule = recorded
+    return steps
+
+
+def test_a_step_sends_each_block_of_a_table_once(llama):
+    """A decode step that stays in its sequence's last block sends no table change; a new block is sent alone."""
+    path, _ = llama
+    llm = make_llm(path)
+    steps = _recording_steps(llm)
+    prompt = list(range(1, 2 * BLOCK_SIZE + 2))
+    llm.generate([prompt], SamplingParams(max_tokens=2 * BLOCK_SIZE, ignore_eos=True), use_tqdm=False)
+    sent = [len(entry.table_edits[0].blocks) for step in steps for entry in step.entries]
+    final_blocks = -(-(len(prompt) + 2 * BLOCK_SIZE - 1) // BLOCK_SIZE)  # the last sampled token gets no slot
+    assert sent[0] == 3 and sum(sent) == final_blocks and set(sent[1:]) == {0, 1}, sent
+
+
+def _runner_checked_against_the_manager(llm) -> list:
+    """Wrap the runner's forward: before each pass, every sequence's tables as the runner holds them (from the
+    steps' edits) must be the manager's. Returns the list of passes checked."""
+    checked, forward = [], llm.runner.forward
+
+    def checking(step, entries):
+        for entry in entries:
+            assert llm.runner.block_tables(entry.seq.seq_id) == llm.block_manager.block_tables(entry.seq)
+        checked.append(len(entries))
+        return forward(step, entries)
+
+    llm.runner.forward = checking
+    return checked
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_the_runner_tables_follow_the_manager_through_forks_preemption_and_swaps(llama, preemption_mode):
+    """Parallel samples (forks sharing blocks, copy-on-write), a pool small enough to preempt, in both modes."""
+    path, _ = llama
+    llm = make_llm(path, num_blocks=10, max_num_seqs=6, preemption_mode=preemption_mode, num_cpu_blocks=16)
+    checked = _runner_checked_against_the_manager(llm)
+    steps = _recording_steps(llm)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 100) for _ in range(rng.randrange(5, 20))] for _ in range(3)]
+    llm.generate(prompts, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True),
+                 use_tqdm=False)
+    assert sum(checked) > 20 and any(step.preempted for step in steps)
+    assert any(step.moves.counts["copy"] for step in steps)  # copy-on-write changed a table entry
+    if preemption_mode == "swap":
+        assert any(step.moves.counts["swap_in"] for step in steps)
+    first_run = {seq.seq_id for step in steps for seq in step.seqs}
+    llm.generate([prompts[0]], SamplingParams(max_tokens=2), use_tqdm=False)  # its steps forget the first run
+    for seq_id in first_run:
+        with pytest.raises(KeyError):
+            llm.runner.block_tables(seq_id)
+
+
+def test_the_runner_tables_follow_a_sliding_window(tmp_path):
+    """Released window blocks turn into the null block in the runner's tables as in the manager's."""
+    save_tiny_model("qwen3", tmp_path, use_sliding_window=True, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"], num_hidden_layers=2)
+    llm = make_llm(tmp_path, block_size=4, max_num_seqs=2, scheduling="v1", max_num_batched_tokens=7)
+    checked = _runner_checked_against_the_manager(llm)
+    steps = _recording_steps(llm)
+    llm.generate([list(range(1, 20)), list(range(3, 30))], SamplingParams(max_tokens=10, ignore_eos=True),
+                 use_tqdm=False)
+    window = [spec.sliding_window for spec in llm.block_manager.groups].index(8)
+    window_edits = [entry.table_edits[window] for step in steps for entry in step.entries]
+    assert sum(checked) > 10 and any(edit.blocks[:1] == (0,) and edit.start > 0 for edit in window_edits)
