@@ -46,8 +46,6 @@ def check(fn, *, strict: bool = False, seed: int = 0, num_cases: int = 150) -> R
 def _case(rng: random.Random) -> Case:
     while True:  # a pool and a prompt that fits in it
         bs, num_blocks, hash_fn = rng.choice((1, 2, 4)), rng.randint(6, 16), numbering_hash_fn(rng)
-
-
         manager = BlockManager(num_blocks, bs, hash_fn=hash_fn)
         shared = [rng.randrange(3) for _ in range(6 * bs)]  # prompts share prefixes of this
         held = []

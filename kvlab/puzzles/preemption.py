@@ -3,7 +3,7 @@
 **Spec.** Every running request decodes one token this step, in order (the token budget is large here). A
 request whose new token starts a new block (``needs_block[i]``) must get one free block; the others write
 into their last block. ``blocks_held[i]`` is how many blocks request i holds, ``num_free_blocks`` how many
-are free. When a request needs a block and none is free, the scheduler preempts by recompute:
+are free. When a request needs a block and none is free, the scheduler preempts by recompute::
 
     the victim is the LAST running request not yet scheduled this step (the newest: the lowest priority),
         possibly the request that needs the block itself;

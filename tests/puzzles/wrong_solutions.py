@@ -14,7 +14,6 @@ import triton.language as tl
 from kvlab.blocks import AllocStatus, EvictionPolicy
 from kvlab.errors import OutOfBlocksError
 from kvlab.puzzles.solutions.kv_cost_router import MyRouter
-from kvlab.puzzles.solutions.allocate_with_hits import allocate_with_hits
 from kvlab.puzzles.solutions.lru_policy import MyLRU
 from kvlab.puzzles.solutions.tier_promotion import tier_promotion
 from kvlab.studies.routers import Router
