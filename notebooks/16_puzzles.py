@@ -8,25 +8,28 @@
 # %% [markdown]
 # # 16 · Puzzles: write a piece of kvlab yourself
 #
-# Fifteen small pieces of a paged KV cache, each 5 to 30 lines to write: where a token's K/V lives, what a
-# block's hash covers, who may be admitted, which free block goes first, what a fork must copy, attention
-# through a block table (decode, prefill over a cached prefix, split-K), what a sliding window frees, where a
-# router sends a request, what prompt lookup guesses, how drafts are verified, and three Triton kernels
-# (writing K/V into the cache, copying blocks, paged decode attention). Each puzzle gives a spec and a stub;
+# Twenty small pieces of a paged KV cache and its scheduler, each 5 to 30 lines to write: where a token's K/V
+# lives, what a block's hash covers, how a prompt reuses cached blocks, who may be admitted, which free block
+# goes first, what a fork must copy, attention through a block table (decode, prefill over a cached prefix,
+# split-K), what a sliding window frees, one V1 scheduling step and its preemptions, where a router sends a
+# request, what prompt lookup guesses, how drafts are verified, what an offload tier promotes and drops, and
+# four Triton kernels (writing K/V into the cache, copying blocks, paged decode attention, and its split-K). Each puzzle gives a spec and a stub;
 # you replace the stub's body, run its check cell, and kvlab grades your code on random cases against its own
 # behaviour (or, where kvlab has no such function, the rule the spec states). A check that fails names the
 # first case your code gets wrong, its inputs, and what was expected against what came back. Solve them in
 # any order; each says which notebook to read first.
 #
 # **Objectives.** After this notebook you can:
-# 1. write the block manager's core rules yourself: the slot mapping, chained block hashes, admission with a
-#    watermark, LRU eviction, copy-on-write on append and sliding-window release;
-# 2. write paged attention in torch (decode, prefill over a cached prefix, the split-K merge), then decode as a
-#    Triton kernel with the online softmax, never reading a slot no token was written to, and the cache's write
-#    and copy kernels with strides and masks;
-# 3. plug your own code into kvlab's seams: an `EvictionPolicy` into `BlockManager(eviction=...)`, a `Router`
+# 1. write the block manager's core rules yourself: the slot mapping, chained block hashes, admission with
+#    prefix hits and with a watermark, LRU eviction, copy-on-write on append, sliding-window release, and an
+#    offload tier's promotions and evictions;
+# 2. write a V1 scheduling step (one token budget, prompts in chunks) and its preemption by recompute;
+# 3. write paged attention in torch (decode, prefill over a cached prefix, the split-K merge), then decode as a
+#    Triton kernel with the online softmax, never reading a slot no token was written to, its split-K
+#    partitions, and the cache's write and copy kernels with strides and masks;
+# 4. plug your own code into kvlab's seams: an `EvictionPolicy` into `BlockManager(eviction=...)`, a `Router`
 #    into a fleet, a proposer's lookup rule;
-# 4. read a failing case and find the bug from it.
+# 5. read a failing case and find the bug from it.
 #
 # **How it works.** Each puzzle's cell holds a stub that raises `NotImplementedError` (a Triton kernel's stub
 # has the body `pass`); its check cell prints
@@ -88,7 +91,7 @@ from kvlab.puzzles import PUZZLES, puzzle
 from kvlab.studies.routers import Router
 from kvlab.viz import check
 
-reports = {}  # puzzle name -> the last Report of your code, for the scoreboard in §16
+reports = {}  # puzzle name -> the last Report of your code, for the scoreboard in §21
 
 
 def grade(name, your_code):
@@ -146,7 +149,30 @@ def block_hashes(tokens, block_size, hash_fn):
 grade("block_hashes", block_hashes)
 
 # %% [markdown]
-# ## 3. Admission with a watermark
+# ## 3. Admission with prefix hits
+#
+# Puzzle 2's hashes find a prompt's cached blocks; admitting it reuses them (a block in use gains a reference,
+# a free but warm one leaves the free queue too) and takes new blocks for the rest, from the free queue's front.
+# Notebook 02 §3 shows hits on blocks in use and warm hits, §4 the order the free queue hands blocks out.
+#
+# > **In vLLM.** V1's `KVCacheManager.get_computed_blocks` stops the hit one token short of the prompt
+# > (`max_cache_hit_length = request.num_tokens - 1`), and `BlockPool.touch` takes a hit block with no
+# > reference out of the free queue (`vllm/v1/core/block_pool.py`).
+
+# %%
+spec("allocate_with_hits")
+
+
+# %%
+def allocate_with_hits(num_tokens, block_size, prompt_hashes, cached, ref_counts, free_queue):
+    raise NotImplementedError  # your code here: return (block_table, ref_counts, free_queue)
+
+
+# %%
+grade("allocate_with_hits", allocate_with_hits)
+
+# %% [markdown]
+# ## 4. Admission with a watermark
 #
 # `can_allocate` answers OK, LATER or NEVER before the scheduler admits a prompt; the watermark keeps a few
 # blocks free so that running sequences can grow without an immediate preemption. Notebook 01 §4 introduces
@@ -165,7 +191,7 @@ def can_allocate(num_tokens, block_size, num_free_blocks, num_blocks, watermark)
 grade("can_allocate", can_allocate)
 
 # %% [markdown]
-# ## 4. An eviction policy
+# ## 5. An eviction policy
 #
 # The pool hands the eviction policy every block that becomes free, and asks it which one to reuse next.
 # kvlab's LRU reuses blocks that hold no cached prefix first, then cached ones, least recently freed first
@@ -205,7 +231,7 @@ class MyLRU(EvictionPolicy):
 grade("lru_policy", MyLRU)
 
 # %% [markdown]
-# ## 5. Copy-on-write on append
+# ## 6. Copy-on-write on append
 #
 # A fork shares its parent's blocks; the first write into a shared block must copy it first. Notebook 03a
 # shows forks, beams and the copy-on-write pairs `append_slots` returns.
@@ -223,7 +249,7 @@ def plan_append(block_table, ref_counts, num_computed_tokens, num_tokens, block_
 grade("copy_on_write", plan_append)
 
 # %% [markdown]
-# ## 6. Decode attention over a block table, in torch
+# ## 7. Decode attention over a block table, in torch
 #
 # One query per sequence attends to its whole context, gathered block by block through its table. Notebook 05
 # §1 writes the gather and §3 grouped-query attention. The check poisons every slot that holds no token with
@@ -242,7 +268,7 @@ def decode_attention(query, kv_cache, block_tables, seq_lens, scale):
 grade("decode_attention", decode_attention)
 
 # %% [markdown]
-# ## 7. Prefill over a cached prefix, in torch
+# ## 8. Prefill over a cached prefix, in torch
 #
 # A prompt admitted with a prefix hit computes only its new tokens, and each of them attends causally to the
 # cached prefix and to the new tokens before it (notebook 06). The check poisons every slot past the sequence.
@@ -260,7 +286,7 @@ def prefill_attention(query, kv_cache, block_table, seq_len, scale):
 grade("prefill_attention", prefill_attention)
 
 # %% [markdown]
-# ## 8. Merging split-K partitions
+# ## 9. Merging split-K partitions
 #
 # A long context's decode runs in partitions, each a softmax over its own keys (notebook 05 §4); merging them
 # must give exactly one softmax over all the keys, and never overflow.
@@ -278,7 +304,7 @@ def split_k_merge(partial_out, partial_max, partial_sum, num_partitions):
 grade("split_k_merge", split_k_merge)
 
 # %% [markdown]
-# ## 9. Sliding-window release
+# ## 10. Sliding-window release
 #
 # A sliding-window layer frees a block once no query of this step or a later one can see it. Notebook 11 §1
 # follows a sequence growing past the window.
@@ -300,7 +326,47 @@ def released_blocks(block_table, num_released, first_query, window, block_size):
 grade("window_release", released_blocks)
 
 # %% [markdown]
-# ## 10. A router
+# ## 11. One V1 scheduling step
+#
+# vLLM V1 spends one token budget per step on whatever requests need: decodes and chunks of prompts in the
+# same forward pass. Notebook 10b §1 shows the budget and §2 chunked prefill, V0 against V1.
+
+# %%
+spec("v1_step")
+
+
+# %%
+def v1_step(running, waiting, token_budget, max_num_seqs):
+    raise NotImplementedError  # your code here: return (running_tokens, admitted_tokens)
+
+
+# %%
+grade("v1_step", v1_step)
+
+# %% [markdown]
+# ## 12. Preemption by recompute
+#
+# When a running request needs a block and the pool has none, V1 frees the newest request's blocks and queues
+# it again at the front, to be prefilled from scratch. Notebook 10a §3 runs recompute and swap on one workload.
+#
+# > **In vLLM.** `Scheduler.schedule` in `vllm/v1/core/sched/scheduler.py`: with the FCFS policy
+# > `preempted_req = self.running.pop()`, then its blocks freed, `num_computed_tokens = 0` and
+# > `self.waiting.prepend_request(preempted_req)`; if the victim was the request itself, the step stops there.
+
+# %%
+spec("preemption")
+
+
+# %%
+def preemption(blocks_held, needs_block, num_free_blocks):
+    raise NotImplementedError  # your code here: return (scheduled, waiting)
+
+
+# %%
+grade("preemption", preemption)
+
+# %% [markdown]
+# ## 13. A router
 #
 # A fleet's router sees each replica only through what it publishes: its cached block hashes (from KV events)
 # and its queue. Notebook 12 §1 shows what a router sees and §3 compares kvlab's routers on a real trace,
@@ -323,7 +389,7 @@ class MyRouter(Router):
 grade("kv_cost_router", MyRouter)
 
 # %% [markdown]
-# ## 11. The n-gram proposer
+# ## 14. The n-gram proposer
 #
 # Prompt lookup drafts the next tokens from the context itself, for free; the model verifies them in one
 # pass. Notebook 13 measures how often its drafts are accepted.
@@ -347,7 +413,7 @@ def propose(tokens, max_tokens, min_n, max_n):
 grade("ngram_proposer", propose)
 
 # %% [markdown]
-# ## 12. Verification by rejection sampling
+# ## 15. Verification by rejection sampling
 #
 # A model-free proposer's drafts are certain guesses; a draft *model* proposes from a distribution, and the
 # target must accept each draft with probability min(1, p / q) and, at the first rejection, draw from what is
@@ -366,9 +432,28 @@ def verify(drafts, draft_probs, target_probs, uniforms, sample):
 grade("rejection_sampling", verify)
 
 # %% [markdown]
-# ## 13. A Triton kernel: reshape_and_cache
+# ## 16. An offload tier: promotion and eviction
 #
-# The last three puzzles are Triton kernels, graded as the ones in `kvlab/kernels/` are tested: on a GPU they
+# A CPU tier behind the GPU pool keeps blocks the GPU evicts; a prompt that misses on the GPU goes on looking
+# there, and each tier hit is promoted (copied back into a new GPU block). Notebook 14a §1 follows five requests
+# through both tiers, block by block.
+
+# %%
+spec("tier_promotion")
+
+
+# %%
+def tier_promotion(tier, num_slots, num_tokens, block_size, prompt_hashes, num_gpu_hits, overwritten):
+    raise NotImplementedError  # your code here: return (promoted, tier)
+
+
+# %%
+grade("tier_promotion", tier_promotion)
+
+# %% [markdown]
+# ## 17. A Triton kernel: reshape_and_cache
+#
+# The last four puzzles are Triton kernels, graded as the ones in `kvlab/kernels/` are tested: on a GPU they
 # compile; on a CPU they run in Triton's interpreter (slowly, so the checks use tiny shapes). Each gives you the
 # kernel's signature and its launcher (`launch` in the puzzle's module: the grid and every argument); you
 # write the body. The checks poison every element a kernel must not touch with NaN and pad the cache between
@@ -391,9 +476,9 @@ def reshape_and_cache_kernel(key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, nu
 grade("triton_reshape_and_cache", reshape_and_cache_kernel)
 
 # %% [markdown]
-# ## 14. A Triton kernel: copy_blocks
+# ## 18. A Triton kernel: copy_blocks
 #
-# Copy-on-write (notebook 03a, puzzle 5) decides which blocks to copy; this kernel copies them, one program per
+# Copy-on-write (notebook 03a, puzzle 6) decides which blocks to copy; this kernel copies them, one program per
 # pair of blocks and per half of the cache (K or V).
 
 # %%
@@ -412,9 +497,9 @@ def copy_blocks_kernel(cache_ptr, block_mapping_ptr, num_heads, head_dim, block_
 grade("triton_copy_blocks", copy_blocks_kernel)
 
 # %% [markdown]
-# ## 15. A Triton kernel: paged decode attention
+# ## 19. A Triton kernel: paged decode attention
 #
-# Puzzle 6's math as a kernel: one program per sequence and query head walks the sequence's blocks through its
+# Puzzle 7's math as a kernel: one program per sequence and query head walks the sequence's blocks through its
 # table, one block at a time, with the online softmax (notebook 05 §2 shows it on a tile), so no program ever
 # holds the whole context. kvlab's own kernel (`kvlab/kernels/paged_attention_decode.py`) adds tiles of several
 # blocks, the grouped heads of one KV head in one program, and split-K.
@@ -436,7 +521,32 @@ def decode_attention_kernel(out_ptr, query_ptr, cache_ptr, block_tables_ptr, seq
 grade("triton_decode_attention", decode_attention_kernel)
 
 # %% [markdown]
-# ## 16. Your scoreboard
+# ## 20. A Triton kernel: split-K decode attention
+#
+# A short batch with long contexts leaves most of a GPU idle when each program walks a whole context: split-K
+# cuts each context into partitions, one program each, and a merge (puzzle 9) combines their partial results.
+# kvlab's own kernel (`kvlab/kernels/paged_attention_decode.py`) picks the number of partitions from the context
+# length and the GPU's size.
+
+# %%
+spec("triton_split_k_decode")
+
+
+# %%
+@triton.jit
+def split_k_decode_kernel(partial_out_ptr, partial_max_ptr, partial_sum_ptr, query_ptr, cache_ptr,
+                          block_tables_ptr, seq_lens_ptr, scale, num_query_heads, num_kv_heads, head_dim,
+                          num_partitions, blocks_per_partition,
+                          stride_table, stride_block, stride_kv, stride_slot, stride_head,
+                          BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
+    pass  # your code here: one program per (sequence, query head, partition)
+
+
+# %%
+grade("triton_split_k_decode", split_k_decode_kernel)
+
+# %% [markdown]
+# ## 21. Your scoreboard
 #
 # Each bar is one puzzle: how many random cases your code passed before its first failure, out of the cases
 # its check runs (a solved puzzle fills its bar). Run this cell again after solving one.
@@ -444,7 +554,7 @@ grade("triton_decode_attention", decode_attention_kernel)
 # %%
 names = [p.name for p in PUZZLES]
 done = [reports[name].num_passed / reports[name].num_cases if name in reports else 0 for name in names]
-fig, ax = plt.subplots(figsize=(8, 3.5))
+fig, ax = plt.subplots(figsize=(8, 5.5))
 ax.barh(names, [1] * len(names), color="0.9")
 ax.barh(names, done, color=["tab:green" if reports.get(n) else "tab:orange" for n in names])
 for i, name in enumerate(names):

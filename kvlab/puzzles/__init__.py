@@ -17,8 +17,8 @@ ship with a kvlab checkout only, not in the installed package (``SolutionsNotShi
     p.module.check(my_slot_mapping)           # the report
     print(p.solution_source())                # when you are done (or stuck)
 
-Modules load on first use: the decode-attention puzzle needs torch, the Triton puzzles torch and Triton (in its
-interpreter on a CPU), the others only the block manager.
+Modules load on first use: the attention puzzles need torch, the Triton puzzles torch and Triton (in its
+interpreter on a CPU), the others only kvlab's block manager (and scheduler).
 """
 
 import importlib
@@ -67,6 +67,8 @@ PUZZLES: tuple[Puzzle, ...] = (
            "01 (§2-3), 04 (§3)"),
     Puzzle("block_hashes", "block_hashes", "prefix caching's chained block hashes: a block's hash covers every "
            "token before it", "02 (§1)"),
+    Puzzle("allocate_with_hits", "allocate_with_hits", "admission with prefix hits: reuse cached blocks (ref counts, "
+           "out of the free queue), new blocks for the rest, never the last prompt token", "02 (§1, §3-§4)"),
     Puzzle("can_allocate", "can_allocate", "admission: OK, LATER or NEVER, and the blocks a watermark keeps free",
            "01 (§4), 10a (§2)"),
     Puzzle("lru_policy", "MyLRU", "an eviction policy behind kvlab's seam: never-cached blocks first, then least "
@@ -81,18 +83,26 @@ PUZZLES: tuple[Puzzle, ...] = (
            "without overflow", "05 (§2, §4)"),
     Puzzle("window_release", "released_blocks", "a sliding window: which blocks no query can see any more",
            "11 (§1)"),
+    Puzzle("v1_step", "v1_step", "one V1 scheduling step: running requests first, then waiting ones, one token "
+           "budget, the last prompt in a chunk", "10b (§1-§2)"),
+    Puzzle("preemption", "preemption", "preemption by recompute: the newest request not yet scheduled gives up "
+           "its blocks and waits at the front", "10a (§3)"),
     Puzzle("kv_cost_router", "MyRouter", "a fleet router behind kvlab's ROUTERS seam: least prefill work, ties "
            "taking turns", "12 (§1, §3)"),
     Puzzle("ngram_proposer", "propose", "speculative decoding's n-gram prompt lookup: the longest, most recent match",
            "13"),
     Puzzle("rejection_sampling", "verify", "speculative verification by rejection sampling: accepted drafts, then "
            "a recovered or bonus token, exact in distribution", "13 (§1)"),
+    Puzzle("tier_promotion", "tier_promotion", "an offload tier behind the GPU pool: tier hits promoted, GPU "
+           "evictions offloaded, LRU order after a prompt's uses", "14a (§1)"),
     Puzzle("triton_reshape_and_cache", "reshape_and_cache_kernel", "a Triton kernel: new tokens' K/V into their "
            "slots, strides and masks", "04"),
     Puzzle("triton_copy_blocks", "copy_blocks_kernel", "a Triton kernel: copy-on-write's block copies, a program "
            "per pair and half", "03a, 04"),
     Puzzle("triton_decode_attention", "decode_attention_kernel", "a Triton kernel: paged decode attention with "
            "the online softmax, a program per sequence and head", "05"),
+    Puzzle("triton_split_k_decode", "split_k_decode_kernel", "a Triton kernel: split-K decode attention, a "
+           "program per partition of the context writing its max, sum and output", "05 (§4)"),
 )
 
 

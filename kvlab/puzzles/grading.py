@@ -118,6 +118,14 @@ def seeded(seed, num_cases) -> random.Random:
     return random.Random(check_int("seed", seed))
 
 
+def numbering_hash_fn(rng: random.Random):
+    """A block ``hash_fn(parent, tokens)`` for a case: a new number for each (parent, tokens) it has not seen,
+    so no two blocks collide (the block manager would verify the bytes and refuse a hit the learner's rule, which
+    sees hashes only, would take) and the numbers read well in a report: five digits, never a block's index."""
+    numbers, start, step = {}, rng.randrange(10_000, 20_000), rng.randrange(7, 100)
+    return lambda parent, tokens: numbers.setdefault((parent, tuple(tokens)), start + step * len(numbers))
+
+
 def grade(puzzle: str, learner, cases: Iterable[Case], *, num_cases: Optional[int] = None,
           strict: bool = False) -> Report:
     """Run ``learner`` on ``cases`` (``num_cases`` of them, None: unsaid) in order until one fails; the Report

@@ -60,13 +60,15 @@ def test_a_plausible_wrong_solution_fails_with_a_report_naming_the_mistake(name,
 
 #: Puzzles whose answer is no list of ints: an AllocStatus, a torch tensor, a Triton kernel's writes.
 TENSOR_ANSWERS = ("can_allocate", "decode_attention", "prefill_attention", "split_k_merge",
-                  "triton_reshape_and_cache", "triton_copy_blocks", "triton_decode_attention")
+                  "triton_reshape_and_cache", "triton_copy_blocks", "triton_decode_attention", "triton_split_k_decode")
+#: Puzzles whose answer is a tuple of lists of ints.
+TUPLE_ANSWERS = ("allocate_with_hits", "copy_on_write", "v1_step", "preemption", "tier_promotion")
 
 
 def as_numpy(p):
     """``p``'s solution answering with NumPy values (arrays, np.int64) where a learner might."""
     solution = p.solution()
-    if p.name == "copy_on_write":
+    if p.name in TUPLE_ANSWERS:
         return lambda *args: tuple(np.array(part, dtype=np.int64) for part in solution(*args))
     if p.name == "kv_cost_router":
         return type("NumpyRouter", (solution,), {"choose": lambda self, *args: np.int64(solution.choose(self, *args))})
@@ -94,6 +96,8 @@ def with_a_bool_for_1(p):
             copies, num_new_blocks = solution(*args)
             return list(map(bool_for_1, copies)), bool_for_1(num_new_blocks)
         return plan_append
+    if p.name in TUPLE_ANSWERS:
+        return lambda *args: tuple(list(map(bool_for_1, part)) for part in solution(*args))
     if p.name == "kv_cost_router":
         return type("BoolRouter", (solution,), {"choose": lambda self, *args: bool_for_1(solution.choose(self, *args))})
     if p.name == "lru_policy":
@@ -101,8 +105,11 @@ def with_a_bool_for_1(p):
     return lambda *args: list(map(bool_for_1, solution(*args)))
 
 
-@pytest.mark.parametrize("p", [p for p in PUZZLES if p.name not in TENSOR_ANSWERS + ("block_hashes",)],
-                         ids=lambda p: p.name)  # block_hashes answers hashes: none of its cases holds a 1
+HASH_ANSWERS = ("block_hashes", "tier_promotion")  # answers that are hashes: none of their cases holds a 1
+
+
+@pytest.mark.parametrize("p", [p for p in PUZZLES if p.name not in TENSOR_ANSWERS + HASH_ANSWERS],
+                         ids=lambda p: p.name)
 def test_a_bool_never_passes_for_a_number(p):
     report = p.module.check(with_a_bool_for_1(p))
     assert not report.passed

@@ -15,6 +15,7 @@ from kvlab.blocks import AllocStatus, EvictionPolicy
 from kvlab.errors import OutOfBlocksError
 from kvlab.puzzles.solutions.kv_cost_router import MyRouter
 from kvlab.puzzles.solutions.lru_policy import MyLRU
+from kvlab.puzzles.solutions.tier_promotion import tier_promotion
 from kvlab.studies.routers import Router
 
 
@@ -59,6 +60,40 @@ def hashes_the_partial_block_too(tokens, bs, hash_fn):
         parent = hash_fn(parent, tuple(tokens[i:i + bs]))
         hashes.append(parent)
     return hashes
+
+
+# ---- allocate_with_hits -------------------------------------------------------------------------------------
+def admit(num_tokens, bs, prompt_hashes, cached, refs, free, *, max_hits, from_back=False, unlink_hits=True):
+    """allocate_with_hits, with one of three learner's slips as an option."""
+    refs, free, hits = list(refs), list(free), []
+    for block_hash in prompt_hashes[:max_hits]:
+        if block_hash not in cached:
+            break
+        hits.append(cached[block_hash])
+    for block in hits:
+        if refs[block] == 0 and unlink_hits:
+            free.remove(block)
+        refs[block] += 1
+    num_new = -(-num_tokens // bs) - len(hits)
+    split = len(free) - num_new if from_back else num_new
+    new, free = (free[split:], free[:split]) if from_back else (free[:split], free[split:])
+    for block in new:
+        refs[block] = 1
+    return hits + new, refs, free
+
+
+def hits_the_last_token(num_tokens, bs, prompt_hashes, cached, refs, free):
+    return admit(num_tokens, bs, prompt_hashes, cached, refs, free, max_hits=len(prompt_hashes))  # no cap
+
+
+def leaves_hits_in_the_free_queue(num_tokens, bs, prompt_hashes, cached, refs, free):
+    return admit(num_tokens, bs, prompt_hashes, cached, refs, free, max_hits=(num_tokens - 1) // bs,
+                 unlink_hits=False)  # a warm hit stays evictable: it may be handed out again as a new block
+
+
+def takes_new_blocks_from_the_back(num_tokens, bs, prompt_hashes, cached, refs, free):
+    return admit(num_tokens, bs, prompt_hashes, cached, refs, free, max_hits=(num_tokens - 1) // bs,
+                 from_back=True)
 
 
 # ---- can_allocate -------------------------------------------------------------------------------------------
@@ -309,6 +344,44 @@ def attends_to_whole_blocks(out_ptr, query_ptr, cache_ptr, block_tables_ptr, seq
     tl.store(out_ptr + row + dims, acc / total, mask=dims < head_dim)
 
 
+@triton.jit
+def every_partition_from_block_zero(partial_out_ptr, partial_max_ptr, partial_sum_ptr, query_ptr, cache_ptr,
+                                    block_tables_ptr, seq_lens_ptr, scale, num_query_heads, num_kv_heads, head_dim,
+                                    num_partitions, blocks_per_partition,
+                                    stride_table, stride_block, stride_kv, stride_slot, stride_head,
+                                    BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
+    s, h, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kv_head = h // (num_query_heads // num_kv_heads)
+    seq_len = tl.load(seq_lens_ptr + s)
+    first = p * blocks_per_partition
+    last = tl.minimum(first + blocks_per_partition, tl.cdiv(seq_len, BLOCK_SIZE))
+    if first < last:
+        dims = tl.arange(0, BLOCK_D)
+        offsets = tl.arange(0, BLOCK_SIZE)
+        q = tl.load(query_ptr + (s * num_query_heads + h) * head_dim + dims, mask=dims < head_dim, other=0.0)
+        best, total = -float("inf"), 0.0
+        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for j in range(0, last - first):  # forgets the partition's first block: every partition reads blocks 0 ..
+            block = tl.load(block_tables_ptr + s * stride_table + j).to(tl.int64)
+            valid = j * BLOCK_SIZE + offsets < seq_len
+            mask = valid[:, None] & (dims[None, :] < head_dim)
+            slots = cache_ptr + block * stride_block + offsets[:, None] * stride_slot + kv_head * stride_head \
+                + dims[None, :]
+            k = tl.load(slots, mask=mask, other=0.0)
+            v = tl.load(slots + stride_kv, mask=mask, other=0.0)
+            scores = tl.where(valid, tl.sum(k * q[None, :], axis=1) * scale, -float("inf"))
+            new_best = tl.maximum(best, tl.max(scores, axis=0))
+            rescale = tl.exp(best - new_best)
+            weights = tl.exp(scores - new_best)
+            total = total * rescale + tl.sum(weights, axis=0)
+            acc = acc * rescale + tl.sum(weights[:, None] * v, axis=0)
+            best = new_best
+        row = (s * num_partitions + p) * num_query_heads + h
+        tl.store(partial_max_ptr + row, best)
+        tl.store(partial_sum_ptr + row, total)
+        tl.store(partial_out_ptr + row * head_dim + dims, acc / total, mask=dims < head_dim)
+
+
 # ---- window_release -----------------------------------------------------------------------------------------
 def releases_one_position_late(table, released, first, window, bs):
     return table[released:max(0, first - window) // bs]  # the first query still sees first - window + 1
@@ -324,6 +397,122 @@ def releases_again(table, released, first, window, bs):
 
 def releases_a_block_still_seen_in_numpy(table, released, first, window, bs):
     return np.array(releases_a_block_still_seen(table, released, first, window, bs), dtype=np.int64)
+
+
+# ---- v1_step ------------------------------------------------------------------------------------------------
+def admits_before_running(running, waiting, budget, max_num_seqs):
+    admitted = []
+    for prompt in waiting:  # waiting first: the running requests get what is left
+        if not budget or len(running) + len(admitted) >= max_num_seqs:
+            break
+        admitted.append(min(prompt, budget))
+        budget -= admitted[-1]
+    running_tokens = []
+    for left in running:
+        running_tokens.append(min(left, budget))
+        budget -= running_tokens[-1]
+    return running_tokens, admitted
+
+
+def step_without_counting_running_seats(running, waiting, budget, max_num_seqs):
+    running_tokens = []
+    for left in running:
+        running_tokens.append(min(left, budget))
+        budget -= running_tokens[-1]
+    admitted = []
+    for prompt in waiting:
+        if not budget or len(admitted) >= max_num_seqs:  # forgets the running requests' seats
+            break
+        admitted.append(min(prompt, budget))
+        budget -= admitted[-1]
+    return running_tokens, admitted
+
+
+def admits_whole_prompts_only(running, waiting, budget, max_num_seqs):
+    running_tokens = []
+    for left in running:
+        running_tokens.append(min(left, budget))
+        budget -= running_tokens[-1]
+    admitted = []
+    for prompt in waiting:
+        if prompt > budget or len(running) + len(admitted) >= max_num_seqs:  # V0's rule: no chunk
+            break
+        admitted.append(prompt)
+        budget -= prompt
+    return running_tokens, admitted
+
+
+# ---- preemption ---------------------------------------------------------------------------------------------
+def preempt(blocks_held, needs_block, num_free_blocks, *, oldest=False, to_back=False):
+    """preemption, with one of two learner's slips as an option."""
+    queue, scheduled, waiting, free = list(range(len(blocks_held))), [], [], num_free_blocks
+    while queue:
+        request = queue.pop(0)
+        while needs_block[request] and free == 0:
+            victim = (queue.pop(0) if oldest else queue.pop()) if queue else request
+            free += blocks_held[victim]
+            waiting.append(victim) if to_back else waiting.insert(0, victim)
+            if victim == request:
+                break
+        else:
+            free -= needs_block[request]
+            scheduled.append(request)
+    return scheduled, waiting
+
+
+def preempts_the_oldest_waiting(blocks_held, needs_block, num_free_blocks):
+    return preempt(blocks_held, needs_block, num_free_blocks, oldest=True)  # the next in line, not the newest
+
+
+def queues_victims_at_the_back(blocks_held, needs_block, num_free_blocks):
+    return preempt(blocks_held, needs_block, num_free_blocks, to_back=True)
+
+
+def preempts_itself_at_once(blocks_held, needs_block, num_free_blocks):
+    scheduled, waiting, free = [], [], num_free_blocks
+    for request in range(len(blocks_held)):
+        if needs_block[request] and free == 0:  # gives up its own place instead of taking a newer one's
+            free += blocks_held[request]
+            waiting.insert(0, request)
+        else:
+            free -= needs_block[request]
+            scheduled.append(request)
+    return scheduled, waiting
+
+
+# ---- tier_promotion -----------------------------------------------------------------------------------------
+def promotes_past_the_last_token(tier, num_slots, num_tokens, bs, prompt_hashes, num_gpu_hits, overwritten):
+    promoted, lru = tier_promotion(tier, num_slots, len(prompt_hashes) * bs + 1, bs, prompt_hashes, num_gpu_hits,
+                                   overwritten)  # as if the last full block were never the last token's
+    return promoted, lru
+
+
+def uses_first_to_last(tier, num_slots, num_tokens, bs, prompt_hashes, num_gpu_hits, overwritten):
+    promoted, lru = tier_promotion(tier, num_slots, num_tokens, bs, prompt_hashes, num_gpu_hits, overwritten)
+    for block_hash in prompt_hashes[num_gpu_hits:]:  # first to last: the prompt's last block ends most recent
+        if block_hash in lru:
+            lru.remove(block_hash)
+            lru.append(block_hash)
+    return promoted, lru
+
+
+def drops_a_block_being_promoted(tier, num_slots, num_tokens, bs, prompt_hashes, num_gpu_hits, overwritten):
+    lru, limit, promoted = list(tier), (num_tokens - 1) // bs, []
+    for block_hash in prompt_hashes[num_gpu_hits:limit]:
+        if block_hash not in lru:
+            break
+        promoted.append(block_hash)
+    for block_hash in overwritten:
+        if block_hash is None or block_hash in lru:
+            continue
+        if len(lru) == num_slots:
+            lru.pop(0)  # the least recently used, even one whose copy to the GPU is not made yet
+        lru.append(block_hash)
+    for block_hash in reversed(prompt_hashes[num_gpu_hits:]):
+        if block_hash in lru:
+            lru.remove(block_hash)
+            lru.append(block_hash)
+    return promoted, lru
 
 
 # ---- kv_cost_router -----------------------------------------------------------------------------------------
@@ -389,6 +578,9 @@ WRONG = [
     ("slot_mapping", slots_interrupting_itself, "your code raised KeyboardInterrupt itself"),
     ("block_hashes", hashes_each_block_alone, "takes its parent's hash"),
     ("block_hashes", hashes_the_partial_block_too, "the last block is partial"),
+    ("allocate_with_hits", hits_the_last_token, "is always computed"),
+    ("allocate_with_hits", leaves_hits_in_the_free_queue, "the hits that were free leave it"),
+    ("allocate_with_hits", takes_new_blocks_from_the_back, "from the front of free_queue"),
     ("can_allocate", admits_without_watermark, "the watermark keeps"),
     ("can_allocate", admits_strictly_above_watermark, "which is >="),
     ("lru_policy", OneQueue, "never-cached first"),
@@ -410,6 +602,12 @@ WRONG = [
     ("window_release", releases_a_block_still_seen, "is still seen"),
     ("window_release", releases_again, "released by an earlier step"),
     ("window_release", releases_a_block_still_seen_in_numpy, "is still seen"),
+    ("v1_step", admits_before_running, "running requests come first"),
+    ("v1_step", step_without_counting_running_seats, "seats"),
+    ("v1_step", admits_whole_prompts_only, "the last one admitted with a chunk"),
+    ("preemption", preempts_the_oldest_waiting, "preempts the last request not yet scheduled"),
+    ("preemption", queues_victims_at_the_back, "the last one preempted is first"),
+    ("preemption", preempts_itself_at_once, "preempts the last request not yet scheduled"),
     ("kv_cost_router", CountsBlocksAsTokens, "has the least (cost, in flight)"),
     ("kv_cost_router", FirstOfEquals, "return self.pick(keys)"),
     ("kv_cost_router", AnswersTrueForReplicaOne, "expected replica 1, got True: return a replica's index, an int"),
@@ -420,7 +618,11 @@ WRONG = [
     ("rejection_sampling", accepts_by_target_alone, "is accepted: uniforms["),
     ("rejection_sampling", recovers_from_the_target, "the recovered token from max(target_probs["),
     ("rejection_sampling", forgets_the_bonus_token, "then one bonus token"),
+    ("tier_promotion", promotes_past_the_last_token, "within (num_tokens - 1) // block_size"),
+    ("tier_promotion", uses_first_to_last, "visited last to first"),
+    ("tier_promotion", drops_a_block_being_promoted, "not being promoted"),
     ("triton_reshape_and_cache", caches_with_contiguous_heads, "step heads by stride_head"),
     ("triton_copy_blocks", copies_keys_only, "every one of its slots, K and V"),
     ("triton_decode_attention", attends_to_whole_blocks, "mask positions >= seq_len"),
+    ("triton_split_k_decode", every_partition_from_block_zero, "from block p * blocks_per_partition on"),
 ]
