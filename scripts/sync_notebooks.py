@@ -154,8 +154,10 @@ def setup_cell_of(text: str) -> str:
 
 
 def runs_kernels(text: str) -> bool:
-    """Whether a notebook's source imports kvlab's Triton kernels (its setup cell says how they run here)."""
-    return any(m == "kvlab.kernels" or m.startswith("kvlab.kernels.") for m in (a or b for a, b in IMPORT.findall(text)))
+    """Whether a notebook's source imports kvlab's Triton kernels or Triton itself (a learner's kernels: its
+    setup cell says how they run here)."""
+    return any(m.split(".")[0] == "triton" or m == "kvlab.kernels" or m.startswith("kvlab.kernels.")
+               for m in (a or b for a, b in IMPORT.findall(text)))
 
 
 def setup_cell_for(text: str) -> str:
