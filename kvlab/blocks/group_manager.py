@@ -491,7 +491,6 @@ class GroupManager:
                       "another prefix than the sequence's own")
             parent = index.content_id(block)
 
-
     def _check_partial(self, alloc) -> None:
         """Every partial entry of a block this sequence holds is a run of the sequence's own tokens in that
         block, after the content of the block before it: else a partial hit would copy someone else's K/V."""

@@ -313,8 +313,9 @@ class BlockManager:
                          for g, parent in enumerate(parents)]
                 least = min(k for k, _ in found)
                 if least == units:
-                    return hit._replace(num_tokens=first + units * unit, partial=tuple(slot for _, slot in found),
-                                        num_partial_tokens=units * unit)
+                    # the same hit, its tokens counting the units, then the partial fields (the last two)
+                    return PrefixHit(hit.seq_id, first + units * unit, *hit[2:-2], tuple(slot for _, slot in found),
+                                     units * unit)
                 units = least
             return hit
 
