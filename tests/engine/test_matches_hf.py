@@ -102,6 +102,7 @@ def test_greedy_matches_hf_with_partial_block_hits(qwen3, scheduling, cached):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, m)
     assert [out.metrics.num_cached_prompt_tokens for out in (outs[ids[0]], outs[ids[1]], again)] == cached
     assert llm.step_dataframe()["cow_copies"].sum() == sum(c % 8 > 0 for c in cached)  # one copy per partial hit
+    assert llm.miss_causes["tokens"]["hit_gpu"] == sum(cached)  # the hit-rate doctor counts the units as hits
     assert_pool_clean(llm)
 
 
