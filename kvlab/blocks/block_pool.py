@@ -45,11 +45,11 @@ class PolicyTransaction:
             self.calling = "remove_many"
             self._policy.remove_many(blocks)
             return
-        registered, remove = self._pool.index.registered, self._policy.remove
+        warm, remove = self._pool.index.warm, self._policy.remove
         self.calling = "remove"
         for block in blocks:
             remove(block)
-            self._undo.append(("add", [block], [registered[block]]))
+            self._undo.append(("add", [block], [warm[block]]))
             self._seen.add(block)
 
     def pop(self, count: int) -> list:
@@ -59,13 +59,13 @@ class PolicyTransaction:
         if self._trusted:  # nothing in a transaction with a trusted policy can fail: no undo to record
             self.calling = "pop_many"
             return self._policy.pop_many(count)
-        registered = self._pool.index.registered
+        warm = self._pool.index.warm
         self.calling = "pop"
         taken = []
         for _ in range(count):
             block = self._policy.pop()
             self._check_popped(block)
-            self._undo.append(("add", [block], [registered[block]]))
+            self._undo.append(("add", [block], [warm[block]]))
             taken.append(block)
         return taken
 
@@ -181,11 +181,11 @@ class BlockPool:
     def freed_by(self, blocks) -> tuple[list[int], list[bool]]:
         """The blocks of ``blocks`` (distinct) that ``drop(blocks)`` would free, in order, and whether each is
         cached (the flags the policy wants). Pure."""
-        ref, registered = self.ref, self.index.registered
+        ref, warm = self.ref, self.index.warm
         freed = [block for block in blocks if ref[block] == 1]
         if len(freed) < 2:
-            return freed, [registered[block] for block in freed]
-        return freed, list(itemgetter(*freed)(registered))
+            return freed, [warm[block] for block in freed]
+        return freed, list(itemgetter(*freed)(warm))
 
     def release(self, blocks) -> list[int]:
         """One reference less to each of ``blocks`` (distinct), when that is the operation's only policy call:
@@ -275,8 +275,7 @@ class BlockPool:
             _fail(f"free set {sorted(set(free) ^ expected_free)[:10]}... disagrees with ref counts "
                   "(a block must be free xor used)")
         self.index.check()
-        registered = self.index.registered
-        misfiled = [b for b in free if self.policy.filed_as_cached(b) not in (None, registered[b])]
+        misfiled = [b for b in free if self.policy.filed_as_cached(b) not in (None, self.index.warm[b])]
         if misfiled:
             _fail(f"free blocks {misfiled[:10]} are filed as cached/uncached against the prefix cache map")
 

@@ -37,7 +37,7 @@ from collections import Counter
 from itertools import groupby
 from typing import NamedTuple
 
-from kvlab.blocks.prefix_cache import ROOT, block_hashes, hashes_to_seal, sealed_through
+from kvlab.blocks.prefix_cache import ROOT, UnitPrefixIndex, block_hashes, hashes_to_seal, sealed_through
 from kvlab.blocks.sequence import Sequence
 from kvlab.errors import InvalidArgumentError, InvariantViolation, SequenceStateError
 from kvlab.validation import check_int
@@ -150,6 +150,8 @@ class GroupManager:
             parts.hash_fn
         self.pool, self.swap, self.tier, self.sink = parts.pool, parts.swap, parts.tier, sink
         self.records: dict[int, Allocation] = {}  # seq_id -> the sequence's record in this group
+        # prefix_match_unit < block_size: seq_id -> the positions below which its prompt's units are findable
+        self.units_indexed: dict[int, int] = {}
 
     # ---- a sequence's record --------------------------------------------------------------------------------
     def record(self, seq) -> Allocation:
@@ -185,11 +187,12 @@ class GroupManager:
         return hits, self.tier.lookup(hashes, contents, limit, hits, self.pool.index)
 
     # ---- allocate ---------------------------------------------------------------------------------------
-    def plan_admission(self, seq, hits, tier_hits, num_hashes: int, lookahead: int, num_new_tokens):
-        """allocate's plan from the group's hits (``find_hits``, cut to the hit every group serves): the first
-        step computes the ``num_new_tokens`` tokens after them (None: the rest of the prompt)."""
-        bs, spec, n = self.block_size, self.spec, seq.num_tokens
-        cached = (len(hits) + len(tier_hits)) * bs
+    def plan_admission(self, seq, hits, hit, lookahead: int, num_new_tokens):
+        """allocate's plan from the group's hits (``find_hits``, cut to the hit every group serves; then
+        ``hit``'s tier hits and partial-block tokens, copied into the first new blocks): the first step computes
+        the ``num_new_tokens`` tokens after them (None: the rest of the prompt)."""
+        bs, spec, n, tier_hits = self.block_size, self.spec, seq.num_tokens, hit.tier_hits
+        cached = (len(hits) + len(tier_hits)) * bs + hit.num_partial_tokens
         scheduled = n if num_new_tokens is None else cached + new_tokens(seq, num_new_tokens, cached)
         first_live = spec.first_live_block(cached, bs)  # the step's first query is the first uncached token
         live_blocks = -(-(scheduled + lookahead) // bs) - first_live
@@ -197,7 +200,7 @@ class GroupManager:
         # A chunk that fits is no use if the rest of the prompt never can: admission looks at the whole prompt.
         peak = live_blocks if scheduled >= n else max(live_blocks, spec.least_peak_blocks(scheduled, n, bs, lookahead))
         return AllocationPlan(hits, tier_hits, first_live, scheduled, live_blocks, live_blocks - hits_in_use, peak,
-                              -(-scheduled // bs) - len(hits), min(num_hashes, scheduled // bs))
+                              -(-scheduled // bs) - len(hits), min(len(hit.hashes), scheduled // bs))
 
     def admit(self, seq, plan, hashes, contents, new_blocks, num_revived: int, cross=None) -> None:
         """allocate's bookkeeping, once the policy handed out ``new_blocks`` and took ``num_revived`` of the
@@ -238,6 +241,25 @@ class GroupManager:
             sink.stored(pool.index, new_blocks[:stop - start], hashes[start:stop], contents[start:stop],
                         hashes[start - 1] if start else None)
         return parent
+
+    def index_units(self, seq, leaving: bool = False) -> None:
+        """``prefix_match_unit`` < block_size: make the whole units of ``seq``'s prompt that its earlier steps
+        wrote findable by their chain (``UnitPrefixIndex.add_partial``), each block's after the content of the
+        block before it. Only verified prompt positions: a later step never writes them again. ``leaving``: the
+        sequence is being freed (the step of its last call ran, by the engine's ordering rule)."""
+        alloc, index, bs = self.records[seq.seq_id], self.pool.index, self.block_size
+        done = self.units_indexed.pop(seq.seq_id, 0) if leaving else self.units_indexed.get(seq.seq_id, 0)
+        upto = min(seq.num_computed_tokens - seq.num_draft_tokens, seq.prefill_end) // index.unit * index.unit
+        if alloc.on_cpu or upto <= done:
+            return
+        if not leaving:
+            self.units_indexed[seq.seq_id] = upto
+        tokens, keys, table, content = memoryview(seq.token_array), seq.key_bytes, alloc.table, index.content
+        for i in range(done // bs, -(-upto // bs)):
+            parent = content[table[i - 1]] if i else ROOT
+            if parent >= ROOT:  # else the block before holds no sealed content (swapped back in): no chain
+                index.add_partial(table[i], self.group, parent, keys.get(i, b"") if keys else b"",
+                                  tokens[i * bs:min(upto, (i + 1) * bs)].tobytes())
 
     # ---- append_slots -----------------------------------------------------------------------------------
     def plan_step(self, seq, lookahead: int, num_new_tokens, num_drafts: int):
@@ -444,6 +466,8 @@ class GroupManager:
             (cpu_refs if alloc.on_cpu else gpu_refs).update(live)
             if not alloc.on_cpu:
                 self._check_sealed(alloc)
+                if isinstance(self.pool.index, UnitPrefixIndex):
+                    self._check_partial(alloc)
             if alloc.cross is not None and alloc not in alloc.cross.members:
                 _fail(f"sequence {seq.seq_id} reads a cross table that does not list it")
         return gpu_refs, cpu_refs
@@ -466,6 +490,22 @@ class GroupManager:
                 _fail(f"sequence {seq.seq_id}: sealed block {i} (GPU block {block}) holds other bytes or "
                       "another prefix than the sequence's own")
             parent = index.content_id(block)
+
+    def _check_partial(self, alloc) -> None:
+        """Every partial entry of a block this sequence holds is a run of the sequence's own tokens in that
+        block, after the content of the block before it: else a partial hit would copy someone else's K/V."""
+        seq, bs, index = alloc.seq, self.block_size, self.pool.index
+        tokens, keys = memoryview(seq.token_array), seq.key_bytes or {}
+        for i in range(alloc.num_released, len(alloc.table)):
+            entry = index.partial_of.get(alloc.table[i])
+            if entry is None:
+                continue
+            group, parent, suffix, held, _ = entry
+            own = tokens[i * bs:i * bs + len(held) // 8].tobytes()
+            before = index.content[alloc.table[i - 1]] if i else ROOT
+            if group != self.group or own != held or suffix != keys.get(i, b"") or parent != before:
+                _fail(f"sequence {seq.seq_id}: block {i} (GPU block {alloc.table[i]}) is findable by units that are "
+                      "not the sequence's own tokens after its own prefix")
 
 
 def check_cross_tables(tables, records, block_size: int) -> tuple[Counter, Counter]:

@@ -44,7 +44,7 @@ from kvlab.blocks.events import EventLog, GroupSink, KVCacheMetricsCollector, KV
 from kvlab.blocks.group_manager import NULL_BLOCK, CrossTable, GroupManager, check_cross_tables, check_sequence, \
     least_peak_blocks
 from kvlab.blocks.kv_cache_groups import check_group_specs, spec_for
-from kvlab.blocks.prefix_cache import PrefixIndex, prompt_blocks
+from kvlab.blocks.prefix_cache import ROOT, PrefixIndex, UnitPrefixIndex, prompt_blocks
 from kvlab.blocks.records import AllocStatus, PrefixCacheStats
 from kvlab.blocks.sequence import Sequence, SequenceStatus, check_block_size, copy_tokens
 from kvlab.blocks.tiers import SwapSpace, check_offload_options, is_shared, make_tier
@@ -72,14 +72,25 @@ class PrefixHit(NamedTuple):
     num_external_tokens: int = 0  # KV a connector would load (disaggregated prefill): the seam, none today
     num_cut_tokens: int = 0    # cached in the first group but cut off by another group's hit (a hybrid model)
     num_eagle_tokens: int = 0  # the hit's last block, given up to be recomputed (``use_eagle``)
+    partial: tuple = ()  # per group: the block whose first units continue the hit (prefix_match_unit), or ()
+    num_partial_tokens: int = 0  # those units' tokens (in num_tokens): copied into a new block by allocate
 
 
 class Admitted(NamedTuple):
-    """What ``allocate`` did: the tokens hit, each group's new blocks, and the offload tier's copies to apply
-    before the step's forward pass (``("promote", cpu_slot, gpu_block)``, ``("offload", gpu_block, cpu_slot)``)."""
+    """What ``allocate`` did: the tokens hit, each group's new blocks, the offload tier's copies to apply
+    before the step's forward pass (``("promote", cpu_slot, gpu_block)``, ``("offload", gpu_block, cpu_slot)``),
+    and a partial-block hit's source blocks (``prefix_match_unit``; ``copies`` to apply before the pass too)."""
     num_cached_tokens: int
     new_blocks: tuple
     tier_moves: list
+    partial: tuple = ()  # per group: the block the partial hit's units are copied from, or ()
+
+    @property
+    def copies(self) -> list:
+        """The partial hit's (src, dst) copies, each group's source block into its first new block (unless the
+        policy handed out that very block: its units are in place). The whole block is copied: the positions
+        after the hit's units are written by the sequence's own steps before anything reads them."""
+        return [(src, blocks[0]) for src, blocks in zip(self.partial, self.new_blocks) if src != blocks[0]]
 
 
 class BlockCopies(list):
@@ -102,12 +113,13 @@ class SharedParts(NamedTuple):
     sink: object           # every change is reported here (kvlab.blocks.events); None when nobody listens
     events: Optional[list]  # the teaching Event log's list (None when off)
     kv_events: Optional[KVEventPublisher]  # vLLM's KV-event stream (None when off)
+    prefix_match_unit: int  # tokens per unit of prefix matching (block_size: whole blocks only)
 
 
 def _shared_parts(num_blocks, block_size, *, num_cpu_blocks, watermark, enable_prefix_caching, sliding_window,
                   hash_fn, eviction, record_events, kv_events, groups=None, num_offload_blocks=0,
                   offload_policy="lru", offload_admission="always", kv_cache_metrics=None,
-                  shared_tier=None) -> SharedParts:
+                  shared_tier=None, prefix_match_unit=None, use_eagle=False) -> SharedParts:
     """Check a manager's settings (InvalidArgumentError says which is wrong) and build its shared parts."""
     block_size = check_block_size(block_size)
     num_blocks = check_int("num_blocks", num_blocks, 2 if sliding_window is not None else 1, MAX_BLOCKS)
@@ -131,13 +143,17 @@ def _shared_parts(num_blocks, block_size, *, num_cpu_blocks, watermark, enable_p
                                    f"or None, got {type(kv_cache_metrics).__name__}")
     if hash_fn is not None and not callable(hash_fn):
         raise InvalidArgumentError("hash_fn must be callable as hash_fn(parent_hash_or_None, token_ids)")
+    unit = _check_prefix_match_unit(prefix_match_unit, block_size, sliding_window, num_offload_blocks or shared_tier,
+                                    use_eagle)
     eviction = make_policy(eviction)
     log = EventLog() if record_events else None
     publisher = KVEventPublisher(block_size, groups) if kv_events else None  # vLLM's KV events, for routers
     sink = make_sink(log, publisher, kv_cache_metrics)
     first_block = NULL_BLOCK + 1 if sliding_window is not None else 0
-    index = PrefixIndex(num_blocks, shared_tier.index.ids if shared_tier is not None else None,
-                        num_groups=len(groups) if groups else 1)  # one namespace per KV cache group
+    ids, num_groups = shared_tier.index.ids if shared_tier is not None else None, len(groups) if groups else 1
+    # one namespace per KV cache group; partial-block entries only with a unit finer than the block
+    index = PrefixIndex(num_blocks, ids, num_groups=num_groups) if unit == block_size else \
+        UnitPrefixIndex(num_blocks, unit, block_size, ids, num_groups)
     pool = BlockPool(num_blocks, eviction, first_block, sink, index)
     tier = shared_tier if shared_tier is not None else make_tier(num_offload_blocks, pool.index, offload_policy,
                                                                  offload_admission)
@@ -147,7 +163,24 @@ def _shared_parts(num_blocks, block_size, *, num_cpu_blocks, watermark, enable_p
             tier.sink = sink
     return SharedParts(block_size, num_blocks, bool(enable_prefix_caching), hash_fn, pool, SwapSpace(num_cpu_blocks),
                        tier, num_blocks - first_block, int(watermark * num_blocks), sink,
-                       log.events if record_events else None, publisher)
+                       log.events if record_events else None, publisher, unit)
+
+
+def _check_prefix_match_unit(unit, block_size: int, sliding_window, offload, use_eagle) -> int:
+    """The unit of prefix matching (None: the block size), or InvalidArgumentError."""
+    if unit is None:
+        return block_size
+    unit = check_int("prefix_match_unit", unit, 1, block_size)
+    if block_size % unit:
+        raise InvalidArgumentError(f"prefix_match_unit must divide block_size {block_size}, got {unit}")
+    if unit < block_size and (sliding_window is not None or offload or use_eagle):
+        # A window's released blocks, the tier's slots and EAGLE's dropped last block would each need their own
+        # rule for a partial block; refused rather than half-supported.
+        raise InvalidArgumentError(f"prefix_match_unit={unit} (finer than the block) does not combine with a sliding "
+                                   "window, an offload tier or use_eagle yet; got "
+                                   f"sliding_window={sliding_window!r}, offload tier={bool(offload)}, "
+                                   f"use_eagle={use_eagle!r}")
+    return unit
 
 
 def serialized(cls):
@@ -188,13 +221,13 @@ class BlockManager:
                  eviction="lru", record_events: bool = False, kv_events: bool = False, num_offload_blocks: int = 0,
                  offload_policy: str = "lru", offload_admission: str = "always",
                  kv_cache_metrics: Optional[KVCacheMetricsCollector] = None, shared_tier=None,
-                 use_eagle: bool = False):
+                 use_eagle: bool = False, prefix_match_unit: Optional[int] = None):
         parts = _shared_parts(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, watermark=watermark,
                               enable_prefix_caching=enable_prefix_caching, sliding_window=sliding_window,
                               hash_fn=hash_fn, eviction=eviction, record_events=record_events, kv_events=kv_events,
                               num_offload_blocks=num_offload_blocks, offload_policy=offload_policy,
                               offload_admission=offload_admission, kv_cache_metrics=kv_cache_metrics,
-                              shared_tier=shared_tier)
+                              shared_tier=shared_tier, prefix_match_unit=prefix_match_unit, use_eagle=use_eagle)
         self._setup(parts, [spec_for(sliding_window)], use_eagle)
         self.kv_cache_metrics = kv_cache_metrics  # residency metrics (kvlab.blocks.events), or None
 
@@ -218,6 +251,12 @@ class BlockManager:
         self._cross: dict = {}  # root Sequence -> its request group's CrossTable (encoder-decoder, one group only)
         self._lock, self._depth = threading.RLock(), 0
         self._kv_queue = parts.kv_events.queue if parts.kv_events is not None else ()
+        # prefix_match_unit (vLLM's hash_block_size): with a unit finer than the block, lookups also find a
+        # partial block. Decided once here, so the whole-block manager's calls run exactly as without it.
+        self.prefix_match_unit = parts.prefix_match_unit
+        self._units = parts.prefix_match_unit < parts.block_size and parts.enable_prefix_caching
+        if self._units:
+            self.lookup = self._lookup_units
 
     # ---- the prefix lookup ------------------------------------------------------------------------------
     def lookup(self, seq: Sequence) -> PrefixHit:
@@ -255,6 +294,39 @@ class BlockManager:
         return PrefixHit(seq.seq_id, limit * bs, hashes, contents, hits, tuple(content_ids), tier_hits,
                          tuple(self._tier.index.content[slot] for slot in tier_hits) if tier_hits else (),
                          self._generations(), 0, cut * bs, eagle * bs)
+
+    def _lookup_units(self, seq: Sequence) -> PrefixHit:
+        """``lookup`` with a ``prefix_match_unit`` finer than the block: the whole-block hit, then the most whole
+        units of the next block that a block of every group starts with (fewer than a block's, and never the
+        prompt's last token)."""
+        with self._lock:
+            hit = BlockManager.lookup(self, seq)
+            unit, first = self.prefix_match_unit, hit.num_tokens
+            max_units = min((seq.num_tokens - 1 - first) // unit, self.block_size // unit - 1)
+            if max_units <= 0 or hit.num_cut_tokens:
+                return hit
+            index, parents, suffix, token_bytes = self._pool.index, *self._partial_query(seq, hit, max_units * unit)
+            chains = {parent: index.unit_chain(parent, suffix, token_bytes) for parent in set(parents)}
+            units = max_units
+            while units:  # each group's longest, cut to the least until every group serves the same units
+                found = [index.find_partial(g, parent, suffix, token_bytes, chains[parent], units)
+                         for g, parent in enumerate(parents)]
+                least = min(k for k, _ in found)
+                if least == units:
+                    # the same hit, its tokens counting the units, then the partial fields (the last two)
+                    return PrefixHit(hit.seq_id, first + units * unit, *hit[2:-2], tuple(slot for _, slot in found),
+                                     units * unit)
+                units = least
+            return hit
+
+    def _partial_query(self, seq, hit, num_tokens: int) -> tuple[list, bytes, bytes]:
+        """(each group's content id before the block after ``hit``'s whole blocks, that block's keys' bytes, its
+        first ``num_tokens`` tokens' bytes): what a partial entry of that block is matched against."""
+        first = len(hit.hits[0]) * self.block_size
+        parents = [self._pool.index.content[hits[-1]] if hits else ROOT for hits in hit.hits]
+        keys = seq.key_bytes
+        suffix = keys.get(first // self.block_size, b"") if keys else b""
+        return parents, suffix, memoryview(seq.token_array)[first:first + num_tokens].tobytes()
 
     def get_num_cached_tokens(self, seq: Sequence) -> int:
         """Tokens of ``seq``'s leading full blocks the prefix cache (every group's, and the offload tier) holds
@@ -322,11 +394,11 @@ class BlockManager:
                                  self.block_size, counted=not recomputing)
         if self.enable_prefix_caching:
             self.stats.count_lookup(seq.num_tokens, len(hit.hashes), len(plans[0].hits), self.block_size,
-                                    recomputing)
+                                    recomputing, hit.num_partial_tokens)
         seq.allocation = self._groups[0].records[seq.seq_id]
         seq.status, seq.num_cached_tokens, seq.prefill_end = SequenceStatus.RUNNING, hit.num_tokens, seq.num_tokens
         seq.num_computed_tokens = plans[0].scheduled
-        return Admitted(hit.num_tokens, tuple(taken), self._tier.take_moves() if self._tier is not None else [])
+        return Admitted(hit.num_tokens, tuple(taken), self._tier.take_moves() if self._tier else [], hit.partial)
 
     def _plan_admission(self, seq, hit, lookahead, num_new_tokens) -> tuple[PrefixHit, list]:
         """(the hit, each group's plan to admit ``seq`` with it). ``hit``: None for a new lookup, else it must be
@@ -341,7 +413,7 @@ class BlockManager:
             self._check_fresh(seq, hit)  # something was evicted since the lookup, or the sequence grew
         plans = []
         for group, hits in zip(self._groups, hit.hits):
-            plans.append(group.plan_admission(seq, hits, hit.tier_hits, len(hit.hashes), lookahead, num_new_tokens))
+            plans.append(group.plan_admission(seq, hits, hit, lookahead, num_new_tokens))
         return hit, plans
 
     def _check_fresh(self, seq, hit) -> None:
@@ -352,6 +424,11 @@ class BlockManager:
             stale = stale or tuple(map(held, blocks)) != content_ids
         if hit.tier_hits:
             stale = stale or tuple(map(self._tier.index.content.__getitem__, hit.tier_hits)) != hit.tier_content_ids
+        if hit.num_partial_tokens and not stale:
+            parents, suffix, token_bytes = self._partial_query(seq, hit, hit.num_partial_tokens)
+            index = self._pool.index
+            stale = not all(index.holds(slot, g, parent, suffix, token_bytes)
+                            for g, (slot, parent) in enumerate(zip(hit.partial, parents)))
         if stale:
             raise InvalidArgumentError(f"the prefix hit of sequence {seq.seq_id} is stale (a block of it was evicted, "
                                        "or the sequence grew since): look it up again")
@@ -385,6 +462,9 @@ class BlockManager:
         ``num_lookahead_slots`` more, and seal the blocks whose last token is now scheduled, drafts aside. A
         shared block about to be written is copied first: returns those copy-on-write (src, dst) pairs."""
         steps = self._plan_steps(seq, num_lookahead_slots, num_new_tokens, num_draft_tokens)
+        if self._units:  # the earlier steps ran: their prompt units may be found now
+            for group in self._groups:
+                group.index_units(seq)
         needs, pool = [plan.blocks_needed - len(plan.freed) for _, plan, _ in steps], self._pool
         if sum(needs) > pool.num_free:  # the blocks the step releases count as free
             across = " across its groups" if len(steps) > 1 else ""
@@ -441,6 +521,9 @@ class BlockManager:
         first). Status becomes FINISHED, or WAITING with ``preempted=True`` (to be recomputed later). A
         cross-attention table stays with its request group until ``free_cross``."""
         self._record(seq)
+        if self._units:  # its steps ran: its prompt units stay findable once its blocks are free
+            for group in self._groups:
+                group.index_units(seq, leaving=True)
         releases = [group.plan_release(seq) for group in self._groups]
         with self._pool.transaction() as txn:
             for _, _, freed, cached in releases:
@@ -814,12 +897,14 @@ class HybridBlockManager(BlockManager):
 
     def __init__(self, num_blocks: int, block_size: int = 16, *, groups, num_cpu_blocks: int = 0,
                  watermark: float = 0.0, enable_prefix_caching: bool = True, hash_fn=None, eviction="lru",
-                 record_events: bool = False, kv_events: bool = False, use_eagle: bool = False):
+                 record_events: bool = False, kv_events: bool = False, use_eagle: bool = False,
+                 prefix_match_unit: Optional[int] = None):
         specs = check_group_specs(groups)
         windows = [spec.sliding_window for spec in specs if spec.sliding_window is not None]
         parts = _shared_parts(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, watermark=watermark,
                               enable_prefix_caching=enable_prefix_caching,
                               sliding_window=windows[0] if windows else None, hash_fn=hash_fn, eviction=eviction,
-                              record_events=record_events, kv_events=kv_events, groups=specs)
+                              record_events=record_events, kv_events=kv_events, groups=specs,
+                              prefix_match_unit=prefix_match_unit, use_eagle=use_eagle)
         self._setup(parts, specs, use_eagle)
         self.kv_cache_metrics = None

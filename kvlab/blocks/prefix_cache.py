@@ -239,6 +239,8 @@ class PrefixIndex:
         self.group = [0] * n  # the group a sealed slot's content belongs to
         # registered[s] == (namespaces[group[s]].get(hash of s) == s), kept for speed
         self.registered = [False] * n
+        # warm[s]: a lookup can hit slot s, so a free s is filed as cached with the eviction policy
+        self.warm = self.registered
 
     @property
     def num_cached(self) -> int:
@@ -369,5 +371,114 @@ class PrefixIndex:
                 _fail(f"{self.name} {s} has content id {cid} but not the parent and bytes of its other blocks")
 
 
+class _WarmFlags:
+    """``warm[s]`` of a ``UnitPrefixIndex``: slot s is registered or holds partial entries."""
+    __slots__ = ("registered", "partial_of")
+
+    def __init__(self, registered, partial_of):
+        self.registered, self.partial_of = registered, partial_of
+
+    def __getitem__(self, slot: int) -> bool:
+        return self.registered[slot] or slot in self.partial_of
+
+
 def _fail(message: str):
     raise InvariantViolation(message)
+
+
+# ==== partial-block entries (prefix_match_unit) =======================================================================
+# vLLM's ``hash_block_size`` (RFC #45702's ``prefix_match_unit``): the cache also matches a prompt at a unit finer
+# than the block. A block whose first k units (k >= 1, fewer than a block's) a sequence's prompt wrote is findable
+# by those units' chain: seeded with the content id of the block before it (so the whole prefix is named exactly,
+# as the full-block chain names it) and its keys' bytes, then one xxh64 per unit. A hit is verified by content, as
+# a full hit is: the entry's parent, keys and token bytes must equal the prompt's. A partial hit is never shared
+# in place (the block's later positions belong to its owner): the hitting sequence takes a new block and copies
+# the first k units into it (copy-on-write at admission, kvlab.blocks.manager).
+
+class UnitPrefixIndex(PrefixIndex):
+    """A ``PrefixIndex`` that also finds slots by their first k units of ``unit`` tokens (``add_partial``,
+    ``find_partial``); a slot's partial entries go when the slot is reused for new content (``evict``)."""
+
+    def __init__(self, num_slots: int, unit: int, block_size: int, ids: Optional[ContentIds] = None,
+                 num_groups: int = 1):
+        self.unit, self.units_per_block = unit, block_size // unit
+        super().__init__(num_slots, ids, num_groups=num_groups)
+
+    def forget_all(self) -> None:
+        super().forget_all()
+        self.partial: list[dict[int, int]] = [{} for _ in range(self.num_groups)]  # per group: unit chain -> slot
+        # slot -> (group, parent content id, keys' bytes, its first units' token bytes, the chain hashes it owns)
+        self.partial_of: dict[int, tuple] = {}
+        self.warm = _WarmFlags(self.registered, self.partial_of)
+
+    def unit_chain(self, parent: int, suffix: bytes, token_bytes: bytes) -> list[int]:
+        """The chained hash of the first 1, 2, ... whole units of ``token_bytes``, after content ``parent``."""
+        step, xxh64 = 8 * self.unit, xxhash.xxh64_intdigest
+        h, chain = xxh64(suffix, parent), []
+        for start in range(0, len(token_bytes) - step + 1, step):
+            h = xxh64(token_bytes[start:start + step], h)
+            chain.append(h)
+        return chain
+
+    def add_partial(self, slot: int, group: int, parent: int, suffix: bytes, token_bytes: bytes) -> None:
+        """``slot`` holds ``token_bytes`` (whole units) after content ``parent`` with keys ``suffix``: make it
+        findable by each of its first 1 .. units_per_block - 1 units (a longer entry replaces a shorter one)."""
+        token_bytes = token_bytes[:8 * self.unit * (self.units_per_block - 1)]
+        old = self.partial_of.get(slot)
+        if old is not None:
+            if len(old[3]) >= len(token_bytes):
+                return
+            self._drop_partial(slot)
+        setdefault, owned = self.partial[group].setdefault, []
+        for h in self.unit_chain(parent, suffix, token_bytes):
+            if setdefault(h, slot) == slot:  # else another slot holds these units: it stays the one found
+                owned.append(h)
+        self.partial_of[slot] = (group, parent, suffix, token_bytes, owned)
+
+    def find_partial(self, group: int, parent: int, suffix: bytes, token_bytes: bytes, chain: list[int],
+                     max_units: int) -> tuple[int, Optional[int]]:
+        """(k, slot): the most units k <= ``max_units`` of ``token_bytes`` (chain hashes ``chain``) a slot of
+        ``group`` holds after content ``parent`` with keys ``suffix``, verified by content; (0, None) if none.
+        Pure."""
+        step, namespace = 8 * self.unit, self.partial[group]
+        for k in range(max_units, 0, -1):
+            slot = namespace.get(chain[k - 1])
+            if slot is not None and self.holds(slot, group, parent, suffix, token_bytes[:k * step]):
+                return k, slot
+        return 0, None
+
+    def holds(self, slot: int, group: int, parent: int, suffix: bytes, token_bytes: bytes) -> bool:
+        """Whether ``slot`` has a partial entry of ``group`` whose first tokens are ``token_bytes`` (whole units)
+        after content ``parent`` with keys ``suffix``: the content check of a partial hit."""
+        entry = self.partial_of.get(slot)
+        return entry is not None and entry[0] == group and entry[1] == parent and entry[2] == suffix \
+            and len(token_bytes) <= len(entry[3]) and entry[3].startswith(token_bytes)
+
+    def evict(self, slots, num_resealed: int = 0) -> Optional[Evicted]:
+        partial_of = self.partial_of
+        for slot in slots:
+            if slot in partial_of:
+                self._drop_partial(slot)
+        return super().evict(slots, num_resealed)
+
+
+    def _drop_partial(self, slot: int) -> None:
+        group, _, _, _, owned = self.partial_of.pop(slot)
+        namespace = self.partial[group]
+        for h in owned:
+            del namespace[h]
+        self.generation += 1  # a lookup's partial hit on this slot is stale now
+
+    def check(self) -> None:
+        super().check()
+        owners = {}
+        for slot, (group, parent, suffix, token_bytes, owned) in self.partial_of.items():
+            if len(token_bytes) % (8 * self.unit) or len(token_bytes) >= 8 * self.unit * self.units_per_block:
+                _fail(f"{self.name} {slot}'s partial entry holds {len(token_bytes) // 8} tokens, not fewer than a "
+                      f"block's worth of whole {self.unit}-token units")
+            if not set(owned) <= set(self.unit_chain(parent, suffix, token_bytes)):
+                _fail(f"{self.name} {slot} owns partial entries that are not the chain of its units")
+            owners.update(((group, h), slot) for h in owned)
+        held = {(group, h): slot for group, namespace in enumerate(self.partial) for h, slot in namespace.items()}
+        if held != owners:
+            _fail("the partial-block map disagrees with the entries its slots own")

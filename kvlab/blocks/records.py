@@ -51,17 +51,18 @@ class PrefixCacheStats:
     recomputed_blocks: int = 0
 
     def count_lookup(self, num_tokens: int, num_blocks: int, num_hits: int, block_size: int,
-                     preempted: bool = False) -> None:
-        """One prompt of ``num_tokens`` tokens and ``num_blocks`` full blocks, ``num_hits`` of them cached;
+                     preempted: bool = False, num_partial_tokens: int = 0) -> None:
+        """One prompt of ``num_tokens`` tokens and ``num_blocks`` full blocks, ``num_hits`` of them cached, then
+        ``num_partial_tokens`` of a partial block (``prefix_match_unit``: in the tokens, not the blocks);
         ``preempted``: the prompt of a sequence preempted by recompute (its recomputation)."""
         if preempted:
             self.recomputed_queried_tokens += num_tokens
             self.recomputed_queried_blocks += num_blocks
-            self.recomputed_tokens += num_hits * block_size
+            self.recomputed_tokens += num_hits * block_size + num_partial_tokens
             self.recomputed_blocks += num_hits
             return
         self.queried_tokens += num_tokens
-        self.hit_tokens += num_hits * block_size
+        self.hit_tokens += num_hits * block_size + num_partial_tokens
         self.queried_blocks += num_blocks
         self.hit_blocks += num_hits
 

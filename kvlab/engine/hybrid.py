@@ -26,6 +26,7 @@ def make_block_manager(config: KVCacheConfig, **options):
     """The block manager of ``config``'s groups, block size and blocks: a ``BlockManager`` (windowed if its one
     group is) for one group, else a ``HybridBlockManager``."""
     specs = [group.attention for group in config.groups]
+    options["prefix_match_unit"] = config.prefix_match_unit
     if len(specs) == 1:
         return BlockManager(config.num_blocks, config.block_size, sliding_window=specs[0].sliding_window, **options)
     if options.pop("num_offload_blocks", 0):

@@ -35,12 +35,14 @@ def engine_layout(config: ModelConfig, dtype, kv_cache_dtype: str = "auto") -> K
                     None if config.mla is None else config.mla.latent_dim)
 
 
-def engine_kv_cache_groups(config: ModelConfig, dtype, kv_cache_dtype: str, block_size: int) -> tuple:
+def engine_kv_cache_groups(config: ModelConfig, dtype, kv_cache_dtype: str, block_size: int,
+                           prefix_match_unit: int | None = None) -> tuple:
     """The model's KV cache groups (``kvlab.sizing.groups.kv_cache_groups``: vLLM V1's), the one place the
     engine reads its block size and cache format from ``LLM``'s settings: everything after (the kernel check,
     calibration, the pool's size, the ``KVCacheConfig`` the manager and the cache tensors are made from) reads
-    them from the groups."""
-    return kv_cache_groups(engine_layout(config, dtype, kv_cache_dtype), block_size)
+    them from the groups (and the prefix cache's unit, ``prefix_match_unit``)."""
+    return kv_cache_groups(engine_layout(config, dtype, kv_cache_dtype), block_size,
+                           prefix_match_unit=prefix_match_unit)
 
 
 def cache_storage(group: KVCacheGroupSpec, dtype) -> tuple:

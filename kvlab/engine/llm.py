@@ -91,6 +91,12 @@ class LLM:
     their KV cache group (``group_idx``, ``kv_cache_spec_*``). A subscriber that raises is dropped with a
     ``KVEventSubscriberWarning``; no request loses its output to it. Off (the default), ``llm.kv_events`` is None.
 
+    ``prefix_match_unit``: None (the default: the prefix cache matches whole blocks) or a divisor of
+    ``block_size`` (vLLM's ``hash_block_size``): the cache also finds the first whole units of a partial block,
+    copied into the new sequence's own block before the step (``kvlab.blocks.manager``), so a block size picked
+    for a page (vLLM #40696's 528 tokens) still gives hits at that unit. Not with a sliding window, an offload
+    tier, speculative decoding's EAGLE rule or a KIVI cache.
+
     ``record_decisions=True`` keeps each step's scheduling decision in ``llm.decisions`` (one
     ``kvlab.engine.decisions.StepDecision`` per step record: who ran and as what, who was preempted or
     aborted, the queues), by request id; it grows by one per step. Off (the default) nothing is built and
@@ -111,7 +117,8 @@ class LLM:
                  scheduler=None, record_decisions: bool = False, kv_events: bool = False, num_offload_blocks: int = 0,
                  offload_policy: str = "lru", offload_admission: str = "always", kv_cache_dtype: str = "auto",
                  kv_scale_granularity: str = "tensor", kv_calibration_prompts=None, kv_residual_length=None,
-                 speculative_config: dict | None = None, scheduling_policy: str = "fcfs"):
+                 speculative_config: dict | None = None, scheduling_policy: str = "fcfs",
+                 prefix_match_unit: int | None = None):
         check_settings(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        preemption_mode=preemption_mode, max_model_len=max_model_len,
@@ -121,6 +128,9 @@ class LLM:
         check_offload_options(offload_policy, offload_admission)
         check_kv_cache_options(kv_cache_dtype, kv_scale_granularity, kv_calibration_prompts)
         residual_length = check_kivi_options(kv_cache_dtype, kv_residual_length, block_size, speculative_config)
+        if prefix_match_unit is not None and residual_length is not None:
+            raise InvalidArgumentError("prefix_match_unit does not combine with a KIVI cache (its full-precision "
+                                       "windows hold a block's newest tokens apart from the pages) yet; pass None")
         self.speculation = resolve_speculative_config(speculative_config)
         scheduler_config = SchedulerConfig(scheduler=scheduler, scheduling=scheduling,
                                            scheduling_policy=scheduling_policy, preemption_mode=preemption_mode,
@@ -144,7 +154,7 @@ class LLM:
         self.scheduling = scheduler_config.scheduler_class.scheduling
         # The KV cache groups, and from them the one KVCacheConfig every part below is made from: the block
         # size and the cache format are read from the settings here and nowhere else.
-        groups = engine_kv_cache_groups(config, self.dtype, kv_cache_dtype, block_size)
+        groups = engine_kv_cache_groups(config, self.dtype, kv_cache_dtype, block_size, prefix_match_unit)
         check_kernel_support(config, groups, self.dtype, self.device, self.attention_backend)
         self.model = load_model(config, self.dtype, self.device)
         self.model.init_rope(self.dtype, self.device)

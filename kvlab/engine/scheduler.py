@@ -252,7 +252,7 @@ class Scheduler:
             if status is AllocStatus.NEVER:
                 step.aborted.append((seq, self._never_fits(seq)))
                 continue
-            step.record_tier_moves(self.manager.allocate(seq).tier_moves)
+            step.record_admission(self.manager.allocate(seq))
             step.add(self.manager, seq, seq.num_cached_tokens, prefill=True)
             step.num_cached_tokens += seq.num_cached_tokens
             seats += self._seats(seq)

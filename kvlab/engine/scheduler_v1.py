@@ -116,7 +116,7 @@ class V1Scheduler(Scheduler):
             if status is AllocStatus.NEVER:
                 step.aborted.append((seq, self._never_fits(seq)))
                 continue
-            step.record_tier_moves(self.manager.allocate(seq, num_new_tokens=num_new, hit=hit).tier_moves)
+            step.record_admission(self.manager.allocate(seq, num_new_tokens=num_new, hit=hit))
             step.num_cached_tokens += seq.num_cached_tokens
             budget -= self._count(step, seq, seq.num_cached_tokens)
             self.running.append(seq)

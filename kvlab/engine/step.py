@@ -176,6 +176,13 @@ class StepBuilder(_EntriesView):
         self.record_tier_moves(copies.tier_moves)
         self.moves.add(kind, copies)
 
+    def record_admission(self, admitted) -> None:
+        """The block moves ``allocate`` returned (an ``Admitted``): the offload tier's copies, then a partial-block
+        hit's copy (``prefix_match_unit``), each before the forward pass that reads them."""
+        self.record_tier_moves(admitted.tier_moves)
+        if admitted.partial:
+            self.moves.add("copy", admitted.copies)
+
     def record_tier_moves(self, tier_moves) -> None:
         """The offload tier's copies a manager call returned, in order (``Admitted.tier_moves`` of ``allocate``)."""
         for kind, src, dst in tier_moves:

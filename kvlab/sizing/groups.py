@@ -55,7 +55,8 @@ class KVCacheGroupSpec:
     ``block_size`` tokens of K and V for ``num_kv_heads`` heads of ``head_size`` elements, stored in
     ``cache_format`` (a ``kvlab.sizing.kv_dtypes.KV_FORMATS`` name); with ``mla_latent_dim`` (MLA) one latent
     row of that many elements per token instead. A state group (``MambaStateSpec()``) has the same pages, each
-holding one layer's ``state_bytes`` (a request's state) padded to the page."""
+holding one layer's ``state_bytes`` (a request's state) padded to the page. ``prefix_match_unit``: the tokens
+its prefix cache matches at (vLLM's ``hash_block_size``; None: whole blocks), a divisor of ``block_size``."""
 
     attention: KVCacheSpec
     layers: tuple
@@ -65,6 +66,7 @@ holding one layer's ``state_bytes`` (a request's state) padded to the page."""
     cache_format: str
     mla_latent_dim: int | None = None
     state_bytes: int | None = None
+    prefix_match_unit: int | None = None
 
     def __post_init__(self):
         if isinstance(self.attention, MambaStateSpec):
@@ -75,6 +77,11 @@ holding one layer's ``state_bytes`` (a request's state) padded to the page."""
                 raise InvalidArgumentError(f"only a MambaStateSpec() group keeps a state (state_bytes), got "
                                            f"state_bytes={self.state_bytes!r} for {self.attention!r}")
         check_int("block_size", self.block_size, 1)
+        if self.prefix_match_unit is not None and (
+                check_int("prefix_match_unit", self.prefix_match_unit, 1, self.block_size) and
+                self.block_size % self.prefix_match_unit):
+            raise InvalidArgumentError(f"prefix_match_unit must divide block_size {self.block_size}, got "
+                                       f"{self.prefix_match_unit}")
         if not isinstance(self.layers, tuple) or not self.layers or not all(
                 is_int(layer) and layer >= 0 for layer in self.layers):
             raise InvalidArgumentError(f"a KV cache group's layers must be a non-empty tuple of layer indices "
@@ -117,13 +124,13 @@ def aligned_block_size(state_bytes: int, token_page_bytes: int, block_size: int)
     return max(block_size, needed)
 
 
-def kv_cache_groups(layout: KVLayout, block_size: int, state_layers: tuple = (), state_bytes: int | None = None
-                    ) -> tuple:
+def kv_cache_groups(layout: KVLayout, block_size: int, state_layers: tuple = (), state_bytes: int | None = None,
+                    prefix_match_unit: int | None = None) -> tuple:
     """The model's KV cache groups, as vLLM V1 makes them (see the module docstring): full attention first,
     then the windows from the smallest, then the state layers, each kind's layers dealt out over its groups.
     ``layout`` describes the attention layers; ``state_layers`` (the model's indices of its Mamba /
     linear-attention layers, each keeping ``state_bytes``) are the others, the attention layers filling the
-    remaining indices in order."""
+    remaining indices in order. Every group matches prefixes at ``prefix_match_unit`` (None: whole blocks)."""
     check_int("block_size", block_size, 1)
     state = set(state_layers)
     attention_layers = [layer for layer in range(layout.num_layers + len(state_layers)) if layer not in state]
@@ -138,7 +145,7 @@ def kv_cache_groups(layout: KVLayout, block_size: int, state_layers: tuple = (),
         count = cdiv(len(layers), group_size)
         groups += [KVCacheGroupSpec(spec, tuple(layers[i::count]), block_size, layout.num_kv_heads, layout.head_dim,
                                     layout.dtype, layout.mla_latent_dim,
-                                    state_bytes if isinstance(spec, MambaStateSpec) else None)
+                                    state_bytes if isinstance(spec, MambaStateSpec) else None, prefix_match_unit)
                    for i in range(count)]
     return tuple(groups)
 
@@ -161,10 +168,12 @@ class KVCacheConfig:
         if not isinstance(self.groups, tuple) or not self.groups or not all(
                 isinstance(group, KVCacheGroupSpec) for group in self.groups):
             raise InvalidArgumentError(f"groups must be a non-empty tuple of KVCacheGroupSpec, got {self.groups!r}")
-        pages = {(g.block_size, g.num_kv_heads, g.head_size, g.cache_format, g.mla_latent_dim) for g in self.groups}
+        pages = {(g.block_size, g.num_kv_heads, g.head_size, g.cache_format, g.mla_latent_dim, g.prefix_match_unit)
+                 for g in self.groups}
         if len(pages) > 1:
             raise InvalidArgumentError(f"every KV cache group must have the same pages (block size, KV heads, head "
-                                       f"size, format, MLA latent), got {sorted(pages, key=str)}")
+                                       f"size, format, MLA latent) and prefix_match_unit (one block manager "
+                                       f"serves them), got {sorted(pages, key=str)}")
         layers = sorted(layer for group in self.groups for layer in group.layers)
         if layers != list(range(len(layers))):
             raise InvalidArgumentError(f"the groups must hold each of the model's layers 0 .. n - 1 once, got "
@@ -178,6 +187,10 @@ class KVCacheConfig:
     @property
     def page_bytes(self) -> int:
         return self.groups[0].page_bytes
+
+    @property
+    def prefix_match_unit(self) -> int | None:
+        return self.groups[0].prefix_match_unit
 
     @property
     def num_layers(self) -> int:

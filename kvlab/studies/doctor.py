@@ -140,6 +140,10 @@ class HitDoctor:
         tokens["group_cut"] += cut * bs
         first_miss, num_full = gpu + tier + eagle + cut, len(hashes)
         tail = length - num_full * bs
+        if hit.num_partial_tokens:  # prefix_match_unit: the block after the hits gave its first units
+            tokens["hit_gpu"] += hit.num_partial_tokens
+            tokens["partial_block"] += (bs if first_miss < num_full else tail) - hit.num_partial_tokens
+            first_miss += 1
         if first_miss == num_full and not tail:
             return
         # What was remembered is prefix-closed (a block's hash names its whole prefix, and every prompt is

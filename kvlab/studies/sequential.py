@@ -24,6 +24,7 @@ import pandas as pd
 
 from kvlab.blocks.manager import BlockManager
 from kvlab.blocks.sequence import Sequence
+from kvlab.studies.traces import PromptTokens, load_trace
 
 COMPACT_BLOCK_SIZE = 2  # a full block is two tokens, so that a one-token partial block stays partial
 
@@ -134,3 +135,41 @@ def replay_sequential(compact: CompactTrace, sequences: list[Sequence], manager:
             "hit_tokens": hit_blocks * compact.block_size, "hit_blocks": hit_blocks, "peak_blocks_used": peak,
             "gpu_hit_blocks": gpu_hits, "tier_hit_blocks": tier_hits,
             "offloaded_blocks": tier.offloaded_blocks if tier is not None else 0}
+
+
+#: Prompt-length buckets of ``unit_hit_rates`` (tokens; the last is open): below one 528-token block, then wider.
+LENGTH_BUCKETS = (0, 528, 2048, 8192)
+
+
+def unit_hit_rates(trace="mooncake_synthetic", *, configs=((528, None), (528, 16), (16, None)),
+                   capacity_tokens: int = 1 << 20, limit: int | None = None) -> pd.DataFrame:
+    """Prefix-cache hit rate by prompt length for each ``(block_size, prefix_match_unit)`` of ``configs``
+    (None: whole blocks), replaying ``trace``'s real prompt tokens one request at a time (lookup, allocate,
+    free) on an LRU pool of ``capacity_tokens`` tokens. The default configs are vLLM issue #40696's: a 528-token
+    block (a hybrid model's page), the same block matched at 16 tokens (vLLM's ``hash_block_size``, kvlab's
+    ``prefix_match_unit``), and 16-token blocks, the ceiling. One row per config and bucket (``LENGTH_BUCKETS``):
+    requests, prompt tokens, hit tokens, hit rate in percent. Compact prompts (``replay_sequential``) cannot
+    stand in here: a partial block's hit depends on its tokens."""
+    frame = load_trace(trace, limit)
+    frame = frame.iloc[np.argsort(frame["timestamp"].to_numpy(), kind="stable")]
+    prompts, lengths = PromptTokens(frame), frame["input_length"].to_numpy(np.int64)
+    bucket = np.searchsorted(LENGTH_BUCKETS, lengths, side="right") - 1
+    rows = []
+    for block_size, unit in configs:
+        manager = BlockManager(max(1, capacity_tokens // block_size), block_size, prefix_match_unit=unit)
+        hit = np.zeros(len(frame), dtype=np.int64)
+        for i in range(len(frame)):
+            seq = Sequence(prompts[i], block_size)
+            if manager.can_allocate(seq).name == "NEVER":  # longer than the pool: computed elsewhere, no hit
+                continue
+            hit[i] = manager.allocate(seq).num_cached_tokens
+            manager.free(seq)
+        for b, low in enumerate(LENGTH_BUCKETS):
+            chosen = bucket == b
+            high = LENGTH_BUCKETS[b + 1] if b + 1 < len(LENGTH_BUCKETS) else None
+            tokens = int(lengths[chosen].sum())
+            rows.append(dict(block_size=block_size, prefix_match_unit=unit or block_size,
+                             prompt_tokens=f"{low}-{high - 1}" if high else f">={low}", requests=int(chosen.sum()),
+                             queried_tokens=tokens, hit_tokens=int(hit[chosen].sum()),
+                             hit_rate=round(100 * hit[chosen].sum() / tokens, 2) if tokens else float("nan")))
+    return pd.DataFrame(rows)

@@ -17,6 +17,10 @@ step may schedule only the next chunk of the tokens without slots, of any size f
 end inside blocks). Every prompt joins the history at admission, so later requests try to hit blocks whose
 tokens are still to be computed (nano-vllm #208/#219): such a hit would read K/V nobody wrote.
 
+Partial-block hits (``prefix_match_unit`` finer than the block): the units a hit finds in a block are copied
+into the new block the manager gives, as the engine applies ``Admitted.copies`` before the step; the readback
+then checks the copied positions too.
+
 Speculative decoding (kvlab.blocks.group_manager): a step may propose draft tokens after the last one, whose K/V (of
 the tokens they would be) the verification pass writes; then the drafts are verified (the first 1..all
 accepted, their tokens appended, optionally a bonus token) or all rejected, and the progress counter rolls
@@ -309,7 +313,8 @@ class ManagerMachine(PoolRules, RuleBasedStateMachine):
             except OutOfBlocksError:
                 return
             raise AssertionError("allocate succeeded although can_allocate said it would not fit")
-        self.manager.allocate(seq, num_new_tokens=num_new_tokens, hit=hit)
+        admitted = self.manager.allocate(seq, num_new_tokens=num_new_tokens, hit=hit)
+        self._copy(self.gpu, self.gpu, admitted.copies)  # a partial-block hit's units (prefix_match_unit)
         assert seq.num_cached_tokens == cached < seq.num_tokens
         self.history.append(seq.token_ids)
         self.running.append(seq)
@@ -399,6 +404,11 @@ MACHINES = [
     _machine("UserPolicy", num_blocks=16, block_size=2, num_cpu_blocks=8, eviction=StackPolicy),
     _machine("Eagle", num_blocks=20, block_size=2, num_cpu_blocks=8, use_eagle=True),
     _machine("NoPrefixCaching", num_blocks=20, block_size=3, num_cpu_blocks=8, enable_prefix_caching=False),
+    # prefix_match_unit: partial-block hits, whose units are copied into a new block at admission
+    _machine("Units", num_blocks=24, block_size=4, num_cpu_blocks=12, prefix_match_unit=1),
+    _machine("Units2FIFO", num_blocks=16, block_size=6, num_cpu_blocks=8, prefix_match_unit=2, eviction="fifo"),
+    _machine("UnitsUserPolicy", num_blocks=16, block_size=3, num_cpu_blocks=8, prefix_match_unit=1,
+             eviction=StackPolicy),
 ]
 
 # max_examples comes from the Hypothesis profile; a soak can also lengthen every program.

@@ -154,7 +154,8 @@ class HybridMachine(PoolRules, RuleBasedStateMachine):
             except OutOfBlocksError:
                 return
             raise AssertionError("allocate succeeded although can_allocate said it would not fit")
-        self.manager.allocate(seq, num_new_tokens=num_new_tokens)
+        admitted = self.manager.allocate(seq, num_new_tokens=num_new_tokens)
+        self._copy(self.gpu, self.gpu, admitted.copies)  # a partial-block hit's units, every group's
         assert seq.num_cached_tokens == cached < seq.num_tokens
         self.history.append(seq.token_ids)
         self.running.append(seq)
@@ -253,6 +254,7 @@ MACHINES = [
     _machine("HybridConstantHash", FULL, W3, num_blocks=32, block_size=2, num_cpu_blocks=16,
              hash_fn=lambda parent, ids: 7),
     _machine("HybridUserPolicy", FULL, W2, num_blocks=24, block_size=2, num_cpu_blocks=8, eviction=StackPolicy),
+    _machine("HybridTwoFullUnits", FULL, FULL, num_blocks=32, block_size=4, num_cpu_blocks=16, prefix_match_unit=1),
     _machine("HybridEagle", FULL, W3, num_blocks=24, block_size=2, num_cpu_blocks=8, use_eagle=True),
     _machine("HybridFailingPolicy", W2, FULL, num_blocks=24, block_size=2, num_cpu_blocks=8, faulty="policy"),
     _machine("HybridFailingHash", FULL, W3, num_blocks=24, block_size=2, num_cpu_blocks=8, faulty="hash_fn"),

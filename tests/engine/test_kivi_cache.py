@@ -130,6 +130,7 @@ def test_the_triton_backend_gives_the_torch_paths_tokens(llama, monkeypatch, nam
     (dict(kv_cache_dtype="kivi_int4", block_size=32,
           speculative_config=dict(method="ngram", num_speculative_tokens=2, prompt_lookup_max=3)),
      "does not take speculative_config"),
+    (dict(kv_cache_dtype="kivi_int4", block_size=32, prefix_match_unit=16), "prefix_match_unit does not combine"),
 ])
 def test_bad_kivi_settings_are_refused(llama, options, message):
     with pytest.raises(InvalidArgumentError, match=message):

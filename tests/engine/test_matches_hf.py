@@ -78,6 +78,34 @@ def test_greedy_matches_hf_with_prefix_hits_mid_batch(request, arch, backend):
     assert_pool_clean(llm)
 
 
+@pytest.mark.parametrize("scheduling, cached", [("v1", [0, 10, 12]), ("v0", [0, 8, 12])])
+def test_greedy_matches_hf_with_partial_block_hits(qwen3, scheduling, cached):
+    """prefix_match_unit=2 on 8-token blocks: a prompt hits the whole 2-token units of a block another prompt
+    wrote, copied into its own block before its step (the copy's later positions hold the other sequence's K/V
+    until this one writes them). V1: the second prompt joins while the first decodes and copies from its block
+    in use (V0 runs the prompt before the decode that makes the first one's units findable: whole blocks only);
+    the third, the first prompt again, copies from a free block."""
+    path, hf = qwen3
+    llm = make_llm(path, scheduling=scheduling, prefix_match_unit=2)
+    assert llm.kv_cache_config.prefix_match_unit == llm.block_manager.prefix_match_unit == 2  # the spec carries it
+    rng = random.Random(3)
+    base = random_tokens(rng, 13)
+    prompts = [base, base[:11] + random_tokens(rng, 4)]  # the second: 8 + 3 tokens of the first, then others
+    ids = [llm.add_request(prompts[0], SamplingParams(max_tokens=6, **GREEDY))]
+    outs = {}
+    while llm.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in llm.step())
+        if len(ids) == 1:  # joins once the first prompt's step ran
+            ids.append(llm.add_request(prompts[1], SamplingParams(max_tokens=5, **GREEDY)))
+    again, = llm.generate([base], SamplingParams(max_tokens=4, **GREEDY), use_tqdm=False)
+    for out, prompt, m in zip([outs[ids[0]], outs[ids[1]], again], prompts + [base], [6, 5, 4]):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, m)
+    assert [out.metrics.num_cached_prompt_tokens for out in (outs[ids[0]], outs[ids[1]], again)] == cached
+    assert llm.step_dataframe()["cow_copies"].sum() == sum(c % 8 > 0 for c in cached)  # one copy per partial hit
+    assert llm.miss_causes["tokens"]["hit_gpu"] == sum(cached)  # the hit-rate doctor counts the units as hits
+    assert_pool_clean(llm)
+
+
 def preemption_prompts():
     rng = random.Random(2)
     return [random_tokens(rng, 15) for _ in range(4)]

@@ -208,6 +208,18 @@ def test_a_kv_cache_config_refuses_groups_that_do_not_share_one_pool():
         KVCacheConfig((groups[0],), 10)
 
 
+def test_a_group_spec_owns_its_prefix_match_unit():
+    layout = shape("gpt-oss-20b").layout("bfloat16")
+    groups = kv_cache_groups(layout, 528, prefix_match_unit=16)
+    assert {group.prefix_match_unit for group in groups} == {16}
+    assert KVCacheConfig(groups, 10).prefix_match_unit == 16
+    with pytest.raises(InvalidArgumentError, match="must divide block_size 528"):
+        kv_cache_groups(layout, 528, prefix_match_unit=100)
+    whole = kv_cache_groups(layout, 528)
+    with pytest.raises(InvalidArgumentError, match="prefix_match_unit"):  # one manager serves every group
+        KVCacheConfig((groups[0], whole[1]), 10)
+
+
 def test_blocks_per_request():
     assert FullAttentionSpec().blocks_per_request(131072, 16, 8192) == 131072 // 16
     assert SlidingWindowSpec(1024).blocks_per_request(131072, 16, 8192) == cdiv(1024 - 1 + 8192, 16) + 1

@@ -12,6 +12,7 @@ from kvlab.blocks.eviction import POLICIES, EvictionPolicy
 from kvlab.studies import cache_hit_study, replay, reuse_profile
 from kvlab.studies.doctor import HitDoctor
 from kvlab.studies.reuse import block_keys
+from kvlab.studies.sequential import unit_hit_rates
 from kvlab.studies.synthetic import WORKLOADS
 from kvlab.studies.traces import PromptTokens, load_trace
 
@@ -149,3 +150,12 @@ def test_too_few_hash_ids_for_the_prompt_are_refused():
                           "hash_ids": [np.array([5, 2])]})
     with pytest.raises(ValueError, match="cannot cover input_length"):
         replay(trace, block_size=16)
+
+
+def test_a_finer_prefix_match_unit_recovers_the_hits_a_528_token_block_loses():
+    """vLLM #40696 on Mooncake's conversation trace: the shared 512-token system prompt never fills a 528-token
+    block, so prompts of 528-2047 tokens hit nothing; matched at 16 tokens they hit as 16-token blocks do."""
+    rates = unit_hit_rates("mooncake_conversation", limit=300).set_index(
+        ["block_size", "prefix_match_unit", "prompt_tokens"])["hit_rate"]
+    assert rates[528, 528, "528-2047"] == 0
+    assert rates[528, 16, "528-2047"] == rates[16, 16, "528-2047"] > 40

@@ -1,0 +1,169 @@
+"""prefix_match_unit (vLLM's hash_block_size): the prefix cache matches at a unit finer than the block.
+
+vLLM issue #40696: a 528-token block (a hybrid model's page) gives no hit to a prompt shorter than a block,
+since no block of it is ever full. With a 16-token unit, the same prompt sent again hits its whole units: the
+manager gives the new sequence a new block and returns the copy of the cached block's first units.
+"""
+
+import random
+
+import pytest
+
+from kvlab import BlockManager, InvalidArgumentError, InvariantViolation, Sequence
+from kvlab.blocks.kv_cache_groups import FullAttentionSpec
+from kvlab.blocks.manager import HybridBlockManager
+
+
+def _run_and_free(manager, token_ids, block_size):
+    seq = Sequence(token_ids, block_size)
+    manager.allocate(seq)
+    manager.free(seq)
+    return seq
+
+
+def test_a_prompt_shorter_than_a_block_hits_after_the_same_prompt():
+    manager = BlockManager(8, 528, prefix_match_unit=16)
+    first = Sequence(list(range(300)), 528)
+    [[source]] = manager.allocate(first).new_blocks
+    manager.free(first)
+    again = Sequence(list(range(300)), 528)
+    hit = manager.lookup(again)
+    assert (hit.num_tokens, hit.num_partial_tokens, hit.partial) == (288, 288, (source,))
+    admitted = manager.allocate(again, hit=hit)
+    [[block]] = admitted.new_blocks
+    assert block != source and admitted.copies == [(source, block)]
+    assert (again.num_cached_tokens, again.num_computed_tokens) == (288, 300)
+    assert manager.ref_count(source) == 0  # copied, not shared: the hit keeps no reference to it
+    manager.check_invariants()
+
+
+def test_the_default_unit_is_the_block_and_finds_no_partial_block():
+    manager = BlockManager(8, 528)
+    _run_and_free(manager, list(range(300)), 528)
+    assert manager.prefix_match_unit == 528
+    assert manager.lookup(Sequence(list(range(300)), 528)).num_tokens == 0
+
+
+def test_a_partial_hit_follows_the_whole_blocks_and_leaves_the_last_token_to_compute():
+    manager = BlockManager(16, 8, prefix_match_unit=2)
+    _run_and_free(manager, list(range(21)), 8)   # two full blocks, then 5 tokens: 2 whole units
+    hit = manager.lookup(Sequence(list(range(21)), 8))
+    assert (hit.num_tokens, hit.num_partial_tokens) == (20, 4)
+    # the same 20 tokens as a whole prompt: the last one is computed, so one unit of the third block hits
+    hit = manager.lookup(Sequence(list(range(20)), 8))
+    assert (hit.num_tokens, hit.num_partial_tokens) == (18, 2)
+    # another third block: the whole blocks hit, the partial block does not
+    hit = manager.lookup(Sequence(list(range(16)) + [99] * 5, 8))
+    assert (hit.num_tokens, hit.num_partial_tokens, hit.partial) == (16, 0, ())
+
+
+def test_a_partial_hit_needs_the_same_prefix_before_the_block():
+    manager = BlockManager(16, 8, prefix_match_unit=2)
+    _run_and_free(manager, list(range(13)), 8)
+    other_prefix = [99] + list(range(1, 13))  # the same second block's tokens after another first block
+    assert manager.lookup(Sequence(other_prefix, 8)).num_tokens == 0
+    salted = Sequence(list(range(13)), 8, cache_salt="tenant")
+    assert manager.lookup(salted).num_tokens == 0
+
+
+def test_a_running_prompt_is_found_once_its_step_ran():
+    """A partial entry is made at the sequence's next call (its step ran): a copy made before that step's
+    writes would copy nothing."""
+    manager = BlockManager(16, 8, prefix_match_unit=2)
+    running = Sequence(list(range(5)), 8)
+    manager.allocate(running)
+    assert manager.lookup(Sequence(list(range(5)), 8)).num_tokens == 0  # its step has not run yet
+    running.append_token(7)
+    manager.append_slots(running)
+    assert manager.lookup(Sequence(list(range(5)), 8)).num_tokens == 4
+    manager.check_invariants()
+
+
+def test_a_hybrid_manager_hits_the_units_every_group_holds():
+    manager = HybridBlockManager(16, 8, groups=[FullAttentionSpec(), FullAttentionSpec()], prefix_match_unit=2)
+    _run_and_free(manager, list(range(13)), 8)
+    seq = Sequence(list(range(13)), 8)
+    hit = manager.lookup(seq)
+    assert hit.num_tokens == 12 and len(hit.partial) == 2
+    admitted = manager.allocate(seq, hit=hit)
+    assert len(admitted.copies) == 2
+    manager.check_invariants()
+
+
+def test_a_stale_partial_hit_is_refused():
+    manager = BlockManager(3, 8, prefix_match_unit=2)
+    _run_and_free(manager, list(range(5)), 8)
+    seq = Sequence(list(range(5)), 8)
+    hit = manager.lookup(seq)
+    assert hit.num_partial_tokens == 4
+    filler = [Sequence([50 + i] * 8, 8) for i in range(3)]  # takes every block: the hit's block is reused
+    for other in filler:
+        manager.allocate(other)
+    for other in filler:
+        manager.free(other)
+    with pytest.raises(InvalidArgumentError, match="stale"):
+        manager.allocate(seq, hit=hit)
+
+
+def test_the_invariant_checker_reads_partial_entries():
+    manager = BlockManager(8, 8, prefix_match_unit=2)
+    seq = Sequence(list(range(5)), 8)
+    manager.allocate(seq)
+    seq.append_token(7)
+    manager.append_slots(seq)
+    manager.check_invariants()
+    index = manager._pool.index
+    [(block, (group, parent, suffix, held, owned))] = index.partial_of.items()
+    index.partial_of[block] = (group, parent, suffix, b"\0" * len(held), owned)  # other tokens than the sequence's
+    with pytest.raises(InvariantViolation):
+        manager.check_invariants()
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(block_size=8, prefix_match_unit=3), "must divide"),
+    (dict(block_size=8, prefix_match_unit=16), "prefix_match_unit"),
+    (dict(block_size=8, prefix_match_unit=0), "prefix_match_unit"),
+    (dict(block_size=8, prefix_match_unit=2, sliding_window=8), "sliding window"),
+    (dict(block_size=8, prefix_match_unit=2, num_offload_blocks=4), "offload tier"),
+    (dict(block_size=8, prefix_match_unit=2, use_eagle=True), "use_eagle"),
+])
+def test_a_unit_the_manager_cannot_serve_is_refused(options, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        BlockManager(16, **options)
+
+
+def _program(manager, rng, block_size):
+    """Random admissions (with chunks), steps and frees; returns everything the manager answered."""
+    answers, running = [], []
+    vocab = [list(rng.choice(range(3)) for _ in range(rng.randint(1, 20))) for _ in range(6)]
+    for _ in range(120):
+        op = rng.random()
+        if op < 0.45 or not running:
+            seq = Sequence(rng.choice(vocab) + [rng.randrange(3) for _ in range(rng.randint(0, 6))], block_size)
+            hit = manager.lookup(seq)
+            answers.append(("hit", hit.num_tokens, hit.hits, hit.num_partial_tokens))
+            if manager.can_allocate(seq, hit=hit).name == "OK":
+                admitted = manager.allocate(seq, hit=hit)
+                answers.append(("admitted", admitted, admitted.copies))
+                running.append(seq)
+        elif op < 0.8:
+            seq = rng.choice(running)
+            seq.append_token(rng.randrange(3))
+            if manager.can_append_slots(seq):
+                answers.append(("copies", list(manager.append_slots(seq))))
+        else:
+            seq = running.pop(rng.randrange(len(running)))
+            manager.free(seq, preempted=rng.random() < 0.3)
+        answers.append(("state", manager.free_block_ids(), manager.num_cached_blocks,
+                        [manager.get_block_table(seq) for seq in running]))
+    manager.check_invariants()
+    return answers
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("eviction", ["lru", "fifo"])
+def test_a_unit_of_one_block_behaves_exactly_as_without_a_unit(seed, eviction):
+    """The law: prefix_match_unit=block_size is today's manager, answer for answer."""
+    runs = [_program(BlockManager(12, 4, eviction=eviction, **options), random.Random(seed), 4)
+            for options in ({}, {"prefix_match_unit": 4})]
+    assert runs[0] == runs[1]
