@@ -18,15 +18,17 @@ at a time (kvlab's for the others) and names the part whose engine goes wrong. `
 parts is the reference: kvlab's own engine.
 """
 
+import functools
 from dataclasses import dataclass
 
-from kvlab.engine.parts import EngineParts
 from kvlab.errors import InvalidArgumentError, LearnerPartError
 
-__all__ = ["PARTS", "CapstoneRun", "check_engine", "engine_with"]
+__all__ = ["PARTS", "CapstoneRun", "check_engine", "describe", "engine_with"]
 
-#: The parts a learner can plug in, each the name of its puzzle (``kvlab.puzzles.puzzle(name)``).
-PARTS: tuple[str, ...] = EngineParts.names()
+#: The parts a learner can plug in (``kvlab.engine.parts.EngineParts``' fields), each the name of its puzzle
+#: (``kvlab.puzzles.puzzle(name)``); named here so that importing the course loads no torch.
+PARTS: tuple[str, ...] = ("slot_mapping", "block_hashes", "lru_policy", "decode_attention", "prefill_attention",
+                          "ngram_proposer", "rejection_sampling")
 
 #: The engine's settings unless given: small blocks so the prompts fill several, and n-gram speculation, so
 #: the proposer and the verification run.
@@ -51,6 +53,7 @@ def engine_with(parts: dict | None = None, model=None, *, check: bool = True, ve
     if check:
         _grade(given)
     from kvlab.engine import LLM  # torch and the model code load here, after the fast checks
+    from kvlab.engine.parts import EngineParts
     from kvlab.models import smollm2
 
     llm = LLM(smollm2() if model is None else model, parts=EngineParts(**given), **{**DEFAULT_OPTIONS, **llm_options})
@@ -91,7 +94,7 @@ def check_engine(parts: dict | None = None, *, questions=QUESTIONS, max_tokens: 
     serving again with one of your parts at a time (``check``, ``model``, ``llm_options``: as ``engine_with``)."""
     given = _checked_parts(parts)
     run = _serve(given, questions, max_tokens, model, check, llm_options)
-    run.expected = _hf_greedy(run.prompt_token_ids, max_tokens, model)
+    run.expected = [list(tokens) for tokens in _hf_greedy(tuple(map(tuple, run.prompt_token_ids)), max_tokens, model)]
     if run.matches:
         return run
     culprits = list(given) if len(given) == 1 else [
@@ -149,7 +152,8 @@ def _serve(parts, questions, max_tokens, model, check, llm_options) -> CapstoneR
                        [o.outputs[0].abort_reason for o in outputs])
 
 
-def _hf_greedy(prompts: list[list[int]], max_tokens: int, model) -> list[list[int]]:
+@functools.lru_cache(maxsize=8)  # the reference for the same prompts: loaded and run once per process
+def _hf_greedy(prompts: tuple[tuple[int, ...], ...], max_tokens: int, model) -> list[list[int]]:
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -19,6 +19,7 @@ A part that raises, or answers what its contract does not allow, raises ``Learne
 the engine calls it: a forward pass or a verification aborts that request with the error as its reason).
 """
 
+from array import array
 from dataclasses import dataclass, fields
 from typing import Callable
 
@@ -26,6 +27,7 @@ import torch
 import xxhash
 
 from kvlab.blocks.prefix_cache import HashChain
+from kvlab.engine.proposers import Proposer
 from kvlab.errors import InvalidArgumentError, LearnerPartError
 
 
@@ -82,8 +84,9 @@ class EngineParts:
     def slots(self, block_table: tuple[int, ...], block_size: int, start: int, end: int) -> list[int]:
         """The cache slots of positions ``start .. end - 1`` by the learner's ``slot_mapping``."""
         slots = _call("slot_mapping", self.slot_mapping, list(block_table), block_size, start, end)
+        blocks = set(block_table)
         if (not isinstance(slots, list) or len(slots) != end - start
-                or any(type(s) is not int or not 0 <= s < (max(block_table) + 1) * block_size for s in slots)):
+                or any(type(s) is not int or s < 0 or s // block_size not in blocks for s in slots)):
             raise LearnerPartError(f"slot_mapping({list(block_table)}, {block_size}, {start}, {end}) returned "
                                    f"{_short(slots)}: expected a list of {end - start} slots in the table's blocks")
         return slots
@@ -109,16 +112,9 @@ class EngineParts:
                           for s, out in enumerate(outs)])
 
     # ---- speculative decoding's parts -------------------------------------------------------------------
-    def proposer(self, min_n: int, max_n: int):
+    def proposer(self, min_n: int, max_n: int) -> "LearnerNgramProposer":
         """A ``Proposer`` proposing by the learner's ``ngram_proposer`` with these bounds."""
-        from kvlab.engine.proposers import Proposer
-
-        propose = self.ngram_proposer
-
-        class LearnerNgramProposer(Proposer):
-            def propose(self, tokens, max_tokens):  # a failure costs the drafts, with a ProposerWarning
-                return propose(list(tokens), max_tokens, min_n, max_n)
-        return LearnerNgramProposer()
+        return LearnerNgramProposer(self.ngram_proposer, min_n, max_n)
 
     def accept(self, logits: torch.Tensor, drafts: tuple[int, ...], params, generator) -> list[int]:
         """``kvlab.engine.speculative.accept`` by the learner's ``rejection_sampling``: a model-free proposer's
@@ -149,6 +145,18 @@ class EngineParts:
         return kept
 
 
+class LearnerNgramProposer(Proposer):
+    """``method="ngram"``'s proposer by a learner's ``propose(tokens, max_tokens, min_n, max_n)``; one that
+    raises or answers no token ids costs that step's drafts, with a ``ProposerWarning`` (greedy output is
+    unchanged: drafts are verified)."""
+
+    def __init__(self, propose, min_n: int, max_n: int):
+        self._propose, self.min_n, self.max_n = propose, min_n, max_n
+
+    def propose(self, tokens: list[int], max_tokens: int) -> list[int]:
+        return self._propose(list(tokens), max_tokens, self.min_n, self.max_n)
+
+
 def check_parts(parts, *, speculation, attention_backend, kv_cache_dtype: str) -> EngineParts:
     """``LLM``'s ``parts`` (None: none of them), checked against the engine's other settings."""
     if parts is None:
@@ -169,8 +177,9 @@ def check_parts(parts, *, speculation, attention_backend, kv_cache_dtype: str) -
 
 
 def _xxh64_block(parent, block: tuple) -> int:
-    """The hash the learner's chain is given: xxh64 of the block's tokens seeded by the parent's hash."""
-    return xxhash.xxh64_intdigest(repr(block).encode(), parent or 0)
+    """The hash the learner's chain is given: xxh64 of the block's tokens (int64 bytes, as kvlab's default)
+    seeded by the parent's hash."""
+    return xxhash.xxh64_intdigest(array("q", block).tobytes(), parent or 0)
 
 
 def _call(name: str, part, *args):

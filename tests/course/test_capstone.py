@@ -6,7 +6,9 @@ check before any model loads, or by serving with one learner part at a time when
 import pytest
 import torch
 
-from kvlab.course.capstone import PARTS, check_engine, describe, engine_with
+from kvlab.course import check_engine, engine_with
+from kvlab.course.capstone import PARTS, describe
+from kvlab.engine.parts import EngineParts
 from kvlab.errors import InvalidArgumentError, LearnerPartError
 from kvlab.puzzles import puzzle
 from kvlab.puzzles.solutions.decode_attention import decode_attention
@@ -77,6 +79,11 @@ def test_the_call_says_which_parts_fall_back_to_kvlabs(capsys):
             "prefill_attention, ngram_proposer, rejection_sampling") in said
     assert llm.parts.slot_mapping is SOLUTIONS["slot_mapping"] and llm.parts.decode_attention is None
     assert describe({}).endswith(f"kvlab's own parts (not given): {', '.join(PARTS)}")
+
+
+def test_every_part_of_the_engine_is_a_puzzle():
+    assert PARTS == EngineParts.names()
+    assert all(puzzle(name).name == name for name in PARTS)
 
 
 def test_parts_are_checked_at_the_boundary():
