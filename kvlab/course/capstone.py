@@ -73,12 +73,14 @@ def describe(parts: dict) -> str:
 @dataclass
 class CapstoneRun:
     """What ``check_engine`` served: the prompts' token ids, the engine's greedy tokens and Hugging Face's, and
-    the prompt tokens each request found in the prefix cache; ``abort_reasons``: why a request was aborted
-    (a part that raised or broke its contract in the engine says so there), None for one that was not."""
+    the prompt tokens each request found in the prefix cache and the drafts it accepted; ``abort_reasons``: why
+    a request was aborted (a part that raised or broke its contract in the engine says so there), None for one
+    that was not."""
     prompt_token_ids: list[list[int]]
     tokens: list[list[int]]
     expected: list[list[int]]
     cached_prompt_tokens: list[int]
+    accepted_drafts: list[int]
     abort_reasons: list[str | None]
 
     @property
@@ -149,6 +151,7 @@ def _serve(parts, questions, max_tokens, model, check, llm_options) -> CapstoneR
                        SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
     return CapstoneRun([o.prompt_token_ids for o in outputs], [o.outputs[0].token_ids for o in outputs], [],
                        [o.metrics.num_cached_prompt_tokens for o in outputs],
+                       [o.metrics.num_accepted_tokens for o in outputs],
                        [o.outputs[0].abort_reason for o in outputs])
 
 
