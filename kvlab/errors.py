@@ -64,6 +64,12 @@ class PuzzleNotSolvedError(KvlabError, AssertionError):
     message names the case, its inputs, and what was expected against what came back."""
 
 
+class LearnerPartError(KvlabError, AssertionError):
+    """A learner's part of the capstone engine (``kvlab.course.engine_with``) is wrong: it failed its puzzle's
+    check, broke its contract inside the engine, or made the engine's tokens differ from Hugging Face's; the
+    message names the part and says what went wrong."""
+
+
 class SolutionsNotShippedError(KvlabError, ImportError):
     """The puzzles' solutions were asked for where kvlab is installed without them (they ship with a checkout)."""
 

@@ -44,6 +44,7 @@ from torch import nn
 
 from kvlab.engine.config import ModelConfig
 from kvlab.engine.layers import MergedLinear, RMSNorm, Rotation
+from kvlab.engine.parts import EngineParts
 from kvlab.kernels import mla_decode, paged_attention_decode, paged_prefill, reshape_and_cache
 from kvlab.kernels.mla_decode import check_latent_decode_step, mla_decode_unchecked
 from kvlab.kernels.paged_attention_decode import paged_attention_decode_unchecked
@@ -84,6 +85,7 @@ class AttentionBatch:
     sliding_window: int | None = None
     check_every_layer: bool = False
     kivi: KiviStep | None = None
+    parts: EngineParts | None = None  # a learner's attention (kvlab.engine.parts; the torch backend only)
 
     def kivi_step(self, kv_cache: torch.Tensor, quantizer: KVQuantizer) -> KiviStep:
         """The step's KIVI plan, made by the first layer that asks and shared by the others (every layer of a
@@ -96,19 +98,20 @@ class AttentionBatch:
     @classmethod
     def for_backend(cls, backend: str, kv_cache: torch.Tensor, *, is_prefill: bool, slot_mapping, block_tables,
                     seq_lens, cu_query_lens, max_seq_len: int, num_heads: int, sliding_window=None,
-                    check_every_layer=False, query_dtype=None, kivi=None) -> "AttentionBatch":
+                    check_every_layer=False, query_dtype=None, kivi=None, parts=None) -> "AttentionBatch":
         """The step's batch for ``backend``, its metadata checked (once for every layer); ``cu_query_lens
         [S + 1]`` is given for decode too (0, 1, ... S). ``kv_cache``: any layer's cache (they share a
         layout); ``max_seq_len``: the longest ``seq_lens`` entry, known on the host; ``num_heads``: query heads;
         ``query_dtype``: theirs (the model's), which an fp8 cache needs for the Triton backend's prefill tile;
         ``kivi``: a KIVI cache's quantizer (any layer's: they share R, G and the format), whose Triton kernels
-        the step's checks and tile map are then for."""
+        the step's checks and tile map are then for; ``parts``: a learner's attention for the torch backend
+        (``kvlab.engine.parts``; None: kvlab's)."""
         if backend == "torch":
             num_tokens = slot_mapping.shape[0]
             plan = plan_paged_attention(kv_cache, block_tables, seq_lens, cu_query_lens, num_tokens, sliding_window)
             return cls(is_prefill, slot_mapping, block_tables, seq_lens, cu_query_lens if is_prefill else None,
                        plan=plan, cache_write=plan_cache_write(kv_cache, slot_mapping, num_tokens),
-                       sliding_window=sliding_window)
+                       sliding_window=sliding_window, parts=parts)
         cu_query_lens = cu_query_lens if is_prefill else None  # decode: the kernel takes one query per sequence
         checked = check_paged_step(kv_cache, num_heads, slot_mapping, block_tables, seq_lens, cu_query_lens,
                                    max_seq_len=max_seq_len, sliding_window=sliding_window, query_dtype=query_dtype,
@@ -177,7 +180,10 @@ class PagedSelfAttention(nn.Module):
             out = paged_attention_torch_quantized(q, kv_cache, batch.plan, self.kv_quantizer, scale=self.scale)
         elif batch.plan is not None:  # the torch backend
             write_cache(k, v, kv_cache, batch.cache_write)
-            out = paged_attention_torch_unchecked(q, kv_cache, batch.plan, scale=self.scale)
+            if batch.parts is not None and batch.parts.replaces_attention:
+                out = batch.parts.attend(q, kv_cache, batch, self.scale)
+            else:
+                out = paged_attention_torch_unchecked(q, kv_cache, batch.plan, scale=self.scale)
         elif self.kv_window is not None:  # the triton backend, KIVI cache
             out = kivi_attention_triton(q, k, v, kv_cache, batch.kivi_step(kv_cache, self.kv_quantizer),
                                         self.kv_quantizer, self.kv_window, batch.block_tables, batch.seq_lens,

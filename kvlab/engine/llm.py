@@ -18,6 +18,7 @@ from kvlab.engine.config import load_model_config
 from kvlab.engine.hybrid import make_block_manager
 from kvlab.engine.intake import RequestIntake, load_tokenizer, prompt_token_ids
 from kvlab.engine.kv_calibration import quantize_kv_cache
+from kvlab.engine.parts import check_parts
 from kvlab.engine.kv_cache import (CPU_KV_CACHE_BYTES, PagedKVCache, blocks_for_memory, check_kernel_support,
                                    engine_kv_cache_groups, kivi_window_bytes)
 from kvlab.engine.request import Request, RequestOutput
@@ -107,6 +108,10 @@ class LLM:
     each decoding sequence gets up to k proposed tokens per step, verified in the step's one forward pass;
     greedy output is unchanged, sampled output keeps its distribution (``kvlab.engine.speculative``). V1
     scheduling only. ``RequestOutput.metrics`` and the step records count drafts proposed and accepted.
+
+    ``parts``: None, or a ``kvlab.engine.parts.EngineParts`` whose parts (a learner's slot mapping, block
+    hashes, LRU policy, torch attention, n-gram proposer, rejection sampling) replace kvlab's own in this
+    engine (the course's capstone, ``kvlab.course.engine_with``, builds it); ``llm.parts`` is what it got.
     """
 
     def __init__(self, model, *, block_size: int = 16, num_blocks: int | None = None,
@@ -118,7 +123,7 @@ class LLM:
                  offload_policy: str = "lru", offload_admission: str = "always", kv_cache_dtype: str = "auto",
                  kv_scale_granularity: str = "tensor", kv_calibration_prompts=None, kv_residual_length=None,
                  speculative_config: dict | None = None, scheduling_policy: str = "fcfs",
-                 prefix_match_unit: int | None = None):
+                 prefix_match_unit: int | None = None, parts=None):
         check_settings(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        preemption_mode=preemption_mode, max_model_len=max_model_len,
@@ -132,11 +137,18 @@ class LLM:
             raise InvalidArgumentError("prefix_match_unit does not combine with a KIVI cache (its full-precision "
                                        "windows hold a block's newest tokens apart from the pages) yet; pass None")
         self.speculation = resolve_speculative_config(speculative_config)
+        self.parts = parts = check_parts(parts, speculation=self.speculation, attention_backend=attention_backend,
+                                         kv_cache_dtype=kv_cache_dtype)
+        if parts.ngram_proposer is not None:
+            self.speculation = replace(self.speculation, proposer=parts.proposer(
+                self.speculation.proposer.min_n, self.speculation.proposer.max_n))
         scheduler_config = SchedulerConfig(scheduler=scheduler, scheduling=scheduling,
                                            scheduling_policy=scheduling_policy, preemption_mode=preemption_mode,
                                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                            drafter=self.speculation)
         self.device = resolve_device(device)
+        if parts.replaces_attention and attention_backend is None:
+            attention_backend = "torch"  # a learner's attention is torch (the torch backend's seam)
         self.attention_backend = resolve_quantized_backend(attention_backend, kv_cache_dtype, self.device)
         check_every_layer = check_every_layer_from_env()
         self.model_config = config = load_model_config(model)
@@ -155,6 +167,10 @@ class LLM:
         # The KV cache groups, and from them the one KVCacheConfig every part below is made from: the block
         # size and the cache format are read from the settings here and nowhere else.
         groups = engine_kv_cache_groups(config, self.dtype, kv_cache_dtype, block_size, prefix_match_unit)
+        if parts.given() and (len(groups) > 1 or groups[0].attention.sliding_window is not None
+                              or groups[0].mla_latent_dim is not None):
+            raise InvalidArgumentError(f"parts: a learner's parts plug into a model with one kind of layer, full "
+                                       f"attention without MLA (as SmolLM2); {config.path} has other layers")
         check_kernel_support(config, groups, self.dtype, self.device, self.attention_backend)
         self.model = load_model(config, self.dtype, self.device)
         self.model.init_rope(self.dtype, self.device)
@@ -183,7 +199,8 @@ class LLM:
                                                 enable_prefix_caching=enable_prefix_caching,
                                                 record_events=record_events, kv_events=kv_events,
                                                 num_offload_blocks=num_offload_blocks,
-                                                offload_policy=offload_policy, offload_admission=offload_admission)
+                                                offload_policy=offload_policy, offload_admission=offload_admission,
+                                                **parts.block_manager_options())
         self.kv_events = self.block_manager.kv_events  # vLLM's KV cache events, None unless kv_events=True
         self.kv_cache = PagedKVCache(self.kv_cache_config, self.dtype, self.device, num_cpu_blocks,
                                      num_offload_blocks)
@@ -197,9 +214,10 @@ class LLM:
             self.scheduler.on_blocks_freed = self.kv_cache.forget_blocks
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.attention_backend,
                                   check_every_layer=check_every_layer,
-                                  kivi=None if residual_length is None else self.kv_quantizers[0])
+                                  kivi=None if residual_length is None else self.kv_quantizers[0], parts=parts)
         self._loop = StepLoop(self.scheduler, self.runner, Sampler(seed, self.device), config.eos_token_ids,
-                              self.max_model_len, record_decisions)
+                              self.max_model_len, record_decisions,
+                              **({"verify": parts.accept} if parts.rejection_sampling is not None else {}))
         self._intake = RequestIntake(config, self.tokenizer, self.max_model_len, self.scheduler, max_num_batched_tokens)
         self._request_ids = itertools.count()
         self._unreturned: list[RequestOutput] = []  # outputs generate() saw for requests it did not add

@@ -20,7 +20,7 @@ from kvlab.engine.step import ScheduledStep, SeqStep
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, device, attention_backend: str, *,
-                 check_every_layer: bool = False, kivi=None):
+                 check_every_layer: bool = False, kivi=None, parts=None):
         self.model, self.kv_cache, self.device = model, kv_cache, device
         self.attention_backend = attention_backend
         self.query_dtype = model.lm_head.weight.dtype  # the model's (an fp8 cache's Triton prefill tile follows it)
@@ -31,6 +31,8 @@ class ModelRunner:
         # MLA: the groups' pages are latent rows (an MLA model has one group, of full-attention layers)
         self.latent_pages = kv_cache.config.groups[0].mla_latent_dim is not None
         self._tables: dict[int, list[list[int]]] = {}  # seq_id -> [groups][blocks], from the steps' edits
+        # A learner's slot mapping and attention (kvlab.engine.parts; one full-attention group), else None.
+        self.parts = parts
 
     def begin_step(self, step: ScheduledStep) -> None:
         """Once per step, before any forward pass of it: drop the tables of the sequences the step forgot, apply
@@ -60,8 +62,12 @@ class ModelRunner:
         for entry in entries:
             input_ids += entry.input_ids()
             positions += range(entry.start, entry.end)
-            for group, group_slots in zip(slots, entry.slots):
-                group += group_slots
+            if self.parts is not None and self.parts.slot_mapping is not None:
+                slots[0] += self.parts.slots(self._tables[entry.seq.seq_id][0], self.kv_cache.block_size,
+                                             entry.start, entry.end)
+            else:
+                for group, group_slots in zip(slots, entry.slots):
+                    group += group_slots
             query_lens.append(entry.num_tokens)
             context_lens.append(entry.end)  # a chunk sees its prompt up to its own last token, no further
         tables = list(zip(*(self._tables[entry.seq.seq_id] for entry in entries)))  # [groups][S]
@@ -89,7 +95,7 @@ class ModelRunner:
                 slot_mapping=tensor(group_slots, torch.int64), block_tables=padded(group_tables), seq_lens=seq_lens,
                 cu_query_lens=cu_query_lens, max_seq_len=longest, num_heads=self.model.config.num_heads,
                 sliding_window=window, check_every_layer=self.check_every_layer, query_dtype=self.query_dtype,
-                kivi=self.kivi)
+                kivi=self.kivi, parts=self.parts)
                 for group_slots, group_tables, window in zip(slots, tables, self.windows)]
         for window in self.kv_cache.windows:  # a KIVI cache: what a pass that raised staged is dropped
             window.discard()

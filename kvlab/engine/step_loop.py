@@ -28,8 +28,9 @@ from kvlab.engine.step_record import StepRecord
 
 class StepLoop:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler, eos_token_ids, max_model_len: int,
-                 record_decisions: bool = False):
+                 record_decisions: bool = False, verify=accept):
         self.scheduler, self.runner, self.sampler = scheduler, runner, sampler
+        self.verify = verify  # speculative.accept, or a learner's rejection sampling (kvlab.engine.parts)
         self.manager = scheduler.manager
         self.eos_token_ids, self.max_model_len = eos_token_ids, max_model_len
         self.requests: dict[str, Request] = {}  # unfinished, by id
@@ -117,7 +118,7 @@ class StepLoop:
         request = self.scheduler.owner[seq.seq_id]
         generator = request.generators[request.seqs.index(seq)] or self.sampler.generator
         try:
-            tokens = accept(logits, drafts, request.params, generator)
+            tokens = self.verify(logits, drafts, request.params, generator)
         except Exception as error:  # noqa: BLE001 - this sequence's failure, kept as its abort reason
             return [self._fail(seq, "sampling", error)]
         finish, appended = None, 0

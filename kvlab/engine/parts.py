@@ -1,0 +1,204 @@
+"""Parts of the engine a learner may replace with their own (the course's capstone: ``kvlab.course.engine_with``).
+
+``LLM(..., parts=EngineParts(...))``: each field that is set replaces kvlab's own at one seam, for that engine
+only (nothing global: two engines in one process never see each other's parts); a field left None keeps
+kvlab's. The signatures are the puzzles' (``kvlab.puzzles``, one per part), and so is the name each part is
+known by:
+
+* ``slot_mapping(block_table, block_size, start, end)``: the runner writes a step's new K/V at these slots;
+* ``block_hashes(tokens, block_size, hash_fn)``: the block manager's chained hashes, what prefix caching looks
+  blocks up by (the lookup still compares tokens, so a wrong hash costs hits, not correctness);
+* ``lru_policy``: an ``EvictionPolicy`` class, one instance per engine: the free blocks' reuse order;
+* ``decode_attention(query, kv_cache, block_tables, seq_lens, scale)`` and ``prefill_attention(query,
+  kv_cache, block_table, seq_len, scale)``: the torch backend's attention over the block tables (after kvlab
+  wrote the step's K/V), decode steps and steps of several query rows per sequence (prompt chunks, drafts);
+* ``ngram_proposer(tokens, max_tokens, min_n, max_n)``: speculative decoding's drafts (``method="ngram"``);
+* ``rejection_sampling(drafts, draft_probs, target_probs, uniforms, sample)``: the verification of drafts.
+
+A part that raises, or answers what its contract does not allow, raises ``LearnerPartError`` naming it (where
+the engine calls it: a forward pass or a verification aborts that request with the error as its reason).
+"""
+
+from array import array
+from dataclasses import dataclass, fields
+from typing import Callable
+
+import torch
+import xxhash
+
+from kvlab.blocks.prefix_cache import HashChain
+from kvlab.engine.proposers import Proposer
+from kvlab.errors import InvalidArgumentError, LearnerPartError
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    slot_mapping: Callable | None = None
+    block_hashes: Callable | None = None
+    lru_policy: type | None = None
+    decode_attention: Callable | None = None
+    prefill_attention: Callable | None = None
+    ngram_proposer: Callable | None = None
+    rejection_sampling: Callable | None = None
+
+    def __post_init__(self):
+        for name, part in self.given().items():
+            if not callable(part):
+                raise InvalidArgumentError(f"the part {name!r} must be callable (a function, or for lru_policy an "
+                                           f"EvictionPolicy class), got {type(part).__name__}")
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    def given(self) -> dict:
+        """The parts that are set, by name."""
+        return {name: getattr(self, name) for name in self.names() if getattr(self, name) is not None}
+
+    @property
+    def replaces_attention(self) -> bool:
+        return self.decode_attention is not None or self.prefill_attention is not None
+
+    # ---- the block manager's parts ------------------------------------------------------------------------
+    def block_manager_options(self) -> dict:
+        """The block manager's ``hash_fn`` and ``eviction`` for these parts (none: kvlab's)."""
+        options = {}
+        if self.block_hashes is not None:
+            options["hash_fn"] = HashChain(self._chained_hashes, _xxh64_block)
+        if self.lru_policy is not None:
+            try:
+                options["eviction"] = self.lru_policy()
+            except Exception as error:
+                raise LearnerPartError(f"lru_policy: building {self.lru_policy!r}() raised {error!r}") from error
+        return options
+
+    def _chained_hashes(self, tokens: list[int], block_size: int, hash_fn) -> list[int]:
+        hashes = _call("block_hashes", self.block_hashes, list(tokens), block_size, hash_fn)
+        wanted = len(tokens) // block_size
+        if not isinstance(hashes, list) or len(hashes) != wanted or any(type(h) is not int for h in hashes):
+            raise LearnerPartError(f"block_hashes returned {_short(hashes)} for {len(tokens)} tokens in blocks of "
+                                   f"{block_size}: expected a list of {wanted} ints, one per full block")
+        return hashes
+
+    # ---- the runner's parts -------------------------------------------------------------------------------
+    def slots(self, block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
+        """The cache slots of positions ``start .. end - 1`` by the learner's ``slot_mapping``."""
+        slots = _call("slot_mapping", self.slot_mapping, list(block_table), block_size, start, end)
+        blocks = set(block_table)
+        if (not isinstance(slots, list) or len(slots) != end - start
+                or any(type(s) is not int or s < 0 or s // block_size not in blocks for s in slots)):
+            raise LearnerPartError(f"slot_mapping({list(block_table)}, {block_size}, {start}, {end}) returned "
+                                   f"{_short(slots)}: expected a list of {end - start} slots in the table's blocks")
+        return slots
+
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, batch, scale: float) -> torch.Tensor:
+        """``out [T, H, D]``: the step's attention (``batch``: its ``AttentionBatch``, the cache already
+        written) by the learner's decode or prefill attention, kvlab's torch twin for the one not given."""
+        from kvlab.kernels.torch_paged import paged_attention_decode_torch, paged_prefill_torch
+
+        if not batch.is_prefill:  # one query row per sequence
+            if self.decode_attention is None:
+                return paged_attention_decode_torch(query, kv_cache, batch.block_tables, batch.seq_lens, scale)
+            out = _call("decode_attention", self.decode_attention, query, kv_cache, batch.block_tables,
+                        batch.seq_lens, scale)
+            return _checked_output("decode_attention", out, query)
+        if self.prefill_attention is None:
+            return paged_prefill_torch(query, kv_cache, batch.block_tables, batch.seq_lens, batch.cu_query_lens,
+                                       scale)
+        cu, lens = batch.cu_query_lens.tolist(), batch.seq_lens.tolist()
+        outs = [_call("prefill_attention", self.prefill_attention, query[cu[s]:cu[s + 1]], kv_cache,
+                      batch.block_tables[s], seq_len, scale) for s, seq_len in enumerate(lens)]
+        return torch.cat([_checked_output("prefill_attention", out, query[cu[s]:cu[s + 1]])
+                          for s, out in enumerate(outs)])
+
+    # ---- speculative decoding's parts -------------------------------------------------------------------
+    def proposer(self, min_n: int, max_n: int) -> "LearnerNgramProposer":
+        """A ``Proposer`` proposing by the learner's ``ngram_proposer`` with these bounds."""
+        return LearnerNgramProposer(self.ngram_proposer, min_n, max_n)
+
+    def accept(self, logits: torch.Tensor, drafts: tuple[int, ...], params, generator) -> list[int]:
+        """``kvlab.engine.speculative.accept`` by the learner's ``rejection_sampling``: a model-free proposer's
+        draft distribution is a point mass on its draft; greedy, the target's is a point mass on its argmax."""
+        from kvlab.engine.sampler import noise_row, probabilities, race
+
+        vocab = logits.shape[-1]
+        if params.greedy:
+            target = torch.nn.functional.one_hot(logits.argmax(-1), vocab).float()
+
+            def sample(probs):
+                return max(range(len(probs)), key=probs.__getitem__)
+        else:
+            target = probabilities(logits, [params] * len(logits))
+
+            def sample(probs):
+                row = torch.tensor([float(p) for p in probs], device=logits.device)
+                return int(race(row, noise_row(generator, row)))
+        draft_probs = torch.nn.functional.one_hot(torch.tensor(drafts, dtype=torch.int64), vocab).float().tolist()
+        uniforms = (1 - torch.rand(len(drafts), generator=generator, device=logits.device)).tolist()  # (0, 1]
+        kept = _call("rejection_sampling", self.rejection_sampling, list(drafts), draft_probs, target.tolist(),
+                     uniforms, sample)
+        if (not isinstance(kept, list) or not 1 <= len(kept) <= len(drafts) + 1
+                or any(type(t) is not int or not 0 <= t < vocab for t in kept)
+                or kept[:-1] != list(drafts[:len(kept) - 1])):
+            raise LearnerPartError(f"rejection_sampling returned {_short(kept)} for the drafts {list(drafts)}: "
+                                   "expected the accepted drafts (a prefix of them), then one token")
+        return kept
+
+
+class LearnerNgramProposer(Proposer):
+    """``method="ngram"``'s proposer by a learner's ``propose(tokens, max_tokens, min_n, max_n)``; one that
+    raises or answers no token ids costs that step's drafts, with a ``ProposerWarning`` (greedy output is
+    unchanged: drafts are verified)."""
+
+    def __init__(self, propose, min_n: int, max_n: int):
+        self._propose, self.min_n, self.max_n = propose, min_n, max_n
+
+    def propose(self, tokens: list[int], max_tokens: int) -> list[int]:
+        return self._propose(list(tokens), max_tokens, self.min_n, self.max_n)
+
+
+def check_parts(parts, *, speculation, attention_backend, kv_cache_dtype: str) -> EngineParts:
+    """``LLM``'s ``parts`` (None: none of them), checked against the engine's other settings."""
+    if parts is None:
+        return EngineParts()
+    if not isinstance(parts, EngineParts):
+        raise InvalidArgumentError(f"parts must be None or a kvlab.engine.parts.EngineParts, got "
+                                   f"{type(parts).__name__} (kvlab.course.engine_with takes a dict)")
+    if parts.replaces_attention and (attention_backend not in (None, "torch") or kv_cache_dtype != "auto"):
+        raise InvalidArgumentError(f"parts: a learner's attention runs on the torch backend over an unquantized "
+                                   f"cache; got attention_backend={attention_backend!r}, "
+                                   f"kv_cache_dtype={kv_cache_dtype!r}")
+    if parts.ngram_proposer is not None and (speculation is None or speculation.method != "ngram"):
+        raise InvalidArgumentError("parts: ngram_proposer proposes for speculative_config={'method': 'ngram', ...}; "
+                                   f"this engine's is {speculation and speculation.method!r}")
+    if parts.rejection_sampling is not None and speculation is None:
+        raise InvalidArgumentError("parts: rejection_sampling verifies drafts: give a speculative_config too")
+    return parts
+
+
+def _xxh64_block(parent, block: tuple) -> int:
+    """The hash the learner's chain is given: xxh64 of the block's tokens (int64 bytes, as kvlab's default)
+    seeded by the parent's hash."""
+    return xxhash.xxh64_intdigest(array("q", block).tobytes(), parent or 0)
+
+
+def _call(name: str, part, *args):
+    try:
+        return part(*args)
+    except LearnerPartError:
+        raise
+    except Exception as error:
+        raise LearnerPartError(f"{name} raised {error!r}") from error
+
+
+def _checked_output(name: str, out, query: torch.Tensor) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor) or out.shape != query.shape or not bool(out.isfinite().all()):
+        what = (f"a {tuple(out.shape)} tensor" + ("" if out.shape != query.shape else " with NaN or inf")
+                if isinstance(out, torch.Tensor) else _short(out))
+        raise LearnerPartError(f"{name} returned {what}: expected a finite {tuple(query.shape)} tensor (as the query)")
+    return out.to(query.dtype)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -1,0 +1,97 @@
+"""The capstone (``kvlab.course.engine_with``, ``check_engine``): SmolLM2-135M served with every puzzle's solution
+plugged into the engine gives Hugging Face's greedy tokens exactly, as kvlab's own parts do, on chat prompts
+sharing their system prompt (prefix hits) with n-gram speculation on; a wrong part is named, by its puzzle's
+check before any model loads, or by serving with one learner part at a time when the engine's tokens differ."""
+
+import pytest
+import torch
+
+from kvlab.course import check_engine, engine_with
+from kvlab.course.capstone import PARTS, describe
+from kvlab.engine.parts import EngineParts
+from kvlab.errors import InvalidArgumentError, LearnerPartError
+from kvlab.puzzles import puzzle
+from kvlab.puzzles.solutions.decode_attention import decode_attention
+
+SOLUTIONS = {name: puzzle(name).solution() for name in PARTS}
+
+
+def slots_off_by_one(table, bs, start, end):
+    return [table[p // bs] * bs + p % bs + 1 for p in range(start, end)]
+
+
+def decode_attention_without_the_last_block(query, kv_cache, block_tables, seq_lens, scale):
+    """A plausible slip: the last block of a sequence is left out (its length rounded down to whole blocks)."""
+    bs = kv_cache.shape[2]
+    whole = torch.clamp(seq_lens // bs * bs, min=1).to(seq_lens.dtype)
+    return decode_attention(query, kv_cache, block_tables, whole, scale)
+
+
+def verify_without_return(drafts, draft_probs, target_probs, uniforms, sample):
+    kept = []
+    for i, draft in enumerate(drafts):
+        if uniforms[i] * draft_probs[i][draft] > target_probs[i][draft]:
+            break
+        kept.append(draft)
+    kept.append(sample(target_probs[len(kept)]))  # forgot "return kept"
+
+
+@pytest.mark.slow
+def test_every_solution_plugged_in_gives_hf_greedy_tokens():
+    run = check_engine(SOLUTIONS)
+    assert run.matches and len(run.tokens) == 2 and all(run.tokens)
+    assert run.cached_prompt_tokens[1] > 0  # the second prompt hit the first one's system-prompt blocks
+    assert run.accepted_drafts[0] > 0  # the first answer quotes its question: drafts proposed and accepted
+    assert run.abort_reasons == [None, None]
+
+
+@pytest.mark.slow
+def test_kvlabs_own_parts_give_hf_greedy_tokens():
+    run = check_engine(None)
+    assert run.matches and run.cached_prompt_tokens[1] > 0
+
+
+def test_a_part_failing_its_puzzle_check_is_named_before_any_model_loads():
+    parts = {**SOLUTIONS, "slot_mapping": slots_off_by_one}
+    with pytest.raises(LearnerPartError, match=r"^slot_mapping fails its puzzle's check.*block_table="):
+        engine_with(parts)
+
+
+@pytest.mark.slow
+def test_a_wrong_part_that_passes_no_check_is_named_by_the_engines_tokens():
+    parts = {"prefill_attention": SOLUTIONS["prefill_attention"],
+             "decode_attention": decode_attention_without_the_last_block}
+    with pytest.raises(LearnerPartError, match=r"^decode_attention is wrong: on question \d the engine's greedy "
+                                               r"tokens differ from Hugging Face's"):
+        check_engine(parts, check=False, max_tokens=6)  # the first decode step reads a partial last block
+
+
+@pytest.mark.slow
+def test_a_part_breaking_its_contract_in_the_engine_is_named_in_the_abort_reason():
+    with pytest.raises(LearnerPartError, match=r"rejection_sampling is wrong.*aborted: .*rejection_sampling "
+                                               r"returned None .*expected the accepted drafts"):
+        check_engine({"rejection_sampling": verify_without_return}, check=False)
+
+
+def test_the_call_says_which_parts_fall_back_to_kvlabs(capsys):
+    llm = engine_with({"slot_mapping": SOLUTIONS["slot_mapping"], "lru_policy": SOLUTIONS["lru_policy"]})
+    said = capsys.readouterr().out
+    assert ("your parts: slot_mapping, lru_policy; kvlab's own parts (not given): block_hashes, decode_attention, "
+            "prefill_attention, ngram_proposer, rejection_sampling") in said
+    assert llm.parts.slot_mapping is SOLUTIONS["slot_mapping"] and llm.parts.decode_attention is None
+    assert describe({}).endswith(f"kvlab's own parts (not given): {', '.join(PARTS)}")
+
+
+def test_every_part_of_the_engine_is_a_puzzle():
+    assert PARTS == EngineParts.names()
+    assert all(puzzle(name).name == name for name in PARTS)
+
+
+def test_parts_are_checked_at_the_boundary():
+    with pytest.raises(InvalidArgumentError, match=r"unknown part 'slot_maping'; the parts are: slot_mapping, "
+                                                   r"block_hashes, lru_policy"):
+        engine_with({"slot_maping": SOLUTIONS["slot_mapping"]})
+    with pytest.raises(InvalidArgumentError, match=r"'lru_policy' must be your solution .* got int"):
+        engine_with({"lru_policy": 3})
+    with pytest.raises(InvalidArgumentError, match="parts must be a dict"):
+        engine_with([SOLUTIONS["slot_mapping"]])
