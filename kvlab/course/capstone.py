@@ -89,12 +89,15 @@ class CapstoneRun:
 
 
 def check_engine(parts: dict | None = None, *, questions=QUESTIONS, max_tokens: int = 20, model=None,
-                 check: bool = True, **llm_options) -> CapstoneRun:
+                 check: bool = True, verbose: bool = True, **llm_options) -> CapstoneRun:
     """Serve ``questions`` (as chat prompts, greedy, ``max_tokens`` each) on ``engine_with(parts)`` and compare
     the tokens with Hugging Face transformers' greedy ``generate`` on the same prompt tokens. Returns the run
     when they are equal; else raises ``LearnerPartError`` naming the part whose engine goes wrong, found by
-    serving again with one of your parts at a time (``check``, ``model``, ``llm_options``: as ``engine_with``)."""
+    serving again with one of your parts at a time (``check``, ``model``, ``verbose``, ``llm_options``: as
+    ``engine_with``)."""
     given = _checked_parts(parts)
+    if verbose:
+        print(describe(given))
     run = _serve(given, questions, max_tokens, model, check, llm_options)
     run.expected = [list(tokens) for tokens in _hf_greedy(tuple(map(tuple, run.prompt_token_ids)), max_tokens, model)]
     if run.matches:

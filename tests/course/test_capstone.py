@@ -46,9 +46,10 @@ def test_every_solution_plugged_in_gives_hf_greedy_tokens():
 
 
 @pytest.mark.slow
-def test_kvlabs_own_parts_give_hf_greedy_tokens():
+def test_kvlabs_own_parts_give_hf_greedy_tokens(capsys):
     run = check_engine(None)
     assert run.matches and run.cached_prompt_tokens[1] > 0
+    assert capsys.readouterr().out.count("your parts: none; kvlab's own parts (not given): slot_mapping") == 1
 
 
 def test_a_part_failing_its_puzzle_check_is_named_before_any_model_loads():
