@@ -74,6 +74,7 @@ from kvlab.studies import EngineModel, cache_hit_study, replay, reuse_profile
 from kvlab.studies.doctor import COLUMNS as DOCTOR_COLUMNS
 from kvlab.studies.plots import plot_hit_rates, plot_miss_causes
 from kvlab.studies.reuse import reuse_counts
+from kvlab.studies.sequential import unit_hit_rates
 from kvlab.studies.synthetic import WORKLOADS
 from kvlab.studies.traces import load_trace
 
@@ -432,6 +433,42 @@ partial.round(2)
 # tokens from the cold band (a longer unit more often starts with a shared token) and, at the largest blocks,
 # from the hits. That is vLLM #40696's 0% hit rate with a 528-token hybrid block, named: the prompts shared
 # less than a block, so those tokens are partial blocks, not cold ones.
+#
+# ### A big block, matched at a finer unit
+#
+# A model may not get to choose a small block: a hybrid model's attention page is sized to its Mamba state's,
+# which is how vLLM issue #40696 ended up with 528-token blocks and no hits below 528 tokens. Matching at a finer
+# unit keeps the big block but stops losing the partial one: `BlockManager(..., prefix_match_unit=16)` (vLLM's
+# `hash_block_size`) also finds a cached block whose first 16-token units continue the prompt, and admission
+# copies that block into a new one (copy-on-write at admission: the `BlockCopies` that `allocate` returns) and
+# computes from the first unit that differs. Below, this section's Mooncake requests, replayed with their real
+# tokens one at a time through an LRU pool of 2^20 tokens (`kvlab.studies.sequential.unit_hit_rates`), by
+# prompt length: 528-token blocks, the same blocks at a 16-token unit, and 16-token blocks, the ceiling.
+
+# %%
+units = unit_hit_rates("mooncake_conversation", limit=LIMIT)
+units["config"] = [f"blocks of {b}" + (f", unit {u}" if u != b else "")
+                   for b, u in zip(units["block_size"], units["prefix_match_unit"])]
+by_unit = units[units["requests"] > 0].pivot(index="prompt_tokens", columns="config", values="hit_rate")
+by_unit = by_unit.loc[[b for b in units["prompt_tokens"].unique() if b in by_unit.index],
+                      ["blocks of 528", "blocks of 528, unit 16", "blocks of 16"]]
+ax = by_unit.plot.bar(figsize=(8, 3.4), rot=0, color=["#bab0ac", "#f28e2b", "#4e79a7"])
+ax.set(xlabel="prompt tokens", ylabel="prompt tokens from cache (%)",
+       title="Mooncake, LRU pool of 2^20 tokens: a 528-token block matched at 16 tokens")
+ax.grid(alpha=0.3, axis="y")
+plt.show()
+viz.check(((by_unit["blocks of 528, unit 16"] >= 0.9 * by_unit["blocks of 16"])
+           & (by_unit["blocks of 528, unit 16"] > 2 * by_unit["blocks of 528"])).all()
+          and trace["hash_ids"].map(lambda ids: ids[0]).nunique() == 1,
+          "a 16-token unit should bring 528-token blocks to within 10% of 16-token blocks' hit rate, and more than "
+          "double the whole-block rate, in every length bucket; every prompt should open with the same 512 tokens",
+          defaults=(LIMIT, TRACE_BS) == (3000, 512))
+print(f"Reading: matched at 16 tokens, the 528-token blocks hit {by_unit['blocks of 528, unit 16'].iloc[0]:.1f}% of "
+      f"the shortest prompts' tokens instead of {by_unit['blocks of 528'].iloc[0]:.1f}% (16-token blocks: "
+      f"{by_unit['blocks of 16'].iloc[0]:.1f}%): the trace's shared 512-token opening never fills a 528-token "
+      "block, but its 32 units match. The price is a copy of the partial block per hit, and a unit becomes "
+      "findable only once the step that wrote it ran.")
+by_unit.round(2)
 
 # %% [markdown]
 # ## 5. Requests that overlap in time
