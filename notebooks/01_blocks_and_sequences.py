@@ -201,7 +201,8 @@ answer(PREDICTED_EMPTY_SLOTS, empty_slots_8, "3 x 8 - 19 = 5 empty slots in prom
 # blocks of 4 but leave more slots empty; blocks of 1 take a block per token and leave none empty.
 new_blocks_4, empty_slots_4 = decode_story(4)
 new_blocks_1, empty_slots_1 = decode_story(1)
-viz.check((new_blocks_8, empty_slots_8, new_blocks_4, empty_slots_4, new_blocks_1, empty_slots_1) == (2, 7, 4, 3, 18, 0),
+viz.check((new_blocks_8, empty_slots_8, new_blocks_4, empty_slots_4, new_blocks_1, empty_slots_1)
+          == (2, 7, 4, 3, 18, 0),
           f"decode_story: blocks of 8 gave {(new_blocks_8, empty_slots_8)}, of 4 {(new_blocks_4, empty_slots_4)}, "
           f"of 1 {(new_blocks_1, empty_slots_1)}; the answer says (2, 7), (4, 3), (18, 0)", defaults=True)
 one_token_pool = BlockManager(12, 1)

@@ -132,7 +132,7 @@ PREEMPTION_MODE = "recompute"    # or "swap": copy the victim's blocks to a swap
 MAX_TOKENS = 24                  # small: every decode step runs all 30 layers on a CPU
 SYSTEM = "You are a patient teacher. Explain every answer step by step, in plain words."
 DEFAULTS = (BLOCK_SIZE, SPARE_BLOCKS, PREEMPTION_MODE, MAX_TOKENS) == (8, 3, "recompute", 24)
-SMOLLM2 = CHAT and os.environ.get("KVLAB_MODEL") is None  # the text's numbers are SmolLM2's (its tokenizer, 30 layers)
+SMOLLM2 = CHAT and os.environ.get("KVLAB_MODEL") is None  # the run the text describes: SmolLM2's prompts and layers
 
 
 def chat_ids(question, system=SYSTEM):
@@ -304,7 +304,7 @@ longest = {n: -(-(len(PROMPTS[n]) + MAX_TOKENS) // BLOCK_SIZE) for n in PROMPTS}
 need = sum(longest.values()) - 2 * (shared // BLOCK_SIZE)  # the shared system-prompt blocks once
 viz.check(record is not None and [names[s.seq_id] for s in llm.scheduler.waiting] == ["D"] and NUM_BLOCKS < need,
           f"the pool of {NUM_BLOCKS} blocks against {need} needed at the longest: the first preemption (if any) "
-          "was not of D, the newest running sequence", defaults=DEFAULTS)
+          "was not of D, the newest running sequence", defaults=DEFAULTS and SMOLLM2)
 llm.step_dataframe()[COLUMNS].tail(4)
 
 # %% [markdown]
@@ -333,7 +333,7 @@ assert sum(r.preempted for r in llm.step_records) == sum(len(s) for _, w, s in e
 assert all(r.blocks_swapped_in or r.num_tokens + r.cached_tokens == sum(n for _, n in s)
            for r, w, s in events if w == "back" and r.num_seqs == len(s)), "a comeback is its tokens, computed or hit"
 viz.check(all(r.cached_tokens > 0 for r, w, _ in events if w == "back"),
-          "a recomputed sequence found none of its old K/V in the prefix cache", defaults=DEFAULTS)
+          "a recomputed sequence found none of its old K/V in the prefix cache", defaults=DEFAULTS and SMOLLM2)
 
 # %% [markdown]
 # With `LLM(..., preemption_mode="swap")` the victim's blocks are copied to a swap pool in host memory with
@@ -384,7 +384,8 @@ WHY_SWAPPED_OUT = (f"At step {first_swap['step']} {victim} held {victim_tokens} 
 first_preemption = next(rec for rec, what, _ in events if what == "preempted")
 viz.check(first_swap["step"] == first_preemption.step and SWAPPED_OUT == -(-victim_tokens // BLOCK_SIZE),
           f"the swap run's first preemption (step {first_swap['step']}, {SWAPPED_OUT} blocks out) is not this run's "
-          f"(step {first_preemption.step}, {victim}'s {-(-victim_tokens // BLOCK_SIZE)} blocks)", defaults=DEFAULTS)
+          f"(step {first_preemption.step}, {victim}'s {-(-victim_tokens // BLOCK_SIZE)} blocks)",
+          defaults=DEFAULTS and SMOLLM2)
 answer(PREDICTED_SWAPPED_OUT, SWAPPED_OUT, WHY_SWAPPED_OUT)
 
 # %% [markdown]
@@ -406,7 +407,8 @@ PREDICTED_PREEMPTIONS = None  # your prediction: an int
 big_run = replay(spare_blocks=16)
 PREEMPTIONS = int(big_run["preempted"].sum())
 viz.check(PREEMPTIONS == 0 and need <= pool_size(16),
-          f"{PREEMPTIONS} preemptions with {pool_size(16)} blocks for {need} needed at the longest", defaults=DEFAULTS)
+          f"{PREEMPTIONS} preemptions with {pool_size(16)} blocks for {need} needed at the longest",
+          defaults=DEFAULTS and SMOLLM2)
 WHY_PREEMPTIONS = (f"The pool has {pool_size(16)} blocks; A-D at their longest need {sum(longest.values())} blocks "
                    f"({longest}) less {2 * (shared // BLOCK_SIZE)} shared ones = "
                    f"{sum(longest.values()) - 2 * (shared // BLOCK_SIZE)}, and the run used at most "
