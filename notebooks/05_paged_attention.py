@@ -248,8 +248,9 @@ overflows = bool((torch.exp(gentle) / torch.exp(gentle).sum()).isnan().any())
 gentle_online, _ = online_softmax(gentle, values, DECODE_TILE_N)
 gentle_error = (gentle_online - torch.softmax(gentle.double(), 0) @ values.double()).abs().max()
 viz.check(not overflows and round(gentle.max().item()) == 86 and round(scores.max().item()) == 145,
-          f"at drift 60 the largest score is {gentle.max():.0f} (overflows: {overflows}), at the default drift "
-          f"{scores.max():.0f}; the answer below says about 86, no overflow, and about 145", defaults=DEFAULTS)
+          f"at drift 60 the largest score is {gentle.max():.0f} (overflows: {overflows}), at SCORE_DRIFT={SCORE_DRIFT} "
+          f"{scores.max():.0f}; the answer below says about 86, no overflow, and about 145 at the default 120",
+          defaults=DEFAULTS)
 answer(PREDICTED_OVERFLOWS_AT_60, overflows, f"the largest score is {gentle.max():.0f}: exp({gentle.max():.0f}) is "
        f"{'above' if overflows else 'below'} fp32's limit. The online softmax never exponentiates anything above "
        f"0, so its error stays tiny ({gentle_error:.0e}) either way.")
