@@ -160,6 +160,10 @@ print(f"Right now {empty_slots} slots are allocated but empty: at most block_siz
       "sequence, in its last block.")
 print(f"prompt's table: {prompt.block_table}; chat's table: {chat.block_table} (interleaved in the pool).")
 assert empty_slots <= 2 * (BLOCK_SIZE - 1)  # paging's promise, whatever the knobs
+viz.check(max(prompt.block_table) > min(chat.block_table),
+          f"the tables do not interleave: prompt took no new block after chat's first ({prompt.block_table}, "
+          f"{chat.block_table}); with DECODE_STEPS={DECODE_STEPS} prompt never outgrew its last block",
+          defaults=DEFAULTS)
 
 # %% [markdown]
 # **Exercise.** Predict for blocks of 8 instead of 4 (same 10- and 5-token prompts, nine decode steps
@@ -193,6 +197,19 @@ answer(PREDICTED_NEW_BLOCKS, new_blocks_8, "prompt grows from 10 to 19 tokens (2
        "to 14 (1 -> 2): one new block each.")
 answer(PREDICTED_EMPTY_SLOTS, empty_slots_8, "3 x 8 - 19 = 5 empty slots in prompt's last block, 2 x 8 - 14 = 2 "
        "in chat's.")
+# The answer below, asserted (fixed arguments, so whatever the knobs): blocks of 8 take fewer new blocks than
+# blocks of 4 but leave more slots empty; blocks of 1 take a block per token and leave none empty.
+new_blocks_4, empty_slots_4 = decode_story(4)
+new_blocks_1, empty_slots_1 = decode_story(1)
+viz.check((new_blocks_8, empty_slots_8, new_blocks_4, empty_slots_4, new_blocks_1, empty_slots_1)
+          == (2, 7, 4, 3, 18, 0),
+          f"decode_story: blocks of 8 gave {(new_blocks_8, empty_slots_8)}, of 4 {(new_blocks_4, empty_slots_4)}, "
+          f"of 1 {(new_blocks_1, empty_slots_1)}; the answer says (2, 7), (4, 3), (18, 0)", defaults=True)
+one_token_pool = BlockManager(12, 1)
+one_token_pool.allocate(Sequence(range(10), 1))
+viz.check(10 + 5 + new_blocks_1 <= 40 and one_token_pool.can_allocate(Sequence(range(100, 105), 1)) != AllocStatus.OK,
+          "blocks of one token: the story needs more than about 40 blocks, or 12 blocks hold both prompts",
+          defaults=True)
 
 # %% [markdown]
 # **Answer.** 2 new blocks and 7 empty slots (blocks of 4 took 4 new blocks and left 3 empty: check with
@@ -327,6 +344,17 @@ ax.set_xlabel("reserved KV slots holding no token (%)")
 ax.set_title(f"{len(lengths)} requests, mean length {lengths.mean():.0f} tokens: the share of reserved memory "
              "left empty", fontsize=10)
 plt.show()
+contiguous_waste = waste[f"contiguous, reserve {MAX_LEN}"]
+# Laws behind the Try-it below, whatever SIGMA: a paged request wastes at most one partial block, and the
+# contiguous bar is 1 - mean / MAX_LEN.
+viz.check(all(paged_slots(bs) - tokens <= len(lengths) * (bs - 1) for bs in block_sizes)
+          and abs(contiguous_waste - (1 - lengths.mean() / MAX_LEN)) < 1e-9,
+          "a paged request wasted more than one partial block, or the contiguous bar is not 1 - mean / MAX_LEN",
+          defaults=True)
+viz.check(contiguous_waste > max(w for name, w in waste.items() if name.startswith("paged")),
+          f"a paged bar ({max(waste.values()):.0%}) is not below the contiguous one ({contiguous_waste:.0%}): "
+          f"SIGMA={SIGMA} makes requests so long that whole {MAX_LEN}-token reservations are nearly full",
+          defaults=DEFAULTS and SIGMA == 0.8)
 print(f"Reserving {MAX_LEN} slots per request leaves {100 * waste[f'contiguous, reserve {MAX_LEN}']:.0f}% of them "
       f"empty; paging with 16-token blocks leaves {100 * waste['paged, block 16']:.1f}% empty (only the last, "
       f"partial block of each request), and even 256-token blocks leave {100 * waste['paged, block 256']:.0f}%.")

@@ -121,6 +121,8 @@ viz.check(C.num_cached_tokens == 0, "C hit a block: its first token differs from
 viz.check(second["A"] == second["C"], f"with BS={BS}, A's and C's second blocks hold different tokens "
           f"({second['A']} vs {second['C']}), so this demo of equal tokens after different parents needs BS = 4",
           defaults=DEFAULTS)
+viz.check(A.num_blocks < 2 or manager.block_hash(A.block_table[1]) != manager.block_hash(C.block_table[1]),
+          "A's and C's second blocks have the same hash although their parents differ", defaults=True)
 
 # %% [markdown]
 # What would an unchained cache do? Key each block by its own tokens only, and C's second block would
@@ -176,6 +178,9 @@ answer(PREDICTED_B_REUSES, b_reuses_8, "A's one full block [1..8] is B's first b
        "lies in its second block, so the hit is allowed.")
 answer(PREDICTED_A_AGAIN_COMPUTES, a_again_computes_8, "A again's only block holds its last token, which must be "
        "computed for the first output's logits: a hit would skip it, so the whole block is computed.")
+viz.check((b_reuses_8, a_again_computes_8, section_one(4)[1]) == (1, 8, 4),
+          f"section_one: blocks of 8 gave (B reuses, A again computes) = {(b_reuses_8, a_again_computes_8)} and "
+          f"blocks of 4 A again computes {section_one(4)[1]}; the answer below says (1, 8) and 4", defaults=True)
 
 # %% [markdown]
 # **Answer.** B reuses 1 block (8 of its 10 tokens), and "A again" computes all 8 tokens: its only full block
@@ -206,6 +211,11 @@ def run_all(enable_prefix_caching):
 
 shared_m, shared_seqs = run_all(True)
 plain_m, plain_seqs = run_all(False)
+system_blocks = len(SYSTEM) // BS
+viz.check(all(shared_m.ref_count(b) == NUM_REQUESTS for b in shared_seqs[0].block_table[:system_blocks])
+          and plain_m.num_free_blocks == plain_m.num_blocks - sum(s.num_blocks for s in plain_seqs),
+          "the system prompt's full blocks are not shared by every request, or without prefix caching the "
+          "requests share blocks", defaults=True)
 viz.draw_pool(shared_m, title=f"with prefix caching: the {len(SYSTEM) // BS} system-prompt blocks are shared "
                               f"by all {NUM_REQUESTS} requests")
 plt.show()
@@ -227,6 +237,10 @@ print(f"Prefix caching holds {used['with']} blocks instead of {used['without']} 
       f"{prompt_tokens} prompt tokens: the first request computes the system prompt, the other "
       f"{NUM_REQUESTS - 1} hit it ({shared_m.stats.hit_blocks} block hits, hit rate "
       f"{100 * shared_m.stats.hit_rate:.0f}% of prompt tokens).")
+viz.check(shared_m.stats.hit_blocks == (NUM_REQUESTS - 1) * system_blocks,
+          f"{shared_m.stats.hit_blocks} block hits, not the system prompt's {system_blocks} blocks in each of the "
+          f"{NUM_REQUESTS - 1} later requests: with BS={BS} some user messages share a first block",
+          defaults=DEFAULTS)
 
 # %% [markdown]
 # ## 3. Hits on blocks in use, and warm hits
@@ -250,6 +264,8 @@ def admit(seq, label):
     m.allocate(seq)
     hits = seq.block_table[:seq.num_cached_tokens // BS]
     in_use = sum(refs_before[b] > 0 for b in hits)
+    viz.check(free_before - m.num_free_blocks == seq.num_blocks - in_use,
+              f"{label}: a hit on a block in use took a free block, or a warm hit did not", defaults=True)
     steps.append(viz.snapshot(m, [], label))
     print(f"{label}: {len(hits)} hits ({in_use} on blocks in use, {len(hits) - in_use} warm) save "
           f"{seq.num_cached_tokens} of {seq.num_tokens} prompt tokens; it took {free_before - m.num_free_blocks} "
@@ -258,7 +274,6 @@ def admit(seq, label):
     return in_use, len(hits)
 
 
-system_blocks = len(SYSTEM) // BS
 admit(r1, "r1 arrives (cold cache)")
 viz.check(admit(r2, "r2 arrives while r1 runs") == (system_blocks, system_blocks),
           "r2 should hit every system-prompt block, all of them in use by r1", defaults=True)
@@ -324,6 +339,9 @@ viz.check(lru_evicted == x_blocks[2:0:-1] and lru_again.num_cached_tokens == BS,
           f"with eviction={EVICTION!r}, Z evicted {lru_evicted} (LRU takes X's tail first: {x_blocks[2:0:-1]}), and "
           f"X's prefix came back with {lru_again.num_cached_tokens // BS} block hit(s) (LRU keeps 1)",
           defaults=DEFAULTS)
+x_releases = [e.block_id for e in lru.events if e.kind == "release"][:len(x_blocks)]
+viz.check(x_releases == x_blocks[::-1], f"X released its blocks in the order {x_releases}, not tail first",
+          defaults=True)
 
 # %% [markdown]
 # In the timeline, X's `release` row reads `3 2 1 0` (partial block first, then the chain tail to head), and
@@ -375,6 +393,13 @@ answer(PREDICTED_LFU_HITS, lfu_hits, "no cached block was ever hit, so LFU's cou
        "decides: least recently freed first, chain tail first, exactly like LRU.")
 answer(PREDICTED_FIRST_EVICTING_Z, first_evicting, "Z takes the never-cached free blocks first, 5 of them, so "
        "its 6th block is the first that evicts a cached one.")
+lfu_evicted = eviction_story("lfu", 7)[3]
+z8_hits = {policy: eviction_story(policy, 8)[4].num_cached_tokens for policy in ("lru", "lfu")}
+viz.check((lfu_hits, first_evicting) == (1, 6) and lfu_evicted == eviction_story("lru", 7)[3]
+          and z8_hits == {"lru": 0, "lfu": 0},
+          f"LFU's prefix hits {lfu_hits} block(s) (LFU evicted {lfu_evicted}), Z evicts from {first_evicting} blocks "
+          f"on, and with Z of 8 X's prefix hits {z8_hits} tokens; the answer below says 1, 6, LRU's order and 0 "
+          f"(with BS={BS} X's last block is not partial)", defaults=DEFAULTS)
 
 # %% [markdown]
 # **Answer.** 1 hit, and Z evicts from 6 blocks on. Nothing in this story is ever hit before Z arrives, so
@@ -560,6 +585,12 @@ print(f"For a model of Llama-2-7B's size ({kv_bytes_per_token / 2**20:.1f} MiB o
       f"{pool_sizes[half] * TRACE_BS * kv_bytes_per_token / 2**30:.0f} GiB of KV cache, "
       f"{pool_sizes[half] * TRACE_BS * kv_bytes_per_token / 80e9:.0f} times an 80 GB GPU: a prefix cache for "
       "traffic like this has to live beyond one GPU's memory.")
+opening_share = common_tokens / trace["input_length"].sum()
+viz.check(np.all(np.diff(rates) >= 0) and rates[0] < rates[-1] / 2 and abs(rates[0] - opening_share) < 0.005
+          and pool_sizes[half] * TRACE_BS * kv_bytes_per_token > 80e9,
+          f"the curve is not rising, its floor ({rates[0]:.1%}) is not far below the ceiling ({rates[-1]:.1%}) or "
+          f"not the shared opening's share of the tokens ({opening_share:.1%}), or half the ceiling fits one 80 GB "
+          "GPU", defaults=DEFAULTS)
 
 # %% [markdown]
 # **Exercise.** Predict before you look: at the middle pool size of the curve above, does FIFO land
@@ -577,6 +608,9 @@ answer(PREDICTED_FIFO_VS_LRU, "above" if fifo_rate > rates[middle] else "below",
        f"at {pool_sizes[middle]:,} blocks FIFO hits {100 * fifo_rate:.1f}% of prompt tokens, LRU "
        f"{100 * rates[middle]:.1f}%: FIFO evicts the oldest content first, and in a conversation that is the "
        "head of the chain every later turn needs.")
+viz.check(f"{100 * fifo_rate:.1f} {100 * rates[middle]:.1f}" == "4.3 4.5" and rates[middle] < rates[-1] / 2,
+          f"FIFO hits {100 * fifo_rate:.1f}% and LRU {100 * rates[middle]:.1f}% at the middle size (the answer below "
+          "says 4.3% and 4.5%, under half the ceiling)", defaults=DEFAULTS)
 
 # %% [markdown]
 # **Answer.** Below, if only a little in the default run (about 4.3% against 4.5% at the middle size). A

@@ -117,6 +117,13 @@ steps = [viz.snapshot(engine.manager, samples, "prompt allocated, children forke
 print(f"After the forks: tables {[s.block_table for s in samples]}, ref counts "
       f"{[engine.manager.ref_count(b) for b in parent.block_table]}, {engine.blocks_in_use()} blocks in use for "
       f"{len(samples)} sequences of {parent.num_tokens} tokens.")
+viz.check(all(s.block_table == parent.block_table for s in samples)
+          and all(engine.manager.ref_count(b) == len(samples) for b in parent.block_table),
+          "a fork did not share every block of its parent", defaults=True)
+viz.check((parent.num_tokens, PROMPT_LEN // BS, PROMPT_LEN % BS, len(samples)) == (20, 2, 4, 3),
+          f"the text's prompt (20 tokens: two full blocks of 8 and a partial one holding 4, 3 samples) is now "
+          f"{PROMPT_LEN} tokens in blocks of {BS} ({PROMPT_LEN // BS} full, {PROMPT_LEN % BS} in the last) and "
+          f"{len(samples)} samples", defaults=DEFAULTS)
 
 # %% [markdown]
 # Each sample now draws a *different* first token. Writing it needs slot 20, which lives in the shared
@@ -125,6 +132,7 @@ print(f"After the forks: tables {[s.block_table for s in samples]}, ref counts "
 
 # %%
 first_tokens = rng.integers(1000, 2000, size=len(samples))
+shared_partial = parent.block_table[-1]  # the prompt's last block, shared by every sample
 cow_pairs = []
 fork_phases.append((len(engine.manager.events), "first token: copy-on-write"))
 for seq, token in zip(samples, first_tokens):
@@ -140,8 +148,11 @@ print(f"The appends returned the copy-on-write pairs {cow_pairs}; the last write
       f"{engine.manager.ref_count(shared_blocks[0]) if shared_blocks else 0}.")
 last_block = ("full, so every sample starts a new block and nothing is copied" if PROMPT_LEN % BS == 0
               else "partial")
-viz.check(len(cow_pairs) == len(samples) - 1, f"{len(cow_pairs)} copies instead of {len(samples) - 1}: with "
+viz.check(len(cow_pairs) == len(samples) - 1 and samples[-1].block_table[-1] == shared_partial,
+          f"{len(cow_pairs)} copies instead of {len(samples) - 1}, or the last writer did not write in place: with "
           f"PROMPT_LEN={PROMPT_LEN} and BS={BS} the prompt's last block is {last_block}", defaults=DEFAULTS)
+viz.check(all(engine.manager.ref_count(b) == len(samples) for b in shared_blocks),
+          "a full prompt block is no longer shared by every sample", defaults=True)
 
 # %% [markdown]
 # ### The kernel side
@@ -176,7 +187,8 @@ for seq, token in zip(group, first_tokens):
 wrong = broken.wrong_reads(group)
 print(f"Without the copies, {len(wrong)} of {len(group)} samples read wrong K/V: the ones whose partial block "
       "was copied on write.")
-viz.check(len(wrong) == len(cow_pairs), f"{len(wrong)} samples read wrong K/V for {len(cow_pairs)} skipped copies",
+viz.check(sorted(wrong) == sorted(seq.seq_id for seq in group[:len(cow_pairs)]),
+          f"{len(wrong)} samples read wrong K/V for {len(cow_pairs)} skipped copies, or not the ones that moved",
           defaults=True)
 
 # %% [markdown]
@@ -188,6 +200,8 @@ fork_phases.append((len(engine.manager.events), "9 more tokens each"))
 for _ in range(9):
     assert engine.step({s: rng.integers(1000, 2000) for s in samples}) == []  # nothing shared is written
 assert engine.wrong_reads(samples) == []
+viz.check(all(engine.manager.ref_count(b) == len(samples) for b in shared_blocks),
+          "after decoding, a full prompt block is no longer shared by every sample", defaults=True)
 viz.draw_block_tables(engine.manager, samples, names=names,
                       title="the samples after 10 tokens each: the prompt's full blocks are shared")
 plt.show()
@@ -221,6 +235,9 @@ copies, in_use = first_token(16, 3)
 answer(PREDICTED_COPIES, copies, "The prompt's last block is full, so every sample's first token opens a new "
        "block of its own: nothing shared is written, nothing is copied.")
 answer(PREDICTED_BLOCKS, in_use, "2 shared prompt blocks + 3 new private blocks, one per sample.")
+viz.check((copies, in_use) == (0, 5) and first_token(20, 3) == (2, 5),
+          f"first_token(16, 3) gave {(copies, in_use)} and first_token(20, 3) {first_token(20, 3)}; the answer "
+          "below says (0, 5) and (2, 5)", defaults=True)
 
 # %% [markdown]
 # **Answer.** 0 copies and 5 blocks. A block is copied only when someone writes into a block that is still

@@ -167,6 +167,9 @@ print(f"Over {len(history)} steps the beams forked {counts['fork']} times, died 
       f"{counts['cow']} copy-on-writes. At the end they held {used_curve[-1]} blocks instead of "
       f"{unshared_curve[-1]}; averaged over the steps, sharing saved {100 * (1 - used_curve.sum() / unshared_curve.sum()):.0f}% "
       f"of the blocks. Every beam read back exactly its own K/V at every step.")
+viz.check(np.all(used_curve <= unshared_curve), "sharing held more blocks than the beams' tables", defaults=True)
+viz.check(used_curve.sum() < unshared_curve.sum() and counts["fork"] > 0 and deaths > 0,
+          f"with BEAM_WIDTH={BEAM_WIDTH} the beams never forked, never died or shared nothing", defaults=DEFAULTS)
 
 # %% [markdown]
 # ## 2. Swapping a forked group out and back in
@@ -217,6 +220,7 @@ plt.show()
 print(f"can_allocate(big) after the swap: {manager.can_allocate(big).name}")
 swap_engine.prefill(big)
 overwritten = set(big.block_table) & {b for t in gpu_tables.values() for b in t}
+viz.check(len(overwritten) > 0, "big used none of the group's old GPU blocks", defaults=DEFAULTS)
 swap_engine.free(big)
 swap_in_maps = {s.seq_id: swap_engine.swap_in(s) for s in group}
 for seq in group:
@@ -271,6 +275,9 @@ swap_copies, swap_entries = swap_out_copies(4)
 answer(PREDICTED_SWAP_COPIES, swap_copies, f"One copy per distinct block, not per table entry ({swap_entries}): "
        "the 2 full prompt blocks are shared by all four, and each sample owns 2 blocks (its copied partial "
        "block and the one its sixth token opened).")
+viz.check((swap_copies, swap_entries) == (10, 16),
+          f"swap_out_copies(4) gave {(swap_copies, swap_entries)}; the answer below says 10 copies for 16 entries",
+          defaults=True)
 
 # %% [markdown]
 # **Answer.** 10 copies for 16 table entries: 26 tokens are 4 blocks per sample; blocks 0-1 (the full
@@ -373,6 +380,26 @@ depth_log = {run: [] for run in runs if run[1] == "beam search"}
 ours = {run: saving(*run, depths=depth_log.get(run)) for run in tqdm(runs, desc="sharing study")}
 
 # %%
+# What the text below says of these runs (fixed seeds and sizes: whatever the knobs above).
+GROUP_SIZES = (2, 4, 6)  # sequences per request in the study
+
+
+def paper_at(d, m, n, end=0):
+    """The paper's figure for n, or the low (end=0) or high (end=1) end of its range over n = 2..6."""
+    return PAPER[d, m][n] if isinstance(PAPER[d, m], dict) else PAPER[d, m][end]
+
+
+sampling_below = all(ours[d, "parallel sampling", n] < paper_at(d, "parallel sampling", n)
+                     for d in MEANS for n in GROUP_SIZES)
+beams_above = (all(ours[d, "beam search", n] > paper_at(d, "beam search", n) for d in MEANS for n in GROUP_SIZES)
+               and sum(ours["ShareGPT", "beam search", n] > paper_at("ShareGPT", "beam search", n, end=1)
+                       for n in GROUP_SIZES) >= 2)
+viz.check(sampling_below and beams_above, "parallel sampling is not below the paper everywhere, or beam search "
+          "not above it (Alpaca: every n; ShareGPT: above the range's low end, above its top for most n)",
+          defaults=True)
+beams_beat_sampling = all(min(ours[d, "beam search", n] for n in GROUP_SIZES)
+                          > max(ours[d, "parallel sampling", n] for n in GROUP_SIZES) for d in MEANS)
+viz.check(beams_beat_sampling, "beam search does not save more than parallel sampling", defaults=True)
 table = pd.DataFrame([{"dataset": d, "method": m, "n": n, "kvlab (%)": round(ours[d, m, n], 1),
                        "paper (%)": PAPER[d, m][n] if isinstance(PAPER[d, m], dict) else
                        f"{PAPER[d, m][0]}-{PAPER[d, m][1]} (n=2..6)"} for d, m, n in runs])
@@ -431,6 +458,10 @@ pd.concat({"Alpaca, n = 4, lengths spread by σ": pd.Series({f"σ = {k}": v for 
            "ShareGPT, each sample its own length": pd.Series({f"n = {n}": v for n, v in own.items()}),
            "ShareGPT, every sample the same length": pd.Series({f"n = {n}": v for n, v in same.items()})},
           names=["experiment", "setting"]).round(1).rename("saved (%)").to_frame()
+viz.check(short > 0.25 and max(spreads.values()) - min(spreads.values()) >= 3 and all(same[n] > own[n] for n in own),
+          f"{short:.0%} of Alpaca prompts are under one block, σ moves the saving by "
+          f"{max(spreads.values()) - min(spreads.values()):.1f} points, equal lengths give {same} against {own}: "
+          "the text says many, several points, and higher", defaults=True)
 
 # %% [markdown]
 # Reading: on Alpaca the saving moves by several points with σ alone, because it hinges on how many prompts
@@ -454,6 +485,13 @@ peaks[0.3] = ours["Alpaca", "beam search", 4]
 pd.DataFrame([{"dataset": d, "beams": n, "tokens back to the common ancestor (mean)": round(depths[d, m, n], 1),
                "saved (%)": round(ours[d, m, n], 1), "most possible (%)": round(100 * (n - 1) / n, 1)}
               for d, m, n in depth_log])
+bound = {n: 100 * (n - 1) / n for n in (2, 4, 6)}
+viz.check(max(depths.values()) < 10
+          and all(ours[d, "beam search", n] < bound[n] for d in MEANS for n in (2, 4, 6))
+          and all(bound[n] - ours["ShareGPT", "beam search", n] < bound[n] - ours["Alpaca", "beam search", n]
+                  for n in (2, 4, 6)),
+          f"the beams' common ancestor lies up to {max(depths.values()):.1f} tokens back, a saving passed "
+          "(n - 1) / n, or ShareGPT is not closer to that bound than Alpaca", defaults=True)
 
 # %% [markdown]
 # A common ancestor a handful of tokens back means the beams differ only in their last block or two: about
@@ -469,6 +507,8 @@ pd.DataFrame([{"dataset": d, "beams": n, "tokens back to the common ancestor (me
 # %%
 print("Beam search on Alpaca with 4 beams saves " + ", ".join(f"{peaks[a]:.1f}% at α = {a}" for a in sorted(peaks))
       + f" (the paper, with a real model: {PAPER['Alpaca', 'beam search'][4]}%).")
+viz.check(max(peaks.values()) - min(peaks.values()) <= 6,
+          f"α moves the saving by {max(peaks.values()) - min(peaks.values()):.1f} points, not a few", defaults=True)
 
 # %% [markdown]
 # ### Exercise: a larger vocabulary
@@ -488,6 +528,12 @@ print(f"4 beams on Alpaca: {narrow:.1f}% saved with VOCAB = {VOCAB} (common ance
 answer(PREDICTED_SHARING, "more" if wide > narrow else "less", "A Dirichlet(0.3) over more tokens is more "
        "peaked, so the best beam's few likely tokens win the top k even more often: the beams' common ancestor "
        "is more recent and they share more.")
+viz.check(wide > narrow > PAPER["Alpaca", "beam search"][4]
+          and (round(wide), round(narrow), round(depths["Alpaca", "beam search", 4]), round(np.mean(wide_depths)))
+          == (62, 59, 5, 4),
+          f"{wide:.1f}% with 256 tokens against {narrow:.1f}% ({np.mean(wide_depths):.1f} against "
+          f"{depths['Alpaca', 'beam search', 4]:.1f} tokens back); the answer below says about 62% against 59%, "
+          "4 against 5", defaults=True)
 
 # %% [markdown]
 # **Answer.** More (about 62% against 59%, and the common ancestor moves from about 5 to about 4 tokens

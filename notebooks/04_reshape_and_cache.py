@@ -60,7 +60,7 @@ import numpy as np
 import torch
 from matplotlib.colors import ListedColormap
 
-from kvlab import BlockManager, Sequence
+from kvlab import BlockManager, Sequence, viz
 from kvlab.course import answer
 from kvlab.device import DEVICE, ON_GPU, mode
 from kvlab.kernels.reference import reshape_and_cache_ref
@@ -68,7 +68,7 @@ from kvlab.kernels.reshape_and_cache import reshape_and_cache
 
 # Knobs: change them and run the notebook again (on a GPU, the realistic sizes below replace the first four).
 BLOCK_SIZE = 8                    # slots per block: try 4 or 16 (token labels are drawn up to 8)
-NUM_BLOCKS = 10                   # the pool: A, B and C need 7 blocks of 8; give smaller blocks more
+NUM_BLOCKS = 10                   # the pool: A, B and C hold 6 blocks of 8; give smaller blocks more
 PROMPT_LENS = {"A": 20, "C": 11}  # B is A's full blocks plus BLOCK_SIZE - 1 tokens of its own
 NUM_KV_HEADS, HEAD_DIM = 2, 64
 NUM_PADDING = 3                   # padding tokens at the end of the batch (slot -1)
@@ -77,6 +77,8 @@ SEED = 0
 if ON_GPU:   # realistic head shapes, a pool of a few dozen blocks
     BLOCK_SIZE, NUM_BLOCKS, NUM_KV_HEADS, HEAD_DIM = 16, 24, 8, 128
     PROMPT_LENS = {"A": 150, "C": 90}
+DEFAULTS = not ON_GPU and (BLOCK_SIZE, NUM_BLOCKS, PROMPT_LENS, NUM_KV_HEADS, HEAD_DIM, NUM_PADDING, SHARE_PREFIX,
+                           SEED) == (8, 10, {"A": 20, "C": 11}, 2, 64, 3, True, 0)  # the CPU setting CI checks
 DTYPE = torch.float16
 torch.manual_seed(SEED)
 print(f"kernels run in {mode()} mode on {DEVICE}; block_size={BLOCK_SIZE}, {NUM_BLOCKS} blocks, "
@@ -102,6 +104,13 @@ for name, seq in seqs.items():
     manager.allocate(seq)
     print(f"{name}: {len(seq):>3} tokens, block table {manager.get_block_table(seq)}, "
           f"{seq.num_cached_tokens} tokens already cached")
+shared_blocks = shared // BLOCK_SIZE
+viz.check(seqs["B"].block_table[:shared_blocks] == seqs["A"].block_table[:shared_blocks]
+          and not set(seqs["B"].block_table[shared_blocks:]) & set(seqs["A"].block_table + seqs["C"].block_table),
+          "B did not get A's blocks for the shared prefix and fresh blocks for the rest", defaults=True)
+viz.check(manager.num_blocks - manager.num_free_blocks == 6,
+          f"A, B and C hold {manager.num_blocks - manager.num_free_blocks} blocks, not the 6 the knobs' comment says",
+          defaults=DEFAULTS)
 
 # %% [markdown]
 # Token position `p` of a sequence lives in logical block `p // block_size` at offset `p % block_size`;
@@ -176,6 +185,9 @@ num_tokens = len(slot_mapping)
 print(f"{num_tokens} tokens in the batch ({NUM_PADDING} of them padding); "
       f"B skips {seqs['B'].num_cached_tokens} cached tokens")
 print("slot_mapping:", slot_mapping.tolist())
+viz.check(seqs["B"].num_cached_tokens == shared, f"B skips {seqs['B'].num_cached_tokens} tokens, not the "
+          f"{shared} it shares with A (with BLOCK_SIZE = 1, B is A's prompt and may not hit its last token)",
+          defaults=BLOCK_SIZE > 1)
 
 # %% [markdown]
 # ## 4. Run the kernel
@@ -232,6 +244,9 @@ answer(PREDICTED_WRITES_UNSHARED, unshared["writes"], f"A writes 20, B its 7 own
        f"prefix B also writes only its 7 own tokens ({shared_plan['writes']} either way).")
 answer(PREDICTED_BLOCKS_UNSHARED, unshared["blocks"], f"A 3 blocks, B 1, C 2; with the shared prefix B's 2 "
        f"prefix blocks are A's, so {shared_plan['blocks']} either way.")
+viz.check((unshared["writes"], unshared["blocks"], shared_plan["writes"], shared_plan["blocks"]) == (38, 6, 38, 6),
+          f"batch_plan gave {unshared} without and {shared_plan} with the shared prefix; the answer below says 38 "
+          "tokens and 6 blocks either way", defaults=True)
 
 # %% [markdown]
 # **Answer.** 38 tokens and 6 blocks, exactly as with the shared prefix: a prefix hit costs the batch
@@ -252,6 +267,8 @@ pool_picture(left, planned_owners(to_write), "tokens this batch writes (manager)
 pool_picture(right, written_cells, "slots holding data after the kernel (cache)")
 plt.tight_layout()
 plt.show()
+viz.check(set(written_cells) == set(planned_owners({n: range(len(s)) for n, s in seqs.items()})),
+          "the slots holding data differ from the manager's plan", defaults=True)
 
 # %% [markdown]
 # ## 5. A decode step
@@ -268,7 +285,9 @@ new_key, new_value = (torch.randn(len(seqs), NUM_KV_HEADS, HEAD_DIM, device=DEVI
 reshape_and_cache(new_key, new_value, kv_cache, decode_slots)
 reshape_and_cache_ref(new_key, new_value, expected, decode_slots)
 print("decode slots:", dict(zip(seqs, decode_slots.tolist())))
-print("kernel == reference after the decode step:", torch.equal(kv_cache.view(torch.int16), expected.view(torch.int16)))
+decode_same = torch.equal(kv_cache.view(torch.int16), expected.view(torch.int16))
+print("kernel == reference after the decode step:", decode_same)
+assert decode_same  # whatever the knobs
 
 # %%
 written = written_slots(kv_cache)
@@ -290,6 +309,9 @@ small = batch_plan(True, block_size=4)
 answer(PREDICTED_B_CACHED_4, small["b_cached"], "A's 20 tokens are 5 full blocks of 4, and B is those 20 tokens "
        "plus 3 of its own: all 20 shared tokens hit (with blocks of 8 only 16 did: A's third block was partial).")
 answer(PREDICTED_WRITES_4, small["writes"], "A 20 + B 3 + C 11: smaller blocks let B share more and write less.")
+viz.check((small["b_cached"], small["writes"], shared_plan["b_cached"], shared_plan["writes"]) == (20, 34, 16, 38),
+          f"batch_plan gave {small} with blocks of 4 and {shared_plan} with blocks of 8; the answer below says B "
+          "finds 20 and the batch writes 34, against 16 and 38", defaults=True)
 
 # %% [markdown]
 # **Answer.** B finds 20 tokens in the cache and the batch writes 34 (against 16 and 38 with blocks of 8).

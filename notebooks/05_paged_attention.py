@@ -69,6 +69,7 @@ import pandas as pd
 import torch
 
 import kvlab
+from kvlab import viz
 from kvlab.course import answer
 from kvlab.device import DEVICE, ON_GPU, mode
 from kvlab.kernels.paged_attention_decode import (DECODE_TILE_N, choose_num_partitions, compute_units,
@@ -88,6 +89,9 @@ DTYPE = torch.float32
 if ON_GPU:   # a Llama-3-8B-like layer and contexts of a few thousand tokens
     BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, SEQ_LENS = 16, 32, 8, 128, [3001, 37, 1500]
     NUM_PARTITIONS, DTYPE = 4, torch.float16
+DEFAULTS = not ON_GPU and (BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, SEQ_LENS, NUM_PARTITIONS, SCORE_DRIFT,
+                           SEED) == (8, 8, 2, 64, [70, 7, 45], 3, 120, 0)  # the CPU setting CI checks exactly
+ATOL = 1e-4 if DTYPE == torch.float32 else 1e-2  # kernel against reference: rounding only
 torch.manual_seed(SEED)
 print(f"kernels run in {mode()} mode on {DEVICE}; block_size={BLOCK_SIZE}, {NUM_HEADS} query heads, "
       f"{NUM_KV_HEADS} kv heads, head_dim {HEAD_DIM}, sequence lengths {SEQ_LENS}, {DTYPE}")
@@ -154,6 +158,9 @@ by_hand = attention_ref(query[:1], k0, v0, torch.tensor([SEQ_LENS[0] - 1]))[0]
 out = paged_attention_decode(query, kv_cache, block_tables, seq_lens)
 print(f"reference == gather + attention_ref: {torch.equal(reference[0], by_hand)}")
 print(f"kernel vs reference: max |error| = {max_error(out, reference):.2e}, NaN in output: {bool(out.isnan().any())}")
+viz.check(torch.equal(reference[0], by_hand) and not out.isnan().any() and max_error(out, reference) < ATOL,
+          "the reference differs from gather + attention_ref, or the kernel read a NaN-poisoned slot or differs "
+          "from the reference", defaults=True)
 
 # %% [markdown]
 # ## 2. Online softmax
@@ -192,6 +199,9 @@ exact = torch.softmax(scores.double(), 0) @ values.double()
 naive = torch.exp(scores) / torch.exp(scores).sum()       # fp32 without the max: overflows
 print(f"largest score {scores.max():.0f}: exp overflows fp32 -> naive softmax has NaN: {bool(naive.isnan().any())}")
 print(f"online softmax vs exact softmax: max |error| = {(online - exact).abs().max():.1e}")
+viz.check((online - exact).abs().max() < 1e-9, "the online softmax differs from the exact one", defaults=True)
+viz.check(bool(naive.isnan().any()), f"the largest score is only {scores.max():.0f}: with SCORE_DRIFT="
+          f"{SCORE_DRIFT} exp does not overflow fp32 (above about 88.7)", defaults=DEFAULTS)
 
 # %%
 m_hist, l_hist = (np.array(x) for x in zip(*history))
@@ -218,6 +228,9 @@ plt.tight_layout()
 plt.show()
 print(f"output error with rescaling {(online - exact).abs().max():.1e}, "
       f"without {(forgetful - exact).abs().max():.1e}")
+viz.check(np.allclose(l_hist, l_direct, rtol=1e-9), "the rescaled running sum is not the exact one", defaults=True)
+viz.check((forgetful - exact).abs().max() > 1e-3, "forgetting to rescale did not change the output: with "
+          f"SCORE_DRIFT={SCORE_DRIFT} the max never grew after the first tile", defaults=DEFAULTS)
 
 # %% [markdown]
 # The kernel does exactly this, in fp32 and in base 2 (`exp2`, with the scores pre-multiplied by log2 e),
@@ -234,6 +247,10 @@ gentle = torch.linspace(0, 60, n) + 15 * torch.randn(n, generator=torch.Generato
 overflows = bool((torch.exp(gentle) / torch.exp(gentle).sum()).isnan().any())
 gentle_online, _ = online_softmax(gentle, values, DECODE_TILE_N)
 gentle_error = (gentle_online - torch.softmax(gentle.double(), 0) @ values.double()).abs().max()
+viz.check(not overflows and round(gentle.max().item()) == 86 and round(scores.max().item()) == 145,
+          f"at drift 60 the largest score is {gentle.max():.0f} (overflows: {overflows}), at SCORE_DRIFT={SCORE_DRIFT} "
+          f"{scores.max():.0f}; the answer below says about 86, no overflow, and about 145 at the default 120",
+          defaults=DEFAULTS)
 answer(PREDICTED_OVERFLOWS_AT_60, overflows, f"the largest score is {gentle.max():.0f}: exp({gentle.max():.0f}) is "
        f"{'above' if overflows else 'below'} fp32's limit. The online softmax never exponentiates anything above "
        f"0, so its error stays tiny ({gentle_error:.0e}) either way.")
@@ -241,7 +258,7 @@ answer(PREDICTED_OVERFLOWS_AT_60, overflows, f"the largest score is {gentle.max(
 # %% [markdown]
 # **Answer.** No, but only just: with a drift of 60 the noise (15 x a normal draw over 128 scores) lifts the
 # largest score to about 86, below 88.7, so every `exp` stays finite (at the default drift of 120 it reaches
-# about 150 and the sum is `inf`, then `inf / inf` is NaN). A naive softmax is one unlucky score away from
+# about 145 and the sum is `inf`, then `inf / inf` is NaN). A naive softmax is one unlucky score away from
 # NaN; the online softmax subtracts the running max first, so no term ever exceeds `exp(0) = 1`.
 #
 # ## 3. Grouped-query attention
@@ -286,6 +303,7 @@ for name, kv_heads in [("multi-head", NUM_HEADS), ("grouped-query", NUM_KV_HEADS
     args = paged_inputs(NUM_HEADS, kv_heads, SEQ_LENS)
     err = max_error(paged_attention_decode(*args), paged_attention_decode_ref(*args))
     print(f"{name:>14} ({NUM_HEADS} query heads / {kv_heads} kv heads): max |error| vs reference {err:.1e}")
+    viz.check(err < ATOL, f"{name}: the kernel differs from the reference by {err:.1e}", defaults=True)
 
 # %% [markdown]
 # ## 4. Split-K: more programs for long contexts
@@ -309,9 +327,13 @@ ax.set(xlabel="token position", yticks=range(len(SEQ_LENS)), yticklabels=[f"seq 
        title=f"split_k={NUM_PARTITIONS}: every coloured segment is one program (per kv head)")
 ax.legend(fontsize=8, ncol=NUM_PARTITIONS, loc="upper center", bbox_to_anchor=(0.5, -0.45))
 plt.show()
+tiles_per_seq = [-(-n // DECODE_TILE_N) for n in SEQ_LENS]
+viz.check(tiles_per_seq[0] == 5 and -(-tiles_per_seq[0] // NUM_PARTITIONS) == 2 and min(tiles_per_seq) < NUM_PARTITIONS,
+          f"sequence 0 has {tiles_per_seq[0]} tiles (the knobs' comment: 5, in 2 + 2 + 1) and no sequence is "
+          f"shorter than {NUM_PARTITIONS} tiles, so no partition is empty", defaults=DEFAULTS)
 
 # %% [markdown]
-# The merge in plain torch first, on one head of sequence 0: partial softmaxes of four partitions,
+# The merge in plain torch first, on one head of sequence 0: partial softmaxes of `NUM_PARTITIONS` partitions,
 # rescaled to their common max, give the full softmax.
 
 # %%
@@ -326,6 +348,8 @@ for chunk_s, chunk_v in zip(s0.chunk(NUM_PARTITIONS), v0[:, head // group].doubl
 M = max(m for m, _, _ in parts)
 merged = sum(torch.exp(m - M) * acc for m, _, acc in parts) / sum(torch.exp(m - M) * l for m, l, _ in parts)
 print(f"merged partials vs reference (seq 0, head {head}): max |error| = {max_error(merged, reference[0, head]):.1e}")
+viz.check(max_error(merged, reference[0, head]) < ATOL, "the merged partials differ from the reference",
+          defaults=True)
 
 # %%
 split_outputs = {split: paged_attention_decode(query, kv_cache, block_tables, seq_lens, split_k=split)
@@ -333,6 +357,7 @@ split_outputs = {split: paged_attention_decode(query, kv_cache, block_tables, se
 for split, o in split_outputs.items():
     print(f"split_k={split!s:>5}: max |error| vs reference {max_error(o, reference):.1e}, "
           f"vs no split {max_error(o, split_outputs[False]):.1e}")
+    viz.check(max_error(o, reference) < ATOL, f"split_k={split} changed the answer beyond rounding", defaults=True)
 
 # %% [markdown]
 # **Exercise.** Predict, for three sequences of 7 tokens each (`SEQ_LENS = [7, 7, 7]`) and `split_k=3`:
@@ -349,7 +374,9 @@ empty = 3 - min(3, short_tiles)     # the kernel's split: cdiv(tiles, partitions
 short_error = max_error(paged_attention_decode(*short_args, split_k=3), paged_attention_decode_ref(*short_args))
 answer(PREDICTED_EMPTY_PARTITIONS, empty, f"7 tokens are {short_tiles} tile of {DECODE_TILE_N}: one partition "
        "gets it, the others get nothing.")
-answer(PREDICTED_STILL_MATCHES, bool(short_error < 1e-4), f"an empty partition writes m = -inf and l = 0, which "
+viz.check(empty == 2 and short_error < ATOL, f"{empty} empty partitions, error {short_error:.1e}; the answer below "
+          "says 2, and a match", defaults=True)
+answer(PREDICTED_STILL_MATCHES, bool(short_error < ATOL), f"an empty partition writes m = -inf and l = 0, which "
        f"the merge weighs by exp(-inf - M) = 0 (max |error| {short_error:.1e}).")
 
 # %% [markdown]
@@ -384,6 +411,12 @@ ax.set(xticks=range(len(contexts)), xticklabels=contexts, yticks=range(len(batch
        xlabel="context length", ylabel="sequences in the batch",
        title=f"partitions chosen by split_k=None (8 kv heads, {num_sms} SMs)")
 plt.show()
+programs = np.array(batches)[:, None] * 8
+viz.check(np.all(choice[programs.repeat(len(contexts), 1) >= num_sms] == 1) and np.all(choice[:, 0] == 1)
+          and np.all((choice == 1) | (np.array(contexts)[None, :] / choice >= 256))
+          and np.all(choice * programs < 2 * num_sms + programs),
+          "split_k=None split a batch that fills the SMs or a short context, made a partition under 256 tokens, or "
+          "went past about two programs per SM", defaults=True)
 
 # %% [markdown]
 # ## 5. Bandwidth on a GPU

@@ -62,7 +62,7 @@ import numpy as np
 import torch
 from matplotlib.colors import ListedColormap
 
-from kvlab import BlockManager, Sequence
+from kvlab import BlockManager, Sequence, viz
 from kvlab.course import answer
 from kvlab.device import DEVICE, ON_GPU, mode
 from kvlab.kernels.paged_prefill import paged_prefill
@@ -70,7 +70,7 @@ from kvlab.kernels.reference import attention_ref
 from kvlab.kernels.reshape_and_cache import reshape_and_cache
 
 # Knobs: change them and run the notebook again (on a GPU, the realistic sizes below replace them).
-BLOCK_SIZE, NUM_BLOCKS = 8, 24            # the pool must hold A, B and C: about 11 blocks of 8 here
+BLOCK_SIZE, NUM_BLOCKS = 8, 24            # the pool must hold A, B and C: 13 blocks of 8 here
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 64
 SYSTEM_LEN = 37                           # the shared system prompt: 4 full blocks of 8 and 5 tokens more
 USER_LENS = {"A": 13, "B": 6, "C": 21}    # each request's own message after it
@@ -80,6 +80,8 @@ if ON_GPU:   # a Llama-3-8B-like attention layer, a 2000-token system prompt
     BLOCK_SIZE, NUM_BLOCKS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 512, 32, 8, 128
     SYSTEM_LEN, USER_LENS = 2000, {"A": 300, "B": 170, "C": 45}
     DTYPE = torch.float16
+DEFAULTS = not ON_GPU and (BLOCK_SIZE, NUM_BLOCKS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, SYSTEM_LEN, USER_LENS, SEED) == (
+    8, 24, 4, 2, 64, 37, {"A": 13, "B": 6, "C": 21}, 0)  # the CPU setting CI checks exactly
 torch.manual_seed(SEED)
 VOCAB = 1000
 print(f"kernels run in {mode()} mode on {DEVICE}; block_size={BLOCK_SIZE}, {NUM_HEADS} query / "
@@ -168,6 +170,13 @@ for name in ("B", "C"):
           f"({seq.num_cached_tokens / len(seq):.0%}), blocks {manager.get_block_table(seq)}")
 outputs.update(prefill(["B", "C"]))
 print(f"prefix cache hit rate so far: {manager.stats.hit_rate:.0%} of queried tokens")
+system_blocks = SYSTEM_LEN // BLOCK_SIZE
+viz.check(all(seqs[n].block_table[:system_blocks] == seqs["A"].block_table[:system_blocks]
+              and seqs[n].num_cached_tokens >= system_blocks * BLOCK_SIZE for n in ("B", "C")),
+          "B or C does not share the system prompt's full blocks with A", defaults=True)
+viz.check(manager.num_blocks - manager.num_free_blocks == 13 and seqs["B"].num_cached_tokens == 32,
+          f"A, B and C hold {manager.num_blocks - manager.num_free_blocks} blocks (the knobs' comment: 13) and B "
+          f"found {seqs['B'].num_cached_tokens} tokens cached (4 full blocks of 8: 32)", defaults=DEFAULTS)
 
 # %%
 names = list(seqs)
@@ -266,6 +275,14 @@ plt.show()
 half = skipped_fraction(prompt_len, prompt_len // 2)
 print(f"at a 50% hit ratio on a {prompt_len}-token prompt: {half[0]:.0%} of projection/MLP FLOPs, "
       f"{half[1]:.0%} of attention FLOPs, {half[2]:.0%} of the layer's FLOPs are skipped")
+by_length = {n: curve(n)[:, 2] for n in (512, 8192, 32768, 131072)}
+interior = slice(1, -1)  # at 0% and 100% every prompt saves exactly the hit ratio
+viz.check(np.allclose(curves[:, 0], ratios) and np.all(np.abs(curves[:, 1] - ratios**2) < 0.01)
+          and all(np.all(c <= ratios + 1e-12) for c in by_length.values())
+          and all(np.all(longer[interior] < shorter[interior])
+                  for shorter, longer in zip(list(by_length.values()), list(by_length.values())[1:])),
+          "projections and MLP do not save exactly the hit ratio, attention not about its square, or a longer "
+          "prompt does not save less than a shorter one at the same hit ratio", defaults=True)
 
 # %% [markdown]
 # **Exercise.** Predict, for this notebook's CPU sizes (blocks of 8; user messages of 13, 6 and 21 tokens
@@ -292,6 +309,9 @@ def cached_tokens(system_len, block_size=8, user_lens=(13, 6, 21)):
 
 answer(PREDICTED_B_HITS_7, cached_tokens(7)[1], "7 tokens never fill a block of 8, and B's first block also holds "
        "its own message: nothing is shared.")
+viz.check(cached_tokens(7)[1:] == [0, 0] and cached_tokens(40)[1] == 40 and cached_tokens(37)[1:] == [32, 32],
+          f"cached tokens: {cached_tokens(7)} with a 7-token system prompt, {cached_tokens(40)} with 40, "
+          f"{cached_tokens(37)} with 37; the answer below says B and C 0, B 40, and 32 each", defaults=True)
 answer(PREDICTED_B_HITS_40, cached_tokens(40)[1], "the system prompt is exactly 5 full blocks, and B's last token lies "
        "in its sixth block: all 40 tokens hit.")
 

@@ -73,6 +73,7 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
+from kvlab import viz
 from kvlab.studies.memory_waste import PAPER_TOKEN_STATES, SHARES, memory_waste
 from kvlab.studies.plots import plot_memory_waste
 from kvlab.studies.traces import load_trace
@@ -83,6 +84,11 @@ MAX_LEN = 8192    # the longest request any scheme must hold: try 2048, the pape
 BLOCK_SIZES = (8, 16, 32)                 # the paged schemes of sections 2-3
 BUDGETS = [12_000, 16_384, 24_000, 32_768, 48_000, 65_536, 98_304, 131_072]   # section 4's sweep
 SWEEP_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)                                  # section 4's sweep
+DEFAULTS = (BUDGET, MAX_LEN, BLOCK_SIZES, BUDGETS, SWEEP_BLOCK_SIZES) == (
+    48_000, 8192, (8, 16, 32), [12_000, 16_384, 24_000, 32_768, 48_000, 65_536, 98_304, 131_072],
+    (8, 16, 32, 64, 128, 256))  # the setting CI checks exactly
+viz.check(abs(48_000 * 512 * 2**10 / 2**30 - 23) < 0.5, "48,000 slots of 512 KiB are not about 23 GiB",
+          defaults=True)
 traces = {name: load_trace(name) for name in ("azure_code", "azure_conv")}
 
 
@@ -117,6 +123,11 @@ def length_stats(t):
             f"longer than {MAX_LEN} (left out)": int((final > MAX_LEN).sum())}
 
 
+finals = {name: t["input_length"] + t["output_length"].clip(lower=1) for name, t in traces.items()}
+viz.check(all(t["output_length"].sum() / finals[name].sum() < 0.25 and finals[name].max() >= 100 * finals[name].min()
+              for name, t in traces.items()),
+          "a trace's outputs are not a small share of its tokens (the PagedAttention paper's workloads: about "
+          "two thirds and more), or its final lengths span less than two orders of magnitude", defaults=True)
 pd.DataFrame.from_dict({name: length_stats(t) for name, t in traces.items()}, orient="index")
 
 # %% [markdown]
@@ -154,6 +165,8 @@ print(f"Reading: on conversation, {paged} keeps {100 * conv.loc[paged, 'token_st
       f"{100 * conv.loc['Oracle', 'token_states']:.1f}% for the Oracle, which reserves each whole output at admission "
       f"({100 * conv.loc['Oracle', 'reservation']:.1f}% reservation) and strands "
       f"{100 * conv.loc['Oracle', 'external_fragmentation']:.1f}% in holes between ranges.")
+viz.check(conv.loc[paged, "token_states"] > conv.loc["Oracle", "token_states"],
+          f"{paged} keeps no more token states than the Oracle", defaults=DEFAULTS)
 
 # %% [markdown]
 # ## 3. How many requests run at once
@@ -175,6 +188,16 @@ plt.show()
 batch = pd.DataFrame({name: t.set_index("scheme")["concurrent_requests"] for name, t in tables.items()})
 batch.assign(**{"conv, x Max": batch["azure_conv"] / batch.loc["Max", "azure_conv"],
                 "conv, x Oracle": batch["azure_conv"] / batch.loc["Oracle", "azure_conv"]}).round(2)
+paged_rows = [f"Paged {b}" for b in BLOCK_SIZES]
+viz.check(all(list(t.sort_values("token_states")["scheme"]) == list(t.sort_values("concurrent_requests")["scheme"])
+              for t in tables.values())
+          and (batch.loc[paged_rows] >= 3 * batch.loc["Max"]).all().all()
+          and (batch.loc[paged_rows] > batch.loc["Oracle"]).all().all(),
+          "the batch sizes do not follow the token-state shares, or paging does not run several times as many "
+          "requests as Max and more than the Oracle", defaults=DEFAULTS)
+viz.check(np.allclose(batch.loc["Max"], BUDGET // MAX_LEN),
+          f"Max runs {batch.loc['Max'].tolist()} requests at once, not BUDGET // MAX_LEN = {BUDGET // MAX_LEN}",
+          defaults=True)
 
 # %% [markdown]
 # Reading: the batch follows the token-state share. Max holds only `BUDGET // MAX_LEN` ranges at a time
@@ -199,6 +222,16 @@ moved = (short["token_states"] - conv["token_states"]).abs()
 answer(PREDICTED_MOVES_MOST, moved.idxmax(), f"Max reserves MAX_LEN per request whatever its length: its token "
        f"states go from {100 * conv.loc['Max', 'token_states']:.0f}% to {100 * short.loc['Max', 'token_states']:.0f}% "
        f"of the budget; paging moves by {100 * moved.filter(like='Paged').max():.1f} points at most.")
+others = moved.drop("Max")
+viz.check(moved.idxmax() == "Max" and moved["Max"] > 3 * others.max()
+          and (round(100 * conv.loc["Max", "token_states"]), round(100 * short.loc["Max", "token_states"]),
+               round(short.loc["Max", "concurrent_requests"]), round(conv.loc["Max", "concurrent_requests"]))
+          == (13, 52, 23, 5)
+          and all(short.loc[s, "token_states"] > conv.loc[s, "token_states"] for s in ("Pow2", "Oracle"))
+          and (moved[paged_rows] < 0.03).all() and (conv.loc[paged_rows, "token_states"] > 0.95).all(),
+          f"at MAX_LEN 2048 the token states move by {pct(moved).to_dict()} points, Max runs "
+          f"{short.loc['Max', 'concurrent_requests']:.1f} requests; the answer below says Max by far (13% -> 52%, "
+          "23 requests instead of 5), Pow2 and the Oracle gain a little, paging barely moves", defaults=DEFAULTS)
 answer(PREDICTED_MAX_BATCH, round(short.loc["Max", "concurrent_requests"]),
        f"Max holds BUDGET // MAX_LEN = {BUDGET} // 2048 = {BUDGET // 2048} ranges at a time.")
 
@@ -254,6 +287,12 @@ print(f"Reading: the last-block waste grows from {last_block.iloc[0]:.1f}% of th
       f"token states go from {100 * states['Oracle'].iloc[0]:.0f}% to {100 * states['Oracle'].iloc[-1]:.0f}% and "
       f"paging's from {100 * states['Paged 16'].iloc[0]:.0f}% to {100 * states['Paged 16'].iloc[-1]:.0f}%; Max "
       f"zigzags because the budget holds a whole number of {MAX_LEN}-slot ranges.")
+max_steps = np.diff(states["Max"].to_numpy())
+viz.check(np.all(np.diff(last_block.to_numpy()) > 0)
+          and all(states[s].iloc[-1] > states[s].iloc[0] for s in ("Pow2", "Oracle", "Paged 16"))
+          and (max_steps > 0).any() and (max_steps < 0).any(),
+          "larger blocks do not waste more, a larger budget does not raise the contiguous schemes' and paging's "
+          "token states, or Max does not zigzag over the budgets", defaults=DEFAULTS)
 
 # %% [markdown]
 # ## 5. Why these numbers differ from the paper's
@@ -278,6 +317,11 @@ print(f"Reading: the last-block waste grows from {last_block.iloc[0]:.1f}% of th
 pd.DataFrame({"paper (%)": {k: 100 * v for k, v in PAPER_TOKEN_STATES.items()},
               "azure_code (%)": 100 * code["token_states"], "azure_conv (%)": 100 * conv["token_states"]}
              ).loc[list(code.index)].round(1).rename_axis("token states")
+viz.check(all(0.6 < t.loc["Max", "token_states"] / (finals[name][finals[name] <= MAX_LEN].mean() / MAX_LEN) < 1.4
+              and all(t.loc[s, "token_states"] > PAPER_TOKEN_STATES[s] for s in ("Pow2", "Oracle"))
+              for name, t in (("azure_code", code), ("azure_conv", conv))),
+          "Max's token share is not roughly the mean final length over MAX_LEN, or Pow2 and the Oracle keep no "
+          "more token states than in the paper", defaults=DEFAULTS)
 
 # %%
 paged_floor = min(t.set_index("scheme").loc[[f"Paged {b}" for b in BLOCK_SIZES], "token_states"].min()

@@ -131,6 +131,8 @@ SPARE_BLOCKS = 3                 # free blocks beyond the prompts' own
 PREEMPTION_MODE = "recompute"    # or "swap": copy the victim's blocks to a swap pool in host memory
 MAX_TOKENS = 24                  # small: every decode step runs all 30 layers on a CPU
 SYSTEM = "You are a patient teacher. Explain every answer step by step, in plain words."
+DEFAULTS = (BLOCK_SIZE, SPARE_BLOCKS, PREEMPTION_MODE, MAX_TOKENS) == (8, 3, "recompute", 24)
+SMOLLM2 = CHAT and os.environ.get("KVLAB_MODEL") is None  # the run the text describes: SmolLM2's prompts and layers
 
 
 def chat_ids(question, system=SYSTEM):
@@ -146,6 +148,9 @@ PROMPTS = {"A": chat_ids("Why is the sky blue?"), "B": chat_ids("How do bees mak
            "C": chat_ids("What is a prime number?"), "D": chat_ids("Describe a long walk by the sea.", system=None)}
 shared = next(i for i, (a, b) in enumerate(zip(PROMPTS["A"], PROMPTS["B"])) if a != b)  # common prefix of A and B
 blocks = {name: -(-len(ids) // BLOCK_SIZE) for name, ids in PROMPTS.items()}
+viz.check(shared // BLOCK_SIZE >= 2 and PROMPTS["D"][:BLOCK_SIZE] != PROMPTS["A"][:BLOCK_SIZE],
+          f"A, B and C share {shared // BLOCK_SIZE} full blocks of {BLOCK_SIZE} (the text: a few), or D's first block "
+          "is A's", defaults=DEFAULTS)
 
 
 def pool_size(spare_blocks):
@@ -228,6 +233,19 @@ first = llm.step_records[-1]
 print(f"{llm.model_config.num_layers} layers; prompts of {len(PROMPTS['A'])} + {len(PROMPTS['B'])} tokens; "
       f"the step computed {first.num_tokens}, cached_tokens = {first.cached_tokens}")
 draw("after the first step: A and B prefilled together")
+by_name = {names[s.seq_id]: s for s in llm.scheduler.running}
+shared_full = shared // BLOCK_SIZE
+viz.check(first.kind == "prefill" and first.num_seqs == 2
+          and first.num_tokens + first.cached_tokens == len(PROMPTS["A"]) + len(PROMPTS["B"])
+          and first.cached_tokens == shared_full * BLOCK_SIZE
+          and by_name["B"].block_table[:shared_full] == by_name["A"].block_table[:shared_full]
+          and all(llm.block_manager.ref_count(b) == 2 for b in by_name["A"].block_table[:shared_full])
+          and not set(by_name["B"].block_table[shared_full:]) & set(by_name["A"].block_table),
+          "the first step did not prefill A and B together, hitting exactly B's full system-prompt blocks (A's, "
+          "ref count 2) and nothing else", defaults=True)
+viz.check(first.cached_tokens > 0 and llm.model_config.num_layers == 30,
+          f"B hit {first.cached_tokens} tokens (the text: it computed fewer than the prompts hold) and the model has "
+          f"{llm.model_config.num_layers} layers (the text: 30)", defaults=DEFAULTS and SMOLLM2)
 llm.step_dataframe()[COLUMNS]
 
 # %% [markdown]
@@ -253,6 +271,10 @@ print(f"C: {llm.block_manager.stats.hit_tokens} prompt tokens hit so far; C's pr
       f"{c_step.num_tokens} of its {len(PROMPTS['C'])} tokens and read {c_step.cached_tokens} "
       f"({c_hit_blocks} blocks of {BLOCK_SIZE}) from the prefix cache")
 assert c_hit_blocks == shared // BLOCK_SIZE, "C hits exactly the full blocks of the shared system prompt"
+viz.check(c_step.kind == "prefill" and c_step.num_seqs == 1
+          and c_step.num_tokens == len(PROMPTS["C"]) - c_step.cached_tokens,
+          "C's prefill was not the next step, or it computed more than the tokens after the shared blocks",
+          defaults=True)
 draw(f"C joined: its first {c_hit_blocks} blocks are the system prompt's, A's and B's")
 llm.step_dataframe()[COLUMNS]
 
@@ -278,6 +300,11 @@ else:
           f"{[names[s.seq_id] for s in llm.scheduler.waiting]}, swapped out: "
           f"{[names[s.seq_id] for s in llm.scheduler.swapped]}")
 draw("the first preemption: the victim's blocks went back to the pool")
+longest = {n: -(-(len(PROMPTS[n]) + MAX_TOKENS) // BLOCK_SIZE) for n in PROMPTS}  # blocks at the longest
+need = sum(longest.values()) - 2 * (shared // BLOCK_SIZE)  # the shared system-prompt blocks once
+viz.check(record is not None and [names[s.seq_id] for s in queued()] == ["D"] and NUM_BLOCKS < need,
+          f"the pool of {NUM_BLOCKS} blocks against {need} needed at the longest: the first preemption (if any) "
+          "was not of D, the newest running sequence", defaults=DEFAULTS and SMOLLM2)
 llm.step_dataframe()[COLUMNS].tail(4)
 
 # %% [markdown]
@@ -305,6 +332,8 @@ for rec, what, seqs in events:
 assert sum(r.preempted for r in llm.step_records) == sum(len(s) for _, w, s in events if w == "preempted")
 assert all(r.blocks_swapped_in or r.num_tokens + r.cached_tokens == sum(n for _, n in s)
            for r, w, s in events if w == "back" and r.num_seqs == len(s)), "a comeback is its tokens, computed or hit"
+viz.check(all(r.cached_tokens > 0 for r, w, _ in events if w == "back" and not r.blocks_swapped_in),
+          "a recomputed sequence found none of its old K/V in the prefix cache", defaults=DEFAULTS and SMOLLM2)
 
 # %% [markdown]
 # With `LLM(..., preemption_mode="swap")` the victim's blocks are copied to a swap pool in host memory with
@@ -352,6 +381,11 @@ WHY_SWAPPED_OUT = (f"At step {first_swap['step']} {victim} held {victim_tokens} 
                    f"({len(PROMPTS[victim])} of prompt, {victim_tokens - len(PROMPTS[victim])} generated): "
                    f"ceil({victim_tokens} / {BLOCK_SIZE}) = {-(-victim_tokens // BLOCK_SIZE)} blocks, all copied out; "
                    f"the swap run copied {int(swap_run['blocks_swapped_in'].sum())} blocks back in over the run.")
+first_preemption = next(rec for rec, what, _ in events if what == "preempted")
+viz.check(first_swap["step"] == first_preemption.step and SWAPPED_OUT == -(-victim_tokens // BLOCK_SIZE),
+          f"the swap run's first preemption (step {first_swap['step']}, {SWAPPED_OUT} blocks out) is not this run's "
+          f"(step {first_preemption.step}, {victim}'s {-(-victim_tokens // BLOCK_SIZE)} blocks)",
+          defaults=DEFAULTS and SMOLLM2)
 answer(PREDICTED_SWAPPED_OUT, SWAPPED_OUT, WHY_SWAPPED_OUT)
 
 # %% [markdown]
@@ -372,7 +406,9 @@ PREDICTED_PREEMPTIONS = None  # your prediction: an int
 
 big_run = replay(spare_blocks=16)
 PREEMPTIONS = int(big_run["preempted"].sum())
-longest = {n: -(-(len(PROMPTS[n]) + MAX_TOKENS) // BLOCK_SIZE) for n in PROMPTS}
+viz.check(PREEMPTIONS == 0 and need <= pool_size(16),
+          f"{PREEMPTIONS} preemptions with {pool_size(16)} blocks for {need} needed at the longest",
+          defaults=DEFAULTS and SMOLLM2)
 WHY_PREEMPTIONS = (f"The pool has {pool_size(16)} blocks; A-D at their longest need {sum(longest.values())} blocks "
                    f"({longest}) less {2 * (shared // BLOCK_SIZE)} shared ones = "
                    f"{sum(longest.values()) - 2 * (shared // BLOCK_SIZE)}, and the run used at most "
@@ -405,8 +441,16 @@ step()
 for k, seq in enumerate(llm.scheduler.running):
     names[seq.seq_id] = f"F sample {k}"
 draw("F prefilled and forked: three samples, the same blocks (ref count 3)")
+samples = list(llm.scheduler.running)
+viz.check(len(samples) == 3 and all(s.block_table == samples[0].block_table for s in samples)
+          and all(llm.block_manager.ref_count(b) == 3 for b in samples[0].block_table),
+          "F's three samples do not share every block", defaults=True)
 step()
 print(f"copy-on-write copies in that decode step: {llm.step_records[-1].cow_copies}")
+viz.check(len(F_PROMPT) % BLOCK_SIZE and llm.step_records[-1].cow_copies == 2,
+          f"F's prompt ends {'in a partial' if len(F_PROMPT) % BLOCK_SIZE else 'on a full'} block and the decode "
+          f"step made {llm.step_records[-1].cow_copies} copies (the text: two samples got private copies of the "
+          "partial block)", defaults=DEFAULTS and SMOLLM2)
 draw("after one decode step: two samples got private copies of the partial block")
 
 # %% [markdown]
@@ -521,6 +565,14 @@ for path in paths:
     print(f"{path.name}: `{provenance.get('command', '(command not recorded)')}`")
     display(frame[["system", "repeats", "wall_s", "min_s", "max_s", "generated_tok_s", "x_kvlab_time",
                    "peak_kv_mib", "cached_prompt_tokens"]])
+    kv, padded, one = (frame.set_index("system").loc[k] for k in ("kvlab (one batch)", "HF generate, padded batch",
+                                                                  "HF generate, one prompt at a time"))
+    viz.check(kv.wall_s < padded.wall_s < one.wall_s and one.peak_kv_mib < kv.peak_kv_mib < padded.peak_kv_mib
+              and kv.cached_prompt_tokens > 0 and (frame["requests"] == 8).all() and (frame["new_tokens"] == 32).all()
+              and (abs(frame["prompt_tokens"] / frame["requests"] - 108) < 5).all(),
+              f"{path.name}: the text's reading (time: kvlab < padded batch < one at a time; memory: one at a time "
+              "< kvlab < padded batch; kvlab hits the shared prompt; 8 prompts of ~108 tokens, 32 new tokens each) "
+              "does not hold", defaults=True)
 if torch.cuda.is_available():
     print(f"This runtime has a GPU ({torch.cuda.get_device_name()}): measure it with\n"
           "  python -m kvlab.bench engine --suite chat\nfrom the repository root (a few minutes), then run this "
