@@ -373,19 +373,25 @@ def replay(spare_blocks=SPARE_BLOCKS, preemption_mode=PREEMPTION_MODE):
 PREDICTED_SWAPPED_OUT = None  # your prediction: an int
 
 swap_run = replay(preemption_mode="swap")
-first_swap = swap_run[swap_run["blocks_swapped_out"] > 0].iloc[0]
-first_victim = next(seqs for _, what, seqs in events if what == "preempted")
-victim, victim_tokens = first_victim[0]
-SWAPPED_OUT = int(first_swap["blocks_swapped_out"])
-WHY_SWAPPED_OUT = (f"At step {first_swap['step']} {victim} held {victim_tokens} tokens "
-                   f"({len(PROMPTS[victim])} of prompt, {victim_tokens - len(PROMPTS[victim])} generated): "
-                   f"ceil({victim_tokens} / {BLOCK_SIZE}) = {-(-victim_tokens // BLOCK_SIZE)} blocks, all copied out; "
-                   f"the swap run copied {int(swap_run['blocks_swapped_in'].sum())} blocks back in over the run.")
-first_preemption = next(rec for rec, what, _ in events if what == "preempted")
-viz.check(first_swap["step"] == first_preemption.step and SWAPPED_OUT == -(-victim_tokens // BLOCK_SIZE),
-          f"the swap run's first preemption (step {first_swap['step']}, {SWAPPED_OUT} blocks out) is not this run's "
-          f"(step {first_preemption.step}, {victim}'s {-(-victim_tokens // BLOCK_SIZE)} blocks)",
-          defaults=DEFAULTS and SMOLLM2)
+swaps = swap_run[swap_run["blocks_swapped_out"] > 0]
+preemptions = [(rec, seqs) for rec, what, seqs in events if what == "preempted"]
+if not preemptions or swaps.empty:  # a knob gave the pool room for everyone: nothing to swap
+    SWAPPED_OUT = int(swap_run["blocks_swapped_out"].sum())
+    WHY_SWAPPED_OUT = (f"With SPARE_BLOCKS = {SPARE_BLOCKS} the run preempts nobody, so nothing is swapped out; set "
+                       "it back to 3 for this exercise.")
+else:
+    first_swap, (first_preemption, first_victim) = swaps.iloc[0], preemptions[0]
+    victim, victim_tokens = first_victim[0]
+    SWAPPED_OUT = int(first_swap["blocks_swapped_out"])
+    WHY_SWAPPED_OUT = (f"At step {first_swap['step']} {victim} held {victim_tokens} tokens "
+                       f"({len(PROMPTS[victim])} of prompt, {victim_tokens - len(PROMPTS[victim])} generated): "
+                       f"ceil({victim_tokens} / {BLOCK_SIZE}) = {-(-victim_tokens // BLOCK_SIZE)} blocks, all copied "
+                       f"out; the swap run copied {int(swap_run['blocks_swapped_in'].sum())} blocks back in over "
+                       "the run.")
+    viz.check(first_swap["step"] == first_preemption.step and SWAPPED_OUT == -(-victim_tokens // BLOCK_SIZE),
+              f"the swap run's first preemption (step {first_swap['step']}, {SWAPPED_OUT} blocks out) is not this "
+              f"run's (step {first_preemption.step}, {victim}'s {-(-victim_tokens // BLOCK_SIZE)} blocks)",
+              defaults=DEFAULTS and SMOLLM2)
 answer(PREDICTED_SWAPPED_OUT, SWAPPED_OUT, WHY_SWAPPED_OUT)
 
 # %% [markdown]
