@@ -35,7 +35,7 @@ import triton.language as tl
 
 from kvlab.kernels.torch_paged import paged_attention_decode_torch
 from kvlab.puzzles.grading import Case, Report, grade, seeded
-from kvlab.puzzles.triton_grading import padded_cache, random_rows, seeded_generator, unchanged_stub
+from kvlab.puzzles.triton_grading import paged_batch, random_rows, seeded_generator, unchanged_stub
 
 NAME = "triton_decode_attention"
 TOLERANCE = 1e-4
@@ -71,18 +71,7 @@ def _case(rng: random.Random) -> Case:
     generator = seeded_generator(rng)
     bs, kv_heads, group, dim = rng.choice((2, 4, 8)), rng.randint(1, 2), rng.randint(1, 3), rng.choice((16, 24))
     lens = [rng.randint(1, 3 * bs + 1) for _ in range(rng.randint(1, 3))]
-    used = [-(-n // bs) for n in lens]
-    num_blocks = sum(used) + 1
-    kv_cache, _ = padded_cache(num_blocks, bs, kv_heads, dim)
-    order = torch.randperm(num_blocks, generator=generator).tolist()
-    stale = order[sum(used)]  # no sequence's block: table entries past a sequence's end point at it
-    tables = torch.full((len(lens), max(used) + 1), stale, dtype=torch.int32, device=kv_cache.device)
-    for s, n in enumerate(lens):
-        blocks, order = order[:used[s]], order[used[s]:]
-        tables[s, :used[s]] = torch.tensor(blocks, dtype=torch.int32)
-        for p in range(n):  # only slots that hold a token get numbers
-            kv_cache[blocks[p // bs], :, p % bs] = random_rows((2, kv_heads, dim), generator)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=kv_cache.device)
+    kv_cache, tables, seq_lens = paged_batch(lens, bs, kv_heads, dim, generator)
     query = random_rows((len(lens), kv_heads * group, dim), generator)
     scale = rng.choice((dim ** -0.5, 0.3))
     expected = paged_attention_decode_torch(query, kv_cache, tables, seq_lens, scale=scale)

@@ -31,6 +31,25 @@ def random_rows(shape, generator) -> torch.Tensor:
     return torch.randn(*shape, generator=generator).to(DEVICE)
 
 
+def paged_batch(lens: list[int], block_size: int, num_kv_heads: int, head_dim: int, generator) -> tuple:
+    """(``kv_cache``: a ``padded_cache`` whose slots of the sequences' tokens hold random K/V and every other element
+    NaN, ``block_tables [S, max blocks + 1]`` int32: each sequence's blocks in random places, entries past its end
+    pointing at a block no sequence holds, ``seq_lens [S]`` int32): a decode batch of sequences of ``lens``
+    tokens."""
+    used = [-(-n // block_size) for n in lens]
+    num_blocks = sum(used) + 1
+    kv_cache, _ = padded_cache(num_blocks, block_size, num_kv_heads, head_dim)
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    stale = order[sum(used)]  # no sequence's block: table entries past a sequence's end point at it
+    tables = torch.full((len(lens), max(used) + 1), stale, dtype=torch.int32, device=kv_cache.device)
+    for s, n in enumerate(lens):
+        blocks, order = order[:used[s]], order[used[s]:]
+        tables[s, :used[s]] = torch.tensor(blocks, dtype=torch.int32)
+        for p in range(n):  # only slots that hold a token get numbers
+            kv_cache[blocks[p // block_size], :, p % block_size] = random_rows((2, num_kv_heads, head_dim), generator)
+    return kv_cache, tables, torch.tensor(lens, dtype=torch.int32, device=kv_cache.device)
+
+
 def unchanged_stub(kernel) -> None:
     """Raise NotImplementedError for a stub: a kernel whose body is only a docstring and ``pass`` (or ``...``)."""
     try:

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from kvlab.puzzles.grading import Case, Report, grade, seeded
-from kvlab.puzzles.triton_grading import padded_cache, random_rows, seeded_generator, unchanged_stub
+from kvlab.puzzles.triton_grading import paged_batch, random_rows, seeded_generator, unchanged_stub
 
 NAME = "triton_split_k_decode"
 TOLERANCE = 1e-4
@@ -82,21 +82,12 @@ def _case(rng: random.Random) -> Case:
     bs, kv_heads, group, dim = rng.choice((2, 4)), rng.randint(1, 2), rng.randint(1, 2), rng.choice((16, 24))
     per_part = rng.randint(1, 2)
     lens = [rng.randint(1, 4 * bs + 1) for _ in range(rng.randint(1, 3))]
-    used = [-(-n // bs) for n in lens]
-    num_blocks = sum(used) + 1
-    kv_cache, _ = padded_cache(num_blocks, bs, kv_heads, dim)
-    order = torch.randperm(num_blocks, generator=generator).tolist()
-    stale = order[sum(used)]  # no sequence's block: table entries past a sequence's end point at it
-    tables = torch.full((len(lens), max(used) + 1), stale, dtype=torch.int32, device=kv_cache.device)
-    keys, values = [], []
+    kv_cache, tables, seq_lens = paged_batch(lens, bs, kv_heads, dim, generator)
+    keys, values = [], []  # each sequence's K and V, [n, H_kv, D], read back through its table
     for s, n in enumerate(lens):
-        blocks, order = order[:used[s]], order[used[s]:]
-        tables[s, :used[s]] = torch.tensor(blocks, dtype=torch.int32)
-        for p in range(n):  # only slots that hold a token get numbers
-            kv_cache[blocks[p // bs], :, p % bs] = random_rows((2, kv_heads, dim), generator)
-        keys.append(torch.stack([kv_cache[blocks[p // bs], 0, p % bs] for p in range(n)]))    # [n, H_kv, D]
-        values.append(torch.stack([kv_cache[blocks[p // bs], 1, p % bs] for p in range(n)]))
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=kv_cache.device)
+        rows = kv_cache[[int(tables[s, p // bs]) for p in range(n)], :, [p % bs for p in range(n)]]  # [n, 2, H_kv, D]
+        keys.append(rows[:, 0])
+        values.append(rows[:, 1])
     query = random_rows((len(lens), kv_heads * group, dim), generator)
     scale = rng.choice((dim ** -0.5, 0.3))
     tokens_per_part = per_part * bs
