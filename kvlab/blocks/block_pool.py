@@ -4,6 +4,7 @@ and its prefix index, with the transaction that makes a call's policy calls undo
 
 from collections import Counter
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from operator import itemgetter
 from typing import Optional
 
@@ -24,64 +25,14 @@ from kvlab.validation import is_int
 # and nothing else changed. (What a policy keeps privately, such as hit counts or the place of an undone
 # block in its order, is its own business.)
 #
-# kvlab's own policies never raise on a valid call, so their fast batch methods are used as they are and
-# nothing is journaled. Any other policy is driven one block at a time (its batch methods are documented to
-# equal those loops), so that exactly the calls that succeeded are undone, and every block it hands out is
-# checked.
+# kvlab's own policies never raise on a valid call, so their fast batch methods are called directly and
+# nothing is journaled (``TrustedCalls``). Any other policy is driven one block at a time (its batch methods are
+# documented to equal those loops), so that exactly the calls that succeeded are undone, and every block it hands
+# out is checked (``PolicyTransaction``).
 
-class PolicyTransaction:
-    def __init__(self, pool):
-        self._pool = pool
-        self._policy = pool.policy
-        self._trusted = type(pool.policy) in BUILTIN_POLICIES
-        self._undo = []   # (method, blocks, cached flags) that reverses each successful call
-        self._seen = set()  # blocks popped or revived in this transaction (checks an untrusted policy)
-        self._added = set()  # blocks freed in this transaction: free, though their counts drop only after it
-        self.calling = ""   # the policy method being called, for the error message
-
-    def revive(self, blocks) -> None:
-        """Free blocks leave the free set without being reused (prefix hits take them back)."""
-        if self._trusted:
-            self.calling = "remove_many"
-            self._policy.remove_many(blocks)
-            return
-        warm, remove = self._pool.index.warm, self._policy.remove
-        self.calling = "remove"
-        for block in blocks:
-            remove(block)
-            self._undo.append(("add", [block], [warm[block]]))
-            self._seen.add(block)
-
-    def pop(self, count: int) -> list:
-        """``count`` free blocks to reuse, in the policy's order."""
-        if not count:
-            return []
-        if self._trusted:  # nothing in a transaction with a trusted policy can fail: no undo to record
-            self.calling = "pop_many"
-            return self._policy.pop_many(count)
-        warm = self._pool.index.warm
-        self.calling = "pop"
-        taken = []
-        for _ in range(count):
-            block = self._policy.pop()
-            self._check_popped(block)
-            self._undo.append(("add", [block], [warm[block]]))
-            taken.append(block)
-        return taken
-
-    def add(self, blocks, cached) -> None:
-        """``blocks`` become free; ``cached[i]`` says whether block i holds a hittable prefix."""
-        if not blocks:
-            return
-        if self._trusted:
-            self.calling = "add_many"
-            self._policy.add_many(blocks, cached)
-            return
-        self.calling = "add"
-        for block, is_cached in zip(blocks, cached):
-            self._policy.add(block, is_cached)
-            self._undo.append(("remove", [block], None))
-            self._added.add(block)
+class _ListenerCalls:
+    """What every transaction does alike: tell a listening policy of prefix hits and of accesses."""
+    calling = ""  # the policy method being called, for the error message
 
     def hits(self, blocks) -> None:
         listener = self._pool.hit_listener
@@ -96,6 +47,53 @@ class PolicyTransaction:
             self.calling = "on_access"
             for block in blocks:
                 listener(block, now)
+
+
+class TrustedCalls(_ListenerCalls):
+    """The transaction of a kvlab policy: ``revive(blocks)``, ``pop(count)`` and ``add(blocks, cached)`` are the
+    policy's own ``remove_many``, ``pop_many`` and ``add_many``, called as they are (nothing to undo)."""
+
+    def __init__(self, pool):
+        self._pool, policy = pool, pool.policy
+        self.revive, self.pop, self.add = policy.remove_many, policy.pop_many, policy.add_many
+
+
+class PolicyTransaction(_ListenerCalls):
+    def __init__(self, pool):
+        self._pool = pool
+        self._policy = pool.policy
+        self._undo = []   # (method, blocks, cached flags) that reverses each successful call
+        self._seen = set()  # blocks popped or revived in this transaction (checks an untrusted policy)
+        self._added = set()  # blocks freed in this transaction: free, though their counts drop only after it
+
+    def revive(self, blocks) -> None:
+        """Free blocks leave the free set without being reused (prefix hits take them back)."""
+        warm, remove = self._pool.index.warm, self._policy.remove
+        self.calling = "remove"
+        for block in blocks:
+            remove(block)
+            self._undo.append(("add", [block], [warm[block]]))
+            self._seen.add(block)
+
+    def pop(self, count: int) -> list:
+        """``count`` free blocks to reuse, in the policy's order."""
+        warm = self._pool.index.warm
+        self.calling = "pop"
+        taken = []
+        for _ in range(count):
+            block = self._policy.pop()
+            self._check_popped(block)
+            self._undo.append(("add", [block], [warm[block]]))
+            taken.append(block)
+        return taken
+
+    def add(self, blocks, cached) -> None:
+        """``blocks`` become free; ``cached[i]`` says whether block i holds a hittable prefix."""
+        self.calling = "add"
+        for block, is_cached in zip(blocks, cached):
+            self._policy.add(block, is_cached)
+            self._undo.append(("remove", [block], None))
+            self._added.add(block)
 
     def rollback(self) -> None:
         policy = self._policy
@@ -168,15 +166,11 @@ class BlockPool:
         self.sink = sink  # the manager's EventSink (kvlab.blocks.events), None when nobody listens
         self.tier = None  # the OffloadTier evicted blocks are offered to (kvlab.blocks.tiers), if any
         self.evictions = 0
-        # kvlab's own policies never raise on a valid call: their transaction has nothing to undo.
-        self._trusted_transaction = PolicyTransaction(self) if type(policy) in BUILTIN_POLICIES else None
+        # ``with pool.transaction() as txn:`` the policy calls of one operation, undone if one raises (a kvlab
+        # policy never raises on a valid call: its calls go straight to it).
+        self.transaction = (partial(nullcontext, TrustedCalls(self)) if type(policy) in BUILTIN_POLICIES
+                            else partial(policy_transaction, self))
         policy.add_many(list(range(first_block, num_blocks)), [False] * self.num_free)
-
-    def transaction(self):
-        """``with pool.transaction() as txn:`` the policy calls of one operation, undone if one raises."""
-        if self._trusted_transaction is not None:
-            return nullcontext(self._trusted_transaction)
-        return policy_transaction(self)
 
     def freed_by(self, blocks) -> tuple[list[int], list[bool]]:
         """The blocks of ``blocks`` (distinct) that ``drop(blocks)`` would free, in order, and whether each is

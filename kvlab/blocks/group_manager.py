@@ -34,8 +34,9 @@ sequence on the GPU and back with the first one swapped in; only a one-group man
 """
 
 from collections import Counter
+from dataclasses import dataclass
 from itertools import groupby
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from kvlab.blocks.prefix_cache import ROOT, UnitPrefixIndex, block_hashes, hashes_to_seal, sealed_through
 from kvlab.blocks.sequence import Sequence
@@ -45,23 +46,24 @@ from kvlab.validation import check_int
 NULL_BLOCK = 0  # with a sliding window, block 0 is reserved: every released table entry points at it
 
 
+@dataclass(slots=True, eq=False)  # eq=False: records are compared and hashed by identity (CrossTable.members)
 class Allocation:
     """A group's record of one sequence: its block table and how far the prefix cache has it. How far the
     sequence got is the sequence's own ``num_computed_tokens``, the same in every group."""
-    __slots__ = ("seq", "table", "on_cpu", "num_sealed", "last_hash", "last_content", "num_released", "num_slots",
-                 "cross", "forked_drafts")
-
-    def __init__(self, seq, table, num_sealed, last_hash, last_content, num_released, num_slots, cross=None):
-        self.seq, self.table, self.on_cpu = seq, table, False
-        # Leading full blocks already sealed, and the chain's tail (hash, content id) that the next seal extends.
-        # With prefix caching, num_sealed == verified positions // block_size.
-        self.num_sealed, self.last_hash, self.last_content = num_sealed, last_hash, last_content
-        self.num_released = num_released   # leading table entries released by the sliding window
-        # Positions < num_slots have a slot: the scheduled ones plus lookahead slots. The table holds exactly
-        # ceil(num_slots / block_size) entries (it never shrinks).
-        self.num_slots = num_slots
-        self.cross = cross                 # the request group's CrossTable (encoder-decoder), or None
-        self.forked_drafts = frozenset()   # blocks shared with a fork while drafts were in flight
+    seq: Sequence
+    table: list
+    # Leading full blocks already sealed, and the chain's tail (hash, content id) that the next seal extends.
+    # With prefix caching, num_sealed == verified positions // block_size.
+    num_sealed: int
+    last_hash: Optional[int]
+    last_content: int
+    num_released: int   # leading table entries released by the sliding window
+    # Positions < num_slots have a slot: the scheduled ones plus lookahead slots. The table holds exactly
+    # ceil(num_slots / block_size) entries (it never shrinks).
+    num_slots: int
+    cross: Optional["CrossTable"] = None  # the request group's CrossTable (encoder-decoder), or None
+    on_cpu: bool = False                  # swapped out: the table holds CPU blocks
+    forked_drafts: frozenset = frozenset()  # blocks shared with a fork while drafts were in flight
 
     def live_blocks(self) -> list[int]:
         """Table entries that hold a reference (the sliding window's released ones do not)."""

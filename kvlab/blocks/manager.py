@@ -245,6 +245,8 @@ class BlockManager:
         self._stats_mark = PrefixCacheStats()  # a copy of ``stats`` at the last make_prefix_cache_stats()
         self._pool, self._swap, self._tier, self._sink = parts.pool, parts.swap, parts.tier, parts.sink
         self._usable, self._watermark_blocks = parts.usable, parts.watermark_blocks
+        # The prefix indexes a hit comes from: an eviction from either (its generation moves) may make it stale.
+        self._indexes = (self._pool.index,) if self._tier is None else (self._pool.index, self._tier.index)
         several = len(specs) > 1  # then each group's reports carry its group
         self._groups = [GroupManager(spec, g, parts, GroupSink(parts.sink, g) if several and parts.sink else
                                      parts.sink) for g, spec in enumerate(specs)]
@@ -270,7 +272,7 @@ class BlockManager:
         groups = self._groups
         if not self.enable_prefix_caching or not seq.num_tokens:
             return PrefixHit(seq.seq_id, 0, [], [], tuple([] for _ in groups), ((),) * len(groups), (), (),
-                             self._generations())
+                             tuple(map(_generation, self._indexes)))
         hashes, contents = prompt_blocks(seq, self.block_size, self.hash_fn)
         limit = (seq.num_tokens - 1) // self.block_size
         found = []
@@ -293,7 +295,7 @@ class BlockManager:
         bs = self.block_size
         return PrefixHit(seq.seq_id, limit * bs, hashes, contents, hits, tuple(content_ids), tier_hits,
                          tuple(self._tier.index.content[slot] for slot in tier_hits) if tier_hits else (),
-                         self._generations(), 0, cut * bs, eagle * bs)
+                         tuple(map(_generation, self._indexes)), 0, cut * bs, eagle * bs)
 
     def _lookup_units(self, seq: Sequence) -> PrefixHit:
         """``lookup`` with a ``prefix_match_unit`` finer than the block: the whole-block hit, then the most whole
@@ -341,13 +343,12 @@ class BlockManager:
         block takes it out of the free pool. OK and LATER are about this step (keeping the watermark free);
         NEVER: the prompt can never be finished here, however it is chunked. ``hit``: ``lookup(seq)``'s
         answer (None: looked up here)."""
-        self._check_unallocated(seq)
         lookahead = num_lookahead_slots
         if lookahead.__class__ is not int or lookahead < 0:
             lookahead = check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        hit, plans, _, _, needed = self._plan_admission(seq, hit, lookahead, num_new_tokens)
         cross = self._cross_blocks(seq, encoder_seq) if encoder_seq is not None or self._cross else 0
-        plans = self._plan_admission(seq, hit, lookahead, num_new_tokens)[1]
-        return self._admission(sum(map(_peak_blocks, plans)) + cross, _hit_pins(self._pool, plans)[2] + cross)
+        return self._admission(sum(map(_peak_blocks, plans)) + cross, needed + cross)
 
     def allocate(self, seq: Sequence, encoder_seq: Optional[Sequence] = None, *, num_new_tokens: Optional[int] = None,
                  hit: Optional[PrefixHit] = None) -> Admitted:
@@ -357,11 +358,9 @@ class BlockManager:
         encoder-decoder request, one group only) also a cross-attention table for the encoder's tokens, shared
         by the sequence's future forks. Atomic: raises before changing anything if the blocks are not there,
         or if the prompt could never be finished in this pool."""
-        self._check_unallocated(seq)
+        hit, plans, pins, revived, needed = self._plan_admission(seq, hit, 0, num_new_tokens)
         num_cross = self._cross_blocks(seq, encoder_seq) if encoder_seq is not None or self._cross else 0
-        hit, plans = self._plan_admission(seq, hit, 0, num_new_tokens)
         pool, several = self._pool, len(plans) > 1
-        pins, revived, needed = _hit_pins(pool, plans)
         peak_blocks = sum(map(_peak_blocks, plans)) + num_cross
         if needed + num_cross > pool.num_free or peak_blocks > self._usable:
             self._refuse(seq, needed + num_cross, peak_blocks, len(plans))
@@ -400,21 +399,35 @@ class BlockManager:
         seq.num_computed_tokens = plans[0].scheduled
         return Admitted(hit.num_tokens, tuple(taken), self._tier.take_moves() if self._tier else [], hit.partial)
 
-    def _plan_admission(self, seq, hit, lookahead, num_new_tokens) -> tuple[PrefixHit, list]:
-        """(the hit, each group's plan to admit ``seq`` with it). ``hit``: None for a new lookup, else it must be
-        ``seq``'s and every block in it must still hold what it held when looked up, or InvalidArgumentError (a
-        hit goes stale once a block of it is evicted)."""
+    def _plan_admission(self, seq, hit, lookahead, num_new_tokens) -> tuple:
+        """(the hit, each group's plan to admit ``seq`` with it, the hits allocate pins while the groups take their
+        new blocks, the free ones among them, the free blocks allocate takes). ``seq`` must be unallocated, and
+        ``hit`` None for a new lookup, or ``seq``'s, every block in it still holding what it held when looked up,
+        else InvalidArgumentError (a hit goes stale once a block of it is evicted). Pure.
+
+        With several groups all hits are pinned, a window group's out-of-window ones too: were one evicted by
+        another group's new blocks, that group's chain would break. One group pins nothing: its live hits are its
+        own to claim (the free ones revived) and its plan counted the free blocks it takes."""
+        if (seq.__class__ is not Sequence or seq.allocation is not None or seq.block_size != self.block_size
+                or not seq.num_tokens or seq.token_array is None):
+            self._check_unallocated(seq)
         if hit is None:
             hit = self.lookup(seq)
         elif not isinstance(hit, PrefixHit) or hit.seq_id != seq.seq_id or len(hit.hits) != len(self._groups):
             raise InvalidArgumentError(f"hit must be this manager's lookup(seq) of sequence {seq.seq_id}, got {hit!r}")
-        elif hit.generations != self._generations() or (
+        elif hit.generations != tuple(map(_generation, self._indexes)) or (
                 self.enable_prefix_caching and len(hit.hashes) != seq.num_tokens // self.block_size):
             self._check_fresh(seq, hit)  # something was evicted since the lookup, or the sequence grew
-        plans = []
+        ref, plans = self._pool.ref, []
         for group, hits in zip(self._groups, hit.hits):
             plans.append(group.plan_admission(seq, hits, hit, lookahead, num_new_tokens))
-        return hit, plans
+        if len(plans) == 1:
+            plan = plans[0]
+            return hit, plans, (), list(filterfalse(ref.__getitem__, plan.hits[plan.first_live:])), plan.needed_free
+        pins = [block for plan in plans for block in plan.hits]
+        revived = [block for block in pins if not ref[block]]
+        fresh = sum(plan.live_blocks - len(plan.hits) + plan.first_live for plan in plans)
+        return hit, plans, pins, revived, fresh + len(revived)
 
     def _check_fresh(self, seq, hit) -> None:
         """InvalidArgumentError unless every block of ``hit`` still holds what it held when looked up."""
@@ -432,9 +445,6 @@ class BlockManager:
         if stale:
             raise InvalidArgumentError(f"the prefix hit of sequence {seq.seq_id} is stale (a block of it was evicted, "
                                        "or the sequence grew since): look it up again")
-
-    def _generations(self) -> tuple:
-        return self._pool.index.generation, self._tier.index.generation if self._tier is not None else 0
 
     def _refuse(self, seq, needed_free: int, peak_blocks: int, num_groups: int) -> None:
         """Say why ``allocate`` does not fit: too few free blocks now, or more blocks at once than the pool has."""
@@ -871,21 +881,7 @@ class BlockManager:
 
 
 _peak_blocks = attrgetter("peak_blocks")
-
-
-def _hit_pins(pool, plans) -> tuple[list, list, int]:
-    """(the hits allocate pins while the groups take their new blocks, the free ones among them, the free blocks
-    allocate takes). With several groups all hits are pinned, a window group's out-of-window ones too: were one
-    evicted by another group's new blocks, that group's chain would break. One group pins nothing: its live
-    hits are its own to claim (the free ones revived) and its plan counted the free blocks it takes."""
-    ref = pool.ref
-    if len(plans) == 1:
-        plan = plans[0]
-        return (), list(filterfalse(ref.__getitem__, plan.hits[plan.first_live:])), plan.needed_free
-    pins = [block for plan in plans for block in plan.hits]
-    revived = [block for block in pins if not ref[block]]
-    fresh = sum(plan.live_blocks - len(plan.hits) + plan.first_live for plan in plans)
-    return pins, revived, fresh + len(revived)
+_generation = attrgetter("generation")  # a prefix index's count of evictions: a hit is stale once it moved
 
 
 class HybridBlockManager(BlockManager):

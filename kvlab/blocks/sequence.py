@@ -14,6 +14,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from kvlab.blocks.prefix_cache import BlockHashes
 from kvlab.errors import InvalidArgumentError, SequenceStateError
 from kvlab.validation import check_int, is_int
 
@@ -236,7 +237,9 @@ class Sequence:
         # the user's to change): its record in the manager holding it (group 0's
         # ``kvlab.blocks.group_manager.Allocation``, None when not allocated), and its full blocks' hashes.
         self.allocation = None
-        self.block_hashes = None  # kvlab.blocks.prefix_cache.BlockHashes: computed once in its life
+        # Hashed under the default hash_fn as blocks fill (a manager with another one hashes it anew), once in
+        # its life, as vLLM V1's request.block_hashes.
+        self.block_hashes = BlockHashes(self.block_size, None, self.key_bytes)
 
     def __len__(self) -> int:
         return self.num_tokens
