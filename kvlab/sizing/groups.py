@@ -24,6 +24,8 @@ request holds them in every group; the maximum concurrency vLLM logs is the pool
 **State groups** (hybrid Mamba / linear-attention models, e.g. Qwen3-Next; vLLM's ``MambaSpec`` and
 ``HybridAttentionMambaModelConfig.verify_and_update_config``): the state layers are one more kind, grouped like
 the others, whose layers keep one fixed state per request: a request holds one block in each state group. A
+parallel hybrid (Falcon-H1: attention and a Mamba-2 mixer in every layer) is two cache layers per model layer,
+as vLLM counts them: N full-attention layers and N state layers, so two groups of N sharing N tensors. A
 state must fit in one page, so the attention block size grows, in multiples of the kernels' alignment
 (``KERNEL_BLOCK_ALIGNMENT``), until an attention page holds a layer's state (``aligned_block_size``); the state
 page is then padded to the attention page, so every group's pages stay equal.
@@ -128,7 +130,7 @@ def kv_cache_groups(layout: KVLayout, block_size: int, state_layers: tuple = (),
                     prefix_match_unit: int | None = None) -> tuple:
     """The model's KV cache groups, as vLLM V1 makes them (see the module docstring): full attention first,
     then the windows from the smallest, then the state layers, each kind's layers dealt out over its groups.
-    ``layout`` describes the attention layers; ``state_layers`` (the model's indices of its Mamba /
+    ``layout`` describes the attention layers; ``state_layers`` (the cache layer indices of its Mamba /
     linear-attention layers, each keeping ``state_bytes``) are the others, the attention layers filling the
     remaining indices in order. Every group matches prefixes at ``prefix_match_unit`` (None: whole blocks)."""
     check_int("block_size", block_size, 1)

@@ -7,7 +7,8 @@ text model (``text_config``). Each layer's kind comes from ``layer_types`` when 
 transformers derive it from Gemma 3's ``sliding_window_pattern``); without it a ``sliding_window`` applies to
 every layer (Mistral). MLA is recognised by ``kv_lora_rank``. A hybrid state model (``STATE_MODELS``:
 Qwen3-Next's gated delta net and Jamba's Mamba layers, which transformers lists as ``linear_attention``, beside
-full attention) also gets each state layer's fixed state per request, in elements, from the shapes vLLM's
+full attention; Falcon-H1's ``hybrid`` layers, each a full-attention layer and a Mamba-2 mixer side by side)
+also gets each state layer's fixed state per request, in elements, from the shapes vLLM's
 ``get_mamba_state_shape_from_config`` gives (at tensor parallel size 1).
 
 Parameters (for the weight estimate, ``kvlab.sizing.plan``): embeddings (and an untied LM head), the
@@ -56,11 +57,14 @@ SIZE_FIELDS = {
     "linear_value_head_dim": (1, 2**16), "linear_conv_kernel_dim": (1, 2**16),
     # Mamba (Jamba): the inner width's factor over hidden_size, the SSM state size and the convolution width
     "mamba_expand": (1, 2**8), "mamba_d_state": (1, 2**16), "mamba_d_conv": (1, 2**16),
+    # Mamba-2 (Falcon-H1): the inner width (null: mamba_expand x hidden_size), its heads and the B/C groups
+    "mamba_d_ssm": (1, 2**20), "mamba_n_heads": (1, 2**16), "mamba_n_groups": (1, 2**16),
 }
 #: Sizes a config may leave null (absent: the class's default applies): as many kv heads as query heads,
-#: head_dim hidden / heads, no MLA, a full-rank query, a dense model.
+#: head_dim hidden / heads, no MLA, a full-rank query, a dense model, a Mamba-2 width of mamba_expand x hidden.
 OPTIONAL_FIELDS = {"num_key_value_heads", "head_dim", "kv_lora_rank", "q_lora_rank", "moe_intermediate_size",
-                   "num_local_experts", "n_routed_experts", "num_experts", "n_shared_experts", "first_k_dense_replace"}
+                   "num_local_experts", "n_routed_experts", "num_experts", "n_shared_experts", "first_k_dense_replace",
+                   "mamba_d_ssm"}
 MLA_FIELDS = ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")  # required when kv_lora_rank is set
 #: The layer kinds sizing describes; fields a text config must have to be sized.
 LAYER_KINDS = ("full_attention", "sliding_attention")
@@ -68,7 +72,7 @@ REQUIRED_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_he
                    "intermediate_size", "vocab_size", "max_position_embeddings")
 SUPPORTED = ("kvlab size supports decoder-only transformers whose config states num_key_value_heads and whose "
              "every layer is full or sliding-window attention (e.g. llama, mistral, qwen2, qwen3, gemma2, gemma3, "
-             "gpt_oss, deepseek_v3), and of hybrid state models qwen3_next and jamba (not falcon_h1 or other Mamba "
+             "gpt_oss, deepseek_v3), and of hybrid state models qwen3_next, jamba and falcon_h1 (not other Mamba "
              "hybrids yet)")
 
 
@@ -96,11 +100,20 @@ class ModelShape:
     parameters: Parameters
     quantization: str | None   # quantization_config's quant_method (the weights are smaller than counted)
     weight_files_bytes: int | None  # the *.safetensors files' total size, when a model directory has them
-    # A hybrid state model's state layers (model layer indices; layer_windows then lists the other layers, in
-    # order) and what each keeps per request, in elements: its convolution's last inputs and its recurrent state.
+    # A hybrid state model's state layers, as KV cache layer indices, and what each keeps per request, in
+    # elements: its convolution's last inputs and its recurrent state. Qwen3-Next and Jamba: the model's layer
+    # indices (layer_windows then lists the other layers, in order). Falcon-H1 (parallel_state): each of its N
+    # layers runs attention and a Mamba-2 mixer side by side, and vLLM makes each mixer a cache layer of its
+    # own, so layer_windows lists the N attention layers (cache layers 0 .. N - 1), the mixers are N .. 2N - 1.
     state_layers: tuple = ()
     conv_state_elements: int = 0
     recurrent_state_elements: int = 0
+    parallel_state: bool = False
+
+    @property
+    def num_layers(self) -> int:
+        """The model's decoder layers (a parallel hybrid's layer holds an attention and a state layer)."""
+        return len(self.layer_windows) + (0 if self.parallel_state else len(self.state_layers))
 
     def layout(self, kv_cache_dtype: str) -> KVLayout:
         return KVLayout(self.num_kv_heads, self.head_dim, kv_cache_dtype, self.layer_windows, self.mla_latent_dim)
@@ -200,13 +213,16 @@ def _check_shape(text, file: Path) -> None:
 
 
 def _layer_windows(text, file: Path, state_kind: str | None = None) -> tuple:
-    """The attention layers' windows (a state model's ``state_kind`` layers are left out)."""
+    """The attention layers' windows (a state model's ``state_kind`` layers are left out; a parallel hybrid's
+    are full-attention layers, each with its state layer beside it)."""
     window = getattr(text, "sliding_window", None)
     kinds = getattr(text, "layer_types", None)
     if kinds is not None and (not isinstance(kinds, (list, tuple)) or len(kinds) != text.num_hidden_layers):
         raise InvalidArgumentError(f"{file}: layer_types must list one of {', '.join(LAYER_KINDS)} for each of "
                                    f"the {text.num_hidden_layers} layers, got {kinds!r}")
-    if state_kind is not None:
+    if state_kind == PARALLEL_KIND:
+        kinds = ["full_attention" if kind == PARALLEL_KIND else kind for kind in kinds]
+    elif state_kind is not None:
         kinds = [kind for kind in kinds if kind != state_kind]
         if not kinds:
             raise InvalidArgumentError(f"{file}: layer_types must be {state_kind} layers and at least one attention "
@@ -240,9 +256,22 @@ def _mamba1_state(text) -> tuple[int, int]:
     return (text.mamba_d_conv - 1) * inner, inner * text.mamba_d_state
 
 
+def _mamba2_state(text) -> tuple[int, int]:
+    """(convolution, SSM) state elements of one Mamba-2 mixer, as vLLM's ``mamba2_state_shape`` gives them: the
+    convolution keeps its last ``d_conv - 1`` inputs of x, B and C (the inner width ``mamba_d_ssm``, else
+    ``mamba_expand x hidden_size``, and ``n_groups x d_state`` each for B and C); the SSM state is a
+    ``d_head x d_state`` matrix per head."""
+    inner = text.mamba_expand * text.hidden_size if text.mamba_d_ssm is None else text.mamba_d_ssm
+    return ((text.mamba_d_conv - 1) * (inner + 2 * text.mamba_n_groups * text.mamba_d_state),
+            text.mamba_n_heads * text.mamba_d_head * text.mamba_d_state)
+
+
+#: The layer kind of a parallel hybrid (Falcon-H1): attention and a state layer side by side in one layer.
+PARALLEL_KIND = "hybrid"
 #: model_type -> (the state layers' kind in layer_types, their state elements): the hybrid state models sized.
 STATE_MODELS = {"qwen3_next": ("linear_attention", _gated_delta_net_state),
-                "jamba": ("linear_attention", _mamba1_state)}
+                "jamba": ("linear_attention", _mamba1_state),
+                "falcon_h1": (PARALLEL_KIND, _mamba2_state)}
 
 
 def _attention_parameters(t, h: int) -> int:
@@ -296,7 +325,9 @@ def read_model_shape(path) -> ModelShape:
     _check_shape(text, file)
     state_kind, state_elements = STATE_MODELS.get(model_type, (None, None))
     layer_windows = _layer_windows(text, file, state_kind)
-    state_layers = tuple(i for i, kind in enumerate(text.layer_types) if kind == state_kind) if state_kind else ()
+    first = len(layer_windows) if state_kind == PARALLEL_KIND else 0  # a parallel hybrid's: after its attention
+    kinds = text.layer_types if state_kind else ()
+    state_layers = tuple(first + i for i, kind in enumerate(kinds) if kind == state_kind)
     conv_state, recurrent_state = state_elements(text) if state_layers else (0, 0)
     heads, hidden = text.num_attention_heads, text.hidden_size
     mla = getattr(text, "kv_lora_rank", None) is not None
@@ -316,4 +347,5 @@ def read_model_shape(path) -> ModelShape:
         mla_latent_dim=text.kv_lora_rank + text.qk_rope_head_dim if mla else None,
         parameters=parameter_count(text), quantization=quantization,
         weight_files_bytes=sum(f.stat().st_size for f in files) if files else None,
-        state_layers=state_layers, conv_state_elements=conv_state, recurrent_state_elements=recurrent_state)
+        state_layers=state_layers, conv_state_elements=conv_state, recurrent_state_elements=recurrent_state,
+        parallel_state=state_kind == PARALLEL_KIND)

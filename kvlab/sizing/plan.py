@@ -8,11 +8,11 @@ quantized parameters at their own size); activations take the engine's bound
 (``kvlab.sizing.budget.activation_bytes``) for ``max_num_batched_tokens`` tokens and ``max_num_seqs``
 sequences; the pool is laid out in KV cache groups and tensors as vLLM V1 and kvlab's engine lay it out
 (``kvlab.sizing.groups``), and a request holds each group's ``blocks_per_request`` at ``max_model_len``. A
-hybrid state model's (Qwen3-Next's, Jamba's) state layers keep their convolution state in the model's dtype and their
-recurrent state in ``mamba_ssm_cache_dtype`` (vLLM's ``--mamba-ssm-cache-dtype``; auto: the model's dtype), and
-the block size grows to vLLM's aligned one (``kvlab.sizing.groups.aligned_block_size``). A KIVI cache
-(``kivi_int4``, ``kivi_int2``) keeps each running sequence's newest R tokens in the model's dtype beside its
-pages (``kv_residual_length``, default the block size, ``check_kivi_geometry``): ``max_num_seqs`` of these
+hybrid state model's (Qwen3-Next's, Jamba's, Falcon-H1's) state layers keep their convolution state in the
+model's dtype and their recurrent state in ``mamba_ssm_cache_dtype`` (vLLM's ``--mamba-ssm-cache-dtype``; auto:
+the model's dtype), and the block size grows to vLLM's aligned one (``kvlab.sizing.groups.aligned_block_size``).
+A KIVI cache (``kivi_int4``, ``kivi_int2``) keeps each running sequence's newest R tokens in the model's dtype
+beside its pages (``kv_residual_length``, default the block size, ``check_kivi_geometry``): ``max_num_seqs`` of these
 windows are set aside before the blocks, as the engine's ``kivi_window_bytes`` does.
 """
 

@@ -40,11 +40,12 @@ def describe_layers(s: Sizing) -> str:
     kinds = [f"{layout.full_layers} full attention"] if layout.full_layers else []
     kinds += [f"{count} sliding-window ({window} tokens)" for window, count in layout.windows.items()]
     if shape.state_layers:
-        kinds.append(f"{len(shape.state_layers)} Mamba / linear attention (a fixed state per request)")
+        beside = ", beside the attention in the same layers" if shape.parallel_state else ""
+        kinds.append(f"{len(shape.state_layers)} Mamba / linear attention (a fixed state per request{beside})")
     heads = (f"MLA: one latent of {layout.mla_latent_dim} per token for {shape.num_heads} heads"
              if layout.mla_latent_dim else f"{shape.num_heads} query heads share {shape.num_kv_heads} kv heads")
     architecture = f" ({shape.architecture})" if shape.architecture else ""
-    return (f"{shape.name}: {shape.model_type}{architecture}, {layout.num_layers + len(shape.state_layers)} layers: "
+    return (f"{shape.name}: {shape.model_type}{architecture}, {shape.num_layers} layers: "
             f"{', '.join(kinds)}; {heads}")
 
 

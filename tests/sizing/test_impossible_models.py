@@ -111,8 +111,8 @@ UNSUPPORTED = {
     "recurrent_gemma": "its config has no max_position_embeddings",  # recurrent blocks (AttributeError before)
     "t5": "it is an encoder-decoder model",  # AttributeError before
     "bert": "its config has no num_key_value_heads",  # an encoder: figures were printed
-    # a Mamba hybrid not sized yet (Qwen3-Next's and Jamba's are): the message names the supported ones
-    "falcon_h1": "layer_types has hybrid layers",
+    # a Mamba hybrid not sized yet (Qwen3-Next's, Jamba's and Falcon-H1's are): the message names the supported ones
+    "bamba": "layer_types has linear_attention layers",
 }
 
 
@@ -121,7 +121,7 @@ def test_an_architecture_sizing_cannot_describe_is_not_supported(model_type, tmp
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
     assert_refused(["--model", str(tmp_path)], capsys, f"{model_type} is not supported: {UNSUPPORTED[model_type]}",
                    "kvlab size supports decoder-only transformers", "full or sliding-window attention",
-                   "hybrid state models qwen3_next and jamba")
+                   "hybrid state models qwen3_next, jamba and falcon_h1")
 
 
 @pytest.mark.parametrize("option, value, message", [
