@@ -1,8 +1,9 @@
 """The block manager: which KV block holds which token, for every sequence (in the manner of vLLM V1's
 ``vllm/v1/core/``: scheduler -> manager -> per-group managers -> block pool).
 
-    manager.py          BlockManager (and HybridBlockManager: several KV cache groups): every call, over the
-                        groups, atomic across them; lookup -> can_allocate -> allocate return values
+    manager.py          KVCacheManager: every call, over the KV cache groups, atomic across them; lookup ->
+                        can_allocate -> allocate return values (the scheduler writes the sequence's progress);
+                        BlockManager (and HybridBlockManager: several groups) also writes the progress
     group_manager.py    GroupManager: one KV cache group's records and its half of each call (plan, then
                         bookkeeping): prefix hits, chunked prompts, window release, copy-on-write, drafts, swap
     kv_cache_groups.py  the groups' attention specs (FullAttentionSpec, SlidingWindowSpec, MambaStateSpec) and
@@ -19,9 +20,9 @@
 """
 
 from kvlab.blocks.eviction import POLICIES, EvictionPolicy
-from kvlab.blocks.manager import Admitted, BlockCopies, BlockManager, HybridBlockManager, PrefixHit
+from kvlab.blocks.manager import Admitted, BlockCopies, BlockManager, HybridBlockManager, KVCacheManager, PrefixHit
 from kvlab.blocks.records import AllocStatus, Event, PrefixCacheStats
 from kvlab.blocks.sequence import Sequence, SequenceStatus
 
 __all__ = ["Admitted", "AllocStatus", "BlockCopies", "BlockManager", "Event", "EvictionPolicy",
-           "HybridBlockManager", "POLICIES", "PrefixCacheStats", "PrefixHit", "Sequence", "SequenceStatus"]
+           "HybridBlockManager", "KVCacheManager", "POLICIES", "PrefixCacheStats", "PrefixHit", "Sequence", "SequenceStatus"]

@@ -1,5 +1,6 @@
 """The block manager: which physical KV blocks each sequence's tokens live in (vLLM V1's ``KVCacheManager`` and
-its coordinator, in one class over one ``GroupManager`` per KV cache group).
+its coordinator, in one class over one ``GroupManager`` per KV cache group; ``BlockManager`` is the same with the
+sequences' progress written for callers without a scheduler).
 
 A call, end to end (admitting a prompt with a prefix hit, as the V1 scheduler does)::
 
@@ -21,8 +22,10 @@ WAITING with ``preempted=True``); ``fork`` shares a running sequence's blocks wi
 (SWAPPED) / ``swap_in`` (RUNNING) move it to the CPU pool and back. Chunked prompts: ``allocate(seq,
 num_new_tokens=k)`` gives slots to the hits plus the next k prompt tokens, each later ``append_slots(seq,
 num_new_tokens=k)`` to the next k. A sequence's progress (``num_computed_tokens``, ``num_draft_tokens``,
-``prefill_end``, ``num_cached_tokens``) and status are its own fields, written here in one place per call
-(``_scheduled``, ``_forget``), never per group; the manager decides what is valid from its own records.
+``prefill_end``, ``num_cached_tokens``) and status are its own fields, and whoever schedules it writes them from
+what the calls return, as vLLM V1's scheduler does (``Sequence.start_running``, ``scheduled_through``,
+``stopped``): the engine's scheduler over a ``KVCacheManager``, or ``BlockManager`` itself. The manager reads
+them and decides what is valid from its own records.
 
 Every call is planned in every group, checked, and only then acted on, so a failed call changes nothing in any
 group; every public method holds one re-entrant lock, and KV events reach subscribers only after the outermost
@@ -51,7 +54,7 @@ from kvlab.blocks.tiers import SwapSpace, check_offload_options, is_shared, make
 from kvlab.errors import InvalidArgumentError, InvariantViolation, OutOfBlocksError, SequenceStateError
 from kvlab.validation import check_int, check_number
 
-__all__ = ["BlockManager", "HybridBlockManager", "PrefixHit", "Admitted", "BlockCopies", "AllocStatus",
+__all__ = ["KVCacheManager", "BlockManager", "HybridBlockManager", "PrefixHit", "Admitted", "BlockCopies", "AllocStatus",
            "PrefixCacheStats", "NULL_BLOCK", "MAX_BLOCKS"]
 
 #: Largest pool (GPU or CPU): the manager keeps ~100 bytes of Python state per block (2**24 blocks: ~2 GB).
@@ -79,10 +82,12 @@ class PrefixHit(NamedTuple):
 class Admitted(NamedTuple):
     """What ``allocate`` did: the tokens hit, each group's new blocks, the offload tier's copies to apply
     before the step's forward pass (``("promote", cpu_slot, gpu_block)``, ``("offload", gpu_block, cpu_slot)``),
-    and a partial-block hit's source blocks (``prefix_match_unit``; ``copies`` to apply before the pass too)."""
+    the positions with slots now (the sequence's ``num_computed_tokens`` once scheduled: the hit and the first
+    chunk) and a partial-block hit's source blocks (``prefix_match_unit``; ``copies`` to apply before the pass)."""
     num_cached_tokens: int
     new_blocks: tuple
     tier_moves: list
+    num_computed_tokens: int
     partial: tuple = ()  # per group: the block the partial hit's units are copied from, or ()
 
     @property
@@ -95,8 +100,10 @@ class Admitted(NamedTuple):
 
 class BlockCopies(list):
     """The (src, dst) copies a call returns (copy-on-write pairs, swap mappings), every group's, group after
-    group; ``tier_moves``: the offload tier's copies the same call made, to apply first."""
+    group; ``tier_moves``: the offload tier's copies the same call made, to apply first; from ``append_slots``,
+    ``num_computed_tokens``: the positions with slots after the step (drafts included)."""
     tier_moves = ()  # set by the call that returns it
+    num_computed_tokens = None
 
 
 class SharedParts(NamedTuple):
@@ -212,23 +219,35 @@ def serialized(cls):
 
 
 @serialized
-class BlockManager:
-    """``BlockManager(num_blocks, block_size=16, *, sliding_window=None, ...)``: one KV cache group (full
-    attention, or a sliding window of ``sliding_window`` tokens); ``HybridBlockManager`` has several."""
+class KVCacheManager:
+    """``KVCacheManager(num_blocks, block_size=16, *, sliding_window=None, ...)``: one KV cache group (full
+    attention, or a sliding window of ``sliding_window`` tokens); with ``groups=[spec, ...]`` one group per spec
+    (vLLM V1's hybrid allocator: no offload tier, cross-attention tables or residency metrics yet). Its calls
+    return what they did; whoever schedules a sequence writes its progress from those values (the engine's
+    scheduler: ``Sequence.start_running``, ``scheduled_through``, ``stopped``; ``BlockManager`` does it itself)."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, *, num_cpu_blocks: int = 0, watermark: float = 0.0,
                  enable_prefix_caching: bool = True, sliding_window: Optional[int] = None, hash_fn=None,
                  eviction="lru", record_events: bool = False, kv_events: bool = False, num_offload_blocks: int = 0,
                  offload_policy: str = "lru", offload_admission: str = "always",
                  kv_cache_metrics: Optional[KVCacheMetricsCollector] = None, shared_tier=None,
-                 use_eagle: bool = False, prefix_match_unit: Optional[int] = None):
+                 use_eagle: bool = False, prefix_match_unit: Optional[int] = None, groups=None):
+        if groups is not None:
+            if sliding_window is not None or num_offload_blocks or shared_tier is not None or kv_cache_metrics:
+                raise InvalidArgumentError(
+                    "with groups=, each group's spec carries its window, and there is no offload tier or residency "
+                    f"metrics yet; got sliding_window={sliding_window!r}, num_offload_blocks={num_offload_blocks!r}, "
+                    f"shared_tier={shared_tier!r}, kv_cache_metrics={kv_cache_metrics!r}")
+            specs = check_group_specs(groups)
+            sliding_window = next((spec.sliding_window for spec in specs if spec.sliding_window is not None), None)
         parts = _shared_parts(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, watermark=watermark,
                               enable_prefix_caching=enable_prefix_caching, sliding_window=sliding_window,
                               hash_fn=hash_fn, eviction=eviction, record_events=record_events, kv_events=kv_events,
-                              num_offload_blocks=num_offload_blocks, offload_policy=offload_policy,
-                              offload_admission=offload_admission, kv_cache_metrics=kv_cache_metrics,
-                              shared_tier=shared_tier, prefix_match_unit=prefix_match_unit, use_eagle=use_eagle)
-        self._setup(parts, [spec_for(sliding_window)], use_eagle)
+                              groups=None if groups is None else specs, num_offload_blocks=num_offload_blocks,
+                              offload_policy=offload_policy, offload_admission=offload_admission,
+                              kv_cache_metrics=kv_cache_metrics, shared_tier=shared_tier,
+                              prefix_match_unit=prefix_match_unit, use_eagle=use_eagle)
+        self._setup(parts, [spec_for(sliding_window)] if groups is None else specs, use_eagle)
         self.kv_cache_metrics = kv_cache_metrics  # residency metrics (kvlab.blocks.events), or None
 
     def _setup(self, parts: SharedParts, specs, use_eagle) -> None:
@@ -302,7 +321,7 @@ class BlockManager:
         units of the next block that a block of every group starts with (fewer than a block's, and never the
         prompt's last token)."""
         with self._lock:
-            hit = BlockManager.lookup(self, seq)
+            hit = KVCacheManager.lookup(self, seq)
             unit, first = self.prefix_match_unit, hit.num_tokens
             max_units = min((seq.num_tokens - 1 - first) // unit, self.block_size // unit - 1)
             if max_units <= 0 or hit.num_cut_tokens:
@@ -395,9 +414,8 @@ class BlockManager:
             self.stats.count_lookup(seq.num_tokens, len(hit.hashes), len(plans[0].hits), self.block_size,
                                     recomputing, hit.num_partial_tokens)
         seq.allocation = self._groups[0].records[seq.seq_id]
-        seq.status, seq.num_cached_tokens, seq.prefill_end = SequenceStatus.RUNNING, hit.num_tokens, seq.num_tokens
-        seq.num_computed_tokens = plans[0].scheduled
-        return Admitted(hit.num_tokens, tuple(taken), self._tier.take_moves() if self._tier else [], hit.partial)
+        return Admitted(hit.num_tokens, tuple(taken), self._tier.take_moves() if self._tier else [],
+                        plans[0].scheduled, hit.partial)
 
     def _plan_admission(self, seq, hit, lookahead, num_new_tokens) -> tuple:
         """(the hit, each group's plan to admit ``seq`` with it, the hits allocate pins while the groups take their
@@ -493,8 +511,9 @@ class BlockManager:
         pairs = [None] * len(steps)
         for g in order:
             pairs[g] = self._groups[g].apply_step(steps[g], num_lookahead_slots, taken[g], seals[g])
-        seq.num_computed_tokens, seq.num_draft_tokens = steps[0][1].scheduled, num_draft_tokens
-        return self._copies(pairs)
+        copies = self._copies(pairs)
+        copies.num_computed_tokens = steps[0][1].scheduled
+        return copies
 
     def _plan_steps(self, seq, lookahead, num_new_tokens, num_drafts):
         check_int("num_lookahead_slots", lookahead, 0)
@@ -505,11 +524,11 @@ class BlockManager:
                                      "accept_drafts(seq, num_accepted) before its next step")
         return [group.plan_step(seq, lookahead, num_new_tokens, num_drafts) for group in self._groups]
 
-    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> int:
         """The step that scheduled ``seq``'s draft tokens ran and its first ``num_accepted`` drafts were accepted
-        (0: all rejected); append those tokens first. Their K/V stays where the pass wrote it, the blocks they
-        complete are sealed, and ``seq.num_computed_tokens`` rolls back past the rejected ones, whose slots the
-        next step overwrites."""
+        (0: all rejected); append those tokens first. Their K/V stays where the pass wrote it and the blocks they
+        complete are sealed. Returns the positions verified now: ``seq.num_computed_tokens`` rolls back to it,
+        past the rejected drafts, whose slots the next step overwrites."""
         self._gpu_record(seq)
         drafts = seq.num_draft_tokens
         if not drafts:
@@ -523,13 +542,13 @@ class BlockManager:
         plans = [group.plan_accept(seq, verified) for group in self._groups]  # every group hashes first
         for group, (alloc, seals) in zip(self._groups, plans):
             group.accept(alloc, seals)
-        seq.num_computed_tokens, seq.num_draft_tokens = verified, 0
+        return verified
 
     # ---- free and fork -----------------------------------------------------------------------------------
     def free(self, seq: Sequence, *, preempted: bool = False) -> None:
         """Drop the sequence's references in every group, tail block first (so LRU reuses the chain's tail
-        first). Status becomes FINISHED, or WAITING with ``preempted=True`` (to be recomputed later). A
-        cross-attention table stays with its request group until ``free_cross``."""
+        first): it finished, or (``preempted=True``) it is to be recomputed later (``seq.stopped(preempted)``
+        says so). A cross-attention table stays with its request group until ``free_cross``."""
         self._record(seq)
         if self._units:  # its steps ran: its prompt units stay findable once its blocks are free
             for group in self._groups:
@@ -541,11 +560,6 @@ class BlockManager:
         for group, (alloc, live, freed, _) in zip(self._groups, releases):
             group.release(alloc, live, freed)
         seq.allocation = None
-        seq.num_computed_tokens = seq.prefill_end = seq.num_draft_tokens = 0  # no slots: recomputed, it starts over
-        seq.status = SequenceStatus.WAITING if preempted else SequenceStatus.FINISHED
-        if preempted:
-            seq.num_cached_tokens = 0
-            seq.num_preemptions += 1
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give the new ``child`` the parent's tokens (and block size, salt and keys) and share all its blocks,
@@ -559,7 +573,6 @@ class BlockManager:
         for group in self._groups:
             group.fork(parent, child)
         child.allocation = self._groups[0].records[child.seq_id]
-        child.status = SequenceStatus.RUNNING
 
     # ---- swapping (vLLM V0's preemption) ------------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> AllocStatus:
@@ -580,7 +593,6 @@ class BlockManager:
                 txn.add(freed, cached)
         pairs = [group.moved_out(alloc, group_moving, freed)
                  for group, (alloc, group_moving), (freed, _) in zip(self._groups, moving, released)]
-        seq.status = SequenceStatus.SWAPPED
         return self._copies(pairs)
 
     def can_swap_in(self, seq: Sequence) -> AllocStatus:
@@ -596,7 +608,6 @@ class BlockManager:
         with self._pool.transaction() as txn:
             new_blocks = [txn.pop(fresh) for _, fresh in needs]
         pairs = [group.moved_in(seq, blocks) for group, blocks in zip(self._groups, new_blocks)]
-        seq.status = SequenceStatus.RUNNING
         return self._copies(pairs)
 
     def _moving_out(self, seq):
@@ -884,6 +895,46 @@ _peak_blocks = attrgetter("peak_blocks")
 _generation = attrgetter("generation")  # a prefix index's count of evictions: a hit is stale once it moved
 
 
+@serialized
+class BlockManager(KVCacheManager):
+    """``BlockManager(num_blocks, block_size=16, *, sliding_window=None, ...)``: a ``KVCacheManager`` that also
+    writes each sequence's progress and status from what its calls return, as a scheduler would: for code that
+    drives the manager itself (the notebooks, the tests, trace replays). Never hand one to the engine's
+    schedulers, which write the progress themselves (they refuse it)."""
+
+    def allocate(self, seq: Sequence, encoder_seq: Optional[Sequence] = None, *, num_new_tokens: Optional[int] = None,
+                 hit: Optional[PrefixHit] = None) -> Admitted:
+        admitted = super().allocate(seq, encoder_seq, num_new_tokens=num_new_tokens, hit=hit)
+        seq.start_running(admitted)
+        return admitted
+
+    def append_slots(self, seq: Sequence, num_lookahead_slots: int = 0, *, num_new_tokens: Optional[int] = None,
+                     num_draft_tokens: int = 0) -> BlockCopies:
+        copies = super().append_slots(seq, num_lookahead_slots, num_new_tokens=num_new_tokens,
+                                      num_draft_tokens=num_draft_tokens)
+        seq.scheduled_through(copies.num_computed_tokens, num_draft_tokens)
+        return copies
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> int:
+        verified = super().accept_drafts(seq, num_accepted)
+        seq.scheduled_through(verified)
+        return verified
+
+    def free(self, seq: Sequence, *, preempted: bool = False) -> None:
+        super().free(seq, preempted=preempted)
+        seq.stopped(preempted)
+
+    def swap_out(self, seq: Sequence) -> BlockCopies:
+        copies = super().swap_out(seq)
+        seq.status = SequenceStatus.SWAPPED
+        return copies
+
+    def swap_in(self, seq: Sequence) -> BlockCopies:
+        copies = super().swap_in(seq)
+        seq.status = SequenceStatus.RUNNING
+        return copies
+
+
 class HybridBlockManager(BlockManager):
     """``HybridBlockManager(num_blocks, block_size=16, *, groups, ...)``: KV cache groups (vLLM V1's hybrid
     allocator), one per spec in ``groups`` (``FullAttentionSpec()``, ``SlidingWindowSpec(W)``), each with its own
@@ -895,12 +946,7 @@ class HybridBlockManager(BlockManager):
                  watermark: float = 0.0, enable_prefix_caching: bool = True, hash_fn=None, eviction="lru",
                  record_events: bool = False, kv_events: bool = False, use_eagle: bool = False,
                  prefix_match_unit: Optional[int] = None):
-        specs = check_group_specs(groups)
-        windows = [spec.sliding_window for spec in specs if spec.sliding_window is not None]
-        parts = _shared_parts(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, watermark=watermark,
-                              enable_prefix_caching=enable_prefix_caching,
-                              sliding_window=windows[0] if windows else None, hash_fn=hash_fn, eviction=eviction,
-                              record_events=record_events, kv_events=kv_events, groups=specs,
-                              prefix_match_unit=prefix_match_unit, use_eagle=use_eagle)
-        self._setup(parts, specs, use_eagle)
-        self.kv_cache_metrics = None
+        super().__init__(num_blocks, block_size, groups=groups, num_cpu_blocks=num_cpu_blocks, watermark=watermark,
+                         enable_prefix_caching=enable_prefix_caching, hash_fn=hash_fn, eviction=eviction,
+                         record_events=record_events, kv_events=kv_events, use_eagle=use_eagle,
+                         prefix_match_unit=prefix_match_unit)

@@ -222,8 +222,9 @@ class Sequence:
         self.num_preemptions = 0
         # How far it got (vLLM V1's request.num_computed_tokens). Invariant: positions < num_computed_tokens
         # have slots in its block table and their K/V is written by now or by the step just scheduled; the
-        # tokens after them still need a step. 0 while it holds no blocks. The block manager advances it when
-        # it schedules a step (allocate, append_slots) and audits it against its own records (check_invariants).
+        # tokens after them still need a step. 0 while it holds no blocks. Whoever schedules it writes it (the
+        # engine's scheduler; ``BlockManager`` for callers without one), with the progress calls below, from
+        # what the manager's calls return; the manager reads it and audits it against its records.
         self.num_computed_tokens = 0
         # Of those positions, the last num_draft_tokens hold proposed tokens not verified yet (speculative
         # decoding: kvlab.blocks.group_manager). They are not in the token list, and the manager seals (makes
@@ -240,6 +241,25 @@ class Sequence:
         # Hashed under the default hash_fn as blocks fill (a manager with another one hashes it anew), once in
         # its life, as vLLM V1's request.block_hashes.
         self.block_hashes = BlockHashes(self.block_size, None, self.key_bytes)
+
+    # ---- progress: what a scheduler writes after each manager call (vLLM V1's scheduler owns it too) ----------
+    def start_running(self, admitted) -> None:
+        """``KVCacheManager.allocate`` returned ``admitted`` (an ``Admitted``): it runs, prefilling what it has."""
+        self.status, self.num_cached_tokens, self.prefill_end = (SequenceStatus.RUNNING, admitted.num_cached_tokens,
+                                                                 self.num_tokens)
+        self.num_computed_tokens = admitted.num_computed_tokens
+
+    def scheduled_through(self, num_computed_tokens: int, num_draft_tokens: int = 0) -> None:
+        """A step gave positions up to ``num_computed_tokens`` slots, its last ``num_draft_tokens`` for drafts."""
+        self.num_computed_tokens, self.num_draft_tokens = num_computed_tokens, num_draft_tokens
+
+    def stopped(self, preempted: bool) -> None:
+        """``KVCacheManager.free`` took its blocks: it finished, or (``preempted``) waits to be recomputed."""
+        self.num_computed_tokens = self.prefill_end = self.num_draft_tokens = 0  # no slots: it starts over
+        self.status = SequenceStatus.WAITING if preempted else SequenceStatus.FINISHED
+        if preempted:
+            self.num_cached_tokens = 0
+            self.num_preemptions += 1
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -334,12 +354,12 @@ class Sequence:
 
 
 def copy_tokens(parent: Sequence, child: Sequence) -> None:
-    """Give ``child`` the parent's tokens, counters, salt and keys (``fork``), and its block hashes with them:
-    the child's own ones were of other tokens."""
+    """Give ``child`` the parent's tokens, counters and status, salt and keys (``fork``), and its block hashes with
+    them: the child's own ones were of other tokens."""
     child.token_array = array("Q", parent.token_array)
     child.cache_keys, child.key_bytes = parent.cache_keys, parent.key_bytes
     child.block_hashes = parent.block_hashes.copy() if parent.block_hashes is not None else None
     child.num_tokens, child.num_prompt_tokens = parent.num_tokens, parent.num_prompt_tokens
     child.last_token, child.num_cached_tokens = parent.last_token, parent.num_cached_tokens
     child.num_computed_tokens, child.prefill_end = parent.num_computed_tokens, parent.prefill_end
-    child.num_draft_tokens = parent.num_draft_tokens
+    child.num_draft_tokens, child.status = parent.num_draft_tokens, parent.status

@@ -1,4 +1,6 @@
-"""Continuous batching over kvlab's ``BlockManager``: which sequences run in the next step.
+"""Continuous batching over kvlab's ``KVCacheManager``: which sequences run in the next step. The scheduler owns
+its sequences' progress and status (as vLLM V1's does): after each manager call it writes them from what the
+call returned (``Sequence.start_running``, ``scheduled_through``, ``stopped``).
 
 Queues: ``waiting`` (new prompts, and sequences preempted by recompute: their prompt plus what they generated
 is prefilled again, prefix hits included), ``running`` (blocks in the device pool) and ``swapped`` (blocks in
@@ -30,7 +32,7 @@ block, as long as nothing joins or leaves in a way that could change admission (
 
 from collections import deque
 
-from kvlab.blocks.manager import AllocStatus, BlockManager
+from kvlab.blocks.manager import AllocStatus, BlockManager, KVCacheManager
 from kvlab.blocks.sequence import Sequence, SequenceStatus
 from kvlab.engine.queue_order import WaitingOrder
 from kvlab.engine.request import Request
@@ -75,8 +77,11 @@ class Scheduler:
         super().__init_subclass__(**kwargs)
         cls.repeats_plain_decode = cls.__dict__.get("repeats_plain_decode", False)
 
-    def __init__(self, manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, manager: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  preemption_mode: str):
+        if isinstance(manager, BlockManager):
+            raise InvalidArgumentError("a scheduler writes its sequences' progress itself: give it a KVCacheManager "
+                                       "(kvlab.blocks), not a BlockManager, which writes it too")
         self.manager = manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -127,10 +132,12 @@ class Scheduler:
         block it shares with a fork, or a cached prefix another sequence holds, stays)."""
         self.sent_tables.forget(seq.seq_id)
         if self.on_blocks_freed is None:
-            return self.manager.free(seq, preempted=preempted)
+            self.manager.free(seq, preempted=preempted)
+            return seq.stopped(preempted)
         on_cpu = self.manager.is_swapped(seq)
         blocks = set(self.manager.get_block_table(seq))
         self.manager.free(seq, preempted=preempted)
+        seq.stopped(preempted)
         references = self.manager.cpu_ref_count if on_cpu else self.manager.ref_count
         unreferenced = [block for block in blocks if references(block) == 0]
         self.on_blocks_freed([] if on_cpu else unreferenced, unreferenced if on_cpu else [])
@@ -195,8 +202,9 @@ class Scheduler:
             for _ in range(steps - 1):  # the tokens steps 1 .. steps - 1 sample, each stored by the step after
                 seq.append_token(sample(seq))
             if steps > 1:
-                self.manager.append_slots(seq, num_new_tokens=steps - 1)
-            self.manager.append_slots(seq, num_new_tokens=1)  # the last step's: the records end as after `steps`
+                seq.scheduled_through(self.manager.append_slots(seq, num_new_tokens=steps - 1).num_computed_tokens)
+            # the last step's: the records end as after `steps`
+            seq.scheduled_through(self.manager.append_slots(seq, num_new_tokens=1).num_computed_tokens)
             seq.append_token(sample(seq))
 
     def _seats(self, seq: Sequence) -> int:
@@ -252,7 +260,9 @@ class Scheduler:
             if status is AllocStatus.NEVER:
                 step.aborted.append((seq, self._never_fits(seq)))
                 continue
-            step.record_admission(self.manager.allocate(seq))
+            admitted = self.manager.allocate(seq)
+            seq.start_running(admitted)
+            step.record_admission(admitted)
             step.add(self.manager, seq, seq.num_cached_tokens, prefill=True)
             step.num_cached_tokens += seq.num_cached_tokens
             seats += self._seats(seq)
@@ -265,7 +275,9 @@ class Scheduler:
         while queue:
             seq = queue.popleft()
             if self._make_room(seq, queue, step, others=bool(step.entries)):
-                step.record("copy", self.manager.append_slots(seq))
+                copies = self.manager.append_slots(seq)
+                seq.scheduled_through(copies.num_computed_tokens)
+                step.record("copy", copies)
                 step.add(self.manager, seq, seq.num_tokens - 1, prefill=False)
         self.running = step.seqs  # preempted and aborted sequences are out
         return step
@@ -280,11 +292,13 @@ class Scheduler:
                     or self.manager.num_free_blocks - blocks < len(self.running)):
                 break
             step.record("swap_in", self.manager.swap_in(seq))
+            seq.status = SequenceStatus.RUNNING
             self.running.append(self.swapped.popleft())
 
     def _preempt(self, seq: Sequence, step: StepBuilder) -> None:
         if self.preemption_mode == "swap" and self.manager.can_swap_out(seq) is AllocStatus.OK:
             step.record("swap_out", self.manager.swap_out(seq))
+            seq.status = SequenceStatus.SWAPPED
             self.swapped.appendleft(seq)
         else:  # recompute (also the fallback when the CPU pool is full)
             self._free(seq, preempted=True)

@@ -80,8 +80,9 @@ class V1Scheduler(Scheduler):
             decoding = self.drafter is not None and not seq.is_prefilling
             drafts = self._drafts(seq, budget) if decoding else ()
             if self._make_room(seq, queue, step, others=bool(step.entries), num_new_tokens=num_new):
-                step.record("copy", self.manager.append_slots(seq, num_new_tokens=num_new,
-                                                              num_draft_tokens=len(drafts)))
+                copies = self.manager.append_slots(seq, num_new_tokens=num_new, num_draft_tokens=len(drafts))
+                seq.scheduled_through(copies.num_computed_tokens, len(drafts))
+                step.record("copy", copies)
                 budget -= self._count(step, seq, start, drafts)
                 kept.append(seq)
         self.running = kept + list(queue)  # preempted and aborted sequences are out; unscheduled ones wait
@@ -116,7 +117,9 @@ class V1Scheduler(Scheduler):
             if status is AllocStatus.NEVER:
                 step.aborted.append((seq, self._never_fits(seq)))
                 continue
-            step.record_admission(self.manager.allocate(seq, num_new_tokens=num_new, hit=hit))
+            admitted = self.manager.allocate(seq, num_new_tokens=num_new, hit=hit)
+            seq.start_running(admitted)
+            step.record_admission(admitted)
             step.num_cached_tokens += seq.num_cached_tokens
             budget -= self._count(step, seq, seq.num_cached_tokens)
             self.running.append(seq)

@@ -131,7 +131,7 @@ class StepLoop:
         except Exception as error:  # noqa: BLE001 - this sample's failure, kept as its abort reason
             return [self._fail(seq, "the stop check", error)]
         kept = min(appended, len(tokens) - 1)  # drafts kept: the last token appended may be the target's own
-        self.manager.accept_drafts(seq, kept)
+        seq.scheduled_through(self.manager.accept_drafts(seq, kept))  # past the rejected drafts
         request.metrics.count_drafts(len(drafts), len(tokens) - 1)
         self._drafts_proposed += len(drafts)
         self._drafts_accepted += len(tokens) - 1

@@ -21,7 +21,7 @@ exactly these blocks, and compares your answer with what its ``schedule()`` does
 
 import random
 
-from kvlab.blocks import BlockManager
+from kvlab.blocks import KVCacheManager
 from kvlab.puzzles.grading import Case, Report, grade, not_an_int, seeded, same
 from kvlab.puzzles.v1_step import BLOCK_SIZE, add_request, scheduler_with
 
@@ -50,7 +50,7 @@ def _case(rng: random.Random) -> Case:
     free = rng.choice((0, 0, 1, rng.randint(0, 3)))
     if num_running == 1:
         free = max(free, 1)  # alone with no room kvlab aborts the request (vLLM would wait forever): not asked here
-    scheduler = scheduler_with(BlockManager(sum(held) + free, BLOCK_SIZE, enable_prefix_caching=False), 1000, 64)
+    scheduler = scheduler_with(KVCacheManager(sum(held) + free, BLOCK_SIZE, enable_prefix_caching=False), 1000, 64)
     seqs = [add_request(scheduler, n + 1, n) for n in computed]
     index = {seq.seq_id: i for i, seq in enumerate(seqs)}
     step = scheduler.schedule()

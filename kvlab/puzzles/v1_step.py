@@ -23,7 +23,7 @@ waiting prompts) and compares your answer with the tokens its ``schedule()`` giv
 
 import random
 
-from kvlab.blocks import BlockManager, Sequence
+from kvlab.blocks import KVCacheManager, Sequence
 from kvlab.engine.request import Request, RequestMetrics
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler_v1 import V1Scheduler
@@ -45,7 +45,7 @@ def check(fn, *, strict: bool = False, seed: int = 0, num_cases: int = 200) -> R
     return grade(NAME, fn, (_case(rng) for _ in range(num_cases)), num_cases=num_cases, strict=strict)
 
 
-def scheduler_with(manager: BlockManager, budget: int, max_num_seqs: int) -> V1Scheduler:
+def scheduler_with(manager: KVCacheManager, budget: int, max_num_seqs: int) -> V1Scheduler:
     return V1Scheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                        preemption_mode="recompute")
 
@@ -60,7 +60,7 @@ def add_request(scheduler: V1Scheduler, num_tokens: int, num_computed: int | Non
     if num_computed is None:
         scheduler.waiting.append(seq)
     else:
-        scheduler.manager.allocate(seq, num_new_tokens=num_computed)
+        seq.start_running(scheduler.manager.allocate(seq, num_new_tokens=num_computed))
         scheduler.running.append(seq)
     return seq
 
@@ -71,7 +71,7 @@ def _case(rng: random.Random) -> Case:
     for _ in range(rng.randint(0, max_num_seqs)):  # a decode (1 token left) or a prompt partly prefilled
         running.append(1 if rng.random() < 0.6 else rng.randint(2, 30))
     waiting = [rng.randint(1, 30) for _ in range(rng.randint(0, 4))]
-    scheduler = scheduler_with(BlockManager(1000, BLOCK_SIZE, enable_prefix_caching=False), budget, max_num_seqs)
+    scheduler = scheduler_with(KVCacheManager(1000, BLOCK_SIZE, enable_prefix_caching=False), budget, max_num_seqs)
     seqs = [add_request(scheduler, done + left, done) for left in running
             for done in [rng.randint(1, 20)]]
     waiting_seqs = [add_request(scheduler, n, None) for n in waiting]

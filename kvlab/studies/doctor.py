@@ -37,7 +37,7 @@ from itertools import repeat
 
 import numpy as np
 
-from kvlab.blocks.manager import BlockManager, PrefixHit
+from kvlab.blocks.manager import KVCacheManager, PrefixHit
 from kvlab.blocks.prefix_cache import block_hashes, hashes_of
 from kvlab.blocks.sequence import encode_key
 from kvlab.errors import InvalidArgumentError
@@ -57,8 +57,8 @@ class HitDoctor:
     kvlab.studies.sequential), whose units then come with their probes (``admitted(..., probes=)``)."""
 
     def __init__(self, manager, block_size=None):
-        if not isinstance(manager, BlockManager):
-            raise InvalidArgumentError(f"a HitDoctor observes a BlockManager (or HybridBlockManager), got "
+        if not isinstance(manager, KVCacheManager):
+            raise InvalidArgumentError(f"a HitDoctor observes a KVCacheManager (or a BlockManager), got "
                                        f"{type(manager).__name__}")
         self.manager_block_size = manager.block_size
         self.block_size = self.manager_block_size if block_size is None else check_int("block_size", block_size, 1)

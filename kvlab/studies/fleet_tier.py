@@ -18,7 +18,7 @@ from the shared one. Assumptions, printed with the results, not measurements.
 
 from dataclasses import dataclass
 
-from kvlab.blocks.manager import BlockManager
+from kvlab.blocks.manager import KVCacheManager
 from kvlab.blocks.tiers import check_offload_options
 from kvlab.blocks.tiers import make_shared_tier
 from kvlab.errors import InvalidArgumentError
@@ -65,10 +65,10 @@ class TierSettings:
 
 
 def fleet_managers(settings: TierSettings, replicas: int, capacity: int, block_size: int, policy_class) -> list:
-    """Each replica's BlockManager (GPU pool of ``capacity`` blocks, eviction ``policy_class()``, KV events on)
+    """Each replica's KVCacheManager, driven by its engine's scheduler (GPU pool of ``capacity`` blocks, eviction ``policy_class()``, KV events on)
     with the tier ``settings`` asks for."""
     def manager(**tier):
-        return BlockManager(capacity, block_size, eviction=policy_class(), kv_events=True, **tier)
+        return KVCacheManager(capacity, block_size, eviction=policy_class(), kv_events=True, **tier)
 
     if settings.kind == "shared":
         shared = make_shared_tier(settings.capacity, settings.policy)

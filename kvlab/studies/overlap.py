@@ -249,7 +249,7 @@ class Engine:
             kept += 1
         for _ in range(kept + 1):
             seq.append_token(generated_token(job.index, seq.num_tokens))
-        self.m.accept_drafts(seq, kept)
+        seq.scheduled_through(self.m.accept_drafts(seq, kept))  # the scheduler's write, as step_loop's
         job.computed = max(job.computed, seq.num_computed_tokens)
         self.c["draft_tokens"] += len(drafts)
         self.c["accepted_draft_tokens"] += kept

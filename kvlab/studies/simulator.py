@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from kvlab.blocks.eviction import POLICIES, EvictionPolicy
 from kvlab.blocks.events import MEDIA, KVCacheMetricsCollector
-from kvlab.blocks.manager import MAX_BLOCKS, BlockManager
+from kvlab.blocks.manager import MAX_BLOCKS, BlockManager, KVCacheManager
 from kvlab.blocks.sequence import check_block_size
 from kvlab.errors import InvalidArgumentError
 from kvlab.studies.engine_model import EngineModel
@@ -194,8 +194,10 @@ def _replay_one(prepared, capacity, policy_name, policy_class, tier, engine, seq
     pool = capacity if capacity != math.inf else infinite_pool_blocks(prepared, engine)
     clock = ReplayClock() if sample is not None else None
     metrics_collector = KVCacheMetricsCollector(sample, clock=clock) if sample is not None else None
-    manager = BlockManager(pool, COMPACT_BLOCK_SIZE if sequential else bs, eviction=policy_class(),
-                           kv_cache_metrics=metrics_collector, **tier.manager_options())
+    # A sequential replay drives the manager itself; the engine's scheduler writes its sequences' progress.
+    make = BlockManager if sequential else KVCacheManager
+    manager = make(pool, COMPACT_BLOCK_SIZE if sequential else bs, eviction=policy_class(),
+                   kv_cache_metrics=metrics_collector, **tier.manager_options())
     requests = len(prepared.compact.lengths) if sequential else len(prepared.frame)
     doctor = HitDoctor(manager, block_size=bs)  # every prompt token's cause (kvlab.studies.doctor)
     with tqdm(total=requests, disable=not progress, leave=False, mininterval=0.5,

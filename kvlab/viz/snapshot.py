@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from kvlab.blocks.manager import HybridBlockManager
-from kvlab.blocks.manager import NULL_BLOCK, BlockManager
+from kvlab.blocks.manager import NULL_BLOCK, KVCacheManager
 from kvlab.blocks.sequence import Sequence
 from kvlab.errors import InvalidArgumentError
 
@@ -25,7 +25,7 @@ FREE, WARM, USED, SHARED, NULL = range(5)
 STATE_NAMES = ("free", "warm (free, cached)", "used", "shared (ref > 1)", "null (sliding window)")
 STATE_COLORS = ("#e4e4e4", "#f2b447", "#4e79a7", "#d1495b", "#2b2b2b")
 CPU_COLOR = "#59a89c"  # blocks of swapped-out sequences, in the CPU pool
-MANAGERS = (BlockManager, HybridBlockManager)
+MANAGERS = (KVCacheManager,)  # BlockManager and HybridBlockManager are ones too
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,8 @@ def snapshot(manager, seqs=(), label: str = "", *, names=None) -> PoolView:
     manager's sequence as one table per group). ``names``: what the drawings call each sequence, as a list
     parallel to ``seqs`` or a dict from sequence id to name (default ``seq <id>``). O(num_blocks)."""
     if not isinstance(manager, MANAGERS):
-        raise InvalidArgumentError("expected a kvlab.BlockManager or a kvlab.blocks.manager.HybridBlockManager, "
+        raise InvalidArgumentError("expected a kvlab.BlockManager (or a HybridBlockManager, or the engine's "
+                                   "KVCacheManager), "
                                    f"got {type(manager).__name__}")
     seqs = _check_seqs(seqs)
     seq_names = names_for(seqs, names)
@@ -134,7 +135,8 @@ def snapshot(manager, seqs=(), label: str = "", *, names=None) -> PoolView:
     free = manager.free_block_ids()
     reuse_rank[free] = np.arange(len(free), dtype=np.int32)
     # A BlockManager's one table per sequence is unlabelled (group None); a hybrid manager's are per group.
-    groups = list(enumerate(group_labels(manager.groups))) if isinstance(manager, HybridBlockManager) else [(None, "")]
+    several = isinstance(manager, HybridBlockManager) or len(manager.groups) > 1
+    groups = list(enumerate(group_labels(manager.groups))) if several else [(None, "")]
     tables = tuple(table for seq, name in zip(seqs, seq_names) for table in _tables(manager, seq, name, groups))
     cpu_refs = {b: manager.cpu_ref_count(b) for b in range(manager.num_cpu_blocks) if manager.cpu_ref_count(b)}
     return PoolView(n, manager.block_size, states, refs, cached, reuse_rank, tables,

@@ -71,11 +71,13 @@ def trace_admission(make_manager) -> CallTrace:
     manager.free(warm)
     prompt = Sequence(list(range(1, 4 * BLOCK_SIZE + 1)) + [999, 998, 997], BLOCK_SIZE)
 
+    admitted = []
+
     def admit():
         hit = manager.lookup(prompt)
         manager.can_allocate(prompt, hit=hit)
-        manager.allocate(prompt, hit=hit)
+        admitted.append(manager.allocate(prompt, hit=hit))
 
     trace = trace_calls(admit)
-    assert prompt.num_cached_tokens == 4 * BLOCK_SIZE, "the prompt must hit its 4 cached blocks"
+    assert admitted[0].num_cached_tokens == 4 * BLOCK_SIZE, "the prompt must hit its 4 cached blocks"
     return trace

@@ -4,7 +4,7 @@ FCFS fall-back past a queue length and an overtake bound, on hand-built queues a
 import pytest
 
 from engine_helpers import hf_greedy, make_llm
-from kvlab.blocks.manager import BlockManager
+from kvlab.blocks.manager import KVCacheManager
 from kvlab.engine import SamplingParams
 from kvlab.engine import queue_order
 from kvlab.engine.queue_order import WaitingOrder
@@ -20,7 +20,7 @@ ONE = SamplingParams(max_tokens=1, ignore_eos=True)
 
 def cached_scheduler(cls, policy: str, max_num_seqs: int = 1):
     """A scheduler admitting one sequence at a time, on a pool where ``WARM``'s blocks are cached."""
-    manager = BlockManager(32, BS)
+    manager = KVCacheManager(32, BS)  # the scheduler's: it writes its sequences' progress
     warm = Request.create("warm-up", None, WARM + [99], ONE, BS, "cpu").seqs[0]
     manager.allocate(warm)
     manager.free(warm)

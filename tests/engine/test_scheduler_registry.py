@@ -6,7 +6,7 @@ from collections import deque
 import pytest
 
 from engine_helpers import hf_greedy, make_llm
-from kvlab.blocks.manager import BlockManager
+from kvlab.blocks.manager import KVCacheManager
 from kvlab.engine import SamplingParams
 from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.scheduler_v1 import V1Scheduler
@@ -91,7 +91,7 @@ def test_the_engine_and_the_overlap_study_build_one_scheduler(llama, monkeypatch
                    scheduling_policy="lpm", speculative_config=speculation)
     study = EngineModel(scheduler=scheduler, max_num_seqs=3, max_num_batched_tokens=40, scheduling_policy="lpm",
                         speculative_config=speculation, draft_acceptance_rate=speculation and 0.5)
-    built = study.make_scheduler(BlockManager(16, 8))
+    built = study.make_scheduler(KVCacheManager(16, 8))
     assert built_settings(built) == built_settings(llm.scheduler)
     if speculation:  # no draft past the model's context; a replay has none
         assert (built.max_model_len, llm.scheduler.max_model_len) == (None, 256)

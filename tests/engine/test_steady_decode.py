@@ -1,10 +1,10 @@
 """``Scheduler.steady_decode_steps`` / ``advance_steady_decode``: the scheduler's own promise that its plain decode
-step repeats, and the stretch run in one go (what the overlap study skips with), model-free on a BlockManager.
+step repeats, and the stretch run in one go (what the overlap study skips with), model-free on a KVCacheManager.
 Block size 4: a sequence at position p needs a new block when p is a multiple of 4."""
 
 import pytest
 
-from kvlab.blocks.manager import BlockManager
+from kvlab.blocks.manager import KVCacheManager
 from kvlab.engine import SamplingParams
 from kvlab.engine.request import Request
 from kvlab.engine.scheduler import Scheduler
@@ -22,7 +22,7 @@ def sample(seq) -> int:
 
 def scheduler_after_prefill(cls, prompts, *, num_blocks=16, max_num_seqs=8):
     """A scheduler whose first step prefilled ``prompts`` (each then sampled a token), plus a first decode step."""
-    scheduler = cls(BlockManager(num_blocks, BS), max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
+    scheduler = cls(KVCacheManager(num_blocks, BS), max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
                     preemption_mode="recompute")
     for i, prompt in enumerate(prompts):
         scheduler.add(Request.create(str(i), None, prompt, LONG, BS, "cpu"))

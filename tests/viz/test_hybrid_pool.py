@@ -136,7 +136,7 @@ def test_released_entries_draw_as_null_also_where_a_swapped_table_holds_cpu_bloc
 
 def test_a_bad_argument_names_the_managers_allowed():
     m, seqs = scenario()
-    allowed = "BlockManager or a kvlab.blocks.manager.HybridBlockManager, got"
+    allowed = r"BlockManager \(or a HybridBlockManager, or the engine's KVCacheManager\), got"
     for draw in (snapshot, draw_pool, draw_block_tables):
         with pytest.raises(InvalidArgumentError, match=f"{allowed} str"):
             draw("not a manager")
