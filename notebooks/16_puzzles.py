@@ -86,7 +86,7 @@ import triton.language as tl
 from IPython.display import Markdown, display
 
 from kvlab.blocks import AllocStatus, EvictionPolicy  # noqa: F401
-from kvlab.course.capstone import check_engine
+from kvlab.course.capstone import PARTS, check_engine
 from kvlab.errors import OutOfBlocksError  # noqa: F401
 from kvlab.puzzles import PUZZLES, puzzle
 from kvlab.studies.routers import Router
@@ -584,10 +584,11 @@ check(all(report.passed for report in kvlabs.values()), "each of kvlab's own sol
 # %% [markdown]
 # ## 22. Capstone: your parts in a real engine
 #
-# Seven of the puzzles are parts of a serving engine. `kvlab.course.engine_with(parts)` plugs yours into a real
+# Eight of the puzzles are parts of a serving engine. `kvlab.course.engine_with(parts)` plugs yours into a real
 # `LLM` serving SmolLM2-135M-Instruct: your slot mapping decides where each new token's K/V is written, your
 # block hashes are what prefix caching looks blocks up by, your LRU picks which free block is reused, your torch
-# attention reads the paged cache, and your n-gram proposer and rejection sampling run speculative decoding.
+# attention reads the paged cache (decode steps split into partitions of two blocks that your split-K merge
+# combines), and your n-gram proposer and rejection sampling run speculative decoding.
 # `check_engine(parts)` grades each of your parts by its puzzle first, serves two chat prompts that share the
 # chat template's system prompt (so the second hits the first's blocks), with speculation on, and compares the
 # greedy tokens with Hugging Face's `generate`: they must be equal, token for token. If they are not, it serves
@@ -600,8 +601,10 @@ check(all(report.passed for report in kvlabs.values()), "each of kvlab's own sol
 # %%
 yours = {"slot_mapping": slot_mapping, "block_hashes": block_hashes, "lru_policy": MyLRU,
          "decode_attention": decode_attention, "prefill_attention": prefill_attention, "ngram_proposer": propose,
-         "rejection_sampling": verify}
+         "rejection_sampling": verify, "split_k_merge": split_k_merge}
 solved = {name: code for name, code in yours.items() if reports.get(name)}  # passed its check above
+check(sorted(yours) == sorted(PARTS) and len(PARTS) == 8, "the engine takes eight of the puzzles as parts",
+      defaults=True)
 run = check_engine(solved)
 print(f"Greedy tokens equal to Hugging Face's on all {len(run.tokens)} prompts; prompt tokens from the prefix "
       f"cache: {run.cached_prompt_tokens}; drafts accepted: {run.accepted_drafts}")
@@ -628,5 +631,5 @@ check(run.matches and run.cached_prompt_tokens[-1] > 0,
 #   slots that hold tokens.
 # * kvlab's seams (eviction policies, routers, proposers, schedulers) take your code as it is, so the
 #   studies of notebooks 08, 12 and 13 can measure your idea against kvlab's.
-# * Seven of your parts make a working paged engine: served by `check_engine`, they must give Hugging Face's
+# * Eight of your parts make a working paged engine: served by `check_engine`, they must give Hugging Face's
 #   greedy tokens exactly, and a wrong one is named by the tokens it changes.

@@ -2,8 +2,8 @@
 
 ``engine_with(parts)`` takes your solutions by puzzle name and returns a ``kvlab.engine.LLM`` in which each one
 replaces kvlab's own at a real seam (``kvlab.engine.parts``: the slots new K/V are written to, prefix caching's
-hashes, the free blocks' reuse order, torch attention over the block tables, speculative decoding's drafts and
-their verification). A part you did not give is kvlab's, and the call says which are yours and which are
+hashes, the free blocks' reuse order, torch attention over the block tables and the merge of a split-K decode,
+speculative decoding's drafts and their verification). A part you did not give is kvlab's, and the call says which are yours and which are
 kvlab's. Each part you give is first graded by its puzzle's ``check``: one that fails is named, with the
 failing case, before any model loads::
 
@@ -28,7 +28,7 @@ __all__ = ["PARTS", "CapstoneRun", "check_engine", "describe", "engine_with"]
 #: The parts a learner can plug in (``kvlab.engine.parts.EngineParts``' fields), each the name of its puzzle
 #: (``kvlab.puzzles.puzzle(name)``); named here so that importing the course loads no torch.
 PARTS: tuple[str, ...] = ("slot_mapping", "block_hashes", "lru_policy", "decode_attention", "prefill_attention",
-                          "ngram_proposer", "rejection_sampling")
+                          "ngram_proposer", "rejection_sampling", "split_k_merge")
 
 #: The engine's settings unless given: small blocks so the prompts fill several, and n-gram speculation, so
 #: the proposer and the verification run.

@@ -13,7 +13,10 @@ known by:
   kv_cache, block_table, seq_len, scale)``: the torch backend's attention over the block tables (after kvlab
   wrote the step's K/V), decode steps and steps of several query rows per sequence (prompt chunks, drafts);
 * ``ngram_proposer(tokens, max_tokens, min_n, max_n)``: speculative decoding's drafts (``method="ngram"``);
-* ``rejection_sampling(drafts, draft_probs, target_probs, uniforms, sample)``: the verification of drafts.
+* ``rejection_sampling(drafts, draft_probs, target_probs, uniforms, sample)``: the verification of drafts;
+* ``split_k_merge(partial_out, partial_max, partial_sum, num_partitions)``: decode steps then run split-K, in
+  partitions of ``SPLIT_K_BLOCKS`` blocks (each partition's output by ``decode_attention``, the learner's or
+  kvlab's, over the partition's blocks alone), and the learner's merge makes one softmax of them.
 
 A part that raises, or answers what its contract does not allow, raises ``LearnerPartError`` naming it (where
 the engine calls it: a forward pass or a verification aborts that request with the error as its reason).
@@ -30,6 +33,10 @@ from kvlab.blocks.prefix_cache import HashChain
 from kvlab.engine.proposers import Proposer
 from kvlab.errors import InvalidArgumentError, LearnerPartError
 
+#: Blocks per partition of the split-K decode a learner's ``split_k_merge`` finishes: small, so that a chat's
+#: short contexts already make several partitions.
+SPLIT_K_BLOCKS = 2
+
 
 @dataclass(frozen=True)
 class EngineParts:
@@ -40,6 +47,7 @@ class EngineParts:
     prefill_attention: Callable | None = None
     ngram_proposer: Callable | None = None
     rejection_sampling: Callable | None = None
+    split_k_merge: Callable | None = None
 
     def __post_init__(self):
         for name, part in self.given().items():
@@ -57,7 +65,8 @@ class EngineParts:
 
     @property
     def replaces_attention(self) -> bool:
-        return self.decode_attention is not None or self.prefill_attention is not None
+        return self.decode_attention is not None or self.prefill_attention is not None or \
+            self.split_k_merge is not None
 
     # ---- the block manager's parts ------------------------------------------------------------------------
     def block_manager_options(self) -> dict:
@@ -94,14 +103,12 @@ class EngineParts:
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, batch, scale: float) -> torch.Tensor:
         """``out [T, H, D]``: the step's attention (``batch``: its ``AttentionBatch``, the cache already
         written) by the learner's decode or prefill attention, kvlab's torch twin for the one not given."""
-        from kvlab.kernels.torch_paged import paged_attention_decode_torch, paged_prefill_torch
+        from kvlab.kernels.torch_paged import paged_prefill_torch
 
         if not batch.is_prefill:  # one query row per sequence
-            if self.decode_attention is None:
-                return paged_attention_decode_torch(query, kv_cache, batch.block_tables, batch.seq_lens, scale)
-            out = _call("decode_attention", self.decode_attention, query, kv_cache, batch.block_tables,
-                        batch.seq_lens, scale)
-            return _checked_output("decode_attention", out, query)
+            if self.split_k_merge is None:
+                return self._decode(query, kv_cache, batch.block_tables, batch.seq_lens, scale)
+            return self._split_k_decode(query, kv_cache, batch.block_tables, batch.seq_lens, scale)
         if self.prefill_attention is None:
             return paged_prefill_torch(query, kv_cache, batch.block_tables, batch.seq_lens, batch.cu_query_lens,
                                        scale)
@@ -110,6 +117,52 @@ class EngineParts:
                       batch.block_tables[s], seq_len, scale) for s, seq_len in enumerate(lens)]
         return torch.cat([_checked_output("prefill_attention", out, query[cu[s]:cu[s + 1]])
                           for s, out in enumerate(outs)])
+
+    def _decode(self, query, kv_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
+        """Decode attention by the learner's ``decode_attention``, or kvlab's torch twin."""
+        from kvlab.kernels.torch_paged import paged_attention_decode_torch
+
+        if self.decode_attention is None:
+            return paged_attention_decode_torch(query, kv_cache, block_tables, seq_lens, scale)
+        out = _call("decode_attention", self.decode_attention, query, kv_cache, block_tables, seq_lens, scale)
+        return _checked_output("decode_attention", out, query)
+
+    def _split_k_decode(self, query, kv_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
+        """``out [S, H, D]``: decode attention in partitions of ``SPLIT_K_BLOCKS`` blocks of each sequence's keys
+        (``kv_cache [num_blocks, 2, block_size, H_kv, D]``), merged by the learner's ``split_k_merge``. Each
+        partition's maximum and sum of exponentials are kvlab's; its output is a decode over its blocks alone,
+        the learner's ``decode_attention`` where given (so both parts run). A shorter sequence's unused
+        partitions hold NaN, as a real split-K buffer holds stale values."""
+        from kvlab.kernels.torch_paged import split_k_partitions
+
+        block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+        (num_seqs, num_heads, _), part_len, lens = query.shape, SPLIT_K_BLOCKS * block_size, seq_lens.tolist()
+        num_partitions = [-(-n // part_len) for n in lens]
+        shape = (num_seqs, max(num_partitions), num_heads)
+        partial_out = query.new_full((*shape, query.shape[2]), float("nan"), dtype=torch.float32)
+        partial_max, partial_sum = (query.new_full(shape, float("nan"), dtype=torch.float32) for _ in range(2))
+        for s, n in enumerate(lens):
+            positions = torch.arange(n, device=query.device)
+            blocks, offsets = block_tables[s].long()[positions // block_size], positions % block_size
+            k, v = (kv_cache[blocks, i, offsets].float().repeat_interleave(num_heads // num_kv_heads, 1)
+                    for i in (0, 1))                                                 # [n, H, D] each
+            scores = torch.einsum("hd,nhd->hn", query[s].float(), k) * scale         # [H, n]
+            used = num_partitions[s]
+            partial_out[s, :used], partial_max[s, :used], partial_sum[s, :used] = split_k_partitions(scores, v,
+                                                                                                     part_len)
+        if self.decode_attention is not None:  # each partition: a decode over its SPLIT_K_BLOCKS blocks alone
+            rows = [(s, j) for s, used in enumerate(num_partitions) for j in range(used)]
+            seqs, parts = [s for s, _ in rows], [j for _, j in rows]
+            device = block_tables.device
+            columns = (torch.tensor(parts, device=device)[:, None] * SPLIT_K_BLOCKS
+                       + torch.arange(SPLIT_K_BLOCKS, device=device)).clamp(max=block_tables.shape[1] - 1)
+            tables = block_tables[torch.tensor(seqs, device=device)[:, None], columns]  # [rows, SPLIT_K_BLOCKS]
+            part_lens = torch.tensor([min(part_len, lens[s] - j * part_len) for s, j in rows], dtype=seq_lens.dtype,
+                                     device=seq_lens.device)
+            partial_out[seqs, parts] = self._decode(query[seqs], kv_cache, tables, part_lens, scale).float()
+        out = _call("split_k_merge", self.split_k_merge, partial_out, partial_max, partial_sum,
+                    torch.tensor(num_partitions, device=query.device))
+        return _checked_output("split_k_merge", out, query)
 
     # ---- speculative decoding's parts -------------------------------------------------------------------
     def proposer(self, min_n: int, max_n: int) -> "LearnerNgramProposer":

@@ -245,6 +245,23 @@ def paged_attention_decode_torch(query, kv_cache, block_tables, seq_lens, scale=
     return paged_attention_torch(query, kv_cache, plan, scale, soft_cap)
 
 
+def split_k_partitions(scores, values, part_len: int):
+    """Split-K decode's first pass in torch, for one sequence: its keys in partitions of ``part_len`` (the last may
+    be shorter), each partition's output normalised over its own keys ``[P, H, D]``, the maximum of its scores
+    ``[P, H]`` and its sum of exponentials after that maximum ``[P, H]``, from ``scores [H, n]`` and ``values
+    [n, H, D]``. The merge (``split_k_reduce``; the split_k_merge puzzle) weighs them into one softmax."""
+    outs, maxima, sums = [], [], []
+    for start in range(0, scores.shape[1], part_len):
+        part = scores[:, start:start + part_len]
+        top = part.max(-1).values                                        # [H]
+        weights = (part - top[:, None]).exp()                            # [H, part_len]
+        total = weights.sum(-1)                                          # [H]
+        outs.append(torch.einsum("hn,nhd->hd", weights / total[:, None], values[start:start + part_len]))
+        maxima.append(top)
+        sums.append(total)
+    return torch.stack(outs), torch.stack(maxima), torch.stack(sums)
+
+
 def paged_prefill_torch(query, kv_cache, block_tables, seq_lens, cu_query_lens, scale=None, sliding_window=None,
                         soft_cap=None):
     """``paged_prefill`` in torch: each sequence's new tokens over its whole paged context. Same arguments

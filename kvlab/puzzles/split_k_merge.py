@@ -23,6 +23,7 @@ import random
 
 import torch
 
+from kvlab.kernels.torch_paged import split_k_partitions
 from kvlab.puzzles.grading import Case, Report, grade, seeded
 
 NAME = "split_k_merge"
@@ -55,12 +56,9 @@ def _case(rng: random.Random) -> Case:
         scores = torch.randn(heads, num * part_len, generator=generator) * spread
         values = torch.randn(num * part_len, dim, generator=generator)
         expected[s] = scores.softmax(-1) @ values
-        for j in range(num):
-            chunk = slice(j * part_len, (j + 1) * part_len)
-            best = scores[:, chunk].max(-1).values
-            weights = (scores[:, chunk] - best[:, None]).exp()
-            partial_max[s, j], partial_sum[s, j] = best, weights.sum(-1)
-            partial_out[s, j] = (weights / weights.sum(-1, keepdim=True)) @ values[chunk]
+        per_head = values[:, None].expand(-1, heads, -1)  # [n, H, D]: every head reads the same values
+        partial_out[s, :num], partial_max[s, :num], partial_sum[s, :num] = split_k_partitions(scores, per_head,
+                                                                                              part_len)
     num_partitions = torch.tensor(parts)
     inputs = (f"S={seqs}, P={max_parts}, H={heads}, D={dim}, num_partitions={parts}, {part_len} "
               f"key{'s' if part_len > 1 else ''} per partition, scores spread x{spread:g}")

@@ -67,6 +67,24 @@ def test_a_wrong_part_that_passes_no_check_is_named_by_the_engines_tokens():
         check_engine(parts, check=False, max_tokens=6)  # the first decode step reads a partial last block
 
 
+def merges_by_averaging(partial_out, partial_max, partial_sum, num_partitions):
+    """A plausible slip: every partition weighs the same, whatever its share of the whole softmax."""
+    return torch.stack([partial_out[s, :int(n)].mean(0) for s, n in enumerate(num_partitions)])
+
+
+@pytest.mark.slow
+def test_a_wrong_split_k_merge_is_named_by_the_engines_tokens():
+    with pytest.raises(LearnerPartError, match=r"^split_k_merge is wrong: on question \d"):
+        check_engine({"split_k_merge": merges_by_averaging}, check=False, max_tokens=6)
+
+
+@pytest.mark.slow
+def test_a_split_k_decode_computes_its_partitions_by_the_learners_decode_attention():
+    parts = {"split_k_merge": SOLUTIONS["split_k_merge"], "decode_attention": decode_attention_without_the_last_block}
+    with pytest.raises(LearnerPartError, match=r"^decode_attention is wrong"):
+        check_engine(parts, check=False, max_tokens=6)
+
+
 @pytest.mark.slow
 def test_a_part_breaking_its_contract_in_the_engine_is_named_in_the_abort_reason():
     with pytest.raises(LearnerPartError, match=r"rejection_sampling is wrong.*aborted: .*rejection_sampling "
