@@ -25,4 +25,5 @@ from kvlab.blocks.records import AllocStatus, Event, PrefixCacheStats
 from kvlab.blocks.sequence import Sequence, SequenceStatus
 
 __all__ = ["Admitted", "AllocStatus", "BlockCopies", "BlockManager", "Event", "EvictionPolicy",
-           "HybridBlockManager", "KVCacheManager", "POLICIES", "PrefixCacheStats", "PrefixHit", "Sequence", "SequenceStatus"]
+           "HybridBlockManager", "KVCacheManager", "POLICIES", "PrefixCacheStats", "PrefixHit", "Sequence",
+           "SequenceStatus"]

@@ -54,8 +54,8 @@ from kvlab.blocks.tiers import SwapSpace, check_offload_options, is_shared, make
 from kvlab.errors import InvalidArgumentError, InvariantViolation, OutOfBlocksError, SequenceStateError
 from kvlab.validation import check_int, check_number
 
-__all__ = ["KVCacheManager", "BlockManager", "HybridBlockManager", "PrefixHit", "Admitted", "BlockCopies", "AllocStatus",
-           "PrefixCacheStats", "NULL_BLOCK", "MAX_BLOCKS"]
+__all__ = ["KVCacheManager", "BlockManager", "HybridBlockManager", "PrefixHit", "Admitted", "BlockCopies",
+           "AllocStatus", "PrefixCacheStats", "NULL_BLOCK", "MAX_BLOCKS"]
 
 #: Largest pool (GPU or CPU): the manager keeps ~100 bytes of Python state per block (2**24 blocks: ~2 GB).
 MAX_BLOCKS = 1 << 24
@@ -233,7 +233,8 @@ class KVCacheManager:
                  kv_cache_metrics: Optional[KVCacheMetricsCollector] = None, shared_tier=None,
                  use_eagle: bool = False, prefix_match_unit: Optional[int] = None, groups=None):
         if groups is not None:
-            if sliding_window is not None or num_offload_blocks or shared_tier is not None or kv_cache_metrics:
+            if (sliding_window is not None or num_offload_blocks or shared_tier is not None
+                    or kv_cache_metrics is not None):
                 raise InvalidArgumentError(
                     "with groups=, each group's spec carries its window, and there is no offload tier or residency "
                     f"metrics yet; got sliding_window={sliding_window!r}, num_offload_blocks={num_offload_blocks!r}, "

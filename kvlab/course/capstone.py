@@ -3,9 +3,9 @@
 ``engine_with(parts)`` takes your solutions by puzzle name and returns a ``kvlab.engine.LLM`` in which each one
 replaces kvlab's own at a real seam (``kvlab.engine.parts``: the slots new K/V are written to, prefix caching's
 hashes, the free blocks' reuse order, torch attention over the block tables and the merge of a split-K decode,
-speculative decoding's drafts and their verification). A part you did not give is kvlab's, and the call says which are yours and which are
-kvlab's. Each part you give is first graded by its puzzle's ``check``: one that fails is named, with the
-failing case, before any model loads::
+speculative decoding's drafts and their verification). A part you did not give is kvlab's, and the call says
+which are yours and which are kvlab's. Each part you give is first graded by its puzzle's ``check``: one that
+fails is named, with the failing case, before any model loads::
 
     from kvlab.course import engine_with, check_engine
     llm = engine_with({"slot_mapping": slot_mapping, "lru_policy": MyLRU})

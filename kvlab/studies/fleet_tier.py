@@ -65,8 +65,8 @@ class TierSettings:
 
 
 def fleet_managers(settings: TierSettings, replicas: int, capacity: int, block_size: int, policy_class) -> list:
-    """Each replica's KVCacheManager, driven by its engine's scheduler (GPU pool of ``capacity`` blocks, eviction ``policy_class()``, KV events on)
-    with the tier ``settings`` asks for."""
+    """Each replica's KVCacheManager, driven by its engine's scheduler (GPU pool of ``capacity`` blocks, eviction
+    ``policy_class()``, KV events on) with the tier ``settings`` asks for."""
     def manager(**tier):
         return KVCacheManager(capacity, block_size, eviction=policy_class(), kv_events=True, **tier)
 
