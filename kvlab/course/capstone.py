@@ -3,8 +3,9 @@
 ``engine_with(parts)`` takes your solutions by puzzle name and returns a ``kvlab.engine.LLM`` in which each one
 replaces kvlab's own at a real seam (``kvlab.engine.parts``: the slots new K/V are written to, prefix caching's
 hashes, the free blocks' reuse order, torch attention over the block tables and the merge of a split-K decode,
-speculative decoding's drafts and their verification). A part you did not give is kvlab's, and the call says
-which are yours and which are kvlab's. Each part you give is first graded by its puzzle's ``check``: one that
+speculative decoding's drafts and their verification, and Triton kernels: the K/V write, decode attention, a
+split-K decode's partitions). A part you did not give is kvlab's, and the call says which are yours and which
+are kvlab's. Each part you give is first graded by its puzzle's ``check``: one that
 fails is named, with the failing case, before any model loads::
 
     from kvlab.course import engine_with, check_engine
@@ -16,10 +17,17 @@ fails is named, with the failing case, before any model loads::
 transformers' ``generate``, which must match exactly. On a mismatch it serves them again with one of your parts
 at a time (kvlab's for the others) and names the part whose engine goes wrong. ``check_engine()`` with no
 parts is the reference: kvlab's own engine.
+
+Triton kernels (``TRITON_PARTS``) run in Triton's interpreter on a CPU (compiled on a GPU), where SmolLM2 would take
+minutes a token. So ``check_engine`` serves SmolLM2 with your other parts, and, given any kernel, serves
+``KERNEL_PROMPTS`` (token ids sharing two blocks) again with all your parts on a tiny random-weight model
+(``kvlab.engine.random_model``, "tiny": 2 layers, 4 query heads over 2 KV heads) compared with Hugging Face there too.
+A decode step runs one decode path, so given both ``triton_decode_attention`` and a split-K part, the tiny model
+serves twice: once without the split-K parts, once without that kernel.
 """
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvlab.errors import InvalidArgumentError, LearnerPartError
 
@@ -28,7 +36,10 @@ __all__ = ["PARTS", "CapstoneRun", "check_engine", "describe", "engine_with"]
 #: The parts a learner can plug in (``kvlab.engine.parts.EngineParts``' fields), each the name of its puzzle
 #: (``kvlab.puzzles.puzzle(name)``); named here so that importing the course loads no torch.
 PARTS: tuple[str, ...] = ("slot_mapping", "block_hashes", "lru_policy", "decode_attention", "prefill_attention",
-                          "ngram_proposer", "rejection_sampling", "split_k_merge")
+                          "ngram_proposer", "rejection_sampling", "split_k_merge", "triton_reshape_and_cache",
+                          "triton_decode_attention", "triton_split_k_decode")
+#: The parts that are Triton kernels: checked on the tiny model (see the module docstring).
+TRITON_PARTS = tuple(name for name in PARTS if name.startswith("triton_"))
 
 #: The engine's settings unless given: small blocks so the prompts fill several, and n-gram speculation, so
 #: the proposer and the verification run.
@@ -39,6 +50,9 @@ DEFAULT_OPTIONS = dict(block_size=16, num_blocks=96, speculative_config={
 #: full blocks), and the first answer quotes its question (so drafts are proposed and accepted).
 QUESTIONS = ("Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank.",
              "Name a primary colour.")
+
+#: The kernels' prompts on the tiny model: 36 shared tokens (two 16-token blocks hit), then 5 and 9 of their own.
+KERNEL_PROMPTS = tuple(tuple(range(101, 137)) + tail for tail in (tuple(range(7, 12)), tuple(range(300, 309))))
 
 
 def engine_with(parts: dict | None = None, model=None, *, check: bool = True, verbose: bool = True,
@@ -82,6 +96,7 @@ class CapstoneRun:
     cached_prompt_tokens: list[int]
     accepted_drafts: list[int]
     abort_reasons: list[str | None]
+    kernels: list = field(default_factory=list)  # the Triton parts' runs on the tiny model (module docstring)
 
     @property
     def matches(self) -> bool:
@@ -94,21 +109,39 @@ def check_engine(parts: dict | None = None, *, questions=QUESTIONS, max_tokens: 
     the tokens with Hugging Face transformers' greedy ``generate`` on the same prompt tokens. Returns the run
     when they are equal; else raises ``LearnerPartError`` naming the part whose engine goes wrong, found by
     serving again with one of your parts at a time (``check``, ``model``, ``verbose``, ``llm_options``: as
-    ``engine_with``)."""
+    ``engine_with``). Your Triton kernels are left out of this run and checked with all your parts on the tiny
+    model (see the module docstring): those runs are the returned run's ``kernels``."""
     given = _checked_parts(parts)
     if verbose:
         print(describe(given))
-    run = _serve(given, questions, max_tokens, model, check, llm_options)
+    if check:
+        _grade(given)  # every part, kernels included, before any model loads
+    run = _compared({name: part for name, part in given.items() if name not in TRITON_PARTS}, questions,
+                    max_tokens, model, llm_options)
+    if any(name in TRITON_PARTS for name in given):
+        split_k = {"split_k_merge", "triton_split_k_decode"}
+        decode_paths = ([{n: p for n, p in given.items() if n not in split_k},
+                         {n: p for n, p in given.items() if n != "triton_decode_attention"}]
+                        if "triton_decode_attention" in given and split_k & given.keys() else [given])
+        run.kernels = [_compared(parts, KERNEL_PROMPTS, max_tokens, _tiny_model(), llm_options)
+                       for parts in decode_paths]
+    return run
+
+
+def _compared(given: dict, prompts, max_tokens: int, model, llm_options) -> CapstoneRun:
+    """The run of ``given`` on ``prompts`` if its tokens are Hugging Face's, else LearnerPartError naming the
+    part whose engine goes wrong."""
+    run = _serve(given, prompts, max_tokens, model, llm_options)
     run.expected = [list(tokens) for tokens in _hf_greedy(tuple(map(tuple, run.prompt_token_ids)), max_tokens, model)]
     if run.matches:
         return run
     culprits = list(given) if len(given) == 1 else [
         name for name in given
-        if _serve({name: given[name]}, questions, max_tokens, model, False, llm_options).tokens != run.expected]
+        if _serve({name: given[name]}, prompts, max_tokens, model, llm_options).tokens != run.expected]
     i = next(i for i, (got, want) in enumerate(zip(run.tokens, run.expected)) if got != want)
     first = next((j for j, (g, w) in enumerate(zip(run.tokens[i], run.expected[i])) if g != w),
                  min(len(run.tokens[i]), len(run.expected[i])))
-    where = (f"on question {i} the engine's greedy tokens differ from Hugging Face's from token {first} on: "
+    where = (f"on {'question' if isinstance(prompts[i], str) else 'prompt'} {i} the engine's greedy tokens differ from Hugging Face's from token {first} on: "
              f"expected {run.expected[i]}, got {run.tokens[i]}"
              + (f" (aborted: {run.abort_reasons[i]})" if run.abort_reasons[i] else ""))
     if culprits:
@@ -146,16 +179,31 @@ def _grade(parts: dict) -> None:
             raise LearnerPartError(f"{name} fails its puzzle's check, so the engine does not run it: {report.problem}")
 
 
-def _serve(parts, questions, max_tokens, model, check, llm_options) -> CapstoneRun:
+def _serve(parts, prompts, max_tokens, model, llm_options) -> CapstoneRun:
+    """``prompts``: questions (strings, served as chats) or token-id prompts."""
     from kvlab.engine import SamplingParams
 
-    llm = engine_with(parts, model, check=check, verbose=False, **llm_options)
-    outputs = llm.chat([[{"role": "user", "content": q}] for q in questions],
-                       SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    llm = engine_with(parts, model, check=False, verbose=False, **llm_options)
+    if isinstance(prompts[0], str):
+        outputs = llm.chat([[{"role": "user", "content": q}] for q in prompts], params, use_tqdm=False)
+    else:
+        outputs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
     return CapstoneRun([o.prompt_token_ids for o in outputs], [o.outputs[0].token_ids for o in outputs], [],
                        [o.metrics.num_cached_prompt_tokens for o in outputs],
                        [o.metrics.num_accepted_tokens for o in outputs],
                        [o.outputs[0].abort_reason for o in outputs])
+
+
+@functools.lru_cache(maxsize=1)
+def _tiny_model() -> str:
+    """The kernels' model: a tiny random-weight Qwen3 (seeded; no end-of-text token), written once per process
+    to a temporary folder."""
+    import tempfile
+
+    from kvlab.engine.random_model import save_random_model
+
+    return str(save_random_model(tempfile.mkdtemp(prefix="kvlab-capstone-"), "tiny", seed=0))
 
 
 @functools.lru_cache(maxsize=8)  # the reference for the same prompts: loaded and run once per process

@@ -178,12 +178,12 @@ class PagedSelfAttention(nn.Module):
         elif batch.plan is not None and self.kv_quantizer is not None:  # the torch backend, quantized cache
             write_cache_quantized(k, v, kv_cache, batch.cache_write, self.kv_quantizer)
             out = paged_attention_torch_quantized(q, kv_cache, batch.plan, self.kv_quantizer, scale=self.scale)
+        elif batch.plan is not None and batch.parts is not None and batch.parts.replaces_attention:
+            batch.parts.write(k, v, kv_cache, batch)  # the torch backend, with a learner's parts
+            out = batch.parts.attend(q, kv_cache, batch, self.scale)
         elif batch.plan is not None:  # the torch backend
             write_cache(k, v, kv_cache, batch.cache_write)
-            if batch.parts is not None and batch.parts.replaces_attention:
-                out = batch.parts.attend(q, kv_cache, batch, self.scale)
-            else:
-                out = paged_attention_torch_unchecked(q, kv_cache, batch.plan, scale=self.scale)
+            out = paged_attention_torch_unchecked(q, kv_cache, batch.plan, scale=self.scale)
         elif self.kv_window is not None:  # the triton backend, KIVI cache
             out = kivi_attention_triton(q, k, v, kv_cache, batch.kivi_step(kv_cache, self.kv_quantizer),
                                         self.kv_quantizer, self.kv_window, batch.block_tables, batch.seq_lens,

@@ -16,7 +16,13 @@ known by:
 * ``rejection_sampling(drafts, draft_probs, target_probs, uniforms, sample)``: the verification of drafts;
 * ``split_k_merge(partial_out, partial_max, partial_sum, num_partitions)``: decode steps then run split-K, in
   partitions of ``SPLIT_K_BLOCKS`` blocks (each partition's output by ``decode_attention``, the learner's or
-  kvlab's, over the partition's blocks alone), and the learner's merge makes one softmax of them.
+  kvlab's, over the partition's blocks alone), and the learner's merge makes one softmax of them;
+* Triton kernels, each run through its puzzle's launcher (``kvlab.puzzles.triton_*.launch``; in Triton's
+  interpreter on a CPU, compiled on a GPU): ``triton_reshape_and_cache`` writes every step's new K/V into the
+  cache; ``triton_decode_attention`` is the decode steps' attention (before a torch ``decode_attention``, which
+  then serves only a split-K decode's partitions); ``triton_split_k_decode`` computes a split-K decode's
+  partitions (its three results), merged by ``split_k_merge`` (the learner's or kvlab's): decode steps run
+  split-K when either is given.
 
 A part that raises, or answers what its contract does not allow, raises ``LearnerPartError`` naming it (where
 the engine calls it: a forward pass or a verification aborts that request with the error as its reason).
@@ -48,6 +54,9 @@ class EngineParts:
     ngram_proposer: Callable | None = None
     rejection_sampling: Callable | None = None
     split_k_merge: Callable | None = None
+    triton_reshape_and_cache: Callable | None = None
+    triton_decode_attention: Callable | None = None
+    triton_split_k_decode: Callable | None = None
 
     def __post_init__(self):
         for name, part in self.given().items():
@@ -65,8 +74,14 @@ class EngineParts:
 
     @property
     def replaces_attention(self) -> bool:
-        return self.decode_attention is not None or self.prefill_attention is not None or \
-            self.split_k_merge is not None
+        return any(part is not None for part in (
+            self.decode_attention, self.prefill_attention, self.split_k_merge, self.triton_reshape_and_cache,
+            self.triton_decode_attention, self.triton_split_k_decode))
+
+    @property
+    def split_k(self) -> bool:
+        """Whether decode steps run split-K (a part of it is the learner's)."""
+        return self.split_k_merge is not None or self.triton_split_k_decode is not None
 
     # ---- the block manager's parts ------------------------------------------------------------------------
     def block_manager_options(self) -> dict:
@@ -100,13 +115,26 @@ class EngineParts:
                                    f"{_short(slots)}: expected a list of {end - start} slots in the table's blocks")
         return slots
 
+    def write(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, batch) -> None:
+        """The step's new K/V ``[T, H_kv, D]`` into ``kv_cache`` at ``batch.slot_mapping``: by the learner's
+        ``triton_reshape_and_cache``, else kvlab's torch write."""
+        if self.triton_reshape_and_cache is None:
+            from kvlab.kernels.torch_paged import write_cache
+
+            write_cache(key, value, kv_cache, batch.cache_write)
+            return
+        from kvlab.puzzles import triton_reshape_and_cache
+
+        _call("triton_reshape_and_cache", triton_reshape_and_cache.launch, self.triton_reshape_and_cache,
+              key.contiguous(), value.contiguous(), kv_cache, batch.slot_mapping)
+
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, batch, scale: float) -> torch.Tensor:
         """``out [T, H, D]``: the step's attention (``batch``: its ``AttentionBatch``, the cache already
         written) by the learner's decode or prefill attention, kvlab's torch twin for the one not given."""
         from kvlab.kernels.torch_paged import paged_prefill_torch
 
         if not batch.is_prefill:  # one query row per sequence
-            if self.split_k_merge is None:
+            if not self.split_k:
                 return self._decode(query, kv_cache, batch.block_tables, batch.seq_lens, scale)
             return self._split_k_decode(query, kv_cache, batch.block_tables, batch.seq_lens, scale)
         if self.prefill_attention is None:
@@ -118,10 +146,17 @@ class EngineParts:
         return torch.cat([_checked_output("prefill_attention", out, query[cu[s]:cu[s + 1]])
                           for s, out in enumerate(outs)])
 
-    def _decode(self, query, kv_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
-        """Decode attention by the learner's ``decode_attention``, or kvlab's torch twin."""
+    def _decode(self, query, kv_cache, block_tables, seq_lens, scale: float, kernel: bool = True) -> torch.Tensor:
+        """Decode attention by the learner's ``triton_decode_attention`` (``kernel``: where it may serve), else
+        their ``decode_attention``, else kvlab's torch twin."""
         from kvlab.kernels.torch_paged import paged_attention_decode_torch
 
+        if kernel and self.triton_decode_attention is not None:
+            from kvlab.puzzles import triton_decode_attention
+
+            out = _call("triton_decode_attention", triton_decode_attention.launch, self.triton_decode_attention,
+                        query.contiguous(), kv_cache, block_tables, seq_lens, scale)
+            return _checked_output("triton_decode_attention", out, query)
         if self.decode_attention is None:
             return paged_attention_decode_torch(query, kv_cache, block_tables, seq_lens, scale)
         out = _call("decode_attention", self.decode_attention, query, kv_cache, block_tables, seq_lens, scale)
@@ -129,15 +164,22 @@ class EngineParts:
 
     def _split_k_decode(self, query, kv_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
         """``out [S, H, D]``: decode attention in partitions of ``SPLIT_K_BLOCKS`` blocks of each sequence's keys
-        (``kv_cache [num_blocks, 2, block_size, H_kv, D]``), merged by the learner's ``split_k_merge``. Each
-        partition's maximum and sum of exponentials are kvlab's; its output is a decode over its blocks alone,
-        the learner's ``decode_attention`` where given (so both parts run). A shorter sequence's unused
+        (``kv_cache [num_blocks, 2, block_size, H_kv, D]``), merged by the learner's ``split_k_merge`` (else
+        kvlab's). The partitions are the learner's ``triton_split_k_decode`` kernel's where given; else each
+        partition's maximum and sum of exponentials are kvlab's and its output is a decode over its blocks
+        alone, the learner's ``decode_attention`` where given (so both parts run). A shorter sequence's unused
         partitions hold NaN, as a real split-K buffer holds stale values."""
         from kvlab.kernels.torch_paged import split_k_partitions
 
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
         (num_seqs, num_heads, _), part_len, lens = query.shape, SPLIT_K_BLOCKS * block_size, seq_lens.tolist()
         num_partitions = [-(-n // part_len) for n in lens]
+        if self.triton_split_k_decode is not None:
+            from kvlab.puzzles import triton_split_k_decode
+
+            partials = _call("triton_split_k_decode", triton_split_k_decode.launch, self.triton_split_k_decode,
+                             query.contiguous(), kv_cache, block_tables, seq_lens, scale, SPLIT_K_BLOCKS)
+            return self._merge(*partials, num_partitions, query)
         shape = (num_seqs, max(num_partitions), num_heads)
         partial_out = query.new_full((*shape, query.shape[2]), float("nan"), dtype=torch.float32)
         partial_max, partial_sum = (query.new_full(shape, float("nan"), dtype=torch.float32) for _ in range(2))
@@ -159,9 +201,18 @@ class EngineParts:
             tables = block_tables[torch.tensor(seqs, device=device)[:, None], columns]  # [rows, SPLIT_K_BLOCKS]
             part_lens = torch.tensor([min(part_len, lens[s] - j * part_len) for s, j in rows], dtype=seq_lens.dtype,
                                      device=seq_lens.device)
-            partial_out[seqs, parts] = self._decode(query[seqs], kv_cache, tables, part_lens, scale).float()
-        out = _call("split_k_merge", self.split_k_merge, partial_out, partial_max, partial_sum,
-                    torch.tensor(num_partitions, device=query.device))
+            partial_out[seqs, parts] = self._decode(query[seqs], kv_cache, tables, part_lens, scale,
+                                                    kernel=False).float()
+        return self._merge(partial_out, partial_max, partial_sum, num_partitions, query)
+
+    def _merge(self, partial_out, partial_max, partial_sum, num_partitions: list[int], query) -> torch.Tensor:
+        """The split-K partitions merged into ``out [S, H, D]`` by the learner's ``split_k_merge``, else kvlab's."""
+        from kvlab.kernels.torch_paged import merge_split_k
+
+        num_partitions = torch.tensor(num_partitions, device=query.device)
+        if self.split_k_merge is None:
+            return merge_split_k(partial_out, partial_max, partial_sum, num_partitions)
+        out = _call("split_k_merge", self.split_k_merge, partial_out, partial_max, partial_sum, num_partitions)
         return _checked_output("split_k_merge", out, query)
 
     # ---- speculative decoding's parts -------------------------------------------------------------------

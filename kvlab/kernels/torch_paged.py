@@ -262,6 +262,19 @@ def split_k_partitions(scores, values, part_len: int):
     return torch.stack(outs), torch.stack(maxima), torch.stack(sums)
 
 
+def merge_split_k(partial_out, partial_max, partial_sum, num_partitions):
+    """Split-K decode's merge: ``out [S, H, D]`` from each sequence's first ``num_partitions[s]`` partitions
+    (``partial_out [S, P, H, D]``, ``partial_max`` and ``partial_sum [S, P, H]``, as ``split_k_partitions``
+    makes them; the unused ones hold stale values): each partition's output weighed by its sum of exponentials
+    rescaled to the largest maximum, so the partitions make one softmax."""
+    used = (torch.arange(partial_out.shape[1], device=partial_out.device)[None, :]
+            < num_partitions[:, None])[..., None]                                   # [S, P, 1]
+    top = partial_max.masked_fill(~used, float("-inf")).amax(1, keepdim=True)     # [S, 1, H]
+    weights = torch.where(used, partial_sum * (partial_max - top).exp(), 0.0)     # [S, P, H]
+    outs = torch.where(used[..., None], partial_out, 0.0)
+    return (weights[..., None] * outs).sum(1) / weights.sum(1)[..., None]
+
+
 def paged_prefill_torch(query, kv_cache, block_tables, seq_lens, cu_query_lens, scale=None, sliding_window=None,
                         soft_cap=None):
     """``paged_prefill`` in torch: each sequence's new tokens over its whole paged context. Same arguments

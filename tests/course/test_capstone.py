@@ -3,6 +3,9 @@ plugged into the engine gives Hugging Face's greedy tokens exactly, as kvlab's o
 sharing their system prompt (prefix hits) with n-gram speculation on; a wrong part is named, by its puzzle's
 check before any model loads, or by serving with one learner part at a time when the engine's tokens differ."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,6 +15,10 @@ from kvlab.engine.parts import EngineParts
 from kvlab.errors import InvalidArgumentError, LearnerPartError
 from kvlab.puzzles import puzzle
 from kvlab.puzzles.solutions.decode_attention import decode_attention
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "puzzles"))
+from wrong_solutions import (attends_to_whole_blocks, caches_the_key_as_the_value_too,  # noqa: E402
+                             every_partition_from_block_zero)
 
 SOLUTIONS = {name: puzzle(name).solution() for name in PARTS}
 
@@ -43,6 +50,9 @@ def test_every_solution_plugged_in_gives_hf_greedy_tokens():
     assert run.cached_prompt_tokens[1] > 0  # the second prompt hit the first one's system-prompt blocks
     assert run.accepted_drafts[0] > 0  # the first answer quotes its question: drafts proposed and accepted
     assert run.abort_reasons == [None, None]
+    assert len(run.kernels) == 2  # the Triton parts with every other part on the tiny model, once per decode path
+    for kernels in run.kernels:
+        assert kernels.matches and kernels.cached_prompt_tokens == [0, 32] and kernels.abort_reasons == [None, None]
 
 
 @pytest.mark.slow
@@ -82,6 +92,16 @@ def test_a_wrong_split_k_merge_is_named_by_the_engines_tokens():
 def test_a_split_k_decode_computes_its_partitions_by_the_learners_decode_attention():
     parts = {"split_k_merge": SOLUTIONS["split_k_merge"], "decode_attention": decode_attention_without_the_last_block}
     with pytest.raises(LearnerPartError, match=r"^decode_attention is wrong"):
+        check_engine(parts, check=False, max_tokens=6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, kernel", [("triton_reshape_and_cache", caches_the_key_as_the_value_too),
+                                          ("triton_decode_attention", attends_to_whole_blocks),
+                                          ("triton_split_k_decode", every_partition_from_block_zero)])
+def test_a_wrong_triton_kernel_is_named_by_the_tiny_models_tokens(name, kernel):
+    parts = {"prefill_attention": SOLUTIONS["prefill_attention"], name: kernel}
+    with pytest.raises(LearnerPartError, match=rf"^{name} is wrong: on prompt \d the engine's greedy tokens differ"):
         check_engine(parts, check=False, max_tokens=6)
 
 

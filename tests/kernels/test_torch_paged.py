@@ -11,8 +11,9 @@ from kvlab.device import DEVICE
 from kvlab.errors import InvalidArgumentError
 from kvlab.kernels import paged_attention_decode, paged_prefill, reshape_and_cache
 from kvlab.kernels.reference import paged_attention_decode_ref, paged_prefill_ref, reshape_and_cache_ref
-from kvlab.kernels.torch_paged import (paged_attention_decode_torch, paged_attention_torch, paged_prefill_torch,
-                                       plan_paged_attention, reshape_and_cache_torch)
+from kvlab.kernels.torch_paged import (merge_split_k, paged_attention_decode_torch, paged_attention_torch,
+                                       paged_prefill_torch, plan_paged_attention, reshape_and_cache_torch,
+                                       split_k_partitions)
 
 # (seq_len, q_len) as in test_paged_prefill: a prefix hit, a 1-token sequence, a full prefill, a sequence with
 # no new tokens, one new token, a long prefix with many new tokens. Unequal lengths: rows are padded.
@@ -169,3 +170,22 @@ def test_bad_input_raises_the_kernels_errors(case, decode_case):
         reshape_and_cache_torch(key, key, cache, torch.tensor([5, 5, -1], device=DEVICE))
     with pytest.raises(InvalidArgumentError, match="key and value must both be"):
         reshape_and_cache_torch(key, key[:, :1], cache, torch.tensor([5, 6, -1], device=DEVICE))
+
+
+@pytest.mark.parametrize("spread", [1.0, 300.0])
+def test_split_k_partitions_merged_make_one_softmax(spread):
+    """kvlab's split-K merge (the engine's when a learner's split-K kernel is merged by kvlab) over each sequence's
+    used partitions only: the unused ones hold stale values (NaN, and maxima far above every score)."""
+    gen = torch.Generator().manual_seed(0)
+    heads, dim, part_len, parts = 3, 8, 4, [3, 1]
+    partial_out = torch.full((2, 3, heads, dim), float("nan"))
+    partial_max, partial_sum = torch.full((2, 3, heads), 1e30), torch.full((2, 3, heads), float("nan"))
+    expected = []
+    for s, used in enumerate(parts):
+        n = used * part_len - 1  # the last partition one key short
+        scores, values = torch.randn(heads, n, generator=gen) * spread, torch.randn(n, heads, dim, generator=gen)
+        expected.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), values))
+        partial_out[s, :used], partial_max[s, :used], partial_sum[s, :used] = split_k_partitions(scores, values,
+                                                                                                 part_len)
+    merged = merge_split_k(partial_out, partial_max, partial_sum, torch.tensor(parts))
+    torch.testing.assert_close(merged, torch.stack(expected), rtol=1e-5, atol=1e-5)

@@ -298,6 +298,23 @@ def caches_with_contiguous_heads(key_ptr, value_ptr, cache_ptr, slot_mapping_ptr
 
 
 @triton.jit
+def caches_the_key_as_the_value_too(key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, num_heads, head_dim, block_size,
+                                    stride_block, stride_kv, stride_slot, stride_head,
+                                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t)
+    if slot >= 0:
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        dims = tl.arange(0, BLOCK_D)[None, :]
+        mask = (heads < num_heads) & (dims < head_dim)
+        row = t * num_heads * head_dim + heads * head_dim + dims
+        dst = cache_ptr + (slot // block_size) * stride_block + (slot % block_size) * stride_slot \
+            + heads * stride_head + dims
+        tl.store(dst, tl.load(key_ptr + row, mask=mask), mask=mask)
+        tl.store(dst + stride_kv, tl.load(key_ptr + row, mask=mask), mask=mask)  # key_ptr where value_ptr belongs
+
+
+@triton.jit
 def copies_keys_only(cache_ptr, block_mapping_ptr, num_heads, head_dim, block_size,
                      stride_block, stride_kv, stride_slot, stride_head,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -622,6 +639,7 @@ WRONG = [
     ("tier_promotion", uses_first_to_last, "visited last to first"),
     ("tier_promotion", drops_a_block_being_promoted, "not being promoted"),
     ("triton_reshape_and_cache", caches_with_contiguous_heads, "step heads by stride_head"),
+    ("triton_reshape_and_cache", caches_the_key_as_the_value_too, "the cache differs from the torch twin's"),
     ("triton_copy_blocks", copies_keys_only, "every one of its slots, K and V"),
     ("triton_decode_attention", attends_to_whole_blocks, "mask positions >= seq_len"),
     ("triton_split_k_decode", every_partition_from_block_zero, "from block p * blocks_per_partition on"),
