@@ -4,7 +4,7 @@
 replaces kvlab's own at a real seam (``kvlab.engine.parts``: the slots new K/V are written to, prefix caching's
 hashes, the free blocks' reuse order, torch attention over the block tables and the merge of a split-K decode,
 speculative decoding's drafts and their verification, and Triton kernels: the K/V write, decode attention, a
-split-K decode's partitions). A part you did not give is kvlab's, and the call says which are yours and which
+split-K decode's partitions, block copies). A part you did not give is kvlab's, and the call says which are yours and which
 are kvlab's. Each part you give is first graded by its puzzle's ``check``: one that
 fails is named, with the failing case, before any model loads::
 
@@ -20,7 +20,7 @@ parts is the reference: kvlab's own engine.
 
 Triton kernels (``TRITON_PARTS``) run in Triton's interpreter on a CPU (compiled on a GPU), where SmolLM2 would take
 minutes a token. So ``check_engine`` serves SmolLM2 with your other parts, and, given any kernel, serves
-``KERNEL_PROMPTS`` (token ids sharing two blocks) again with all your parts on a tiny random-weight model
+``KERNEL_PROMPTS`` (token ids sharing two blocks, two greedy samples each) again with all your parts on a tiny random-weight model
 (``kvlab.engine.random_model``, "tiny": 2 layers, 4 query heads over 2 KV heads) compared with Hugging Face there too.
 A decode step runs one decode path, so given both ``triton_decode_attention`` and a split-K part, the tiny model
 serves twice: once without the split-K parts, once without that kernel.
@@ -37,7 +37,7 @@ __all__ = ["PARTS", "CapstoneRun", "check_engine", "describe", "engine_with"]
 #: (``kvlab.puzzles.puzzle(name)``); named here so that importing the course loads no torch.
 PARTS: tuple[str, ...] = ("slot_mapping", "block_hashes", "lru_policy", "decode_attention", "prefill_attention",
                           "ngram_proposer", "rejection_sampling", "split_k_merge", "triton_reshape_and_cache",
-                          "triton_decode_attention", "triton_split_k_decode")
+                          "triton_decode_attention", "triton_split_k_decode", "triton_copy_blocks")
 #: The parts that are Triton kernels: checked on the tiny model (see the module docstring).
 TRITON_PARTS = tuple(name for name in PARTS if name.startswith("triton_"))
 
@@ -141,7 +141,8 @@ def _compared(given: dict, prompts, max_tokens: int, model, llm_options) -> Caps
     i = next(i for i, (got, want) in enumerate(zip(run.tokens, run.expected)) if got != want)
     first = next((j for j, (g, w) in enumerate(zip(run.tokens[i], run.expected[i])) if g != w),
                  min(len(run.tokens[i]), len(run.expected[i])))
-    where = (f"on {'question' if isinstance(prompts[i], str) else 'prompt'} {i} the engine's greedy tokens differ from Hugging Face's from token {first} on: "
+    what = "question" if isinstance(prompts[0], str) else "sample"
+    where = (f"on {what} {i} the engine's greedy tokens differ from Hugging Face's from token {first} on: "
              f"expected {run.expected[i]}, got {run.tokens[i]}"
              + (f" (aborted: {run.abort_reasons[i]})" if run.abort_reasons[i] else ""))
     if culprits:
@@ -180,19 +181,27 @@ def _grade(parts: dict) -> None:
 
 
 def _serve(parts, prompts, max_tokens, model, llm_options) -> CapstoneRun:
-    """``prompts``: questions (strings, served as chats) or token-id prompts."""
+    """``prompts``: questions (strings, served as chats, one sample each) or token-id prompts (two greedy samples
+    each: forked from the prompt, they share its last block until each writes its first token, which copies
+    it, copy-on-write: the copies ``triton_copy_blocks`` makes). The run has one row per sample. Every cache
+    slot starts as NaN, as in the puzzles' checks: a part that reads a slot no step wrote changes the tokens
+    (left as they are, the slots may hold what an earlier engine in this process wrote there, right by luck)."""
     from kvlab.engine import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    chats = isinstance(prompts[0], str)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=1 if chats else 2)
     llm = engine_with(parts, model, check=False, verbose=False, **llm_options)
-    if isinstance(prompts[0], str):
+    for cache in llm.kv_cache.gpu:
+        cache.fill_(float("nan"))
+    if chats:
         outputs = llm.chat([[{"role": "user", "content": q}] for q in prompts], params, use_tqdm=False)
     else:
         outputs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
-    return CapstoneRun([o.prompt_token_ids for o in outputs], [o.outputs[0].token_ids for o in outputs], [],
-                       [o.metrics.num_cached_prompt_tokens for o in outputs],
-                       [o.metrics.num_accepted_tokens for o in outputs],
-                       [o.outputs[0].abort_reason for o in outputs])
+    samples = [(o, sample) for o in outputs for sample in o.outputs]
+    return CapstoneRun([o.prompt_token_ids for o, _ in samples], [sample.token_ids for _, sample in samples], [],
+                       [o.metrics.num_cached_prompt_tokens for o, _ in samples],
+                       [o.metrics.num_accepted_tokens for o, _ in samples],
+                       [sample.abort_reason for _, sample in samples])
 
 
 @functools.lru_cache(maxsize=1)

@@ -64,9 +64,11 @@ class PagedKVCache:
     ``cpu[j]``: the same layout with ``num_cpu_blocks`` blocks in host memory; ``tier[j]``: the offload tier's.
     A quantized format stores its bytes instead (last dim: ``cache_storage``); pages of MLA latent rows (the
     groups' ``mla_latent_dim``) are ``[num_blocks, block_size, mla_latent_dim]`` (``_allocate_latent``).
-    ``bytes_per_block`` is what one block id takes in those tensors: a page in each."""
+    ``bytes_per_block`` is what one block id takes in those tensors: a page in each. ``block_copier(gpu, pairs)``
+    makes the block copies (None: kvlab's ``copy_blocks``; a learner's kernel, ``kvlab.engine.parts``)."""
 
-    def __init__(self, config: KVCacheConfig, dtype, device, num_cpu_blocks: int, num_offload_blocks: int = 0):
+    def __init__(self, config: KVCacheConfig, dtype, device, num_cpu_blocks: int, num_offload_blocks: int = 0,
+                 block_copier=None):
         group = config.groups[0]  # every group has the same pages
         storage_dtype, width = cache_storage(group, dtype)
         block_size = config.block_size
@@ -83,6 +85,7 @@ class PagedKVCache:
                                             num_blocks=num_offload_blocks) if num_offload_blocks else [])
         self.layer_caches = [self.gpu[tensor] for tensor in config.layer_tensors]
         self.config, self.num_offload_blocks = config, num_offload_blocks
+        self._copy_blocks = block_copier or copy_blocks
         # Whole-block moves by torch indexing (``_apply_indexed``) for the pages the copy kernels do not take.
         self._indexed_moves = group.is_quantized or group.mla_latent_dim is not None
         self._format = f" in {group.cache_format}" if group.is_quantized else ""
@@ -128,7 +131,7 @@ class PagedKVCache:
             return self._apply_indexed(moves)
         for kind, pairs, _, _ in moves.rounds:
             if kind == "copy":
-                copy_blocks(self.gpu, pairs)  # every layer in one launch
+                self._copy_blocks(self.gpu, pairs)  # kvlab's: every layer in one launch
             else:
                 host = self.tier if kind in ("offload", "promote") else self.cpu
                 for gpu, cpu in zip(self.gpu, host):

@@ -203,7 +203,7 @@ class LLM:
                                                 **parts.block_manager_options())
         self.kv_events = self.block_manager.kv_events  # vLLM's KV cache events, None unless kv_events=True
         self.kv_cache = PagedKVCache(self.kv_cache_config, self.dtype, self.device, num_cpu_blocks,
-                                     num_offload_blocks)
+                                     num_offload_blocks, parts.copy_blocks if parts.triton_copy_blocks else None)
         if residual_length is not None:  # KIVI: the full-precision windows follow the block moves
             self.kv_cache.windows = [layer.self_attn.kv_window for layer in self.model.model.layers]
         logger.info("KV cache: %s (%s)", self.kv_cache.summary(), sized_by)

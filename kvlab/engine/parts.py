@@ -22,7 +22,8 @@ known by:
   cache; ``triton_decode_attention`` is the decode steps' attention (before a torch ``decode_attention``, which
   then serves only a split-K decode's partitions); ``triton_split_k_decode`` computes a split-K decode's
   partitions (its three results), merged by ``split_k_merge`` (the learner's or kvlab's): decode steps run
-  split-K when either is given.
+  split-K when either is given; ``triton_copy_blocks`` makes the step's block copies (a prefix hit's partial
+  block with ``prefix_match_unit``, copy-on-write), one launch per layer's cache.
 
 A part that raises, or answers what its contract does not allow, raises ``LearnerPartError`` naming it (where
 the engine calls it: a forward pass or a verification aborts that request with the error as its reason).
@@ -57,6 +58,7 @@ class EngineParts:
     triton_reshape_and_cache: Callable | None = None
     triton_decode_attention: Callable | None = None
     triton_split_k_decode: Callable | None = None
+    triton_copy_blocks: Callable | None = None
 
     def __post_init__(self):
         for name, part in self.given().items():
@@ -127,6 +129,15 @@ class EngineParts:
 
         _call("triton_reshape_and_cache", triton_reshape_and_cache.launch, self.triton_reshape_and_cache,
               key.contiguous(), value.contiguous(), kv_cache, batch.slot_mapping)
+
+    def copy_blocks(self, kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
+        """Block dst becomes a copy of block src in every layer's cache, for each (src, dst) of ``pairs`` (no dst
+        repeated, none also a src), by the learner's ``triton_copy_blocks``."""
+        from kvlab.puzzles import triton_copy_blocks
+
+        block_mapping = torch.tensor(pairs, dtype=torch.int64, device=kv_caches[0].device)
+        for cache in kv_caches:
+            _call("triton_copy_blocks", triton_copy_blocks.launch, self.triton_copy_blocks, cache, block_mapping)
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, batch, scale: float) -> torch.Tensor:
         """``out [T, H, D]``: the step's attention (``batch``: its ``AttentionBatch``, the cache already

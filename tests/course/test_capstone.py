@@ -18,7 +18,7 @@ from kvlab.puzzles.solutions.decode_attention import decode_attention
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "puzzles"))
 from wrong_solutions import (attends_to_whole_blocks, caches_the_key_as_the_value_too,  # noqa: E402
-                             every_partition_from_block_zero)
+                             copies_keys_only, every_partition_from_block_zero)
 
 SOLUTIONS = {name: puzzle(name).solution() for name in PARTS}
 
@@ -52,7 +52,8 @@ def test_every_solution_plugged_in_gives_hf_greedy_tokens():
     assert run.abort_reasons == [None, None]
     assert len(run.kernels) == 2  # the Triton parts with every other part on the tiny model, once per decode path
     for kernels in run.kernels:
-        assert kernels.matches and kernels.cached_prompt_tokens == [0, 32] and kernels.abort_reasons == [None, None]
+        assert kernels.matches and kernels.cached_prompt_tokens == [0, 0, 32, 32]  # two samples per prompt
+        assert kernels.abort_reasons == [None] * 4
 
 
 @pytest.mark.slow
@@ -98,10 +99,11 @@ def test_a_split_k_decode_computes_its_partitions_by_the_learners_decode_attenti
 @pytest.mark.slow
 @pytest.mark.parametrize("name, kernel", [("triton_reshape_and_cache", caches_the_key_as_the_value_too),
                                           ("triton_decode_attention", attends_to_whole_blocks),
-                                          ("triton_split_k_decode", every_partition_from_block_zero)])
+                                          ("triton_split_k_decode", every_partition_from_block_zero),
+                                          ("triton_copy_blocks", copies_keys_only)])
 def test_a_wrong_triton_kernel_is_named_by_the_tiny_models_tokens(name, kernel):
     parts = {"prefill_attention": SOLUTIONS["prefill_attention"], name: kernel}
-    with pytest.raises(LearnerPartError, match=rf"^{name} is wrong: on prompt \d the engine's greedy tokens differ"):
+    with pytest.raises(LearnerPartError, match=rf"^{name} is wrong: on sample \d the engine's greedy tokens differ"):
         check_engine(parts, check=False, max_tokens=6)
 
 
