@@ -584,9 +584,10 @@ check(all(report.passed for report in kvlabs.values()), "each of kvlab's own sol
 # %% [markdown]
 # ## 22. Capstone: your parts in a real engine
 #
-# Twelve of the puzzles are parts of a serving engine. `kvlab.course.engine_with(parts)` plugs yours into a real
+# Thirteen of the puzzles are parts of a serving engine. `kvlab.course.engine_with(parts)` plugs yours into a real
 # `LLM` serving SmolLM2-135M-Instruct: your slot mapping decides where each new token's K/V is written, your
-# block hashes are what prefix caching looks blocks up by, your LRU picks which free block is reused, your torch
+# block hashes are what prefix caching looks blocks up by, your LRU picks which free block is reused, your
+# copy-on-write plan says which shared blocks a step copies before writing, your torch
 # attention reads the paged cache (decode steps split into partitions of two blocks that your split-K merge
 # combines), your n-gram proposer and rejection sampling run speculative decoding, and your Triton kernels
 # write the K/V, attend at decode, compute split-K's partitions and copy blocks.
@@ -596,7 +597,9 @@ check(all(report.passed for report in kvlabs.values()), "each of kvlab's own sol
 # them again with one of your parts at a time and names the part that goes wrong. Your Triton kernels run in
 # Triton's interpreter on a CPU, where SmolLM2 would take minutes a token, so `check_engine` serves them (with
 # all your other parts) on a tiny random-weight model too, two greedy samples per prompt (the second sample's
-# first token copies the block they share: copy-on-write), against Hugging Face's tokens there.
+# first token copies the block they share: copy-on-write), against Hugging Face's tokens there. Greedy samples
+# write the same K/V, so a missing copy changes no token: your copy-on-write plan is also run with seeded samples
+# at temperature 1, which must give kvlab's own engine's tokens on the same seed.
 #
 # The cell below plugs in every part whose puzzle you solved above (none yet: kvlab's own parts throughout, and
 # the call says so). Question: why can a wrong hash or a wrong LRU never change a token, when a wrong slot
@@ -604,12 +607,13 @@ check(all(report.passed for report in kvlabs.values()), "each of kvlab's own sol
 
 # %%
 yours = {"slot_mapping": slot_mapping, "block_hashes": block_hashes, "lru_policy": MyLRU,
+         "copy_on_write": plan_append,
          "decode_attention": decode_attention, "prefill_attention": prefill_attention, "ngram_proposer": propose,
          "rejection_sampling": verify, "split_k_merge": split_k_merge,
          "triton_reshape_and_cache": reshape_and_cache_kernel, "triton_decode_attention": decode_attention_kernel,
          "triton_split_k_decode": split_k_decode_kernel, "triton_copy_blocks": copy_blocks_kernel}
 solved = {name: code for name, code in yours.items() if reports.get(name)}  # passed its check above
-check(sorted(yours) == sorted(PARTS) and len(PARTS) == 12, "the engine takes twelve of the puzzles as parts",
+check(sorted(yours) == sorted(PARTS) and len(PARTS) == 13, "the engine takes thirteen of the puzzles as parts",
       defaults=True)
 run = check_engine(solved)
 print(f"Greedy tokens equal to Hugging Face's on all {len(run.tokens)} prompts; prompt tokens from the prefix "
@@ -637,5 +641,5 @@ check(run.matches and run.cached_prompt_tokens[-1] > 0,
 #   slots that hold tokens.
 # * kvlab's seams (eviction policies, routers, proposers, schedulers) take your code as it is, so the
 #   studies of notebooks 08, 12 and 13 can measure your idea against kvlab's.
-# * Twelve of your parts make a working paged engine: served by `check_engine`, they must give Hugging Face's
+# * Thirteen of your parts make a working paged engine: served by `check_engine`, they must give Hugging Face's
 #   greedy tokens exactly, and a wrong one is named by the tokens it changes.

@@ -151,6 +151,7 @@ class GroupManager:
         self.block_size, self.prefix_caching, self.hash_fn = parts.block_size, parts.enable_prefix_caching, \
             parts.hash_fn
         self.pool, self.swap, self.tier, self.sink = parts.pool, parts.swap, parts.tier, sink
+        self.plan_append = parts.plan_append  # None: kvlab's copy-on-write rule (plan_step)
         self.records: dict[int, Allocation] = {}  # seq_id -> the sequence's record in this group
         # prefix_match_unit < block_size: seq_id -> the positions below which its prompt's units are findable
         self.units_indexed: dict[int, int] = {}
@@ -282,10 +283,12 @@ class GroupManager:
         end = scheduled + lookahead
         touched = range(first_query // bs, min(len(table), -(-end // bs)))
         ref, content = pool.ref, pool.index.content
-        copies = {i for i in touched if ref[table[i]] > 1}
+        if self.plan_append is None:
+            copies, num_new = {i for i in touched if ref[table[i]] > 1}, max(0, -(-end // bs) - len(table))
+        else:  # a learner's (kvlab.engine.parts checks it keeps the pool consistent)
+            copies, num_new = self.plan_append(table, ref, first_query, end, bs)
         unseal = [table[i] for i in touched if i not in copies and content[table[i]] > ROOT]
-        plan = StepPlan(scheduled, release_upto, release, *pool.freed_by(release), touched, copies,
-                        max(0, -(-end // bs) - len(table)), unseal)
+        plan = StepPlan(scheduled, release_upto, release, *pool.freed_by(release), touched, copies, num_new, unseal)
         return alloc, plan, num_drafts
 
     def hashes_to_seal(self, step):

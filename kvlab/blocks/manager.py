@@ -121,12 +121,13 @@ class SharedParts(NamedTuple):
     events: Optional[list]  # the teaching Event log's list (None when off)
     kv_events: Optional[KVEventPublisher]  # vLLM's KV-event stream (None when off)
     prefix_match_unit: int  # tokens per unit of prefix matching (block_size: whole blocks only)
+    plan_append: object     # a learner's copy-on-write plan (kvlab.engine.parts), or None: kvlab's
 
 
 def _shared_parts(num_blocks, block_size, *, num_cpu_blocks, watermark, enable_prefix_caching, sliding_window,
                   hash_fn, eviction, record_events, kv_events, groups=None, num_offload_blocks=0,
                   offload_policy="lru", offload_admission="always", kv_cache_metrics=None,
-                  shared_tier=None, prefix_match_unit=None, use_eagle=False) -> SharedParts:
+                  shared_tier=None, prefix_match_unit=None, use_eagle=False, plan_append=None) -> SharedParts:
     """Check a manager's settings (InvalidArgumentError says which is wrong) and build its shared parts."""
     block_size = check_block_size(block_size)
     num_blocks = check_int("num_blocks", num_blocks, 2 if sliding_window is not None else 1, MAX_BLOCKS)
@@ -150,6 +151,9 @@ def _shared_parts(num_blocks, block_size, *, num_cpu_blocks, watermark, enable_p
                                    f"or None, got {type(kv_cache_metrics).__name__}")
     if hash_fn is not None and not callable(hash_fn):
         raise InvalidArgumentError("hash_fn must be callable as hash_fn(parent_hash_or_None, token_ids)")
+    if plan_append is not None and not callable(plan_append):
+        raise InvalidArgumentError("plan_append must be callable as plan_append(block_table, ref_counts, "
+                                   "num_computed_tokens, num_tokens, block_size), or None")
     unit = _check_prefix_match_unit(prefix_match_unit, block_size, sliding_window, num_offload_blocks or shared_tier,
                                     use_eagle)
     eviction = make_policy(eviction)
@@ -170,7 +174,7 @@ def _shared_parts(num_blocks, block_size, *, num_cpu_blocks, watermark, enable_p
             tier.sink = sink
     return SharedParts(block_size, num_blocks, bool(enable_prefix_caching), hash_fn, pool, SwapSpace(num_cpu_blocks),
                        tier, num_blocks - first_block, int(watermark * num_blocks), sink,
-                       log.events if record_events else None, publisher, unit)
+                       log.events if record_events else None, publisher, unit, plan_append)
 
 
 def _check_prefix_match_unit(unit, block_size: int, sliding_window, offload, use_eagle) -> int:
@@ -224,14 +228,17 @@ class KVCacheManager:
     attention, or a sliding window of ``sliding_window`` tokens); with ``groups=[spec, ...]`` one group per spec
     (vLLM V1's hybrid allocator: no offload tier, cross-attention tables or residency metrics yet). Its calls
     return what they did; whoever schedules a sequence writes its progress from those values (the engine's
-    scheduler: ``Sequence.start_running``, ``scheduled_through``, ``stopped``; ``BlockManager`` does it itself)."""
+    scheduler: ``Sequence.start_running``, ``scheduled_through``, ``stopped``; ``BlockManager`` does it itself).
+    ``plan_append``: None (kvlab's copy-on-write rule), or the course's seam for a learner's (``kvlab.engine.parts``):
+    ``plan_append(table, ref, num_computed_tokens, num_tokens, block_size)`` returns the indices of the table's
+    entries a step copies before writing and the number of blocks it appends."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, *, num_cpu_blocks: int = 0, watermark: float = 0.0,
                  enable_prefix_caching: bool = True, sliding_window: Optional[int] = None, hash_fn=None,
                  eviction="lru", record_events: bool = False, kv_events: bool = False, num_offload_blocks: int = 0,
                  offload_policy: str = "lru", offload_admission: str = "always",
                  kv_cache_metrics: Optional[KVCacheMetricsCollector] = None, shared_tier=None,
-                 use_eagle: bool = False, prefix_match_unit: Optional[int] = None, groups=None):
+                 use_eagle: bool = False, prefix_match_unit: Optional[int] = None, groups=None, plan_append=None):
         if groups is not None:
             if (sliding_window is not None or num_offload_blocks or shared_tier is not None
                     or kv_cache_metrics is not None):
@@ -247,7 +254,7 @@ class KVCacheManager:
                               groups=None if groups is None else specs, num_offload_blocks=num_offload_blocks,
                               offload_policy=offload_policy, offload_admission=offload_admission,
                               kv_cache_metrics=kv_cache_metrics, shared_tier=shared_tier,
-                              prefix_match_unit=prefix_match_unit, use_eagle=use_eagle)
+                              prefix_match_unit=prefix_match_unit, use_eagle=use_eagle, plan_append=plan_append)
         self._setup(parts, [spec_for(sliding_window)] if groups is None else specs, use_eagle)
         self.kv_cache_metrics = kv_cache_metrics  # residency metrics (kvlab.blocks.events), or None
 

@@ -24,6 +24,11 @@ minutes a token. So ``check_engine`` serves SmolLM2 with your other parts, and, 
 (``kvlab.engine.random_model``, "tiny": 2 layers, 4 query heads over 2 KV heads) compared with Hugging Face there too.
 A decode step runs one decode path, so given both ``triton_decode_attention`` and a split-K part, the tiny model
 serves twice: once without the split-K parts, once without that kernel.
+
+A copy-on-write plan that leaves a shared block uncopied changes no greedy token (both samples write the same
+K/V). So given ``copy_on_write``, the tiny model also serves ``KERNEL_PROMPTS`` with two samples each at
+temperature 1, seeded (``FORK_SEED``): they differ from their first token on, so a missing copy makes one
+sample read the other's K/V; their tokens must equal kvlab's own engine's on the same seed.
 """
 
 import functools
@@ -35,9 +40,10 @@ __all__ = ["PARTS", "CapstoneRun", "check_engine", "describe", "engine_with"]
 
 #: The parts a learner can plug in (``kvlab.engine.parts.EngineParts``' fields), each the name of its puzzle
 #: (``kvlab.puzzles.puzzle(name)``); named here so that importing the course loads no torch.
-PARTS: tuple[str, ...] = ("slot_mapping", "block_hashes", "lru_policy", "decode_attention", "prefill_attention",
-                          "ngram_proposer", "rejection_sampling", "split_k_merge", "triton_reshape_and_cache",
-                          "triton_decode_attention", "triton_split_k_decode", "triton_copy_blocks")
+PARTS: tuple[str, ...] = ("slot_mapping", "block_hashes", "lru_policy", "copy_on_write", "decode_attention",
+                          "prefill_attention", "ngram_proposer", "rejection_sampling", "split_k_merge",
+                          "triton_reshape_and_cache", "triton_decode_attention", "triton_split_k_decode",
+                          "triton_copy_blocks")
 #: The parts that are Triton kernels: checked on the tiny model (see the module docstring).
 TRITON_PARTS = tuple(name for name in PARTS if name.startswith("triton_"))
 
@@ -50,6 +56,9 @@ DEFAULT_OPTIONS = dict(block_size=16, num_blocks=96, speculative_config={
 #: full blocks), and the first answer quotes its question (so drafts are proposed and accepted).
 QUESTIONS = ("Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank.",
              "Name a primary colour.")
+
+#: The seed of the forks' samples (see the module docstring).
+FORK_SEED = 1
 
 #: The kernels' prompts on the tiny model: 36 shared tokens (two 16-token blocks hit), then 5 and 9 of their own.
 KERNEL_PROMPTS = tuple(tuple(range(101, 137)) + tail for tail in (tuple(range(7, 12)), tuple(range(300, 309))))
@@ -97,6 +106,7 @@ class CapstoneRun:
     accepted_drafts: list[int]
     abort_reasons: list[str | None]
     kernels: list = field(default_factory=list)  # the Triton parts' runs on the tiny model (module docstring)
+    forks: "CapstoneRun | None" = None  # the seeded samples' run, where copy_on_write was given
 
     @property
     def matches(self) -> bool:
@@ -110,7 +120,8 @@ def check_engine(parts: dict | None = None, *, questions=QUESTIONS, max_tokens: 
     when they are equal; else raises ``LearnerPartError`` naming the part whose engine goes wrong, found by
     serving again with one of your parts at a time (``check``, ``model``, ``verbose``, ``llm_options``: as
     ``engine_with``). Your Triton kernels are left out of this run and checked with all your parts on the tiny
-    model (see the module docstring): those runs are the returned run's ``kernels``."""
+    model (see the module docstring): those runs are the returned run's ``kernels``; a ``copy_on_write`` is
+    checked by seeded samples there too (``forks``)."""
     given = _checked_parts(parts)
     if verbose:
         print(describe(given))
@@ -125,24 +136,34 @@ def check_engine(parts: dict | None = None, *, questions=QUESTIONS, max_tokens: 
                         if "triton_decode_attention" in given and split_k & given.keys() else [given])
         run.kernels = [_compared(parts, KERNEL_PROMPTS, max_tokens, _tiny_model(), llm_options)
                        for parts in decode_paths]
+    if "copy_on_write" in given:
+        run.forks = _compared(given, KERNEL_PROMPTS, max_tokens, _tiny_model(), llm_options, seed=FORK_SEED)
     return run
 
 
-def _compared(given: dict, prompts, max_tokens: int, model, llm_options) -> CapstoneRun:
-    """The run of ``given`` on ``prompts`` if its tokens are Hugging Face's, else LearnerPartError naming the
-    part whose engine goes wrong."""
-    run = _serve(given, prompts, max_tokens, model, llm_options)
-    run.expected = [list(tokens) for tokens in _hf_greedy(tuple(map(tuple, run.prompt_token_ids)), max_tokens, model)]
+def _compared(given: dict, prompts, max_tokens: int, model, llm_options, seed=None) -> CapstoneRun:
+    """The run of ``given`` on ``prompts`` if its tokens are the reference's (greedy: Hugging Face's; with a
+    ``seed``, samples at temperature 1: kvlab's own engine's), else LearnerPartError naming the part whose
+    engine goes wrong."""
+    run = _serve(given, prompts, max_tokens, model, llm_options, seed)
+    if seed is None:
+        reference = "Hugging Face's"
+        run.expected = [list(tokens) for tokens in _hf_greedy(tuple(map(tuple, run.prompt_token_ids)), max_tokens,
+                                                              model)]
+    else:
+        reference = f"kvlab's own engine's (seed {seed})"
+        run.expected = _serve({}, prompts, max_tokens, model, llm_options, seed).tokens
     if run.matches:
         return run
     culprits = list(given) if len(given) == 1 else [
         name for name in given
-        if _serve({name: given[name]}, prompts, max_tokens, model, llm_options).tokens != run.expected]
+        if _serve({name: given[name]}, prompts, max_tokens, model, llm_options, seed).tokens != run.expected]
     i = next(i for i, (got, want) in enumerate(zip(run.tokens, run.expected)) if got != want)
     first = next((j for j, (g, w) in enumerate(zip(run.tokens[i], run.expected[i])) if g != w),
                  min(len(run.tokens[i]), len(run.expected[i])))
     what = "question" if isinstance(prompts[0], str) else "sample"
-    where = (f"on {what} {i} the engine's greedy tokens differ from Hugging Face's from token {first} on: "
+    where = (f"on {what} {i} the engine's {'greedy ' if seed is None else ''}tokens differ from {reference} "
+             f"from token {first} on: "
              f"expected {run.expected[i]}, got {run.tokens[i]}"
              + (f" (aborted: {run.abort_reasons[i]})" if run.abort_reasons[i] else ""))
     if culprits:
@@ -180,16 +201,18 @@ def _grade(parts: dict) -> None:
             raise LearnerPartError(f"{name} fails its puzzle's check, so the engine does not run it: {report.problem}")
 
 
-def _serve(parts, prompts, max_tokens, model, llm_options) -> CapstoneRun:
+def _serve(parts, prompts, max_tokens, model, llm_options, seed=None) -> CapstoneRun:
     """``prompts``: questions (strings, served as chats, one sample each) or token-id prompts (two greedy samples
     each: forked from the prompt, they share its last block until each writes its first token, which copies
-    it, copy-on-write: the copies ``triton_copy_blocks`` makes). The run has one row per sample. Every cache
+    it, copy-on-write: the copies ``triton_copy_blocks`` makes); greedy, or with a ``seed`` at temperature 1.
+    The run has one row per sample. Every cache
     slot starts as NaN, as in the puzzles' checks: a part that reads a slot no step wrote changes the tokens
     (left as they are, the slots may hold what an earlier engine in this process wrote there, right by luck)."""
     from kvlab.engine import SamplingParams
 
     chats = isinstance(prompts[0], str)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=1 if chats else 2)
+    params = SamplingParams(temperature=0.0 if seed is None else 1.0, seed=seed, max_tokens=max_tokens,
+                            n=1 if chats else 2)
     llm = engine_with(parts, model, check=False, verbose=False, **llm_options)
     for cache in llm.kv_cache.gpu:
         cache.fill_(float("nan"))

@@ -9,6 +9,11 @@ known by:
 * ``block_hashes(tokens, block_size, hash_fn)``: the block manager's chained hashes, what prefix caching looks
   blocks up by (the lookup still compares tokens, so a wrong hash costs hits, not correctness);
 * ``lru_policy``: an ``EvictionPolicy`` class, one instance per engine: the free blocks' reuse order;
+* ``copy_on_write(block_table, ref_counts, num_computed_tokens, num_tokens, block_size)`` (puzzle
+  ``copy_on_write``'s ``plan_append``): which entries of a sequence's table the block manager copies before a
+  step writes them, and how many blocks it appends. The manager does what the plan says where that keeps the
+  pool consistent (it refuses a wrong count of new blocks, or a copy of a block the sequence holds alone); a
+  shared block left uncopied is written in place, so a fork's other sample reads the K/V of the wrong tokens;
 * ``decode_attention(query, kv_cache, block_tables, seq_lens, scale)`` and ``prefill_attention(query,
   kv_cache, block_table, seq_len, scale)``: the torch backend's attention over the block tables (after kvlab
   wrote the step's K/V), decode steps and steps of several query rows per sequence (prompt chunks, drafts);
@@ -50,6 +55,7 @@ class EngineParts:
     slot_mapping: Callable | None = None
     block_hashes: Callable | None = None
     lru_policy: type | None = None
+    copy_on_write: Callable | None = None
     decode_attention: Callable | None = None
     prefill_attention: Callable | None = None
     ngram_proposer: Callable | None = None
@@ -87,8 +93,8 @@ class EngineParts:
 
     # ---- the block manager's parts ------------------------------------------------------------------------
     def block_manager_options(self) -> dict:
-        """The block manager's ``hash_fn`` and ``eviction`` for these parts (none: kvlab's)."""
-        options = {}
+        """The block manager's ``hash_fn``, ``eviction`` and ``plan_append`` for these parts (none: kvlab's)."""
+        options = {} if self.copy_on_write is None else {"plan_append": self._plan_append}
         if self.block_hashes is not None:
             options["hash_fn"] = HashChain(self._chained_hashes, _xxh64_block)
         if self.lru_policy is not None:
@@ -105,6 +111,31 @@ class EngineParts:
             raise LearnerPartError(f"block_hashes returned {_short(hashes)} for {len(tokens)} tokens in blocks of "
                                    f"{block_size}: expected a list of {wanted} ints, one per full block")
         return hashes
+
+    def _plan_append(self, table: list[int], ref, num_computed_tokens: int, num_tokens: int,
+                     block_size: int) -> tuple[set, int]:
+        """The learner's ``copy_on_write`` plan for a step writing positions ``num_computed_tokens ..
+        num_tokens - 1`` of ``table`` (``ref``: the pool's reference counts), as the block manager takes it,
+        refused where it would break the pool: a copy of a block held alone (its reference would drop to 0
+        without it being freed), an entry the step does not write, or a count of new blocks other than the one
+        that gives every position a slot."""
+        refs = {block: ref[block] for block in table}
+        args = (list(table), refs, num_computed_tokens, num_tokens, block_size)
+        plan = _call("copy_on_write", self.copy_on_write, *args)
+        written = range(num_computed_tokens // block_size, min(len(table), -(-num_tokens // block_size)))
+        needed = max(0, -(-num_tokens // block_size) - len(table))
+        copies = plan[0] if isinstance(plan, tuple) and len(plan) == 2 and isinstance(plan[0], list) else None
+        problem = ("expected (copies, num_new_blocks)" if copies is None
+                   else "a copy that is not an int index of a written entry" if any(
+                       type(i) is not int or i not in written for i in copies)
+                   else "copies repeated" if len(set(copies)) != len(copies)
+                   else "a copy of a block this sequence holds alone (write it in place)" if any(
+                       refs[table[i]] == 1 for i in copies)
+                   else f"num_new_blocks {plan[1]!r}, not {needed}" if plan[1] != needed or type(plan[1]) is not int
+                   else None)
+        if problem:
+            raise LearnerPartError(f"copy_on_write{args} returned {_short(plan)}: {problem}")
+        return set(copies), needed
 
     # ---- the runner's parts -------------------------------------------------------------------------------
     def slots(self, block_table: list[int], block_size: int, start: int, end: int) -> list[int]:

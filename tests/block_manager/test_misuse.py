@@ -4,6 +4,7 @@ import pytest
 
 from kvlab import (BlockManager, InvalidArgumentError, InvariantViolation, KvlabError, OutOfBlocksError,
                    Sequence, SequenceStateError)
+from kvlab.blocks import KVCacheManager
 from kvlab.blocks.sequence import encode_key
 
 from helpers import allocated, snapshot
@@ -22,6 +23,11 @@ from helpers import allocated, snapshot
 def test_bad_configuration(kwargs, match):
     with pytest.raises(InvalidArgumentError, match=match):
         BlockManager(**kwargs)
+
+
+def test_a_copy_on_write_plan_must_be_callable():
+    with pytest.raises(InvalidArgumentError, match=r"plan_append must be callable as plan_append\(block_table"):
+        KVCacheManager(8, plan_append=3)
 
 
 @pytest.fixture

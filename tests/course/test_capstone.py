@@ -18,7 +18,8 @@ from kvlab.puzzles.solutions.decode_attention import decode_attention
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "puzzles"))
 from wrong_solutions import (attends_to_whole_blocks, caches_the_key_as_the_value_too,  # noqa: E402
-                             copies_keys_only, every_partition_from_block_zero)
+                             copies_every_written_block, copies_keys_only, every_partition_from_block_zero,
+                             never_copies)
 
 SOLUTIONS = {name: puzzle(name).solution() for name in PARTS}
 
@@ -54,6 +55,7 @@ def test_every_solution_plugged_in_gives_hf_greedy_tokens():
     for kernels in run.kernels:
         assert kernels.matches and kernels.cached_prompt_tokens == [0, 0, 32, 32]  # two samples per prompt
         assert kernels.abort_reasons == [None] * 4
+    assert run.forks.matches and run.forks.tokens[0] != run.forks.tokens[1]  # seeded samples: forks that diverge
 
 
 @pytest.mark.slow
@@ -108,6 +110,22 @@ def test_a_wrong_triton_kernel_is_named_by_the_tiny_models_tokens(name, kernel):
 
 
 @pytest.mark.slow
+def test_a_copy_on_write_plan_that_never_copies_is_named_by_seeded_samples():
+    """Greedy, both samples of a fork write the same K/V, so a missing copy changes no token; sampled, they
+    differ, and one reads the K/V the other wrote into their shared block."""
+    with pytest.raises(LearnerPartError, match=r"^copy_on_write is wrong: on sample \d the engine's tokens differ "
+                                               r"from kvlab's own engine's \(seed 1\)"):
+        check_engine({"copy_on_write": never_copies}, check=False, max_tokens=6)
+
+
+@pytest.mark.slow
+def test_a_copy_on_write_plan_that_would_corrupt_the_pool_is_refused():
+    with pytest.raises(LearnerPartError, match=r"^copy_on_write\(\[.*returned .*: a copy of a block this sequence "
+                                               r"holds alone \(write it in place\)"):
+        check_engine({"copy_on_write": copies_every_written_block}, check=False, max_tokens=6)
+
+
+@pytest.mark.slow
 def test_a_part_breaking_its_contract_in_the_engine_is_named_in_the_abort_reason():
     with pytest.raises(LearnerPartError, match=r"rejection_sampling is wrong.*aborted: .*rejection_sampling "
                                                r"returned None .*expected the accepted drafts"):
@@ -117,8 +135,8 @@ def test_a_part_breaking_its_contract_in_the_engine_is_named_in_the_abort_reason
 def test_the_call_says_which_parts_fall_back_to_kvlabs(capsys):
     llm = engine_with({"slot_mapping": SOLUTIONS["slot_mapping"], "lru_policy": SOLUTIONS["lru_policy"]})
     said = capsys.readouterr().out
-    assert ("your parts: slot_mapping, lru_policy; kvlab's own parts (not given): block_hashes, decode_attention, "
-            "prefill_attention, ngram_proposer, rejection_sampling") in said
+    assert ("your parts: slot_mapping, lru_policy; kvlab's own parts (not given): block_hashes, copy_on_write, "
+            "decode_attention, prefill_attention, ngram_proposer, rejection_sampling") in said
     assert llm.parts.slot_mapping is SOLUTIONS["slot_mapping"] and llm.parts.decode_attention is None
     assert describe({}).endswith(f"kvlab's own parts (not given): {', '.join(PARTS)}")
 
