@@ -3,9 +3,9 @@
 ``engine_with(parts)`` takes your solutions by puzzle name and returns a ``kvlab.engine.LLM`` in which each one
 replaces kvlab's own at a real seam (``kvlab.engine.parts``: the slots new K/V are written to, prefix caching's
 hashes, the free blocks' reuse order, torch attention over the block tables and the merge of a split-K decode,
-speculative decoding's drafts and their verification). A part you did not give is kvlab's, and the call says
-which are yours and which are kvlab's. Each part you give is first graded by its puzzle's ``check``: one that
-fails is named, with the failing case, before any model loads::
+speculative decoding's drafts and their verification, the scheduler's admission of a waiting prompt). A part you
+did not give is kvlab's, and the call says which are yours and which are kvlab's. Each part you give is first
+graded by its puzzle's ``check``: one that fails is named, with the failing case, before any model loads::
 
     from kvlab.course import engine_with, check_engine
     llm = engine_with({"slot_mapping": slot_mapping, "lru_policy": MyLRU})
@@ -13,9 +13,11 @@ fails is named, with the failing case, before any model loads::
 
 ``check_engine(parts)`` is the capstone's test: it serves a few chat prompts that share their system prompt
 (so prefix caching hits) with speculative decoding on, and compares the greedy tokens with Hugging Face
-transformers' ``generate``, which must match exactly. On a mismatch it serves them again with one of your parts
-at a time (kvlab's for the others) and names the part whose engine goes wrong. ``check_engine()`` with no
-parts is the reference: kvlab's own engine.
+transformers' ``generate``, which must match exactly (with your ``can_allocate``, in a pool small enough that the
+second prompt waits: ``ADMISSION_OPTIONS``). On a mismatch it serves them again with one of your parts at a time
+(kvlab's for the others) and names the part whose engine goes wrong. A part the engine catches breaking its
+contract, such as an admission other than kvlab's on the same numbers, is named at once. ``check_engine()``
+with no parts is the reference: kvlab's own engine.
 """
 
 import functools
@@ -28,12 +30,18 @@ __all__ = ["PARTS", "CapstoneRun", "check_engine", "describe", "engine_with"]
 #: The parts a learner can plug in (``kvlab.engine.parts.EngineParts``' fields), each the name of its puzzle
 #: (``kvlab.puzzles.puzzle(name)``); named here so that importing the course loads no torch.
 PARTS: tuple[str, ...] = ("slot_mapping", "block_hashes", "lru_policy", "decode_attention", "prefill_attention",
-                          "ngram_proposer", "rejection_sampling", "split_k_merge")
+                          "ngram_proposer", "rejection_sampling", "split_k_merge", "can_allocate")
 
 #: The engine's settings unless given: small blocks so the prompts fill several, and n-gram speculation, so
 #: the proposer and the verification run.
 DEFAULT_OPTIONS = dict(block_size=16, num_blocks=96, speculative_config={
     "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+
+#: check_engine's pool when ``can_allocate`` is yours (the engine then keeps half its blocks free at admission,
+#: ``kvlab.engine.parts.ADMISSION_WATERMARK``): 8 blocks, 4 kept free. The first question's 4 blocks leave
+#: exactly those 4 (OK, at the boundary), so the second waits while the first runs (LATER) and is admitted once
+#: it finished (OK, its system-prompt block a free cached hit taken back).
+ADMISSION_OPTIONS = dict(num_blocks=8)
 
 #: check_engine's prompts: SmolLM2's chat template puts the same system prompt before each (a shared prefix of
 #: full blocks), and the first answer quotes its question (so drafts are proposed and accepted).
@@ -63,11 +71,14 @@ def engine_with(parts: dict | None = None, model=None, *, check: bool = True, ve
 
 
 def describe(parts: dict) -> str:
-    """Which parts are the learner's and which kvlab's, in one line."""
+    """Which parts are the learner's and which kvlab's, in one line (and, with their ``can_allocate``, that the
+    engine keeps a watermark, which kvlab's own engine does not)."""
     yours = [name for name in PARTS if name in parts]
     kvlabs = [name for name in PARTS if name not in parts]
+    watermark = ("; with your can_allocate the pool keeps a watermark of free blocks at admission "
+                 "(kvlab.engine.parts.ADMISSION_WATERMARK)" if "can_allocate" in parts else "")
     return (f"engine_with: your parts: {', '.join(yours) or 'none'}; kvlab's own parts (not given): "
-            f"{', '.join(kvlabs) or 'none'}")
+            f"{', '.join(kvlabs) or 'none'}{watermark}")
 
 
 @dataclass
@@ -149,7 +160,8 @@ def _grade(parts: dict) -> None:
 def _serve(parts, questions, max_tokens, model, check, llm_options) -> CapstoneRun:
     from kvlab.engine import SamplingParams
 
-    llm = engine_with(parts, model, check=check, verbose=False, **llm_options)
+    options = {**ADMISSION_OPTIONS, **llm_options} if "can_allocate" in parts else llm_options
+    llm = engine_with(parts, model, check=check, verbose=False, **options)
     outputs = llm.chat([[{"role": "user", "content": q}] for q in questions],
                        SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
     return CapstoneRun([o.prompt_token_ids for o in outputs], [o.outputs[0].token_ids for o in outputs], [],
