@@ -198,9 +198,7 @@ def admission(live_blocks: int, needed_free: int, num_free: int, usable: int, wa
     (``kvlab.engine.parts``)."""
     if live_blocks > usable - watermark_blocks:
         return AllocStatus.NEVER
-    if num_free - needed_free >= watermark_blocks:
-        return AllocStatus.OK
-    return AllocStatus.LATER
+    return AllocStatus.OK if num_free - needed_free >= watermark_blocks else AllocStatus.LATER
 
 
 def serialized(cls):
@@ -381,7 +379,8 @@ class KVCacheManager:
             lookahead = check_int("num_lookahead_slots", num_lookahead_slots, 0)
         hit, plans, _, _, needed = self._plan_admission(seq, hit, lookahead, num_new_tokens)
         cross = self._cross_blocks(seq, encoder_seq) if encoder_seq is not None or self._cross else 0
-        return self._admission(sum(map(_peak_blocks, plans)) + cross, needed + cross)
+        bounds = self._pool.num_free, self._usable, self._watermark_blocks
+        return admission(sum(map(_peak_blocks, plans)) + cross, needed + cross, *bounds)
 
     def allocate(self, seq: Sequence, encoder_seq: Optional[Sequence] = None, *, num_new_tokens: Optional[int] = None,
                  hit: Optional[PrefixHit] = None) -> Admitted:
@@ -891,6 +890,8 @@ class KVCacheManager:
             raise SequenceStateError(f"sequence {seq.seq_id} is a decode-only copy without its tokens")
 
     def _admission(self, live_blocks, needed_free) -> AllocStatus:
+        """``admission`` in this pool, for the swaps (can_allocate calls ``admission`` itself: one call less on
+        the path tests/block_manager/test_call_trace.py bounds)."""
         return admission(live_blocks, needed_free, self._pool.num_free, self._usable, self._watermark_blocks)
 
     def _copies(self, per_group) -> BlockCopies:
