@@ -4,6 +4,8 @@ sharing their system prompt (prefix hits) with n-gram speculation on; a wrong pa
 check before any model loads, by serving with one learner part at a time when the engine's tokens differ, or at
 once where the engine checks a part's answer (an admission other than kvlab's, in either scheduler)."""
 
+import random
+
 import pytest
 import torch
 
@@ -184,3 +186,32 @@ def test_kvlabs_never_stands_where_the_spec_cannot_see_the_whole_prompt():
     assert status is AllocStatus.NEVER
     assert parts.admit(manager, seq, hit, 16, status) is AllocStatus.NEVER
     assert parts.can_allocate.calls == [(16, 16, 8, 8, 0.5, AllocStatus.OK)]
+
+
+def test_on_the_numbers_the_learner_is_given_the_spec_answers_as_kvlabs_can_allocate():
+    """Pools partly held by prompts sharing prefixes, some freed again (their hits free and cached), and prompts
+    admitted whole or by a first chunk: the solution, asked about the tokens after the hit and the blocks free
+    once the hit's free ones are taken back, says what kvlab says (save kvlab's NEVER, which stands)."""
+    parts = EngineParts(can_allocate=SOLUTIONS["can_allocate"])
+    rng = random.Random(0)
+    answers = set()
+    for _ in range(300):
+        bs, num_blocks = rng.choice((1, 4, 16)), rng.randint(4, 40)
+        manager = KVCacheManager(num_blocks, bs, **parts.block_manager_options())
+        shared = [rng.randrange(3) for _ in range(8 * bs)]
+        held = []
+        for _ in range(rng.randint(0, 5)):
+            seq = Sequence(shared[:rng.randint(0, 6 * bs)] + [rng.randrange(4) for _ in range(rng.randint(1, 3 * bs))],
+                           bs)
+            if manager.can_allocate(seq) is AllocStatus.OK:
+                seq.start_running(manager.allocate(seq))
+                held.append(seq)
+        for seq in rng.sample(held, rng.randint(0, len(held))):
+            manager.free(seq)
+        prompt = Sequence(shared[:rng.randint(1, 8 * bs)], bs)
+        hit = manager.lookup(prompt)
+        num_new = rng.choice((None, rng.randint(1, prompt.num_tokens - hit.num_tokens)))
+        status = manager.can_allocate(prompt, num_new_tokens=num_new, hit=hit)
+        assert parts.admit(manager, prompt, hit, num_new, status) is status
+        answers.add(status)
+    assert answers == set(AllocStatus)
