@@ -194,6 +194,17 @@ def _check_prefix_match_unit(unit, block_size: int, sliding_window, offload, use
     return unit
 
 
+def admission(live_blocks: int, needed_free: int, num_free: int, usable: int, watermark_blocks: int) -> AllocStatus:
+    """The watermark rule of ``can_allocate``: a prompt that holds ``live_blocks`` blocks at once, ``needed_free``
+    of them taken now from the ``num_free`` free blocks of a pool whose sequences hold at most ``usable`` blocks,
+    ``watermark_blocks`` of them kept free at admission: OK (the watermark stays free), LATER (once others leave)
+    or NEVER (not even an empty pool takes it). The engine grades a learner's ``can_allocate`` by it
+    (``kvlab.engine.parts``)."""
+    if live_blocks > usable - watermark_blocks:
+        return AllocStatus.NEVER
+    return AllocStatus.OK if num_free - needed_free >= watermark_blocks else AllocStatus.LATER
+
+
 def serialized(cls):
     """Make every public method ``cls`` defines hold ``self._lock`` (re-entrant: public methods call each other);
     the outermost call delivers the KV events it queued once its whole change is made, outside the lock."""
@@ -375,7 +386,8 @@ class KVCacheManager:
             lookahead = check_int("num_lookahead_slots", num_lookahead_slots, 0)
         hit, plans, _, _, needed = self._plan_admission(seq, hit, lookahead, num_new_tokens)
         cross = self._cross_blocks(seq, encoder_seq) if encoder_seq is not None or self._cross else 0
-        return self._admission(sum(map(_peak_blocks, plans)) + cross, needed + cross)
+        bounds = self._pool.num_free, self._usable, self._watermark_blocks
+        return admission(sum(map(_peak_blocks, plans)) + cross, needed + cross, *bounds)
 
     def allocate(self, seq: Sequence, encoder_seq: Optional[Sequence] = None, *, num_new_tokens: Optional[int] = None,
                  hit: Optional[PrefixHit] = None) -> Admitted:
@@ -885,13 +897,9 @@ class KVCacheManager:
             raise SequenceStateError(f"sequence {seq.seq_id} is a decode-only copy without its tokens")
 
     def _admission(self, live_blocks, needed_free) -> AllocStatus:
-        """``live_blocks`` held at once, ``needed_free`` of them taken from the free pool now: OK (keeping the
-        watermark free), LATER (once others leave) or NEVER."""
-        if live_blocks > self._usable - self._watermark_blocks:
-            return AllocStatus.NEVER
-        if self._pool.num_free - needed_free >= self._watermark_blocks:
-            return AllocStatus.OK
-        return AllocStatus.LATER
+        """``admission`` in this pool, for the swaps (can_allocate calls ``admission`` itself: one call less on
+        the path tests/block_manager/test_call_trace.py bounds)."""
+        return admission(live_blocks, needed_free, self._pool.num_free, self._usable, self._watermark_blocks)
 
     def _copies(self, per_group) -> BlockCopies:
         copies = BlockCopies(per_group[0] if len(per_group) == 1 else [pair for pairs in per_group for pair in pairs])

@@ -3,10 +3,10 @@
 ``engine_with(parts)`` takes your solutions by puzzle name and returns a ``kvlab.engine.LLM`` in which each one
 replaces kvlab's own at a real seam (``kvlab.engine.parts``: the slots new K/V are written to, prefix caching's
 hashes, the free blocks' reuse order, torch attention over the block tables and the merge of a split-K decode,
-speculative decoding's drafts and their verification, and Triton kernels: the K/V write, decode attention, a
-split-K decode's partitions, block copies). A part you did not give is kvlab's, and the call says which are yours and which
-are kvlab's. Each part you give is first graded by its puzzle's ``check``: one that
-fails is named, with the failing case, before any model loads::
+speculative decoding's drafts and their verification, the scheduler's admission of a waiting prompt, and Triton
+kernels: the K/V write, decode attention, a split-K decode's partitions, block copies). A part you did not give is
+kvlab's, and the call says which are yours and which are kvlab's. Each part you give is first graded by its
+puzzle's ``check``: one that fails is named, with the failing case, before any model loads::
 
     from kvlab.course import engine_with, check_engine
     llm = engine_with({"slot_mapping": slot_mapping, "lru_policy": MyLRU})
@@ -14,16 +14,18 @@ fails is named, with the failing case, before any model loads::
 
 ``check_engine(parts)`` is the capstone's test: it serves a few chat prompts that share their system prompt
 (so prefix caching hits) with speculative decoding on, and compares the greedy tokens with Hugging Face
-transformers' ``generate``, which must match exactly. On a mismatch it serves them again with one of your parts
-at a time (kvlab's for the others) and names the part whose engine goes wrong. ``check_engine()`` with no
-parts is the reference: kvlab's own engine.
+transformers' ``generate``, which must match exactly (with your ``can_allocate``, in a pool small enough that the
+second prompt waits: ``ADMISSION_OPTIONS``). On a mismatch it serves them again with one of your parts at a time
+(kvlab's for the others) and names the part whose engine goes wrong. A part the engine catches breaking its
+contract, such as an admission other than kvlab's on the same numbers, is named at once. ``check_engine()``
+with no parts is the reference: kvlab's own engine.
 
 Triton kernels (``TRITON_PARTS``) run in Triton's interpreter on a CPU (compiled on a GPU), where SmolLM2 would take
 minutes a token. So ``check_engine`` serves SmolLM2 with your other parts, and, given any kernel, serves
-``KERNEL_PROMPTS`` (token ids sharing two blocks, two greedy samples each) again with all your parts on a tiny random-weight model
-(``kvlab.engine.random_model``, "tiny": 2 layers, 4 query heads over 2 KV heads) compared with Hugging Face there too.
-A decode step runs one decode path, so given both ``triton_decode_attention`` and a split-K part, the tiny model
-serves twice: once without the split-K parts, once without that kernel.
+``KERNEL_PROMPTS`` (token ids sharing two blocks, two greedy samples each) again with all your parts on a tiny
+random-weight model (``kvlab.engine.random_model``, "tiny": 2 layers, 4 query heads over 2 KV heads) compared with
+Hugging Face there too. A decode step runs one decode path, so given both ``triton_decode_attention`` and a split-K
+part, the tiny model serves twice: once without the split-K parts, once without that kernel.
 
 A copy-on-write plan that leaves a shared block uncopied changes no greedy token (both samples write the same
 K/V). So given ``copy_on_write``, the tiny model also serves ``KERNEL_PROMPTS`` with two samples each at
@@ -43,7 +45,7 @@ __all__ = ["PARTS", "CapstoneRun", "check_engine", "describe", "engine_with"]
 PARTS: tuple[str, ...] = ("slot_mapping", "block_hashes", "lru_policy", "copy_on_write", "decode_attention",
                           "prefill_attention", "ngram_proposer", "rejection_sampling", "split_k_merge",
                           "triton_reshape_and_cache", "triton_decode_attention", "triton_split_k_decode",
-                          "triton_copy_blocks")
+                          "triton_copy_blocks", "can_allocate")
 #: The parts that are Triton kernels: checked on the tiny model (see the module docstring).
 TRITON_PARTS = tuple(name for name in PARTS if name.startswith("triton_"))
 
@@ -51,6 +53,12 @@ TRITON_PARTS = tuple(name for name in PARTS if name.startswith("triton_"))
 #: the proposer and the verification run.
 DEFAULT_OPTIONS = dict(block_size=16, num_blocks=96, speculative_config={
     "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+
+#: check_engine's pool when ``can_allocate`` is yours (the engine then keeps half its blocks free at admission,
+#: ``kvlab.engine.parts.ADMISSION_WATERMARK``): 8 blocks, 4 kept free. The first question's 4 blocks leave
+#: exactly those 4 (OK, at the boundary), so the second waits while the first runs (LATER) and is admitted once
+#: it finished (OK, its system-prompt block a free cached hit taken back).
+ADMISSION_OPTIONS = dict(num_blocks=8)
 
 #: check_engine's prompts: SmolLM2's chat template puts the same system prompt before each (a shared prefix of
 #: full blocks), and the first answer quotes its question (so drafts are proposed and accepted).
@@ -86,11 +94,14 @@ def engine_with(parts: dict | None = None, model=None, *, check: bool = True, ve
 
 
 def describe(parts: dict) -> str:
-    """Which parts are the learner's and which kvlab's, in one line."""
+    """Which parts are the learner's and which kvlab's, in one line (and, with their ``can_allocate``, that the
+    engine keeps a watermark, which kvlab's own engine does not)."""
     yours = [name for name in PARTS if name in parts]
     kvlabs = [name for name in PARTS if name not in parts]
+    watermark = ("; with your can_allocate the pool keeps a watermark of free blocks at admission "
+                 "(kvlab.engine.parts.ADMISSION_WATERMARK)" if "can_allocate" in parts else "")
     return (f"engine_with: your parts: {', '.join(yours) or 'none'}; kvlab's own parts (not given): "
-            f"{', '.join(kvlabs) or 'none'}")
+            f"{', '.join(kvlabs) or 'none'}{watermark}")
 
 
 @dataclass
@@ -213,7 +224,9 @@ def _serve(parts, prompts, max_tokens, model, llm_options, seed=None) -> Capston
     chats = isinstance(prompts[0], str)
     params = SamplingParams(temperature=0.0 if seed is None else 1.0, seed=seed, max_tokens=max_tokens,
                             n=1 if chats else 2)
-    llm = engine_with(parts, model, check=False, verbose=False, **llm_options)
+    # With the learner's admission, the chats run in a pool small enough that the second one waits.
+    options = {**ADMISSION_OPTIONS, **llm_options} if "can_allocate" in parts and chats else llm_options
+    llm = engine_with(parts, model, check=False, verbose=False, **options)
     for cache in llm.kv_cache.gpu:
         cache.fill_(float("nan"))
     if chats:

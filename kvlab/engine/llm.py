@@ -110,8 +110,9 @@ class LLM:
     scheduling only. ``RequestOutput.metrics`` and the step records count drafts proposed and accepted.
 
     ``parts``: None, or a ``kvlab.engine.parts.EngineParts`` whose parts (a learner's slot mapping, block
-    hashes, LRU policy, torch attention, n-gram proposer, rejection sampling) replace kvlab's own in this
-    engine (the course's capstone, ``kvlab.course.engine_with``, builds it); ``llm.parts`` is what it got.
+    hashes, LRU policy, torch attention, n-gram proposer, rejection sampling, admission) replace kvlab's own
+    in this engine (the course's capstone, ``kvlab.course.engine_with``, builds it); ``llm.parts`` is what it
+    got.
     """
 
     def __init__(self, model, *, block_size: int = 16, num_blocks: int | None = None,
@@ -210,6 +211,8 @@ class LLM:
         #: Names the cause of every prompt token the scheduler admits (``miss_causes``; kvlab.studies.doctor).
         self.hit_doctor = HitDoctor(self.block_manager)
         self.scheduler = scheduler_config.build(DoctorView(self.block_manager, self.hit_doctor))
+        if parts.can_allocate is not None:
+            self.scheduler.admission = parts.admit
         if residual_length is not None:  # KIVI: a freed sequence's open chunks leave the windows with it
             self.scheduler.on_blocks_freed = self.kv_cache.forget_blocks
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.attention_backend,

@@ -29,6 +29,13 @@ known by:
   partitions (its three results), merged by ``split_k_merge`` (the learner's or kvlab's): decode steps run
   split-K when either is given; ``triton_copy_blocks`` makes the step's block copies (a prefix hit's partial
   block with ``prefix_match_unit``, copy-on-write), one launch per layer's cache.
+* ``can_allocate(num_tokens, block_size, num_free_blocks, num_blocks, watermark)``: the scheduler's admission of
+  a waiting prompt (both schedulers), in a pool that then keeps ``ADMISSION_WATERMARK`` of its blocks free at
+  admission. The puzzle's prompt has no prefix hit, so the learner is asked about the tokens that need new
+  blocks after the hit, with the free blocks less the free cached hits the prompt takes back: on those numbers
+  the spec's answer is kvlab's (``kvlab.blocks.manager.admission``), and an answer that differs raises. The
+  scheduler acts on the learner's answer, save that a prompt kvlab finds can never finish (its whole prompt,
+  hits and later chunks counted, which the spec does not see) is aborted, as kvlab's NEVER.
 
 A part that raises, or answers what its contract does not allow, raises ``LearnerPartError`` naming it (where
 the engine calls it: a forward pass or a verification aborts that request with the error as its reason).
@@ -41,6 +48,7 @@ from typing import Callable
 import torch
 import xxhash
 
+from kvlab.blocks.manager import AllocStatus, admission
 from kvlab.blocks.prefix_cache import HashChain
 from kvlab.engine.proposers import Proposer
 from kvlab.errors import InvalidArgumentError, LearnerPartError
@@ -48,6 +56,10 @@ from kvlab.errors import InvalidArgumentError, LearnerPartError
 #: Blocks per partition of the split-K decode a learner's ``split_k_merge`` finishes: small, so that a chat's
 #: short contexts already make several partitions.
 SPLIT_K_BLOCKS = 2
+
+#: The watermark of an engine with a learner's ``can_allocate``: the fraction of the pool kept free at
+#: admission. kvlab's engine keeps none (as vLLM V1), which would leave the puzzle's watermark untested.
+ADMISSION_WATERMARK = 0.5
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,7 @@ class EngineParts:
     triton_decode_attention: Callable | None = None
     triton_split_k_decode: Callable | None = None
     triton_copy_blocks: Callable | None = None
+    can_allocate: Callable | None = None
 
     def __post_init__(self):
         for name, part in self.given().items():
@@ -93,8 +106,11 @@ class EngineParts:
 
     # ---- the block manager's parts ------------------------------------------------------------------------
     def block_manager_options(self) -> dict:
-        """The block manager's ``hash_fn``, ``eviction`` and ``plan_append`` for these parts (none: kvlab's)."""
+        """The block manager's ``hash_fn``, ``eviction``, ``plan_append`` and ``watermark`` for these parts (none:
+        kvlab's)."""
         options = {} if self.copy_on_write is None else {"plan_append": self._plan_append}
+        if self.can_allocate is not None:
+            options["watermark"] = ADMISSION_WATERMARK
         if self.block_hashes is not None:
             options["hash_fn"] = HashChain(self._chained_hashes, _xxh64_block)
         if self.lru_policy is not None:
@@ -136,6 +152,32 @@ class EngineParts:
         if problem:
             raise LearnerPartError(f"copy_on_write{args} returned {_short(plan)}: {problem}")
         return set(copies), needed
+
+    # ---- the scheduler's part -----------------------------------------------------------------------------
+    def admit(self, manager, seq, hit, num_new_tokens: int | None, status: AllocStatus) -> AllocStatus:
+        """What the scheduler acts on to admit ``seq`` with ``hit`` (``manager.lookup(seq)``), its first step
+        computing ``num_new_tokens`` tokens after the hit (None: the rest of its prompt), where kvlab's
+        ``manager.can_allocate`` said ``status``: the learner's ``can_allocate`` on the tokens that need new
+        blocks, the blocks free once the prompt took back its hit's free cached ones, the pool and its
+        watermark. An answer other than the one kvlab's rule gives on the same numbers raises
+        ``LearnerPartError``; kvlab's NEVER stands (see the module docstring)."""
+        bs, hits, num_blocks = manager.block_size, hit.hits[0], manager.num_blocks
+        scheduled = seq.num_tokens if num_new_tokens is None else hit.num_tokens + num_new_tokens
+        num_tokens = scheduled - len(hits) * bs  # the hit's blocks are there; tier hits and the rest need new ones
+        free_hits = sum(manager.ref_count(block) == 0 for block in hits)  # cached, free: the prompt takes them back
+        num_free = manager.num_free_blocks - free_hits
+        needed = -(-num_tokens // bs)
+        expected = admission(needed, needed, num_free, num_blocks, int(ADMISSION_WATERMARK * num_blocks))
+        got = _call("can_allocate", self.can_allocate, num_tokens, bs, num_free, num_blocks, ADMISSION_WATERMARK)
+        if got is not expected:
+            shown = got if isinstance(got, AllocStatus) else _short(got)
+            raise LearnerPartError(
+                f"can_allocate(num_tokens={num_tokens}, block_size={bs}, num_free_blocks={num_free}, "
+                f"num_blocks={num_blocks}, watermark={ADMISSION_WATERMARK}) returned {shown}, expected {expected}: "
+                f"admitting sequence {seq.seq_id} ({seq.num_tokens} tokens, {len(hits)} full blocks of them a "
+                f"prefix hit), the tokens after its hit need new blocks, and {num_free} blocks are free (the pool's "
+                f"{manager.num_free_blocks}, less {free_hits} free cached blocks of the hit that it takes back)")
+        return status if status is AllocStatus.NEVER else got
 
     # ---- the runner's parts -------------------------------------------------------------------------------
     def slots(self, block_table: list[int], block_size: int, start: int, end: int) -> list[int]:

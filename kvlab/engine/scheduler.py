@@ -73,6 +73,11 @@ class Scheduler:
     #: windows, ``PagedKVCache.forget_blocks``). None: nothing is kept.
     on_blocks_freed = None
 
+    #: A learner's admission (``kvlab.engine.parts.EngineParts.admit``), called as ``admission(manager, seq,
+    #: hit, num_new_tokens, status)`` with kvlab's ``can_allocate`` answer and returning the one to act on.
+    #: None: kvlab's answer.
+    admission = None
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls.repeats_plain_decode = cls.__dict__.get("repeats_plain_decode", False)
@@ -236,6 +241,12 @@ class Scheduler:
         return (f"{seq.num_tokens} tokens need more blocks at once than the KV pool holds for one sequence "
                 f"({pool_text(self.manager)})")
 
+    def _can_allocate(self, seq: Sequence, hit, num_new_tokens: int | None = None) -> AllocStatus:
+        """Whether ``seq`` is admitted with ``hit`` and a first step of ``num_new_tokens`` tokens (None: all):
+        kvlab's ``can_allocate``, or the answer of a learner's ``admission`` where one is plugged in."""
+        status = self.manager.can_allocate(seq, num_new_tokens=num_new_tokens, hit=hit)
+        return status if self.admission is None else self.admission(self.manager, seq, hit, num_new_tokens, status)
+
     def _schedule_prefill(self) -> StepBuilder:
         step = StepBuilder("prefill", self.sent_tables)
         with self.waiting_order.admission_pass(self):
@@ -253,14 +264,15 @@ class Scheduler:
             # A sequence over the budget on its own is a recompute that grew while decoding: it runs alone.
             if tokens + seq.num_tokens > self.max_num_batched_tokens and step.entries:
                 break
-            status = self.manager.can_allocate(seq)
+            hit = self.manager.lookup(seq)  # once: can_allocate and allocate take it
+            status = self._can_allocate(seq, hit)
             if status is AllocStatus.LATER:
                 break
             self.waiting.popleft()
             if status is AllocStatus.NEVER:
                 step.aborted.append((seq, self._never_fits(seq)))
                 continue
-            admitted = self.manager.allocate(seq)
+            admitted = self.manager.allocate(seq, hit=hit)
             seq.start_running(admitted)
             step.record_admission(admitted)
             step.add(self.manager, seq, seq.num_cached_tokens, prefill=True)

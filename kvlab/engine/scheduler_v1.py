@@ -110,7 +110,7 @@ class V1Scheduler(Scheduler):
                 break
             hit = self.manager.lookup(seq)  # once: its hit is passed on as a value
             num_new = min(seq.num_tokens - hit.num_tokens, budget)
-            status = self.manager.can_allocate(seq, num_new_tokens=num_new, hit=hit)
+            status = self._can_allocate(seq, hit, num_new)
             if status is AllocStatus.LATER:
                 break
             self.waiting.popleft()

@@ -1,7 +1,10 @@
 """The capstone (``kvlab.course.engine_with``, ``check_engine``): SmolLM2-135M served with every puzzle's solution
 plugged into the engine gives Hugging Face's greedy tokens exactly, as kvlab's own parts do, on chat prompts
 sharing their system prompt (prefix hits) with n-gram speculation on; a wrong part is named, by its puzzle's
-check before any model loads, or by serving with one learner part at a time when the engine's tokens differ."""
+check before any model loads, by serving with one learner part at a time when the engine's tokens differ, or at
+once where the engine checks a part's answer (an admission other than kvlab's, in either scheduler)."""
+
+import random
 
 import sys
 from pathlib import Path
@@ -9,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvlab.blocks import AllocStatus, Sequence
+from kvlab.blocks.manager import KVCacheManager
 from kvlab.course import check_engine, engine_with
 from kvlab.course.capstone import PARTS, describe
 from kvlab.engine.parts import EngineParts
@@ -139,6 +144,9 @@ def test_the_call_says_which_parts_fall_back_to_kvlabs(capsys):
             "decode_attention, prefill_attention, ngram_proposer, rejection_sampling") in said
     assert llm.parts.slot_mapping is SOLUTIONS["slot_mapping"] and llm.parts.decode_attention is None
     assert describe({}).endswith(f"kvlab's own parts (not given): {', '.join(PARTS)}")
+    assert describe({"can_allocate": SOLUTIONS["can_allocate"]}).endswith(
+        "triton_copy_blocks; with your can_allocate the pool keeps a watermark of free blocks at admission "
+        "(kvlab.engine.parts.ADMISSION_WATERMARK)")
 
 
 def test_every_part_of_the_engine_is_a_puzzle():
@@ -154,3 +162,96 @@ def test_parts_are_checked_at_the_boundary():
         engine_with({"lru_policy": 3})
     with pytest.raises(InvalidArgumentError, match="parts must be a dict"):
         engine_with([SOLUTIONS["slot_mapping"]])
+
+
+def admits_without_watermark(num_tokens, bs, free, num_blocks, watermark):
+    """A plausible slip (as tests/puzzles/wrong_solutions.py's): the watermark is forgotten."""
+    needed = -(-num_tokens // bs)
+    return AllocStatus.NEVER if needed > num_blocks else AllocStatus.OK if needed <= free else AllocStatus.LATER
+
+
+def admits_strictly_above_watermark(num_tokens, bs, free, num_blocks, watermark):
+    """Another: a prompt leaving exactly the watermark's blocks free waits (> where kvlab has >=)."""
+    needed, kept = -(-num_tokens // bs), int(watermark * num_blocks)
+    if needed > num_blocks - kept:
+        return AllocStatus.NEVER
+    return AllocStatus.OK if free - needed > kept else AllocStatus.LATER
+
+
+class Spy:
+    """A part that records every call's arguments and answer."""
+
+    def __init__(self, part):
+        self.part, self.calls = part, []
+
+    def __call__(self, *args):
+        answer = self.part(*args)
+        self.calls.append((*args, answer))
+        return answer
+
+
+@pytest.mark.slow
+def test_a_learners_can_allocate_admits_and_defers_the_waiting_prompts():
+    spy = Spy(SOLUTIONS["can_allocate"])
+    run = check_engine({"can_allocate": spy}, check=False)  # the puzzle's check would call it too
+    assert run.matches and run.cached_prompt_tokens == [0, 16]
+    first, second = (len(p) for p in run.prompt_token_ids)  # 49 and 35 tokens: 4 blocks, then a hit and 2 more
+    assert spy.calls[0] == (first, 16, 8, 8, 0.5, AllocStatus.OK)  # 8 - 4 = 4 blocks left: exactly the watermark
+    assert spy.calls[1] == (second - 16, 16, 4, 8, 0.5, AllocStatus.LATER)  # its hit is in use: 2 new blocks
+    # Admitted once the first one finished: its hit was free and cached, taken back out of the 8 free blocks.
+    assert spy.calls[-1] == (second - 16, 16, 7, 8, 0.5, AllocStatus.OK)
+    assert {call[-1] for call in spy.calls[2:-1]} == {AllocStatus.LATER}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrong, admitting, expected", [
+    (admits_without_watermark, 19, r"OK, expected AllocStatus.LATER"),
+    (admits_strictly_above_watermark, 49, r"LATER, expected AllocStatus.OK")])
+@pytest.mark.parametrize("scheduling", ["v1", "v0"])
+def test_a_wrong_can_allocate_is_named_where_the_engine_admits(wrong, admitting, expected, scheduling):
+    options = {} if scheduling == "v1" else dict(scheduling="v0", speculative_config=None)
+    with pytest.raises(LearnerPartError, match=rf"^can_allocate\(num_tokens={admitting}, block_size=16, "
+                                               rf"num_free_blocks=\d, num_blocks=8, watermark=0.5\) returned "
+                                               rf"AllocStatus.{expected}: admitting sequence"):
+        check_engine({"can_allocate": wrong}, check=False, max_tokens=6, **options)
+
+
+def test_kvlabs_never_stands_where_the_spec_cannot_see_the_whole_prompt():
+    """A first chunk that fits, of a prompt that never can: the spec sees the chunk (OK), kvlab the prompt."""
+    parts = EngineParts(can_allocate=Spy(SOLUTIONS["can_allocate"]))
+    manager = KVCacheManager(8, 16, **parts.block_manager_options())
+    seq = Sequence(range(100), 16)
+    hit = manager.lookup(seq)
+    status = manager.can_allocate(seq, num_new_tokens=16, hit=hit)
+    assert status is AllocStatus.NEVER
+    assert parts.admit(manager, seq, hit, 16, status) is AllocStatus.NEVER
+    assert parts.can_allocate.calls == [(16, 16, 8, 8, 0.5, AllocStatus.OK)]
+
+
+def test_on_the_numbers_the_learner_is_given_the_spec_answers_as_kvlabs_can_allocate():
+    """Pools partly held by prompts sharing prefixes, some freed again (their hits free and cached), and prompts
+    admitted whole or by a first chunk: the solution, asked about the tokens after the hit and the blocks free
+    once the hit's free ones are taken back, says what kvlab says (save kvlab's NEVER, which stands)."""
+    parts = EngineParts(can_allocate=SOLUTIONS["can_allocate"])
+    rng = random.Random(0)
+    answers = set()
+    for _ in range(300):
+        bs, num_blocks = rng.choice((1, 4, 16)), rng.randint(4, 40)
+        manager = KVCacheManager(num_blocks, bs, **parts.block_manager_options())
+        shared = [rng.randrange(3) for _ in range(8 * bs)]
+        held = []
+        for _ in range(rng.randint(0, 5)):
+            seq = Sequence(shared[:rng.randint(0, 6 * bs)] + [rng.randrange(4) for _ in range(rng.randint(1, 3 * bs))],
+                           bs)
+            if manager.can_allocate(seq) is AllocStatus.OK:
+                seq.start_running(manager.allocate(seq))
+                held.append(seq)
+        for seq in rng.sample(held, rng.randint(0, len(held))):
+            manager.free(seq)
+        prompt = Sequence(shared[:rng.randint(1, 8 * bs)], bs)
+        hit = manager.lookup(prompt)
+        num_new = rng.choice((None, rng.randint(1, prompt.num_tokens - hit.num_tokens)))
+        status = manager.can_allocate(prompt, num_new_tokens=num_new, hit=hit)
+        assert parts.admit(manager, prompt, hit, num_new, status) is status
+        answers.add(status)
+    assert answers == set(AllocStatus)
