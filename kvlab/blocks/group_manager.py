@@ -151,7 +151,9 @@ class GroupManager:
         self.block_size, self.prefix_caching, self.hash_fn = parts.block_size, parts.enable_prefix_caching, \
             parts.hash_fn
         self.pool, self.swap, self.tier, self.sink = parts.pool, parts.swap, parts.tier, sink
-        self.plan_append = parts.plan_append  # None: kvlab's copy-on-write rule (plan_step)
+        # None: kvlab's copy-on-write and release rules (plan_step); a learner's release only for a window
+        self.plan_append = parts.plan_append
+        self.plan_window_release = parts.plan_window_release if spec.sliding_window is not None else None
         self.records: dict[int, Allocation] = {}  # seq_id -> the sequence's record in this group
         # prefix_match_unit < block_size: seq_id -> the positions below which its prompt's units are findable
         self.units_indexed: dict[int, int] = {}
@@ -278,7 +280,11 @@ class GroupManager:
                                        f"schedule all {seq.num_tokens - first_query} tokens of sequence "
                                        f"{seq.seq_id} without a slot (num_new_tokens=None)")
         scheduled += num_drafts
-        release_upto = max(alloc.num_released, self.spec.first_live_block(first_query, bs))
+        if self.plan_window_release is None:
+            release_upto = max(alloc.num_released, self.spec.first_live_block(first_query, bs))
+        else:  # a learner's (kvlab.engine.parts checks it releases the next entries of the table, in order)
+            release_upto = self.plan_window_release(table, alloc.num_released, first_query, self.spec.sliding_window,
+                                                    bs)
         release = table[alloc.num_released:release_upto][::-1]
         end = scheduled + lookahead
         touched = range(first_query // bs, min(len(table), -(-end // bs)))

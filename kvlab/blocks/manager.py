@@ -122,12 +122,14 @@ class SharedParts(NamedTuple):
     kv_events: Optional[KVEventPublisher]  # vLLM's KV-event stream (None when off)
     prefix_match_unit: int  # tokens per unit of prefix matching (block_size: whole blocks only)
     plan_append: object     # a learner's copy-on-write plan (kvlab.engine.parts), or None: kvlab's
+    plan_window_release: object  # a learner's sliding-window release (kvlab.engine.parts), or None: kvlab's
 
 
 def _shared_parts(num_blocks, block_size, *, num_cpu_blocks, watermark, enable_prefix_caching, sliding_window,
                   hash_fn, eviction, record_events, kv_events, groups=None, num_offload_blocks=0,
                   offload_policy="lru", offload_admission="always", kv_cache_metrics=None,
-                  shared_tier=None, prefix_match_unit=None, use_eagle=False, plan_append=None) -> SharedParts:
+                  shared_tier=None, prefix_match_unit=None, use_eagle=False, plan_append=None,
+                  plan_window_release=None) -> SharedParts:
     """Check a manager's settings (InvalidArgumentError says which is wrong) and build its shared parts."""
     block_size = check_block_size(block_size)
     num_blocks = check_int("num_blocks", num_blocks, 2 if sliding_window is not None else 1, MAX_BLOCKS)
@@ -154,6 +156,9 @@ def _shared_parts(num_blocks, block_size, *, num_cpu_blocks, watermark, enable_p
     if plan_append is not None and not callable(plan_append):
         raise InvalidArgumentError("plan_append must be callable as plan_append(block_table, ref_counts, "
                                    "num_computed_tokens, num_tokens, block_size), or None")
+    if plan_window_release is not None and not callable(plan_window_release):
+        raise InvalidArgumentError("plan_window_release must be callable as plan_window_release(block_table, "
+                                   "num_released, first_query, window, block_size), or None")
     unit = _check_prefix_match_unit(prefix_match_unit, block_size, sliding_window, num_offload_blocks or shared_tier,
                                     use_eagle)
     eviction = make_policy(eviction)
@@ -174,7 +179,7 @@ def _shared_parts(num_blocks, block_size, *, num_cpu_blocks, watermark, enable_p
             tier.sink = sink
     return SharedParts(block_size, num_blocks, bool(enable_prefix_caching), hash_fn, pool, SwapSpace(num_cpu_blocks),
                        tier, num_blocks - first_block, int(watermark * num_blocks), sink,
-                       log.events if record_events else None, publisher, unit, plan_append)
+                       log.events if record_events else None, publisher, unit, plan_append, plan_window_release)
 
 
 def _check_prefix_match_unit(unit, block_size: int, sliding_window, offload, use_eagle) -> int:
@@ -240,16 +245,19 @@ class KVCacheManager:
     (vLLM V1's hybrid allocator: no offload tier, cross-attention tables or residency metrics yet). Its calls
     return what they did; whoever schedules a sequence writes its progress from those values (the engine's
     scheduler: ``Sequence.start_running``, ``scheduled_through``, ``stopped``; ``BlockManager`` does it itself).
-    ``plan_append``: None (kvlab's copy-on-write rule), or the course's seam for a learner's (``kvlab.engine.parts``):
-    ``plan_append(table, ref, num_computed_tokens, num_tokens, block_size)`` returns the indices of the table's
-    entries a step copies before writing and the number of blocks it appends."""
+    ``plan_append`` and ``plan_window_release``: None (kvlab's rules), or the course's seams for a learner's
+    (``kvlab.engine.parts``): ``plan_append(table, ref, num_computed_tokens, num_tokens, block_size)`` returns the
+    indices of the table's entries a step copies before writing and the number of blocks it appends;
+    ``plan_window_release(table, num_released, first_query, window, block_size)`` a sliding-window group's
+    ``num_released`` after the step (its table entries before that index go back to the pool)."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, *, num_cpu_blocks: int = 0, watermark: float = 0.0,
                  enable_prefix_caching: bool = True, sliding_window: Optional[int] = None, hash_fn=None,
                  eviction="lru", record_events: bool = False, kv_events: bool = False, num_offload_blocks: int = 0,
                  offload_policy: str = "lru", offload_admission: str = "always",
                  kv_cache_metrics: Optional[KVCacheMetricsCollector] = None, shared_tier=None,
-                 use_eagle: bool = False, prefix_match_unit: Optional[int] = None, groups=None, plan_append=None):
+                 use_eagle: bool = False, prefix_match_unit: Optional[int] = None, groups=None, plan_append=None,
+                 plan_window_release=None):
         if groups is not None:
             if (sliding_window is not None or num_offload_blocks or shared_tier is not None
                     or kv_cache_metrics is not None):
@@ -265,7 +273,8 @@ class KVCacheManager:
                               groups=None if groups is None else specs, num_offload_blocks=num_offload_blocks,
                               offload_policy=offload_policy, offload_admission=offload_admission,
                               kv_cache_metrics=kv_cache_metrics, shared_tier=shared_tier,
-                              prefix_match_unit=prefix_match_unit, use_eagle=use_eagle, plan_append=plan_append)
+                              prefix_match_unit=prefix_match_unit, use_eagle=use_eagle, plan_append=plan_append,
+                              plan_window_release=plan_window_release)
         self._setup(parts, [spec_for(sliding_window)] if groups is None else specs, use_eagle)
         self.kv_cache_metrics = kv_cache_metrics  # residency metrics (kvlab.blocks.events), or None
 

@@ -31,6 +31,11 @@ A copy-on-write plan that leaves a shared block uncopied changes no greedy token
 K/V). So given ``copy_on_write``, the tiny model also serves ``KERNEL_PROMPTS`` with two samples each at
 temperature 1, seeded (``FORK_SEED``): they differ from their first token on, so a missing copy makes one
 sample read the other's K/V; their tokens must equal kvlab's own engine's on the same seed.
+
+``window_release`` needs a model with a sliding window: given it, a tiny random-weight model whose every layer
+sees the last ``WINDOW`` tokens serves ``KERNEL_PROMPTS`` with your parts but the attention ones (their contracts
+have no window), against Hugging Face, which applies the window itself: a block released while a query still
+sees it reads as stale K/V. Releasing too late costs memory, not tokens: the puzzle's check names it.
 """
 
 import functools
@@ -42,12 +47,17 @@ __all__ = ["PARTS", "CapstoneRun", "check_engine", "describe", "engine_with"]
 
 #: The parts a learner can plug in (``kvlab.engine.parts.EngineParts``' fields), each the name of its puzzle
 #: (``kvlab.puzzles.puzzle(name)``); named here so that importing the course loads no torch.
-PARTS: tuple[str, ...] = ("slot_mapping", "block_hashes", "lru_policy", "copy_on_write", "decode_attention",
-                          "prefill_attention", "ngram_proposer", "rejection_sampling", "split_k_merge",
-                          "triton_reshape_and_cache", "triton_decode_attention", "triton_split_k_decode",
-                          "triton_copy_blocks", "can_allocate")
+PARTS: tuple[str, ...] = ("slot_mapping", "block_hashes", "lru_policy", "copy_on_write", "window_release",
+                          "decode_attention", "prefill_attention", "ngram_proposer", "rejection_sampling",
+                          "split_k_merge", "triton_reshape_and_cache", "triton_decode_attention",
+                          "triton_split_k_decode", "triton_copy_blocks", "can_allocate")
 #: The parts that are Triton kernels: checked on the tiny model (see the module docstring).
 TRITON_PARTS = tuple(name for name in PARTS if name.startswith("triton_"))
+#: The attention parts: their contracts have no sliding window, so the windowed run leaves them out.
+ATTENTION_PARTS = ("decode_attention", "prefill_attention", "split_k_merge", "triton_reshape_and_cache",
+                   "triton_decode_attention", "triton_split_k_decode")
+#: The windowed model's window (tokens): the prompts and outputs run well past it.
+WINDOW = 16
 
 #: The engine's settings unless given: small blocks so the prompts fill several, and n-gram speculation, so
 #: the proposer and the verification run.
@@ -118,6 +128,7 @@ class CapstoneRun:
     abort_reasons: list[str | None]
     kernels: list = field(default_factory=list)  # the Triton parts' runs on the tiny model (module docstring)
     forks: "CapstoneRun | None" = None  # the seeded samples' run, where copy_on_write was given
+    windowed: "CapstoneRun | None" = None  # the sliding-window model's run, where window_release was given
 
     @property
     def matches(self) -> bool:
@@ -132,12 +143,15 @@ def check_engine(parts: dict | None = None, *, questions=QUESTIONS, max_tokens: 
     serving again with one of your parts at a time (``check``, ``model``, ``verbose``, ``llm_options``: as
     ``engine_with``). Your Triton kernels are left out of this run and checked with all your parts on the tiny
     model (see the module docstring): those runs are the returned run's ``kernels``; a ``copy_on_write`` is
-    checked by seeded samples there too (``forks``)."""
+    checked by seeded samples there too (``forks``), a ``window_release`` on a sliding-window model
+    (``windowed``)."""
     given = _checked_parts(parts)
     if verbose:
         print(describe(given))
     if check:
         _grade(given)  # every part, kernels included, before any model loads
+    windowed = {name: part for name, part in given.items() if name not in ATTENTION_PARTS}
+    given = {name: part for name, part in given.items() if name != "window_release"}
     run = _compared({name: part for name, part in given.items() if name not in TRITON_PARTS}, questions,
                     max_tokens, model, llm_options)
     if any(name in TRITON_PARTS for name in given):
@@ -149,6 +163,8 @@ def check_engine(parts: dict | None = None, *, questions=QUESTIONS, max_tokens: 
                        for parts in decode_paths]
     if "copy_on_write" in given:
         run.forks = _compared(given, KERNEL_PROMPTS, max_tokens, _tiny_model(), llm_options, seed=FORK_SEED)
+    if "window_release" in windowed:
+        run.windowed = _compared(windowed, KERNEL_PROMPTS, max_tokens, _tiny_model(window=WINDOW), llm_options)
     return run
 
 
@@ -240,15 +256,17 @@ def _serve(parts, prompts, max_tokens, model, llm_options, seed=None) -> Capston
                        [sample.abort_reason for _, sample in samples])
 
 
-@functools.lru_cache(maxsize=1)
-def _tiny_model() -> str:
-    """The kernels' model: a tiny random-weight Qwen3 (seeded; no end-of-text token), written once per process
-    to a temporary folder."""
+@functools.lru_cache(maxsize=2)
+def _tiny_model(window: int | None = None) -> str:
+    """The kernels' model: a tiny random-weight Qwen3 (seeded; no end-of-text token; with a ``window``, every
+    layer sliding-window attention), written once per process to a temporary folder."""
     import tempfile
 
     from kvlab.engine.random_model import save_random_model
 
-    return str(save_random_model(tempfile.mkdtemp(prefix="kvlab-capstone-"), "tiny", seed=0))
+    windowed = {} if window is None else dict(use_sliding_window=True, sliding_window=window, max_window_layers=0,
+                                              layer_types=["sliding_attention"] * 2)
+    return str(save_random_model(tempfile.mkdtemp(prefix="kvlab-capstone-"), "tiny", seed=0, **windowed))
 
 
 @functools.lru_cache(maxsize=8)  # the reference for the same prompts: loaded and run once per process

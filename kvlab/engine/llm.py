@@ -18,7 +18,7 @@ from kvlab.engine.config import load_model_config
 from kvlab.engine.hybrid import make_block_manager
 from kvlab.engine.intake import RequestIntake, load_tokenizer, prompt_token_ids
 from kvlab.engine.kv_calibration import quantize_kv_cache
-from kvlab.engine.parts import check_parts
+from kvlab.engine.parts import check_model_for_parts, check_parts
 from kvlab.engine.kv_cache import (CPU_KV_CACHE_BYTES, PagedKVCache, blocks_for_memory, check_kernel_support,
                                    engine_kv_cache_groups, kivi_window_bytes)
 from kvlab.engine.request import Request, RequestOutput
@@ -168,10 +168,7 @@ class LLM:
         # The KV cache groups, and from them the one KVCacheConfig every part below is made from: the block
         # size and the cache format are read from the settings here and nowhere else.
         groups = engine_kv_cache_groups(config, self.dtype, kv_cache_dtype, block_size, prefix_match_unit)
-        if parts.given() and (len(groups) > 1 or groups[0].attention.sliding_window is not None
-                              or groups[0].mla_latent_dim is not None):
-            raise InvalidArgumentError(f"parts: a learner's parts plug into a model with one kind of layer, full "
-                                       f"attention without MLA (as SmolLM2); {config.path} has other layers")
+        check_model_for_parts(parts, groups, config.path)
         check_kernel_support(config, groups, self.dtype, self.device, self.attention_backend)
         self.model = load_model(config, self.dtype, self.device)
         self.model.init_rope(self.dtype, self.device)

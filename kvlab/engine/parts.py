@@ -14,6 +14,10 @@ known by:
   step writes them, and how many blocks it appends. The manager does what the plan says where that keeps the
   pool consistent (it refuses a wrong count of new blocks, or a copy of a block the sequence holds alone); a
   shared block left uncopied is written in place, so a fork's other sample reads the K/V of the wrong tokens;
+* ``window_release(block_table, num_released, first_query, window, block_size)`` (puzzle ``window_release``'s
+  ``released_blocks``): the blocks a sliding-window model's step gives back to the pool. The manager releases
+  what the answer says where that keeps the table whole (the next entries of the table, in order, none the step
+  writes); a block released while a query still sees it reads as the null block's stale K/V;
 * ``decode_attention(query, kv_cache, block_tables, seq_lens, scale)`` and ``prefill_attention(query,
   kv_cache, block_table, seq_len, scale)``: the torch backend's attention over the block tables (after kvlab
   wrote the step's K/V), decode steps and steps of several query rows per sequence (prompt chunks, drafts);
@@ -68,6 +72,7 @@ class EngineParts:
     block_hashes: Callable | None = None
     lru_policy: type | None = None
     copy_on_write: Callable | None = None
+    window_release: Callable | None = None
     decode_attention: Callable | None = None
     prefill_attention: Callable | None = None
     ngram_proposer: Callable | None = None
@@ -106,9 +111,11 @@ class EngineParts:
 
     # ---- the block manager's parts ------------------------------------------------------------------------
     def block_manager_options(self) -> dict:
-        """The block manager's ``hash_fn``, ``eviction``, ``plan_append`` and ``watermark`` for these parts (none:
-        kvlab's)."""
+        """The block manager's ``hash_fn``, ``eviction``, ``plan_append``, ``plan_window_release`` and
+        ``watermark`` for these parts (none: kvlab's)."""
         options = {} if self.copy_on_write is None else {"plan_append": self._plan_append}
+        if self.window_release is not None:
+            options["plan_window_release"] = self._plan_release
         if self.can_allocate is not None:
             options["watermark"] = ADMISSION_WATERMARK
         if self.block_hashes is not None:
@@ -152,6 +159,20 @@ class EngineParts:
         if problem:
             raise LearnerPartError(f"copy_on_write{args} returned {_short(plan)}: {problem}")
         return set(copies), needed
+
+    def _plan_release(self, table: list[int], num_released: int, first_query: int, window: int,
+                      block_size: int) -> int:
+        """The table's ``num_released`` after the learner's ``window_release`` for a step computing positions
+        from ``first_query`` on, refused where it would break the table: anything but its next entries, in
+        order, or a block the step writes."""
+        args = (list(table), num_released, first_query, window, block_size)
+        released = _call("window_release", self.window_release, *args)
+        upto = num_released + len(released) if isinstance(released, list) else -1
+        if released != table[num_released:upto] or upto > first_query // block_size:
+            raise LearnerPartError(f"window_release{args} returned {_short(released)}: expected the blocks released "
+                                   f"now, in table order: the next entries from index {num_released} on, none of them "
+                                   f"one the step writes (index {first_query // block_size} on)")
+        return upto
 
     # ---- the scheduler's part -----------------------------------------------------------------------------
     def admit(self, manager, seq, hit, num_new_tokens: int | None, status: AllocStatus) -> AllocStatus:
@@ -362,6 +383,20 @@ def check_parts(parts, *, speculation, attention_backend, kv_cache_dtype: str) -
     if parts.rejection_sampling is not None and speculation is None:
         raise InvalidArgumentError("parts: rejection_sampling verifies drafts: give a speculative_config too")
     return parts
+
+
+def check_model_for_parts(parts: EngineParts, groups, path) -> None:
+    """``parts`` plug into a model with one kind of layer without MLA: full attention (as SmolLM2), or a sliding
+    window for the parts that are not attention; ``window_release`` only into a sliding-window one."""
+    if not parts.given():
+        return
+    window = groups[0].attention.sliding_window
+    if len(groups) > 1 or groups[0].mla_latent_dim is not None or (window is not None and parts.replaces_attention):
+        raise InvalidArgumentError(f"parts: a learner's parts plug into a model with one kind of layer without MLA, "
+                                   f"full attention (as SmolLM2) or, for parts other than attention, a sliding window; "
+                                   f"{path} has other layers")
+    if parts.window_release is not None and window is None:
+        raise InvalidArgumentError(f"parts: window_release releases a sliding window's blocks; {path} has no window")
 
 
 def _xxh64_block(parent, block: tuple) -> int:

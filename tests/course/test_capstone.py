@@ -24,7 +24,7 @@ from kvlab.puzzles.solutions.decode_attention import decode_attention
 sys.path.insert(0, str(Path(__file__).parents[1] / "puzzles"))
 from wrong_solutions import (attends_to_whole_blocks, caches_the_key_as_the_value_too,  # noqa: E402
                              copies_every_written_block, copies_keys_only, every_partition_from_block_zero,
-                             never_copies)
+                             never_copies, releases_a_block_still_seen)
 
 SOLUTIONS = {name: puzzle(name).solution() for name in PARTS}
 
@@ -61,6 +61,7 @@ def test_every_solution_plugged_in_gives_hf_greedy_tokens():
         assert kernels.matches and kernels.cached_prompt_tokens == [0, 0, 32, 32]  # two samples per prompt
         assert kernels.abort_reasons == [None] * 4
     assert run.forks.matches and run.forks.tokens[0] != run.forks.tokens[1]  # seeded samples: forks that diverge
+    assert run.windowed.matches and run.windowed.abort_reasons == [None] * 4  # the sliding-window model
 
 
 @pytest.mark.slow
@@ -124,6 +125,30 @@ def test_a_copy_on_write_plan_that_never_copies_is_named_by_seeded_samples():
 
 
 @pytest.mark.slow
+def test_a_window_release_freeing_a_block_still_seen_is_named_by_the_windowed_models_tokens():
+    with pytest.raises(LearnerPartError, match=r"^window_release is wrong: on sample \d the engine's greedy tokens "
+                                               r"differ .*aborted: sampling failed"):
+        check_engine({"window_release": releases_a_block_still_seen}, check=False, max_tokens=6)
+
+
+def _group(window):
+    from kvlab.blocks.kv_cache_groups import spec_for
+    from kvlab.sizing.groups import KVCacheGroupSpec
+
+    return KVCacheGroupSpec(spec_for(window), (0, 1), 16, 2, 32, "float32")
+
+
+def test_window_release_needs_a_window_and_attention_parts_none():
+    from kvlab.engine.parts import check_model_for_parts
+
+    with pytest.raises(InvalidArgumentError, match="window_release releases a sliding window's blocks; smollm2 has "
+                                                   "no window"):
+        check_model_for_parts(EngineParts(window_release=SOLUTIONS["window_release"]), [_group(None)], "smollm2")
+    with pytest.raises(InvalidArgumentError, match="for parts other than attention, a sliding window"):
+        check_model_for_parts(EngineParts(decode_attention=decode_attention), [_group(16)], "windowed")
+
+
+@pytest.mark.slow
 def test_a_copy_on_write_plan_that_would_corrupt_the_pool_is_refused():
     with pytest.raises(LearnerPartError, match=r"^copy_on_write\(\[.*returned .*: a copy of a block this sequence "
                                                r"holds alone \(write it in place\)"):
@@ -141,7 +166,7 @@ def test_the_call_says_which_parts_fall_back_to_kvlabs(capsys):
     llm = engine_with({"slot_mapping": SOLUTIONS["slot_mapping"], "lru_policy": SOLUTIONS["lru_policy"]})
     said = capsys.readouterr().out
     assert ("your parts: slot_mapping, lru_policy; kvlab's own parts (not given): block_hashes, copy_on_write, "
-            "decode_attention, prefill_attention, ngram_proposer, rejection_sampling") in said
+            "window_release, decode_attention, prefill_attention, ngram_proposer, rejection_sampling") in said
     assert llm.parts.slot_mapping is SOLUTIONS["slot_mapping"] and llm.parts.decode_attention is None
     assert describe({}).endswith(f"kvlab's own parts (not given): {', '.join(PARTS)}")
     assert describe({"can_allocate": SOLUTIONS["can_allocate"]}).endswith(
