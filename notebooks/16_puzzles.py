@@ -584,7 +584,7 @@ check(all(report.passed for report in kvlabs.values()), "each of kvlab's own sol
 # %% [markdown]
 # ## 22. Capstone: your parts in a real engine
 #
-# Fifteen of the puzzles are parts of a serving engine. `kvlab.course.engine_with(parts)` plugs yours into a real
+# Sixteen of the puzzles are parts of a serving engine. `kvlab.course.engine_with(parts)` plugs yours into a real
 # `LLM` serving SmolLM2-135M-Instruct: your slot mapping decides where each new token's K/V is written, your
 # block hashes are what prefix caching looks blocks up by, your LRU picks which free block is reused, your
 # copy-on-write plan says which shared blocks a step copies before writing, your admission decides when a waiting
@@ -602,7 +602,9 @@ check(all(report.passed for report in kvlabs.values()), "each of kvlab's own sol
 # first token copies the block they share: copy-on-write), against Hugging Face's tokens there. Greedy samples
 # write the same K/V, so a missing copy changes no token: your copy-on-write plan is also run with seeded samples
 # at temperature 1, which must give kvlab's own engine's tokens on the same seed; and your window release on a tiny
-# model whose layers see only the last 16 tokens, against Hugging Face, which applies the window itself.
+# model whose layers see only the last 16 tokens, against Hugging Face, which applies the window itself. Your
+# router places requests on a fleet of two engines (seeing each through its KV events and its queue): each
+# choice must be kvlab's `kv_cost` router's.
 #
 # The cell below plugs in every part whose puzzle you solved above (none yet: kvlab's own parts throughout, and
 # the call says so). Question: why can a wrong hash or a wrong LRU never change a token, when a wrong slot
@@ -611,12 +613,13 @@ check(all(report.passed for report in kvlabs.values()), "each of kvlab's own sol
 # %%
 yours = {"slot_mapping": slot_mapping, "block_hashes": block_hashes, "lru_policy": MyLRU,
          "copy_on_write": plan_append, "can_allocate": can_allocate, "window_release": released_blocks,
+         "kv_cost_router": MyRouter,
          "decode_attention": decode_attention, "prefill_attention": prefill_attention, "ngram_proposer": propose,
          "rejection_sampling": verify, "split_k_merge": split_k_merge,
          "triton_reshape_and_cache": reshape_and_cache_kernel, "triton_decode_attention": decode_attention_kernel,
          "triton_split_k_decode": split_k_decode_kernel, "triton_copy_blocks": copy_blocks_kernel}
 solved = {name: code for name, code in yours.items() if reports.get(name)}  # passed its check above
-check(sorted(yours) == sorted(PARTS) and len(PARTS) == 15, "the engine takes fifteen of the puzzles as parts",
+check(sorted(yours) == sorted(PARTS) and len(PARTS) == 16, "the engine takes sixteen of the puzzles as parts",
       defaults=True)
 run = check_engine(solved)
 print(f"Greedy tokens equal to Hugging Face's on all {len(run.tokens)} prompts; prompt tokens from the prefix "
@@ -644,5 +647,5 @@ check(run.matches and run.cached_prompt_tokens[-1] > 0,
 #   slots that hold tokens.
 # * kvlab's seams (eviction policies, routers, proposers, schedulers) take your code as it is, so the
 #   studies of notebooks 08, 12 and 13 can measure your idea against kvlab's.
-# * Fifteen of your parts make a working paged engine: served by `check_engine`, they must give Hugging Face's
+# * Sixteen of your parts make a working paged engine: served by `check_engine`, they must give Hugging Face's
 #   greedy tokens exactly, and a wrong one is named by the tokens it changes.

@@ -36,6 +36,13 @@ sample read the other's K/V; their tokens must equal kvlab's own engine's on the
 sees the last ``WINDOW`` tokens serves ``KERNEL_PROMPTS`` with your parts but the attention ones (their contracts
 have no window), against Hugging Face, which applies the window itself: a block released while a query still
 sees it reads as stale K/V. Releasing too late costs memory, not tokens: the puzzle's check names it.
+
+``kv_cost_router`` routes a fleet: given it, two replicas (kvlab's own engines on the tiny model, publishing KV
+events) serve ``FLEET_WAVES`` one wave after the other: the router places each request of a wave (first
+prompts, then follow-ups sharing their two leading blocks, then a new prompt) while the wave's earlier ones still
+queue, seeing each replica only as a ``ReplicaView`` (the hashes its events say it caches, its queue). Each
+choice must be kvlab's ``kv_cost`` router's on the same views (a wrong cost or tie-break is named with the views),
+and every request's tokens Hugging Face's.
 """
 
 import functools
@@ -50,7 +57,9 @@ __all__ = ["PARTS", "CapstoneRun", "check_engine", "describe", "engine_with"]
 PARTS: tuple[str, ...] = ("slot_mapping", "block_hashes", "lru_policy", "copy_on_write", "window_release",
                           "decode_attention", "prefill_attention", "ngram_proposer", "rejection_sampling",
                           "split_k_merge", "triton_reshape_and_cache", "triton_decode_attention",
-                          "triton_split_k_decode", "triton_copy_blocks", "can_allocate")
+                          "triton_split_k_decode", "triton_copy_blocks", "can_allocate", "kv_cost_router")
+#: The parts of a fleet rather than of one engine: the router that picks each request's replica.
+FLEET_PARTS = ("kv_cost_router",)
 #: The parts that are Triton kernels: checked on the tiny model (see the module docstring).
 TRITON_PARTS = tuple(name for name in PARTS if name.startswith("triton_"))
 #: The attention parts: their contracts have no sliding window, so the windowed run leaves them out.
@@ -75,6 +84,14 @@ ADMISSION_OPTIONS = dict(num_blocks=8)
 QUESTIONS = ("Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank.",
              "Name a primary colour.")
 
+#: The fleet's requests on the tiny model, in waves (see the module docstring): two first prompts of 40 tokens (2
+#: full blocks and 8 tokens); four follow-ups, two per first prompt, sharing its first 32 tokens; a new prompt,
+#: which finds both replicas idle and caching none of it (a tie: the replica after the last one chosen takes it).
+_FIRST = (tuple(range(101, 141)), tuple(range(201, 241)))
+FLEET_WAVES = (_FIRST, tuple(first[:32] + tail for first in _FIRST for tail in (tuple(range(7, 12)),
+                                                                                tuple(range(300, 309)))),
+               (tuple(range(401, 441)),))
+
 #: The seed of the forks' samples (see the module docstring).
 FORK_SEED = 1
 
@@ -97,7 +114,8 @@ def engine_with(parts: dict | None = None, model=None, *, check: bool = True, ve
     from kvlab.engine.parts import EngineParts
     from kvlab.models import smollm2
 
-    llm = LLM(smollm2() if model is None else model, parts=EngineParts(**given), **{**DEFAULT_OPTIONS, **llm_options})
+    engine_parts = EngineParts(**{name: part for name, part in given.items() if name not in FLEET_PARTS})
+    llm = LLM(smollm2() if model is None else model, parts=engine_parts, **{**DEFAULT_OPTIONS, **llm_options})
     if verbose:
         print(describe(given))
     return llm
@@ -129,6 +147,7 @@ class CapstoneRun:
     kernels: list = field(default_factory=list)  # the Triton parts' runs on the tiny model (module docstring)
     forks: "CapstoneRun | None" = None  # the seeded samples' run, where copy_on_write was given
     windowed: "CapstoneRun | None" = None  # the sliding-window model's run, where window_release was given
+    fleet: "CapstoneRun | None" = None  # the routed fleet's run, where kv_cost_router was given
 
     @property
     def matches(self) -> bool:
@@ -144,12 +163,13 @@ def check_engine(parts: dict | None = None, *, questions=QUESTIONS, max_tokens: 
     ``engine_with``). Your Triton kernels are left out of this run and checked with all your parts on the tiny
     model (see the module docstring): those runs are the returned run's ``kernels``; a ``copy_on_write`` is
     checked by seeded samples there too (``forks``), a ``window_release`` on a sliding-window model
-    (``windowed``)."""
+    (``windowed``), a ``kv_cost_router`` routing a fleet (``fleet``)."""
     given = _checked_parts(parts)
     if verbose:
         print(describe(given))
     if check:
         _grade(given)  # every part, kernels included, before any model loads
+    router = given.pop("kv_cost_router", None)
     windowed = {name: part for name, part in given.items() if name not in ATTENTION_PARTS}
     given = {name: part for name, part in given.items() if name != "window_release"}
     run = _compared({name: part for name, part in given.items() if name not in TRITON_PARTS}, questions,
@@ -165,6 +185,8 @@ def check_engine(parts: dict | None = None, *, questions=QUESTIONS, max_tokens: 
         run.forks = _compared(given, KERNEL_PROMPTS, max_tokens, _tiny_model(), llm_options, seed=FORK_SEED)
     if "window_release" in windowed:
         run.windowed = _compared(windowed, KERNEL_PROMPTS, max_tokens, _tiny_model(window=WINDOW), llm_options)
+    if router is not None:
+        run.fleet = _routed(router, max_tokens, llm_options)
     return run
 
 
@@ -254,6 +276,69 @@ def _serve(parts, prompts, max_tokens, model, llm_options, seed=None) -> Capston
                        [o.metrics.num_cached_prompt_tokens for o, _ in samples],
                        [o.metrics.num_accepted_tokens for o, _ in samples],
                        [sample.abort_reason for _, sample in samples])
+
+
+class _EngineReplica:
+    """A replica as a router sees it (``kvlab.studies.routers.ReplicaView``): the hashes its KV events say it
+    caches, its requests not finished and the prompt tokens waiting to be admitted."""
+
+    def __init__(self, llm):
+        from kvlab.blocks.events import CachedHashes
+
+        self._scheduler, self.cached = llm.scheduler, CachedHashes()
+        llm.kv_events.subscribe(self.cached)
+
+    def in_flight(self) -> int:
+        return len(self._scheduler.waiting) + len(self._scheduler.running)
+
+    @property
+    def waiting_tokens(self) -> int:
+        return sum(seq.num_prompt_tokens for seq in self._scheduler.waiting)
+
+
+def _routed(router_class, max_tokens: int, llm_options) -> CapstoneRun:
+    """``FLEET_WAVES`` routed over two replicas by the learner's router (see the module docstring);
+    LearnerPartError at the first choice other than kvlab's ``kv_cost`` (tokens other than HF's show in the run)."""
+    from array import array
+
+    from kvlab.blocks.prefix_cache import block_hashes
+    from kvlab.engine import SamplingParams
+    from kvlab.studies.routers import ROUTERS, RouterSettings
+
+    model, bs = _tiny_model(), DEFAULT_OPTIONS["block_size"]
+    replicas = [engine_with({}, model, check=False, verbose=False, kv_events=True, **llm_options) for _ in range(2)]
+    views = [_EngineReplica(llm) for llm in replicas]
+    theirs, ours = router_class(RouterSettings(), bs), ROUTERS["kv_cost"](RouterSettings(), bs)
+    params, placed, outputs = SamplingParams(temperature=0.0, max_tokens=max_tokens), [], {}
+    for wave in FLEET_WAVES:
+        for prompt in wave:
+            hashes = block_hashes(array("q", prompt), bs, 0, len(prompt) // bs, None)[0]
+            seen = [f"replica {i}: {view.cached.prefix_match(hashes, len(hashes))} blocks cached, "
+                    f"{view.waiting_tokens} tokens waiting, {view.in_flight()} in flight"
+                    for i, view in enumerate(views)]
+            got = _call_router(theirs, views, len(prompt), hashes)
+            expected = ours.choose(views, len(prompt), hashes)
+            if got != expected:
+                raise LearnerPartError(f"kv_cost_router chose {got!r} for a request of {len(prompt)} tokens "
+                                       f"({len(hashes)} full blocks), expected replica {expected}; it saw "
+                                       f"{'; '.join(seen)} (request {len(placed)} of the fleet)")
+            placed.append((expected, replicas[expected].add_request(list(prompt), params)))
+        for llm in replicas:  # the wave is served; the next one is routed on what it left cached
+            while llm.has_unfinished_requests():
+                outputs.update(((id(llm), output.request_id), output) for output in llm.step())
+    ordered = [outputs[id(replicas[i]), request_id] for i, request_id in placed]
+    prompts = tuple(prompt for wave in FLEET_WAVES for prompt in wave)
+    return CapstoneRun([o.prompt_token_ids for o in ordered], [o.outputs[0].token_ids for o in ordered],
+                       [list(t) for t in _hf_greedy(prompts, max_tokens, model)],
+                       [o.metrics.num_cached_prompt_tokens for o in ordered],
+                       [o.metrics.num_accepted_tokens for o in ordered], [o.outputs[0].abort_reason for o in ordered])
+
+
+def _call_router(router, views, num_tokens: int, hashes) -> int:
+    try:
+        return router.choose(views, num_tokens, hashes)
+    except Exception as error:
+        raise LearnerPartError(f"kv_cost_router: choose raised {error!r}") from error
 
 
 @functools.lru_cache(maxsize=2)

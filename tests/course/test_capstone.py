@@ -15,7 +15,7 @@ import torch
 from kvlab.blocks import AllocStatus, Sequence
 from kvlab.blocks.manager import KVCacheManager
 from kvlab.course import check_engine, engine_with
-from kvlab.course.capstone import PARTS, describe
+from kvlab.course.capstone import FLEET_PARTS, PARTS, describe
 from kvlab.engine.parts import EngineParts
 from kvlab.errors import InvalidArgumentError, LearnerPartError
 from kvlab.puzzles import puzzle
@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "puzzles"))
 from wrong_solutions import (attends_to_whole_blocks, caches_the_key_as_the_value_too,  # noqa: E402
                              copies_every_written_block, copies_keys_only, every_partition_from_block_zero,
                              never_copies, releases_a_block_still_seen)
+from wrong_solutions import CountsBlocksAsTokens, FirstOfEquals  # noqa: E402
 
 SOLUTIONS = {name: puzzle(name).solution() for name in PARTS}
 
@@ -62,6 +63,8 @@ def test_every_solution_plugged_in_gives_hf_greedy_tokens():
         assert kernels.abort_reasons == [None] * 4
     assert run.forks.matches and run.forks.tokens[0] != run.forks.tokens[1]  # seeded samples: forks that diverge
     assert run.windowed.matches and run.windowed.abort_reasons == [None] * 4  # the sliding-window model
+    # The routed fleet: each follow-up's first one goes where its prefix is cached, the second where no queue is.
+    assert run.fleet.matches and run.fleet.cached_prompt_tokens == [0, 0, 32, 0, 32, 0, 0]
 
 
 @pytest.mark.slow
@@ -149,6 +152,17 @@ def test_window_release_needs_a_window_and_attention_parts_none():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("router, request_index, views", [
+    (CountsBlocksAsTokens, 4, "replica 0: 0 blocks cached, 37 tokens waiting, 1 in flight; replica 1: 2 blocks "
+                              "cached, 41 tokens waiting, 1 in flight"),
+    (FirstOfEquals, 6, "replica 0: 0 blocks cached, 0 tokens waiting, 0 in flight; replica 1: 0 blocks cached")])
+def test_a_wrong_router_is_named_at_its_first_choice_other_than_kv_costs(router, request_index, views):
+    with pytest.raises(LearnerPartError, match=rf"^kv_cost_router chose 0 .* expected replica 1; it saw "
+                                               rf"{views}.*\(request {request_index} of the fleet\)"):
+        check_engine({"kv_cost_router": router}, check=False, max_tokens=6)
+
+
+@pytest.mark.slow
 def test_a_copy_on_write_plan_that_would_corrupt_the_pool_is_refused():
     with pytest.raises(LearnerPartError, match=r"^copy_on_write\(\[.*returned .*: a copy of a block this sequence "
                                                r"holds alone \(write it in place\)"):
@@ -170,12 +184,12 @@ def test_the_call_says_which_parts_fall_back_to_kvlabs(capsys):
     assert llm.parts.slot_mapping is SOLUTIONS["slot_mapping"] and llm.parts.decode_attention is None
     assert describe({}).endswith(f"kvlab's own parts (not given): {', '.join(PARTS)}")
     assert describe({"can_allocate": SOLUTIONS["can_allocate"]}).endswith(
-        "triton_copy_blocks; with your can_allocate the pool keeps a watermark of free blocks at admission "
+        "kv_cost_router; with your can_allocate the pool keeps a watermark of free blocks at admission "
         "(kvlab.engine.parts.ADMISSION_WATERMARK)")
 
 
 def test_every_part_of_the_engine_is_a_puzzle():
-    assert PARTS == EngineParts.names()
+    assert PARTS == EngineParts.names() + FLEET_PARTS
     assert all(puzzle(name).name == name for name in PARTS)
 
 
