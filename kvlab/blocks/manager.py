@@ -242,14 +242,24 @@ class KVCacheManager:
     scheduler: ``Sequence.start_running``, ``scheduled_through``, ``stopped``; ``BlockManager`` does it itself).
     ``plan_append``: None (kvlab's copy-on-write rule), or the course's seam for a learner's (``kvlab.engine.parts``):
     ``plan_append(table, ref, num_computed_tokens, num_tokens, block_size)`` returns the indices of the table's
-    entries a step copies before writing and the number of blocks it appends."""
+    entries a step copies before writing and the number of blocks it appends.
+    ``order_tier``: None, or the course's seam for a learner's ``tier_promotion`` (an LRU offload tier only):
+    after each admission ``order_tier(tier, num_slots, num_tokens, block_size, prompt_hashes, num_gpu_hits,
+    overwritten, promoted, after)`` (the tier's hashes before it, least recently used first; the prompt's
+    block hashes; the hashes the new blocks held, None for none; the hashes promoted; the tier's hashes after
+    it) returns the hashes in the order the tier then keeps, which decides its later victims."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, *, num_cpu_blocks: int = 0, watermark: float = 0.0,
                  enable_prefix_caching: bool = True, sliding_window: Optional[int] = None, hash_fn=None,
                  eviction="lru", record_events: bool = False, kv_events: bool = False, num_offload_blocks: int = 0,
                  offload_policy: str = "lru", offload_admission: str = "always",
                  kv_cache_metrics: Optional[KVCacheMetricsCollector] = None, shared_tier=None,
-                 use_eagle: bool = False, prefix_match_unit: Optional[int] = None, groups=None, plan_append=None):
+                 use_eagle: bool = False, prefix_match_unit: Optional[int] = None, groups=None, plan_append=None,
+                 order_tier=None):
+        if order_tier is not None and (not callable(order_tier) or offload_policy != "lru" or not num_offload_blocks):
+            raise InvalidArgumentError(f"order_tier needs an offload tier of its own (num_offload_blocks > 0) with "
+                                       f"offload_policy='lru', and must be callable; got order_tier={order_tier!r}, "
+                                       f"num_offload_blocks={num_offload_blocks!r}, offload_policy={offload_policy!r}")
         if groups is not None:
             if (sliding_window is not None or num_offload_blocks or shared_tier is not None
                     or kv_cache_metrics is not None):
@@ -267,6 +277,7 @@ class KVCacheManager:
                               kv_cache_metrics=kv_cache_metrics, shared_tier=shared_tier,
                               prefix_match_unit=prefix_match_unit, use_eagle=use_eagle, plan_append=plan_append)
         self._setup(parts, [spec_for(sliding_window)] if groups is None else specs, use_eagle)
+        self._order_tier = order_tier
         self.kv_cache_metrics = kv_cache_metrics  # residency metrics (kvlab.blocks.events), or None
 
     def _setup(self, parts: SharedParts, specs, use_eagle) -> None:
@@ -398,6 +409,10 @@ class KVCacheManager:
         by the sequence's future forks. Atomic: raises before changing anything if the blocks are not there,
         or if the prompt could never be finished in this pool."""
         hit, plans, pins, revived, needed = self._plan_admission(seq, hit, 0, num_new_tokens)
+        ordered = self._order_tier is not None  # the course's seam (see the class docstring)
+        if ordered:  # what the tier and the blocks held before: slots and blocks are reused below
+            tier_before, promoted = self._tier.order.resident(), [self._tier.index.hash[s] for s in hit.tier_hits]
+            held = {block: block_hash for block_hash, block in self._pool.index.cached.items()}
         num_cross = self._cross_blocks(seq, encoder_seq) if encoder_seq is not None or self._cross else 0
         pool, several = self._pool, len(plans) > 1
         peak_blocks = sum(map(_peak_blocks, plans)) + num_cross
@@ -434,6 +449,11 @@ class KVCacheManager:
             self.stats.count_lookup(seq.num_tokens, len(hit.hashes), len(plans[0].hits), self.block_size,
                                     recomputing, hit.num_partial_tokens)
         seq.allocation = self._groups[0].records[seq.seq_id]
+        if ordered:
+            order = self._order_tier(tier_before, self._tier.num_slots, seq.num_tokens, self.block_size,
+                                     list(hit.hashes), len(plans[0].hits), [held.get(b) for b in taken[0]], promoted,
+                                     self._tier.order.resident())
+            self._tier.order.reorder(order)
         return Admitted(hit.num_tokens, tuple(taken), self._tier.take_moves() if self._tier else [],
                         plans[0].scheduled, hit.partial)
 

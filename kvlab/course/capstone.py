@@ -45,7 +45,7 @@ __all__ = ["PARTS", "CapstoneRun", "check_engine", "describe", "engine_with"]
 PARTS: tuple[str, ...] = ("slot_mapping", "block_hashes", "lru_policy", "copy_on_write", "decode_attention",
                           "prefill_attention", "ngram_proposer", "rejection_sampling", "split_k_merge",
                           "triton_reshape_and_cache", "triton_decode_attention", "triton_split_k_decode",
-                          "triton_copy_blocks", "can_allocate")
+                          "triton_copy_blocks", "can_allocate", "tier_promotion")
 #: The parts that are Triton kernels: checked on the tiny model (see the module docstring).
 TRITON_PARTS = tuple(name for name in PARTS if name.startswith("triton_"))
 
