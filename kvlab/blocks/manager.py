@@ -257,9 +257,10 @@ class KVCacheManager:
                  use_eagle: bool = False, prefix_match_unit: Optional[int] = None, groups=None, plan_append=None,
                  order_tier=None):
         if order_tier is not None and (not callable(order_tier) or offload_policy != "lru" or not num_offload_blocks):
-            raise InvalidArgumentError(f"order_tier needs an offload tier of its own (num_offload_blocks > 0) with "
-                                       f"offload_policy='lru', and must be callable; got order_tier={order_tier!r}, "
-                                       f"num_offload_blocks={num_offload_blocks!r}, offload_policy={offload_policy!r}")
+            raise InvalidArgumentError(f"order_tier (a learner's tier_promotion) needs an offload tier of its own "
+                                       f"(num_offload_blocks > 0) with offload_policy='lru', and must be callable; got "
+                                       f"a {type(order_tier).__name__}, num_offload_blocks={num_offload_blocks!r}, "
+                                       f"offload_policy={offload_policy!r}")
         if groups is not None:
             if (sliding_window is not None or num_offload_blocks or shared_tier is not None
                     or kv_cache_metrics is not None):

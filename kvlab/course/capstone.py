@@ -60,6 +60,12 @@ DEFAULT_OPTIONS = dict(block_size=16, num_blocks=96, speculative_config={
 #: it finished (OK, its system-prompt block a free cached hit taken back).
 ADMISSION_OPTIONS = dict(num_blocks=8)
 
+#: check_engine's engine when ``tier_promotion`` is yours: an LRU offload tier of 8 slots behind a pool of 8 blocks.
+#: The questions are then served one at a time, each followed by a filler prompt (``_filler``) taking every block
+#: a prompt may hold, so the pool evicts the question's cached blocks to the tier, and the second question's
+#: system-prompt block is a tier hit, promoted back (the learner's answer then orders the tier).
+TIER_OPTIONS = dict(num_blocks=8, num_offload_blocks=8)
+
 #: check_engine's prompts: SmolLM2's chat template puts the same system prompt before each (a shared prefix of
 #: full blocks), and the first answer quotes its question (so drafts are proposed and accepted).
 QUESTIONS = ("Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank.",
@@ -77,7 +83,8 @@ def engine_with(parts: dict | None = None, model=None, *, check: bool = True, ve
     """An ``LLM`` serving ``model`` (None: SmolLM2-135M-Instruct, ``kvlab.models.smollm2()``) with ``parts``, a
     dict from part names (``PARTS``) to your solutions (the function, or for ``lru_policy`` the class, each
     puzzle asks for); None or ``{}``: kvlab's own parts throughout. ``check``: grade each part by its puzzle
-    first (a part that fails raises ``LearnerPartError`` naming it and its failing case). Prints which parts
+    first (a part that fails raises ``LearnerPartError`` naming it and its failing case). With your
+    ``tier_promotion`` the engine has an LRU offload tier (of ``TIER_OPTIONS``' slots unless given). Prints which parts
     are yours and which kvlab's (``verbose=False``: not). ``llm_options``: ``LLM``'s keyword arguments, over
     ``DEFAULT_OPTIONS``."""
     given = _checked_parts(parts)
@@ -87,7 +94,9 @@ def engine_with(parts: dict | None = None, model=None, *, check: bool = True, ve
     from kvlab.engine.parts import EngineParts
     from kvlab.models import smollm2
 
-    llm = LLM(smollm2() if model is None else model, parts=EngineParts(**given), **{**DEFAULT_OPTIONS, **llm_options})
+    tier = {"num_offload_blocks": TIER_OPTIONS["num_offload_blocks"]} if "tier_promotion" in given else {}
+    llm = LLM(smollm2() if model is None else model, parts=EngineParts(**given),
+              **{**DEFAULT_OPTIONS, **tier, **llm_options})
     if verbose:
         print(describe(given))
     return llm
@@ -226,10 +235,19 @@ def _serve(parts, prompts, max_tokens, model, llm_options, seed=None) -> Capston
                             n=1 if chats else 2)
     # With the learner's admission, the chats run in a pool small enough that the second one waits.
     options = {**ADMISSION_OPTIONS, **llm_options} if "can_allocate" in parts and chats else llm_options
+    tiered = "tier_promotion" in parts and chats  # one question at a time, the pool evicting to the tier between
+    if tiered:
+        options = {**TIER_OPTIONS, **options}
     llm = engine_with(parts, model, check=False, verbose=False, **options)
     for cache in llm.kv_cache.gpu:
         cache.fill_(float("nan"))
-    if chats:
+    if tiered:
+        outputs = []
+        for i, question in enumerate(prompts):
+            if i:
+                llm.generate([_filler(llm)], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+            outputs += llm.chat([[{"role": "user", "content": question}]], params, use_tqdm=False)
+    elif chats:
         outputs = llm.chat([[{"role": "user", "content": q}] for q in prompts], params, use_tqdm=False)
     else:
         outputs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
@@ -238,6 +256,13 @@ def _serve(parts, prompts, max_tokens, model, llm_options, seed=None) -> Capston
                        [o.metrics.num_cached_prompt_tokens for o, _ in samples],
                        [o.metrics.num_accepted_tokens for o, _ in samples],
                        [sample.abort_reason for _, sample in samples])
+
+
+def _filler(llm) -> list[int]:
+    """A prompt sharing no block with the questions that needs every block one prompt may hold (its one output
+    token fits in its last block): admitted, it evicts the pool's cached blocks to the offload tier."""
+    bs = llm.block_manager.block_size
+    return [llm.tokenizer.eos_token_id] + [1000 + i for i in range((llm.block_manager.usable_blocks - 1) * bs)]
 
 
 @functools.lru_cache(maxsize=1)

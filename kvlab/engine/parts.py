@@ -112,8 +112,8 @@ class EngineParts:
 
     # ---- the block manager's parts ------------------------------------------------------------------------
     def block_manager_options(self) -> dict:
-        """The block manager's ``hash_fn``, ``eviction``, ``plan_append``, ``watermark`` and ``order_tier`` for these parts (none:
-        kvlab's)."""
+        """The block manager's ``hash_fn``, ``eviction``, ``plan_append``, ``watermark`` and ``order_tier`` for
+        these parts (none: kvlab's)."""
         options = {} if self.copy_on_write is None else {"plan_append": self._plan_append}
         if self.can_allocate is not None:
             options["watermark"] = ADMISSION_WATERMARK
