@@ -278,7 +278,9 @@ class KVCacheManager:
                               kv_cache_metrics=kv_cache_metrics, shared_tier=shared_tier,
                               prefix_match_unit=prefix_match_unit, use_eagle=use_eagle, plan_append=plan_append)
         self._setup(parts, [spec_for(sliding_window)] if groups is None else specs, use_eagle)
-        self._order_tier = order_tier
+        if order_tier is not None:  # the course's seam wraps allocate: kvlab's own path stays as it is
+            self._order_tier, self._allocate_unordered = order_tier, self.allocate
+            self.allocate = self._allocate_ordered
         self.kv_cache_metrics = kv_cache_metrics  # residency metrics (kvlab.blocks.events), or None
 
     def _setup(self, parts: SharedParts, specs, use_eagle) -> None:
@@ -410,10 +412,6 @@ class KVCacheManager:
         by the sequence's future forks. Atomic: raises before changing anything if the blocks are not there,
         or if the prompt could never be finished in this pool."""
         hit, plans, pins, revived, needed = self._plan_admission(seq, hit, 0, num_new_tokens)
-        ordered = self._order_tier is not None  # the course's seam (see the class docstring)
-        if ordered:  # what the tier and the blocks held before: slots and blocks are reused below
-            tier_before, promoted = self._tier.order.resident(), [self._tier.index.hash[s] for s in hit.tier_hits]
-            held = {block: block_hash for block_hash, block in self._pool.index.cached.items()}
         num_cross = self._cross_blocks(seq, encoder_seq) if encoder_seq is not None or self._cross else 0
         pool, several = self._pool, len(plans) > 1
         peak_blocks = sum(map(_peak_blocks, plans)) + num_cross
@@ -450,13 +448,24 @@ class KVCacheManager:
             self.stats.count_lookup(seq.num_tokens, len(hit.hashes), len(plans[0].hits), self.block_size,
                                     recomputing, hit.num_partial_tokens)
         seq.allocation = self._groups[0].records[seq.seq_id]
-        if ordered:
-            order = self._order_tier(tier_before, self._tier.num_slots, seq.num_tokens, self.block_size,
-                                     list(hit.hashes), len(plans[0].hits), [held.get(b) for b in taken[0]], promoted,
-                                     self._tier.order.resident())
-            self._tier.order.reorder(order)
         return Admitted(hit.num_tokens, tuple(taken), self._tier.take_moves() if self._tier else [],
                         plans[0].scheduled, hit.partial)
+
+    def _allocate_ordered(self, seq: Sequence, encoder_seq: Optional[Sequence] = None, *,
+                          num_new_tokens: Optional[int] = None, hit: Optional[PrefixHit] = None) -> Admitted:
+        """``allocate``, then the tier's order by ``order_tier`` on the admission's numbers (see the class
+        docstring)."""
+        tier = self._tier
+        hit = self.lookup(seq) if hit is None else hit
+        # What the tier and the blocks held before: the admission reuses slots and blocks.
+        before, promoted = tier.order.resident(), [tier.index.hash[slot] for slot in hit.tier_hits]
+        held = {block: block_hash for block_hash, block in self._pool.index.cached.items()}
+        admitted = self._allocate_unordered(seq, encoder_seq, num_new_tokens=num_new_tokens, hit=hit)
+        overwritten = [held.get(block) for block in admitted.new_blocks[0]]
+        tier.order.reorder(self._order_tier(before, tier.num_slots, seq.num_tokens, self.block_size,
+                                            list(hit.hashes), len(hit.hits[0]), overwritten, promoted,
+                                            tier.order.resident()))
+        return admitted
 
     def _plan_admission(self, seq, hit, lookahead, num_new_tokens) -> tuple:
         """(the hit, each group's plan to admit ``seq`` with it, the hits allocate pins while the groups take their
