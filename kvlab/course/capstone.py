@@ -31,6 +31,13 @@ A copy-on-write plan that leaves a shared block uncopied changes no greedy token
 K/V). So given ``copy_on_write``, the tiny model also serves ``KERNEL_PROMPTS`` with two samples each at
 temperature 1, seeded (``FORK_SEED``): they differ from their first token on, so a missing copy makes one
 sample read the other's K/V; their tokens must equal kvlab's own engine's on the same seed.
+
+Given ``tier_promotion``, the engine has an LRU offload tier, and after each admission the tier keeps the order
+your answer gives (which decides what later offloads drop). The questions are then served one at a time in a
+small pool (``TIER_OPTIONS``), a filler prompt between them evicting the first's blocks to the tier, so the
+second question's system-prompt block is promoted back from it. What the tier promotes and holds is decided
+before your answer's inputs exist (the blocks the admission overwrites), so your answer must name the same, and
+its order must be kvlab's on the same numbers (a wrong order changes no token): else the engine raises at once.
 """
 
 import functools
@@ -104,11 +111,14 @@ def engine_with(parts: dict | None = None, model=None, *, check: bool = True, ve
 
 def describe(parts: dict) -> str:
     """Which parts are the learner's and which kvlab's, in one line (and, with their ``can_allocate``, that the
-    engine keeps a watermark, which kvlab's own engine does not)."""
+    engine keeps a watermark, which kvlab's own engine does not; with their ``tier_promotion``, that it has an
+    offload tier)."""
     yours = [name for name in PARTS if name in parts]
     kvlabs = [name for name in PARTS if name not in parts]
     watermark = ("; with your can_allocate the pool keeps a watermark of free blocks at admission "
                  "(kvlab.engine.parts.ADMISSION_WATERMARK)" if "can_allocate" in parts else "")
+    if "tier_promotion" in parts:
+        watermark += "; with your tier_promotion the engine has an LRU offload tier, kept in your answer's order"
     return (f"engine_with: your parts: {', '.join(yours) or 'none'}; kvlab's own parts (not given): "
             f"{', '.join(kvlabs) or 'none'}{watermark}")
 

@@ -308,6 +308,11 @@ def test_a_wrong_tier_promotion_is_named_where_the_manager_admits(wrong, last, p
         run_tier_prompts(wrong, last)
 
 
+def test_the_call_says_a_learners_tier_promotion_brings_an_offload_tier():
+    assert describe({"tier_promotion": SOLUTIONS["tier_promotion"]}).endswith(
+        "can_allocate; with your tier_promotion the engine has an LRU offload tier, kept in your answer's order")
+
+
 def test_a_learners_tier_promotion_needs_an_lru_offload_tier():
     with pytest.raises(InvalidArgumentError, match=r"order_tier \(a learner's tier_promotion\) needs an "
                                                     r"offload tier of its own"):
