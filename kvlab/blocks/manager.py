@@ -249,7 +249,12 @@ class KVCacheManager:
     (``kvlab.engine.parts``): ``plan_append(table, ref, num_computed_tokens, num_tokens, block_size)`` returns the
     indices of the table's entries a step copies before writing and the number of blocks it appends;
     ``plan_window_release(table, num_released, first_query, window, block_size)`` a sliding-window group's
-    ``num_released`` after the step (its table entries before that index go back to the pool)."""
+    ``num_released`` after the step (its table entries before that index go back to the pool);
+    ``order_tier``: None, or the course's seam for a learner's ``tier_promotion`` (an LRU offload tier only):
+    after each admission ``order_tier(tier, num_slots, num_tokens, block_size, prompt_hashes, num_gpu_hits,
+    overwritten, promoted, after)`` (the tier's hashes before it, least recently used first; the prompt's
+    block hashes; the hashes the new blocks held, None for none; the hashes promoted; the tier's hashes after
+    it) returns the hashes in the order the tier then keeps, which decides its later victims."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, *, num_cpu_blocks: int = 0, watermark: float = 0.0,
                  enable_prefix_caching: bool = True, sliding_window: Optional[int] = None, hash_fn=None,
@@ -257,7 +262,12 @@ class KVCacheManager:
                  offload_policy: str = "lru", offload_admission: str = "always",
                  kv_cache_metrics: Optional[KVCacheMetricsCollector] = None, shared_tier=None,
                  use_eagle: bool = False, prefix_match_unit: Optional[int] = None, groups=None, plan_append=None,
-                 plan_window_release=None):
+                 plan_window_release=None, order_tier=None):
+        if order_tier is not None and (not callable(order_tier) or offload_policy != "lru" or not num_offload_blocks):
+            raise InvalidArgumentError(f"order_tier (a learner's tier_promotion) needs an offload tier of its own "
+                                       f"(num_offload_blocks > 0) with offload_policy='lru', and must be callable; got "
+                                       f"a {type(order_tier).__name__}, num_offload_blocks={num_offload_blocks!r}, "
+                                       f"offload_policy={offload_policy!r}")
         if groups is not None:
             if (sliding_window is not None or num_offload_blocks or shared_tier is not None
                     or kv_cache_metrics is not None):
@@ -276,6 +286,9 @@ class KVCacheManager:
                               prefix_match_unit=prefix_match_unit, use_eagle=use_eagle, plan_append=plan_append,
                               plan_window_release=plan_window_release)
         self._setup(parts, [spec_for(sliding_window)] if groups is None else specs, use_eagle)
+        if order_tier is not None:  # the course's seam wraps allocate: kvlab's own path stays as it is
+            self._order_tier, self._allocate_unordered = order_tier, self.allocate
+            self.allocate = self._allocate_ordered
         self.kv_cache_metrics = kv_cache_metrics  # residency metrics (kvlab.blocks.events), or None
 
     def _setup(self, parts: SharedParts, specs, use_eagle) -> None:
@@ -445,6 +458,22 @@ class KVCacheManager:
         seq.allocation = self._groups[0].records[seq.seq_id]
         return Admitted(hit.num_tokens, tuple(taken), self._tier.take_moves() if self._tier else [],
                         plans[0].scheduled, hit.partial)
+
+    def _allocate_ordered(self, seq: Sequence, encoder_seq: Optional[Sequence] = None, *,
+                          num_new_tokens: Optional[int] = None, hit: Optional[PrefixHit] = None) -> Admitted:
+        """``allocate``, then the tier's order by ``order_tier`` on the admission's numbers (see the class
+        docstring)."""
+        tier = self._tier
+        hit = self.lookup(seq) if hit is None else hit
+        # What the tier and the blocks held before: the admission reuses slots and blocks.
+        before, promoted = tier.order.resident(), [tier.index.hash[slot] for slot in hit.tier_hits]
+        held = {block: block_hash for block_hash, block in self._pool.index.cached.items()}
+        admitted = self._allocate_unordered(seq, encoder_seq, num_new_tokens=num_new_tokens, hit=hit)
+        overwritten = [held.get(block) for block in admitted.new_blocks[0]]
+        tier.order.reorder(self._order_tier(before, tier.num_slots, seq.num_tokens, self.block_size,
+                                            list(hit.hashes), len(hit.hits[0]), overwritten, promoted,
+                                            tier.order.resident()))
+        return admitted
 
     def _plan_admission(self, seq, hit, lookahead, num_new_tokens) -> tuple:
         """(the hit, each group's plan to admit ``seq`` with it, the hits allocate pins while the groups take their

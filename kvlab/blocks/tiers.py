@@ -247,6 +247,13 @@ class LRUOrder:
     def clear(self) -> None:
         self.entries.clear()
 
+    def reorder(self, hashes) -> None:
+        """Keep the same entries in the order of ``hashes`` (least recently used first): a learner's order
+        (``KVCacheManager(order_tier=...)``), which must hold exactly the resident hashes."""
+        if sorted(hashes) != sorted(self.entries):
+            raise InvariantViolation("a reordered offload tier must hold the same hashes")
+        self.entries = dict.fromkeys(hashes)
+
     def resident(self) -> list:
         return list(self.entries)
 

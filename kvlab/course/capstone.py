@@ -34,8 +34,9 @@ sample read the other's K/V; their tokens must equal kvlab's own engine's on the
 
 ``window_release`` needs a model with a sliding window: given it, a tiny random-weight model whose every layer
 sees the last ``WINDOW`` tokens serves ``KERNEL_PROMPTS`` with your parts but the attention ones (their contracts
-have no window), against Hugging Face, which applies the window itself: a block released while a query still
-sees it reads as stale K/V. Releasing too late costs memory, not tokens: the puzzle's check names it.
+have no window) and ``tier_promotion`` (an offload tier holds full-attention blocks), against Hugging Face,
+which applies the window itself: a block released while a query still sees it reads as stale K/V. Releasing too
+late costs memory, not tokens: the puzzle's check names it.
 
 ``kv_cost_router`` routes a fleet: given it, two replicas (kvlab's own engines on the tiny model, publishing KV
 events) serve ``FLEET_WAVES`` one wave after the other: the router places each request of a wave (first
@@ -43,6 +44,13 @@ prompts, then follow-ups sharing their two leading blocks, then a new prompt) wh
 queue, seeing each replica only as a ``ReplicaView`` (the hashes its events say it caches, its queue). Each
 choice must be kvlab's ``kv_cost`` router's on the same views (a wrong cost or tie-break is named with the views),
 and every request's tokens Hugging Face's.
+
+Given ``tier_promotion``, the engine has an LRU offload tier, and after each admission the tier keeps the order
+your answer gives (which decides what later offloads drop). The questions are then served one at a time in a
+small pool (``TIER_OPTIONS``), a filler prompt between them evicting the first's blocks to the tier, so the
+second question's system-prompt block is promoted back from it. What the tier promotes and holds is decided
+before your answer's inputs exist (the blocks the admission overwrites), so your answer must name the same, and
+its order must be kvlab's on the same numbers (a wrong order changes no token): else the engine raises at once.
 """
 
 import functools
@@ -57,7 +65,8 @@ __all__ = ["PARTS", "CapstoneRun", "check_engine", "describe", "engine_with"]
 PARTS: tuple[str, ...] = ("slot_mapping", "block_hashes", "lru_policy", "copy_on_write", "window_release",
                           "decode_attention", "prefill_attention", "ngram_proposer", "rejection_sampling",
                           "split_k_merge", "triton_reshape_and_cache", "triton_decode_attention",
-                          "triton_split_k_decode", "triton_copy_blocks", "can_allocate", "kv_cost_router")
+                          "triton_split_k_decode", "triton_copy_blocks", "can_allocate", "tier_promotion",
+                          "kv_cost_router")
 #: The parts of a fleet rather than of one engine: the router that picks each request's replica.
 FLEET_PARTS = ("kv_cost_router",)
 #: The parts that are Triton kernels: checked on the tiny model (see the module docstring).
@@ -78,6 +87,12 @@ DEFAULT_OPTIONS = dict(block_size=16, num_blocks=96, speculative_config={
 #: exactly those 4 (OK, at the boundary), so the second waits while the first runs (LATER) and is admitted once
 #: it finished (OK, its system-prompt block a free cached hit taken back).
 ADMISSION_OPTIONS = dict(num_blocks=8)
+
+#: check_engine's engine when ``tier_promotion`` is yours: an LRU offload tier of 8 slots behind a pool of 8 blocks.
+#: The questions are then served one at a time, each followed by a filler prompt (``_filler``) taking every block
+#: a prompt may hold, so the pool evicts the question's cached blocks to the tier, and the second question's
+#: system-prompt block is a tier hit, promoted back (the learner's answer then orders the tier).
+TIER_OPTIONS = dict(num_blocks=8, num_offload_blocks=8)
 
 #: check_engine's prompts: SmolLM2's chat template puts the same system prompt before each (a shared prefix of
 #: full blocks), and the first answer quotes its question (so drafts are proposed and accepted).
@@ -104,7 +119,8 @@ def engine_with(parts: dict | None = None, model=None, *, check: bool = True, ve
     """An ``LLM`` serving ``model`` (None: SmolLM2-135M-Instruct, ``kvlab.models.smollm2()``) with ``parts``, a
     dict from part names (``PARTS``) to your solutions (the function, or for ``lru_policy`` the class, each
     puzzle asks for); None or ``{}``: kvlab's own parts throughout. ``check``: grade each part by its puzzle
-    first (a part that fails raises ``LearnerPartError`` naming it and its failing case). Prints which parts
+    first (a part that fails raises ``LearnerPartError`` naming it and its failing case). With your
+    ``tier_promotion`` the engine has an LRU offload tier (of ``TIER_OPTIONS``' slots unless given). Prints which parts
     are yours and which kvlab's (``verbose=False``: not). ``llm_options``: ``LLM``'s keyword arguments, over
     ``DEFAULT_OPTIONS``."""
     given = _checked_parts(parts)
@@ -114,8 +130,9 @@ def engine_with(parts: dict | None = None, model=None, *, check: bool = True, ve
     from kvlab.engine.parts import EngineParts
     from kvlab.models import smollm2
 
+    tier = {"num_offload_blocks": TIER_OPTIONS["num_offload_blocks"]} if "tier_promotion" in given else {}
     engine_parts = EngineParts(**{name: part for name, part in given.items() if name not in FLEET_PARTS})
-    llm = LLM(smollm2() if model is None else model, parts=engine_parts, **{**DEFAULT_OPTIONS, **llm_options})
+    llm = LLM(smollm2() if model is None else model, parts=engine_parts, **{**DEFAULT_OPTIONS, **tier, **llm_options})
     if verbose:
         print(describe(given))
     return llm
@@ -123,11 +140,14 @@ def engine_with(parts: dict | None = None, model=None, *, check: bool = True, ve
 
 def describe(parts: dict) -> str:
     """Which parts are the learner's and which kvlab's, in one line (and, with their ``can_allocate``, that the
-    engine keeps a watermark, which kvlab's own engine does not)."""
+    engine keeps a watermark, which kvlab's own engine does not; with their ``tier_promotion``, that it has an
+    offload tier)."""
     yours = [name for name in PARTS if name in parts]
     kvlabs = [name for name in PARTS if name not in parts]
     watermark = ("; with your can_allocate the pool keeps a watermark of free blocks at admission "
                  "(kvlab.engine.parts.ADMISSION_WATERMARK)" if "can_allocate" in parts else "")
+    if "tier_promotion" in parts:
+        watermark += "; with your tier_promotion the engine has an LRU offload tier, kept in your answer's order"
     return (f"engine_with: your parts: {', '.join(yours) or 'none'}; kvlab's own parts (not given): "
             f"{', '.join(kvlabs) or 'none'}{watermark}")
 
@@ -170,7 +190,8 @@ def check_engine(parts: dict | None = None, *, questions=QUESTIONS, max_tokens: 
     if check:
         _grade(given)  # every part, kernels included, before any model loads
     router = given.pop("kv_cost_router", None)
-    windowed = {name: part for name, part in given.items() if name not in ATTENTION_PARTS}
+    # The windowed run: no attention part (their contracts have no window), no offload tier (full attention's).
+    windowed = {name: part for name, part in given.items() if name not in ATTENTION_PARTS + ("tier_promotion",)}
     given = {name: part for name, part in given.items() if name != "window_release"}
     run = _compared({name: part for name, part in given.items() if name not in TRITON_PARTS}, questions,
                     max_tokens, model, llm_options)
@@ -254,9 +275,9 @@ def _serve(parts, prompts, max_tokens, model, llm_options, seed=None) -> Capston
     """``prompts``: questions (strings, served as chats, one sample each) or token-id prompts (two greedy samples
     each: forked from the prompt, they share its last block until each writes its first token, which copies
     it, copy-on-write: the copies ``triton_copy_blocks`` makes); greedy, or with a ``seed`` at temperature 1.
-    The run has one row per sample. Every cache
-    slot starts as NaN, as in the puzzles' checks: a part that reads a slot no step wrote changes the tokens
-    (left as they are, the slots may hold what an earlier engine in this process wrote there, right by luck)."""
+    The run has one row per sample. Every cache slot starts as NaN, as in the puzzles' checks: a part that
+    reads a slot no step wrote changes the tokens (left as they are, the slots may hold what an earlier engine
+    in this process wrote there, right by luck)."""
     from kvlab.engine import SamplingParams
 
     chats = isinstance(prompts[0], str)
@@ -264,10 +285,19 @@ def _serve(parts, prompts, max_tokens, model, llm_options, seed=None) -> Capston
                             n=1 if chats else 2)
     # With the learner's admission, the chats run in a pool small enough that the second one waits.
     options = {**ADMISSION_OPTIONS, **llm_options} if "can_allocate" in parts and chats else llm_options
+    tiered = "tier_promotion" in parts and chats  # one question at a time, the pool evicting to the tier between
+    if tiered:
+        options = {**TIER_OPTIONS, **options}
     llm = engine_with(parts, model, check=False, verbose=False, **options)
     for cache in llm.kv_cache.gpu:
         cache.fill_(float("nan"))
-    if chats:
+    if tiered:
+        outputs = []
+        for i, question in enumerate(prompts):
+            if i:
+                llm.generate([_filler(llm)], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+            outputs += llm.chat([[{"role": "user", "content": question}]], params, use_tqdm=False)
+    elif chats:
         outputs = llm.chat([[{"role": "user", "content": q}] for q in prompts], params, use_tqdm=False)
     else:
         outputs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
@@ -276,6 +306,13 @@ def _serve(parts, prompts, max_tokens, model, llm_options, seed=None) -> Capston
                        [o.metrics.num_cached_prompt_tokens for o, _ in samples],
                        [o.metrics.num_accepted_tokens for o, _ in samples],
                        [sample.abort_reason for _, sample in samples])
+
+
+def _filler(llm) -> list[int]:
+    """A prompt sharing no block with the questions that needs every block one prompt may hold (its one output
+    token fits in its last block): admitted, it evicts the pool's cached blocks to the offload tier."""
+    bs = llm.block_manager.block_size
+    return [llm.tokenizer.eos_token_id] + [1000 + i for i in range((llm.block_manager.usable_blocks - 1) * bs)]
 
 
 class _EngineReplica:

@@ -40,6 +40,11 @@ known by:
   the spec's answer is kvlab's (``kvlab.blocks.manager.admission``), and an answer that differs raises. The
   scheduler acts on the learner's answer, save that a prompt kvlab finds can never finish (its whole prompt,
   hits and later chunks counted, which the spec does not see) is aborted, as kvlab's NEVER.
+* ``tier_promotion(tier, num_slots, num_tokens, block_size, prompt_hashes, num_gpu_hits, overwritten)``: the
+  offload tier's order (least recently used first) after each admission, which the block manager keeps: it
+  decides which entries later offloads drop (``LLM(num_offload_blocks=...)``, LRU only). The promotions and the
+  entries are the tier's own (its lookup and offers ran before the overwritten hashes, an input, exist): the
+  learner's must equal them, and its order kvlab's on the same numbers, else ``LearnerPartError``.
 
 A part that raises, or answers what its contract does not allow, raises ``LearnerPartError`` naming it (where
 the engine calls it: a forward pass or a verification aborts that request with the error as its reason).
@@ -83,6 +88,7 @@ class EngineParts:
     triton_split_k_decode: Callable | None = None
     triton_copy_blocks: Callable | None = None
     can_allocate: Callable | None = None
+    tier_promotion: Callable | None = None
 
     def __post_init__(self):
         for name, part in self.given().items():
@@ -111,13 +117,15 @@ class EngineParts:
 
     # ---- the block manager's parts ------------------------------------------------------------------------
     def block_manager_options(self) -> dict:
-        """The block manager's ``hash_fn``, ``eviction``, ``plan_append``, ``plan_window_release`` and
-        ``watermark`` for these parts (none: kvlab's)."""
+        """The block manager's ``hash_fn``, ``eviction``, ``plan_append``, ``plan_window_release``, ``watermark``
+        and ``order_tier`` for these parts (none: kvlab's)."""
         options = {} if self.copy_on_write is None else {"plan_append": self._plan_append}
         if self.window_release is not None:
             options["plan_window_release"] = self._plan_release
         if self.can_allocate is not None:
             options["watermark"] = ADMISSION_WATERMARK
+        if self.tier_promotion is not None:
+            options["order_tier"] = self._order_tier
         if self.block_hashes is not None:
             options["hash_fn"] = HashChain(self._chained_hashes, _xxh64_block)
         if self.lru_policy is not None:
@@ -173,6 +181,28 @@ class EngineParts:
                                    f"now, in table order: the next entries from index {num_released} on, none of them "
                                    f"one the step writes (index {first_query // block_size} on)")
         return upto
+
+    def _order_tier(self, tier: list, num_slots: int, num_tokens: int, block_size: int, prompt_hashes: list,
+                    num_gpu_hits: int, overwritten: list, promoted: list, after: list) -> list:
+        """The offload tier's order after an admission, least recently used first, by the learner's
+        ``tier_promotion`` on the admission's numbers (``KVCacheManager(order_tier=...)``): the block manager keeps
+        it, so it decides which entries later offloads drop. Its promoted hashes must be the ones the tier
+        promoted, and its tier the hashes the tier holds (the lookup chose the promotions, and the offers the
+        entries, before the hashes the new blocks overwrite, an input, were known); its order must be kvlab's on
+        the same numbers, since a wrong one changes no token, only later hits. Else ``LearnerPartError``."""
+        args = (list(tier), num_slots, num_tokens, block_size, list(prompt_hashes), num_gpu_hits, list(overwritten))
+        got = _call("tier_promotion", self.tier_promotion, *args)
+        answer = got if isinstance(got, (tuple, list)) and len(got) == 2 and all(
+            isinstance(part, list) for part in got) else None
+        problem = ("expected (promoted, tier), two lists" if answer is None
+                   else f"promoted {answer[0]}, but the tier promoted {promoted}" if answer[0] != promoted
+                   else f"tier {answer[1]}: expected {after} (least recently used first)" if answer[1] != after
+                   else None)
+        if problem:
+            raise LearnerPartError(f"tier_promotion(tier={args[0]}, num_slots={num_slots}, num_tokens={num_tokens}, "
+                                   f"block_size={block_size}, prompt_hashes={args[4]}, num_gpu_hits={num_gpu_hits}, "
+                                   f"overwritten={args[6]}) returned {_short(got)}: {problem}")
+        return answer[1]
 
     # ---- the scheduler's part -----------------------------------------------------------------------------
     def admit(self, manager, seq, hit, num_new_tokens: int | None, status: AllocStatus) -> AllocStatus:

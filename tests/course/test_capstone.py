@@ -23,8 +23,9 @@ from kvlab.puzzles.solutions.decode_attention import decode_attention
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "puzzles"))
 from wrong_solutions import (attends_to_whole_blocks, caches_the_key_as_the_value_too,  # noqa: E402
-                             copies_every_written_block, copies_keys_only, every_partition_from_block_zero,
-                             never_copies, releases_a_block_still_seen)
+                             copies_every_written_block, copies_keys_only, drops_a_block_being_promoted,
+                             every_partition_from_block_zero, never_copies, promotes_past_the_last_token,
+                             releases_a_block_still_seen, uses_first_to_last)
 from wrong_solutions import CountsBlocksAsTokens, FirstOfEquals  # noqa: E402
 
 SOLUTIONS = {name: puzzle(name).solution() for name in PARTS}
@@ -184,7 +185,8 @@ def test_the_call_says_which_parts_fall_back_to_kvlabs(capsys):
     assert llm.parts.slot_mapping is SOLUTIONS["slot_mapping"] and llm.parts.decode_attention is None
     assert describe({}).endswith(f"kvlab's own parts (not given): {', '.join(PARTS)}")
     assert describe({"can_allocate": SOLUTIONS["can_allocate"]}).endswith(
-        "kv_cost_router; with your can_allocate the pool keeps a watermark of free blocks at admission "
+        "tier_promotion, kv_cost_router; with your can_allocate the pool keeps a watermark of free blocks at "
+        "admission "
         "(kvlab.engine.parts.ADMISSION_WATERMARK)")
 
 
@@ -294,3 +296,63 @@ def test_on_the_numbers_the_learner_is_given_the_spec_answers_as_kvlabs_can_allo
         assert parts.admit(manager, prompt, hit, num_new, status) is status
         answers.add(status)
     assert answers == set(AllocStatus)
+
+
+@pytest.mark.slow
+def test_a_learners_tier_promotion_orders_the_tier_when_the_second_question_promotes_its_system_prompt():
+    spy = Spy(SOLUTIONS["tier_promotion"])
+    run = check_engine({"tier_promotion": spy}, check=False)
+    assert run.matches and run.cached_prompt_tokens == [0, 16]
+    first, second = (len(p) for p in run.prompt_token_ids)
+    assert [call[2] for call in spy.calls] == [first, 113, second]  # the filler: 8 blocks, its token in the last
+    *_, (tier, num_slots, _, _, hashes, num_gpu_hits, overwritten, (promoted, order)) = spy.calls
+    # The filler evicted the first question's blocks to the tier; the second's system-prompt block is not on the
+    # GPU any more, but in the tier, and is promoted back.
+    assert num_slots == 8 and num_gpu_hits == 0 and hashes[0] in tier and promoted == [hashes[0]]
+    # 3 new blocks (the promoted one first, 35 tokens); the prompt's first block ends the most recently used
+    assert len(overwritten) == 3 and order[-1] == hashes[0]
+
+
+def run_tier_prompts(part, last=(1, 2, 3, 4, 5, 6, 7)) -> list:
+    """Three prompts through a manager of 4 blocks of 2 tokens with a learner's tier_promotion and an offload
+    tier of 3 slots: the second evicts the first's blocks to the tier, the third (``last``) finds them all
+    there and promotes them, the last token's block excepted. Returns the tier's order after each admission."""
+    manager = KVCacheManager(4, 2, num_offload_blocks=3,
+                             **EngineParts(tier_promotion=part).block_manager_options())
+    orders = []
+    for tokens in ([1, 2, 3, 4, 5, 6, 7], [9, 9, 8, 8, 7, 7, 6], list(last)):
+        seq = Sequence(tokens, 2)
+        manager.allocate(seq)
+        orders.append(list(manager._tier.order.resident()))
+        manager.free(seq)
+    return orders
+
+
+def test_the_tier_keeps_the_learners_order_after_each_admission():
+    spy = Spy(SOLUTIONS["tier_promotion"])
+    orders = run_tier_prompts(spy, last=(1, 2, 3, 4, 5, 6))
+    assert [call[-1][1] for call in spy.calls] == orders
+    assert [call[-1][0] for call in spy.calls][2] == spy.calls[2][4][:2]  # two promoted: the last token's block is not
+
+
+@pytest.mark.parametrize("wrong, last, problem", [
+    (promotes_past_the_last_token, (1, 2, 3, 4, 5, 6), r"promoted \[\d+, \d+, \d+\], but the tier promoted "
+                                                       r"\[\d+, \d+\]"),
+    (uses_first_to_last, (1, 2, 3, 4, 5, 6, 7), r"tier \[.*\]: expected \[.*\] \(least recently used first\)"),
+    (drops_a_block_being_promoted, (1, 2, 3, 4, 5, 6, 7),
+     r"tier \[.*\]: expected \[.*\] \(least recently used first\)")])
+def test_a_wrong_tier_promotion_is_named_where_the_manager_admits(wrong, last, problem):
+    with pytest.raises(LearnerPartError, match=rf"^tier_promotion\(tier=\[.*\], num_slots=3, "
+                                               rf"num_tokens={len(last)}, block_size=2, .*\) returned .*: {problem}$"):
+        run_tier_prompts(wrong, last)
+
+
+def test_the_call_says_a_learners_tier_promotion_brings_an_offload_tier():
+    assert describe({"tier_promotion": SOLUTIONS["tier_promotion"]}).endswith(
+        "kv_cost_router; with your tier_promotion the engine has an LRU offload tier, kept in your answer's order")
+
+
+def test_a_learners_tier_promotion_needs_an_lru_offload_tier():
+    with pytest.raises(InvalidArgumentError, match=r"order_tier \(a learner's tier_promotion\) needs an "
+                                                    r"offload tier of its own"):
+        KVCacheManager(4, 2, **EngineParts(tier_promotion=SOLUTIONS["tier_promotion"]).block_manager_options())
