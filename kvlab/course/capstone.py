@@ -3,7 +3,8 @@
 ``engine_with(parts)`` takes your solutions by puzzle name and returns a ``kvlab.engine.LLM`` in which each one
 replaces kvlab's own at a real seam (``kvlab.engine.parts``: the slots new K/V are written to, prefix caching's
 hashes, the free blocks' reuse order, torch attention over the block tables and the merge of a split-K decode,
-speculative decoding's drafts and their verification, the scheduler's admission of a waiting prompt, and Triton
+speculative decoding's drafts and their verification, the scheduler's admission of a waiting prompt and its
+preemption by recompute, and Triton
 kernels: the K/V write, decode attention, a split-K decode's partitions, block copies). A part you did not give is
 kvlab's, and the call says which are yours and which are kvlab's. Each part you give is first graded by its
 puzzle's ``check``: one that fails is named, with the failing case, before any model loads::
@@ -17,7 +18,8 @@ puzzle's ``check``: one that fails is named, with the failing case, before any m
 transformers' ``generate``, which must match exactly (with your ``can_allocate``, in a pool small enough that the
 second prompt waits: ``ADMISSION_OPTIONS``). On a mismatch it serves them again with one of your parts at a time
 (kvlab's for the others) and names the part whose engine goes wrong. A part the engine catches breaking its
-contract, such as an admission other than kvlab's on the same numbers, is named at once. ``check_engine()``
+contract, such as an admission other than kvlab's on the same numbers, is named at once. Your ``preemption`` is
+served apart, with kvlab's other parts, in a pool that makes the V1 scheduler preempt (``PREEMPTION_OPTIONS``). ``check_engine()``
 with no parts is the reference: kvlab's own engine.
 
 Triton kernels (``TRITON_PARTS``) run in Triton's interpreter on a CPU (compiled on a GPU), where SmolLM2 would take
@@ -45,7 +47,7 @@ __all__ = ["PARTS", "CapstoneRun", "check_engine", "describe", "engine_with"]
 PARTS: tuple[str, ...] = ("slot_mapping", "block_hashes", "lru_policy", "copy_on_write", "decode_attention",
                           "prefill_attention", "ngram_proposer", "rejection_sampling", "split_k_merge",
                           "triton_reshape_and_cache", "triton_decode_attention", "triton_split_k_decode",
-                          "triton_copy_blocks", "can_allocate")
+                          "triton_copy_blocks", "can_allocate", "preemption")
 #: The parts that are Triton kernels: checked on the tiny model (see the module docstring).
 TRITON_PARTS = tuple(name for name in PARTS if name.startswith("triton_"))
 
@@ -59,6 +61,13 @@ DEFAULT_OPTIONS = dict(block_size=16, num_blocks=96, speculative_config={
 #: exactly those 4 (OK, at the boundary), so the second waits while the first runs (LATER) and is admitted once
 #: it finished (OK, its system-prompt block a free cached hit taken back).
 ADMISSION_OPTIONS = dict(num_blocks=8)
+
+#: check_engine's run of your ``preemption`` (served apart from your other parts, with kvlab's): the V1
+#: scheduler asks it only in steps of plain decodes of blocks each request holds alone, so speculation and
+#: prefix caching are off. In blocks of 8 the questions' 49 and 35 prompt tokens take 7 and 5 of the 13: the
+#: second's 6th token takes the last free one, and the first's 8th needs one: the second is preempted (it
+#: frees its 6), recomputed once the first finished (its answer is 11 tokens).
+PREEMPTION_OPTIONS = dict(block_size=8, num_blocks=13, enable_prefix_caching=False, speculative_config=None)
 
 #: check_engine's prompts: SmolLM2's chat template puts the same system prompt before each (a shared prefix of
 #: full blocks), and the first answer quotes its question (so drafts are proposed and accepted).
@@ -118,6 +127,7 @@ class CapstoneRun:
     abort_reasons: list[str | None]
     kernels: list = field(default_factory=list)  # the Triton parts' runs on the tiny model (module docstring)
     forks: "CapstoneRun | None" = None  # the seeded samples' run, where copy_on_write was given
+    preemption: "CapstoneRun | None" = None  # the run of a learner's preemption (PREEMPTION_OPTIONS)
 
     @property
     def matches(self) -> bool:
@@ -138,8 +148,11 @@ def check_engine(parts: dict | None = None, *, questions=QUESTIONS, max_tokens: 
         print(describe(given))
     if check:
         _grade(given)  # every part, kernels included, before any model loads
-    run = _compared({name: part for name, part in given.items() if name not in TRITON_PARTS}, questions,
-                    max_tokens, model, llm_options)
+    run = _compared({name: part for name, part in given.items() if name not in TRITON_PARTS + ("preemption",)},
+                    questions, max_tokens, model, llm_options)
+    if "preemption" in given:
+        run.preemption = _compared({"preemption": given["preemption"]}, questions, max_tokens, model,
+                                   {**PREEMPTION_OPTIONS, **llm_options})
     if any(name in TRITON_PARTS for name in given):
         split_k = {"split_k_merge", "triton_split_k_decode"}
         decode_paths = ([{n: p for n, p in given.items() if n not in split_k},

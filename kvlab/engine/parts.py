@@ -36,6 +36,12 @@ known by:
   the spec's answer is kvlab's (``kvlab.blocks.manager.admission``), and an answer that differs raises. The
   scheduler acts on the learner's answer, save that a prompt kvlab finds can never finish (its whole prompt,
   hits and later chunks counted, which the spec does not see) is aborted, as kvlab's NEVER.
+* ``preemption(blocks_held, needs_block, num_free_blocks)``: which running requests decode and which are
+  preempted by recompute (and their order at the front of the waiting queue), in the V1 scheduler's steps where
+  the puzzle's spec applies: every running request a plain decode of one token (no drafts, no prompt chunk),
+  none waiting, recompute, each block held by one request alone (so a victim frees all it holds; check_engine
+  serves it with prefix caching off). The scheduler acts on the learner's answer; one other than the spec's on
+  the same numbers raises. Other steps are kvlab's.
 
 A part that raises, or answers what its contract does not allow, raises ``LearnerPartError`` naming it (where
 the engine calls it: a forward pass or a verification aborts that request with the error as its reason).
@@ -78,6 +84,7 @@ class EngineParts:
     triton_split_k_decode: Callable | None = None
     triton_copy_blocks: Callable | None = None
     can_allocate: Callable | None = None
+    preemption: Callable | None = None
 
     def __post_init__(self):
         for name, part in self.given().items():
@@ -178,6 +185,25 @@ class EngineParts:
                 f"prefix hit), the tokens after its hit need new blocks, and {num_free} blocks are free (the pool's "
                 f"{manager.num_free_blocks}, less {free_hits} free cached blocks of the hit that it takes back)")
         return status if status is AllocStatus.NEVER else got
+
+    def preempt(self, manager, running: list) -> tuple[list[int], list[int]]:
+        """``(scheduled, waiting)``, indices into ``running`` (each a plain decode of one token, its blocks its
+        own: see the module docstring), by the learner's ``preemption``, checked against the spec's answer on
+        the same numbers."""
+        bs = manager.block_size
+        held = [len(manager.get_block_table(seq)) for seq in running]
+        needs = [-(-(seq.num_computed_tokens + 1) // bs) > blocks for seq, blocks in zip(running, held)]
+        free = manager.num_free_blocks
+        expected = _preempted_by_recompute(held, needs, free)
+        got = _call("preemption", self.preemption, list(held), list(needs), free)
+        answer = (tuple(list(part) for part in got)
+                  if isinstance(got, (tuple, list)) and len(got) == 2 and all(type(p) is list for p in got) else got)
+        if answer != expected:
+            raise LearnerPartError(
+                f"preemption(blocks_held={held}, needs_block={needs}, num_free_blocks={free}) returned "
+                f"{_short(got)}, expected {expected}: the V1 scheduler's running sequences "
+                f"{[seq.seq_id for seq in running]} each decode one token")
+        return expected
 
     # ---- the runner's parts -------------------------------------------------------------------------------
     def slots(self, block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
@@ -362,6 +388,24 @@ def check_parts(parts, *, speculation, attention_backend, kv_cache_dtype: str) -
     if parts.rejection_sampling is not None and speculation is None:
         raise InvalidArgumentError("parts: rejection_sampling verifies drafts: give a speculative_config too")
     return parts
+
+
+def _preempted_by_recompute(held: list[int], needs: list[bool], free: int) -> tuple[list[int], list[int]]:
+    """The preemption puzzle's spec: requests in order; one short of a block preempts the last request not yet
+    scheduled (possibly itself, then it stops), which frees all it holds and goes to the waiting queue's front."""
+    queue, scheduled, waiting = list(range(len(held))), [], []
+    while queue:
+        request = queue.pop(0)
+        while needs[request] and free == 0:
+            victim = queue.pop() if queue else request
+            free += held[victim]
+            waiting.insert(0, victim)
+            if victim == request:
+                break
+        else:
+            free -= needs[request]
+            scheduled.append(request)
+    return scheduled, waiting
 
 
 def _xxh64_block(parent, block: tuple) -> int:

@@ -36,6 +36,10 @@ class V1Scheduler(Scheduler):
     repeats_plain_decode = True  # a plain decode step repeats as V0's does (Scheduler.steady_decode_steps)
     drafter = None     # a kvlab.engine.speculative.Speculation (SchedulerConfig.build sets it), or None
     max_model_len = None  # set with the drafter: no draft goes past the context (None: no context limit)
+    #: A learner's preemption (``kvlab.engine.parts.EngineParts.preempt``), called as ``preemption(manager,
+    #: running)`` in steps where its spec applies (``_plain_decodes``), returning ``(scheduled, waiting)``
+    #: indices to act on. None: kvlab's loop throughout.
+    preemption = None
 
     def schedule(self) -> ScheduledStep:
         if self.prefix_reset_pending and not self.running and not self.swapped:
@@ -70,6 +74,8 @@ class V1Scheduler(Scheduler):
 
     def _schedule_running(self, step: StepBuilder, budget: int) -> int:
         """Give running sequences their next tokens while the budget lasts; returns the budget left."""
+        if self.preemption is not None and self._plain_decodes(budget):
+            return self._schedule_by_learner(step, budget)
         queue, kept = deque(self.running), []
         while queue and budget:
             seq = queue.popleft()
@@ -86,6 +92,34 @@ class V1Scheduler(Scheduler):
                 budget -= self._count(step, seq, start, drafts)
                 kept.append(seq)
         self.running = kept + list(queue)  # preempted and aborted sequences are out; unscheduled ones wait
+        return budget
+
+    def _plain_decodes(self, budget: int) -> bool:
+        """Whether this step is one the preemption puzzle's spec describes: two or more running sequences, each
+        decoding one token without drafts within the budget, none waiting, preemption by recompute, and every
+        block held by one running sequence alone (a victim frees all it holds)."""
+        tables = [self.manager.get_block_table(seq) for seq in self.running]
+        return (len(self.running) > 1 and len(self.running) <= budget and not self.waiting and not self.swapped
+                and self.drafter is None and self.preemption_mode == "recompute"
+                and all(seq.num_tokens - seq.num_computed_tokens == 1 for seq in self.running)
+                and all(self.manager.ref_count(block) == 1 for table in tables for block in table))
+
+    def _schedule_by_learner(self, step: StepBuilder, budget: int) -> int:
+        """The plain decode step as the learner's ``preemption`` answers (checked against the spec): its victims
+        preempted by recompute, the last of them first so that the waiting queue's front is theirs in their
+        order, then the others decode one token each."""
+        running = list(self.running)
+        scheduled, waiting = self.preemption(self.manager, running)
+        for index in reversed(waiting):
+            self._preempt(running[index], step)
+        for index in scheduled:
+            seq = running[index]
+            start = seq.num_computed_tokens
+            copies = self.manager.append_slots(seq, num_new_tokens=1)
+            seq.scheduled_through(copies.num_computed_tokens, 0)
+            step.record("copy", copies)
+            budget -= self._count(step, seq, start)
+        self.running = [running[index] for index in scheduled]
         return budget
 
     def _chunk_that_fits(self, seq: Sequence, num_new: int) -> int:

@@ -15,7 +15,7 @@ import torch
 from kvlab.blocks import AllocStatus, Sequence
 from kvlab.blocks.manager import KVCacheManager
 from kvlab.course import check_engine, engine_with
-from kvlab.course.capstone import PARTS, describe
+from kvlab.course.capstone import PARTS, QUESTIONS, _tiny_model, describe
 from kvlab.engine.parts import EngineParts
 from kvlab.errors import InvalidArgumentError, LearnerPartError
 from kvlab.puzzles import puzzle
@@ -24,7 +24,7 @@ from kvlab.puzzles.solutions.decode_attention import decode_attention
 sys.path.insert(0, str(Path(__file__).parents[1] / "puzzles"))
 from wrong_solutions import (attends_to_whole_blocks, caches_the_key_as_the_value_too,  # noqa: E402
                              copies_every_written_block, copies_keys_only, every_partition_from_block_zero,
-                             never_copies)
+                             never_copies, preempts_the_oldest_waiting)
 
 SOLUTIONS = {name: puzzle(name).solution() for name in PARTS}
 
@@ -255,3 +255,29 @@ def test_on_the_numbers_the_learner_is_given_the_spec_answers_as_kvlabs_can_allo
         assert parts.admit(manager, prompt, hit, num_new, status) is status
         answers.add(status)
     assert answers == set(AllocStatus)
+
+
+@pytest.mark.slow
+def test_a_learners_preemption_preempts_the_newest_request_and_recomputes_it():
+    spy = Spy(SOLUTIONS["preemption"])
+    run = check_engine({"preemption": spy}, check=False)  # the puzzle's check would call it too
+    assert run.preemption.matches and run.preemption.abort_reasons == [None, None]
+    # 13 blocks of 8: the second took the last free one, the first needs one: the second is preempted.
+    assert ([7, 6], [True, False], 0, ([0], [1])) in spy.calls
+    assert all(len(call[0]) == 2 for call in spy.calls)  # asked only while both decode: none waits
+
+
+@pytest.mark.slow
+def test_a_wrong_preemption_is_named_where_the_scheduler_preempts():
+    # Three questions in 18 blocks: the first needs a block with none free and two requests behind it.
+    questions = (*QUESTIONS, "Say hello.")
+    with pytest.raises(LearnerPartError, match=r"^preemption\(blocks_held=\[7, 6, 5\], needs_block=\[True, False, "
+                                               r"True\], num_free_blocks=0\) returned \(\[0, 2\], \[1\]\), "
+                                               r"expected \(\[0, 1\], \[2\]\)"):
+        check_engine({"preemption": preempts_the_oldest_waiting}, questions=questions, check=False, num_blocks=18)
+
+
+def test_preemption_is_the_v1_schedulers_part():
+    with pytest.raises(InvalidArgumentError, match=r"preemption is the V1 scheduler's .* scheduling is 'v0'"):
+        engine_with({"preemption": SOLUTIONS["preemption"]}, check=False, verbose=False, scheduling="v0",
+                    speculative_config=None, model=_tiny_model())
