@@ -4,7 +4,7 @@
 replaces kvlab's own at a real seam (``kvlab.engine.parts``: the slots new K/V are written to, prefix caching's
 hashes, the free blocks' reuse order, torch attention over the block tables and the merge of a split-K decode,
 speculative decoding's drafts and their verification, the scheduler's admission of a waiting prompt and its
-preemption by recompute, and Triton
+preemption by recompute and its token budget's chunks, and Triton
 kernels: the K/V write, decode attention, a split-K decode's partitions, block copies). A part you did not give is
 kvlab's, and the call says which are yours and which are kvlab's. Each part you give is first graded by its
 puzzle's ``check``: one that fails is named, with the failing case, before any model loads::
@@ -18,8 +18,9 @@ puzzle's ``check``: one that fails is named, with the failing case, before any m
 transformers' ``generate``, which must match exactly (with your ``can_allocate``, in a pool small enough that the
 second prompt waits: ``ADMISSION_OPTIONS``). On a mismatch it serves them again with one of your parts at a time
 (kvlab's for the others) and names the part whose engine goes wrong. A part the engine catches breaking its
-contract, such as an admission other than kvlab's on the same numbers, is named at once. Your ``preemption`` is
-served apart, with kvlab's other parts, in a pool that makes the V1 scheduler preempt (``PREEMPTION_OPTIONS``). ``check_engine()``
+contract, such as an admission other than kvlab's on the same numbers, is named at once. Your ``preemption`` and
+``v1_step`` are served apart, with kvlab's other parts, under options that make their seams fire
+(``SCHEDULER_PART_OPTIONS``: a pool that makes the V1 scheduler preempt; a budget that chunks the prompts). ``check_engine()``
 with no parts is the reference: kvlab's own engine.
 
 Triton kernels (``TRITON_PARTS``) run in Triton's interpreter on a CPU (compiled on a GPU), where SmolLM2 would take
@@ -47,7 +48,8 @@ __all__ = ["PARTS", "CapstoneRun", "check_engine", "describe", "engine_with"]
 PARTS: tuple[str, ...] = ("slot_mapping", "block_hashes", "lru_policy", "copy_on_write", "decode_attention",
                           "prefill_attention", "ngram_proposer", "rejection_sampling", "split_k_merge",
                           "triton_reshape_and_cache", "triton_decode_attention", "triton_split_k_decode",
-                          "triton_copy_blocks", "can_allocate", "preemption")
+                          "triton_copy_blocks", "can_allocate", "preemption",
+                          "v1_step")
 #: The parts that are Triton kernels: checked on the tiny model (see the module docstring).
 TRITON_PARTS = tuple(name for name in PARTS if name.startswith("triton_"))
 
@@ -68,6 +70,15 @@ ADMISSION_OPTIONS = dict(num_blocks=8)
 #: second's 6th token takes the last free one, and the first's 8th needs one: the second is preempted (it
 #: frees its 6), recomputed once the first finished (its answer is 11 tokens).
 PREEMPTION_OPTIONS = dict(block_size=8, num_blocks=13, enable_prefix_caching=False, speculative_config=None)
+
+#: check_engine's run of your ``v1_step`` (apart, as ``preemption``): a budget of 24 tokens a step, so the
+#: questions' 49 and 35 prompt tokens are prefilled in chunks beside decodes (two seats: a budget is at least
+#: the seats, a decode each); speculation off (drafts are not
+#: in the spec), prefix caching off (a waiting prompt's hit is not either).
+V1_STEP_OPTIONS = dict(max_num_batched_tokens=24, max_num_seqs=2, enable_prefix_caching=False, speculative_config=None)
+
+#: The parts served apart from the others, each with kvlab's other parts and the options that make it run.
+SCHEDULER_PART_OPTIONS = {"preemption": PREEMPTION_OPTIONS, "v1_step": V1_STEP_OPTIONS}
 
 #: check_engine's prompts: SmolLM2's chat template puts the same system prompt before each (a shared prefix of
 #: full blocks), and the first answer quotes its question (so drafts are proposed and accepted).
@@ -128,6 +139,7 @@ class CapstoneRun:
     kernels: list = field(default_factory=list)  # the Triton parts' runs on the tiny model (module docstring)
     forks: "CapstoneRun | None" = None  # the seeded samples' run, where copy_on_write was given
     preemption: "CapstoneRun | None" = None  # the run of a learner's preemption (PREEMPTION_OPTIONS)
+    v1_step: "CapstoneRun | None" = None  # the run of a learner's v1_step (V1_STEP_OPTIONS)
 
     @property
     def matches(self) -> bool:
@@ -148,11 +160,13 @@ def check_engine(parts: dict | None = None, *, questions=QUESTIONS, max_tokens: 
         print(describe(given))
     if check:
         _grade(given)  # every part, kernels included, before any model loads
-    run = _compared({name: part for name, part in given.items() if name not in TRITON_PARTS + ("preemption",)},
+    run = _compared({name: part for name, part in given.items()
+                     if name not in TRITON_PARTS and name not in SCHEDULER_PART_OPTIONS},
                     questions, max_tokens, model, llm_options)
-    if "preemption" in given:
-        run.preemption = _compared({"preemption": given["preemption"]}, questions, max_tokens, model,
-                                   {**PREEMPTION_OPTIONS, **llm_options})
+    for name, options in SCHEDULER_PART_OPTIONS.items():
+        if name in given:
+            setattr(run, name, _compared({name: given[name]}, questions, max_tokens, model,
+                                         {**options, **llm_options}))
     if any(name in TRITON_PARTS for name in given):
         split_k = {"split_k_merge", "triton_split_k_decode"}
         decode_paths = ([{n: p for n, p in given.items() if n not in split_k},

@@ -24,7 +24,7 @@ from kvlab.puzzles.solutions.decode_attention import decode_attention
 sys.path.insert(0, str(Path(__file__).parents[1] / "puzzles"))
 from wrong_solutions import (attends_to_whole_blocks, caches_the_key_as_the_value_too,  # noqa: E402
                              copies_every_written_block, copies_keys_only, every_partition_from_block_zero,
-                             never_copies, preempts_the_oldest_waiting)
+                             admits_whole_prompts_only, never_copies, preempts_the_oldest_waiting)
 
 SOLUTIONS = {name: puzzle(name).solution() for name in PARTS}
 
@@ -145,7 +145,7 @@ def test_the_call_says_which_parts_fall_back_to_kvlabs(capsys):
     assert llm.parts.slot_mapping is SOLUTIONS["slot_mapping"] and llm.parts.decode_attention is None
     assert describe({}).endswith(f"kvlab's own parts (not given): {', '.join(PARTS)}")
     assert describe({"can_allocate": SOLUTIONS["can_allocate"]}).endswith(
-        "triton_copy_blocks; with your can_allocate the pool keeps a watermark of free blocks at admission "
+        "triton_copy_blocks, preemption, v1_step; with your can_allocate the pool keeps a watermark of free blocks at admission "
         "(kvlab.engine.parts.ADMISSION_WATERMARK)")
 
 
@@ -277,7 +277,26 @@ def test_a_wrong_preemption_is_named_where_the_scheduler_preempts():
         check_engine({"preemption": preempts_the_oldest_waiting}, questions=questions, check=False, num_blocks=18)
 
 
-def test_preemption_is_the_v1_schedulers_part():
-    with pytest.raises(InvalidArgumentError, match=r"preemption is the V1 scheduler's .* scheduling is 'v0'"):
-        engine_with({"preemption": SOLUTIONS["preemption"]}, check=False, verbose=False, scheduling="v0",
+@pytest.mark.parametrize("name", ["preemption", "v1_step"])
+def test_the_v1_schedulers_parts_are_refused_by_a_v0_engine(name):
+    with pytest.raises(InvalidArgumentError, match=rf"{name} is the V1 scheduler's .* scheduling is 'v0'"):
+        engine_with({name: SOLUTIONS[name]}, check=False, verbose=False, scheduling="v0",
                     speculative_config=None, model=_tiny_model())
+
+
+@pytest.mark.slow
+def test_a_learners_v1_step_chunks_the_prompts_under_the_budget():
+    spy = Spy(SOLUTIONS["v1_step"])
+    run = check_engine({"v1_step": spy}, check=False)  # the puzzle's check would call it too
+    assert run.v1_step.matches and run.v1_step.abort_reasons == [None, None]
+    # 24 tokens a step, two seats: the first prompt (49 tokens) in chunks of 24, 24 and 1, the second's first
+    # chunk beside its last token.
+    assert [call[:4] for call in spy.calls[:3]] == [([], [49, 35], 24, 2), ([25], [35], 24, 2), ([1], [35], 24, 2)]
+    assert [call[-1] for call in spy.calls[:3]] == [([], [24]), ([24], []), ([1], [23])]
+
+
+@pytest.mark.slow
+def test_a_wrong_v1_step_is_named_where_the_scheduler_chunks():
+    with pytest.raises(LearnerPartError, match=r"^v1_step\(running=\[\], waiting=\[49, 35\], token_budget=24, "
+                                               r"max_num_seqs=2\) returned \(\[\], \[\]\), expected \(\[\], \[24\]\)"):
+        check_engine({"v1_step": admits_whole_prompts_only}, check=False, max_tokens=6)
