@@ -3,7 +3,8 @@
 ``engine_with(parts)`` takes your solutions by puzzle name and returns a ``kvlab.engine.LLM`` in which each one
 replaces kvlab's own at a real seam (``kvlab.engine.parts``: the slots new K/V are written to, prefix caching's
 hashes, the free blocks' reuse order, torch attention over the block tables and the merge of a split-K decode,
-speculative decoding's drafts and their verification, the scheduler's admission of a waiting prompt, and Triton
+speculative decoding's drafts and their verification, the scheduler's admission of a waiting prompt and its
+preemption by recompute and its token budget's chunks, and Triton
 kernels: the K/V write, decode attention, a split-K decode's partitions, block copies). A part you did not give is
 kvlab's, and the call says which are yours and which are kvlab's. Each part you give is first graded by its
 puzzle's ``check``: one that fails is named, with the failing case, before any model loads::
@@ -17,8 +18,10 @@ puzzle's ``check``: one that fails is named, with the failing case, before any m
 transformers' ``generate``, which must match exactly (with your ``can_allocate``, in a pool small enough that the
 second prompt waits: ``ADMISSION_OPTIONS``). On a mismatch it serves them again with one of your parts at a time
 (kvlab's for the others) and names the part whose engine goes wrong. A part the engine catches breaking its
-contract, such as an admission other than kvlab's on the same numbers, is named at once. ``check_engine()``
-with no parts is the reference: kvlab's own engine.
+contract, such as an admission other than kvlab's on the same numbers, is named at once. Your ``preemption`` and
+``v1_step`` are served apart, with kvlab's other parts, under options that make their seams fire
+(``SCHEDULER_PART_OPTIONS``: a pool that makes the V1 scheduler preempt; a budget that chunks the prompts).
+``check_engine()`` with no parts is the reference: kvlab's own engine.
 
 Triton kernels (``TRITON_PARTS``) run in Triton's interpreter on a CPU (compiled on a GPU), where SmolLM2 would take
 minutes a token. So ``check_engine`` serves SmolLM2 with your other parts, and, given any kernel, serves
@@ -66,7 +69,7 @@ PARTS: tuple[str, ...] = ("slot_mapping", "block_hashes", "lru_policy", "copy_on
                           "decode_attention", "prefill_attention", "ngram_proposer", "rejection_sampling",
                           "split_k_merge", "triton_reshape_and_cache", "triton_decode_attention",
                           "triton_split_k_decode", "triton_copy_blocks", "can_allocate", "tier_promotion",
-                          "kv_cost_router")
+                          "preemption", "v1_step", "kv_cost_router")
 #: The parts of a fleet rather than of one engine: the router that picks each request's replica.
 FLEET_PARTS = ("kv_cost_router",)
 #: The parts that are Triton kernels: checked on the tiny model (see the module docstring).
@@ -93,6 +96,22 @@ ADMISSION_OPTIONS = dict(num_blocks=8)
 #: a prompt may hold, so the pool evicts the question's cached blocks to the tier, and the second question's
 #: system-prompt block is a tier hit, promoted back (the learner's answer then orders the tier).
 TIER_OPTIONS = dict(num_blocks=8, num_offload_blocks=8)
+
+#: check_engine's run of your ``preemption`` (served apart from your other parts, with kvlab's): the V1
+#: scheduler asks it only in steps of plain decodes of blocks each request holds alone, so speculation and
+#: prefix caching are off. In blocks of 8 the questions' 49 and 35 prompt tokens take 7 and 5 of the 13: the
+#: second's 6th token takes the last free one, and the first's 8th needs one: the second is preempted (it
+#: frees its 6), recomputed once the first finished (its answer is 11 tokens).
+PREEMPTION_OPTIONS = dict(block_size=8, num_blocks=13, enable_prefix_caching=False, speculative_config=None)
+
+#: check_engine's run of your ``v1_step`` (apart, as ``preemption``): a budget of 24 tokens a step, so the
+#: questions' 49 and 35 prompt tokens are prefilled in chunks beside decodes (two seats: a budget is at least
+#: the seats, a decode each); speculation off (drafts are not
+#: in the spec), prefix caching off (a waiting prompt's hit is not either).
+V1_STEP_OPTIONS = dict(max_num_batched_tokens=24, max_num_seqs=2, enable_prefix_caching=False, speculative_config=None)
+
+#: The parts served apart from the others, each with kvlab's other parts and the options that make it run.
+SCHEDULER_PART_OPTIONS = {"preemption": PREEMPTION_OPTIONS, "v1_step": V1_STEP_OPTIONS}
 
 #: check_engine's prompts: SmolLM2's chat template puts the same system prompt before each (a shared prefix of
 #: full blocks), and the first answer quotes its question (so drafts are proposed and accepted).
@@ -168,6 +187,8 @@ class CapstoneRun:
     forks: "CapstoneRun | None" = None  # the seeded samples' run, where copy_on_write was given
     windowed: "CapstoneRun | None" = None  # the sliding-window model's run, where window_release was given
     fleet: "CapstoneRun | None" = None  # the routed fleet's run, where kv_cost_router was given
+    preemption: "CapstoneRun | None" = None  # the run of a learner's preemption (PREEMPTION_OPTIONS)
+    v1_step: "CapstoneRun | None" = None  # the run of a learner's v1_step (V1_STEP_OPTIONS)
 
     @property
     def matches(self) -> bool:
@@ -183,18 +204,24 @@ def check_engine(parts: dict | None = None, *, questions=QUESTIONS, max_tokens: 
     ``engine_with``). Your Triton kernels are left out of this run and checked with all your parts on the tiny
     model (see the module docstring): those runs are the returned run's ``kernels``; a ``copy_on_write`` is
     checked by seeded samples there too (``forks``), a ``window_release`` on a sliding-window model
-    (``windowed``), a ``kv_cost_router`` routing a fleet (``fleet``)."""
+    (``windowed``), a ``kv_cost_router`` routing a fleet (``fleet``); a ``preemption`` and a ``v1_step`` are
+    served apart, each with kvlab's other parts and the options that make it run (``SCHEDULER_PART_OPTIONS``;
+    the run's ``preemption`` and ``v1_step``)."""
     given = _checked_parts(parts)
     if verbose:
         print(describe(given))
     if check:
         _grade(given)  # every part, kernels included, before any model loads
     router = given.pop("kv_cost_router", None)
+    apart = {name: given.pop(name) for name in SCHEDULER_PART_OPTIONS if name in given}  # served apart, below
     # The windowed run: no attention part (their contracts have no window), no offload tier (full attention's).
     windowed = {name: part for name, part in given.items() if name not in ATTENTION_PARTS + ("tier_promotion",)}
     given = {name: part for name, part in given.items() if name != "window_release"}
     run = _compared({name: part for name, part in given.items() if name not in TRITON_PARTS}, questions,
                     max_tokens, model, llm_options)
+    for name, part in apart.items():
+        setattr(run, name, _compared({name: part}, questions, max_tokens, model,
+                                     {**SCHEDULER_PART_OPTIONS[name], **llm_options}))
     if any(name in TRITON_PARTS for name in given):
         split_k = {"split_k_merge", "triton_split_k_decode"}
         decode_paths = ([{n: p for n, p in given.items() if n not in split_k},

@@ -210,6 +210,16 @@ class LLM:
         self.scheduler = scheduler_config.build(DoctorView(self.block_manager, self.hit_doctor))
         if parts.can_allocate is not None:
             self.scheduler.admission = parts.admit
+        if parts.preemption is not None:
+            if self.scheduler.scheduling != "v1":
+                raise InvalidArgumentError(f"parts: preemption is the V1 scheduler's (scheduling='v1'); this "
+                                           f"engine's scheduling is {self.scheduler.scheduling!r}")
+            self.scheduler.preemption = parts.preempt
+        if parts.v1_step is not None:
+            if self.scheduler.scheduling != "v1":
+                raise InvalidArgumentError(f"parts: v1_step is the V1 scheduler's step (scheduling='v1'); this "
+                                           f"engine's scheduling is {self.scheduler.scheduling!r}")
+            self.scheduler.token_allocation = parts.allocate_tokens
         if residual_length is not None:  # KIVI: a freed sequence's open chunks leave the windows with it
             self.scheduler.on_blocks_freed = self.kv_cache.forget_blocks
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.attention_backend,

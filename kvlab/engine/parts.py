@@ -45,6 +45,17 @@ known by:
   decides which entries later offloads drop (``LLM(num_offload_blocks=...)``, LRU only). The promotions and the
   entries are the tier's own (its lookup and offers ran before the overwritten hashes, an input, exist): the
   learner's must equal them, and its order kvlab's on the same numbers, else ``LearnerPartError``.
+* ``preemption(blocks_held, needs_block, num_free_blocks)``: which running requests decode and which are
+  preempted by recompute (and their order at the front of the waiting queue), in the V1 scheduler's steps where
+  the puzzle's spec applies: every running request a plain decode of one token (no drafts, no prompt chunk),
+  none waiting, recompute, each block held by one request alone (so a victim frees all it holds; check_engine
+  serves it with prefix caching off). The scheduler acts on the learner's answer; one other than the spec's on
+  the same numbers raises. Other steps are kvlab's.
+* ``v1_step(running, waiting, token_budget, max_num_seqs)``: the V1 scheduler's tokens for each running
+  sequence and each waiting prompt it admits (chunked prefill under the budget), in steps where the puzzle's
+  spec applies: no drafts, one seat per sequence, kvlab's FCFS admission, no waiting prompt with a prefix hit,
+  and room in the pool for the spec's step (checked on kvlab's answer first: then the learner is asked). The
+  scheduler acts on the learner's answer; one other than the spec's raises.
 
 A part that raises, or answers what its contract does not allow, raises ``LearnerPartError`` naming it (where
 the engine calls it: a forward pass or a verification aborts that request with the error as its reason).
@@ -89,6 +100,8 @@ class EngineParts:
     triton_copy_blocks: Callable | None = None
     can_allocate: Callable | None = None
     tier_promotion: Callable | None = None
+    preemption: Callable | None = None
+    v1_step: Callable | None = None
 
     def __post_init__(self):
         for name, part in self.given().items():
@@ -229,6 +242,48 @@ class EngineParts:
                 f"prefix hit), the tokens after its hit need new blocks, and {num_free} blocks are free (the pool's "
                 f"{manager.num_free_blocks}, less {free_hits} free cached blocks of the hit that it takes back)")
         return status if status is AllocStatus.NEVER else got
+
+    def preempt(self, manager, running: list) -> tuple[list[int], list[int]]:
+        """``(scheduled, waiting)``, indices into ``running`` (each a plain decode of one token, its blocks its
+        own: see the module docstring), by the learner's ``preemption``, checked against the spec's answer on
+        the same numbers."""
+        bs = manager.block_size
+        held = [len(manager.get_block_table(seq)) for seq in running]
+        needs = [-(-(seq.num_computed_tokens + 1) // bs) > blocks for seq, blocks in zip(running, held)]
+        free = manager.num_free_blocks
+        expected = _preempted_by_recompute(held, needs, free)
+        got = _call("preemption", self.preemption, list(held), list(needs), free)
+        answer = (tuple(list(part) for part in got)
+                  if isinstance(got, (tuple, list)) and len(got) == 2 and all(type(p) is list for p in got) else got)
+        if answer != expected:
+            raise LearnerPartError(
+                f"preemption(blocks_held={held}, needs_block={needs}, num_free_blocks={free}) returned "
+                f"{_short(got)}, expected {expected}: the V1 scheduler's running sequences "
+                f"{[seq.seq_id for seq in running]} each decode one token")
+        return expected
+
+    def allocate_tokens(self, manager, running: list, waiting: list, budget: int,
+                        max_num_seqs: int) -> tuple[list[int], list[int]] | None:
+        """``(running_tokens, admitted_tokens)`` by the learner's ``v1_step``, checked against the spec's answer
+        on the same numbers; None (the learner is not asked) where the pool has no room for that step."""
+        left = [seq.num_tokens - seq.num_computed_tokens for seq in running]
+        prompts = [seq.num_tokens for seq in waiting]
+        expected = _v1_step(left, prompts, budget, max_num_seqs)
+        bs = manager.block_size
+        needed = (sum(-(-(seq.num_computed_tokens + tokens) // bs) - len(manager.get_block_table(seq))
+                      for seq, tokens in zip(running, expected[0]))
+                  + sum(-(-tokens // bs) for tokens in expected[1]))
+        if needed > manager.num_free_blocks:
+            return None
+        got = _call("v1_step", self.v1_step, list(left), list(prompts), budget, max_num_seqs)
+        answer = (tuple(list(part) for part in got)
+                  if isinstance(got, (tuple, list)) and len(got) == 2 and all(type(p) is list for p in got) else got)
+        if answer != expected:
+            raise LearnerPartError(
+                f"v1_step(running={left}, waiting={prompts}, token_budget={budget}, max_num_seqs={max_num_seqs}) "
+                f"returned {_short(got)}, expected {expected}: the V1 scheduler's step of running sequences "
+                f"{[seq.seq_id for seq in running]} and waiting ones {[seq.seq_id for seq in waiting]}")
+        return expected
 
     # ---- the runner's parts -------------------------------------------------------------------------------
     def slots(self, block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
@@ -427,6 +482,40 @@ def check_model_for_parts(parts: EngineParts, groups, path) -> None:
                                    f"{path} has other layers")
     if parts.window_release is not None and window is None:
         raise InvalidArgumentError(f"parts: window_release releases a sliding window's blocks; {path} has no window")
+
+
+def _preempted_by_recompute(held: list[int], needs: list[bool], free: int) -> tuple[list[int], list[int]]:
+    """The preemption puzzle's spec: requests in order; one short of a block preempts the last request not yet
+    scheduled (possibly itself, then it stops), which frees all it holds and goes to the waiting queue's front."""
+    queue, scheduled, waiting = list(range(len(held))), [], []
+    while queue:
+        request = queue.pop(0)
+        while needs[request] and free == 0:
+            victim = queue.pop() if queue else request
+            free += held[victim]
+            waiting.insert(0, victim)
+            if victim == request:
+                break
+        else:
+            free -= needs[request]
+            scheduled.append(request)
+    return scheduled, waiting
+
+
+def _v1_step(running: list[int], waiting: list[int], budget: int, max_num_seqs: int) -> tuple[list[int], list[int]]:
+    """The v1_step puzzle's spec: running requests first, each min(tokens left, budget left); then waiting
+    prompts in order while budget and seats last, the last admitted possibly with a chunk."""
+    running_tokens = []
+    for left in running:
+        running_tokens.append(min(left, budget))
+        budget -= running_tokens[-1]
+    admitted = []
+    for prompt in waiting:
+        if not budget or len(running) + len(admitted) >= max_num_seqs:
+            break
+        admitted.append(min(prompt, budget))
+        budget -= admitted[-1]
+    return running_tokens, admitted
 
 
 def _xxh64_block(parent, block: tuple) -> int:

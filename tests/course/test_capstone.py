@@ -15,7 +15,7 @@ import torch
 from kvlab.blocks import AllocStatus, Sequence
 from kvlab.blocks.manager import KVCacheManager
 from kvlab.course import check_engine, engine_with
-from kvlab.course.capstone import FLEET_PARTS, PARTS, describe
+from kvlab.course.capstone import FLEET_PARTS, PARTS, QUESTIONS, _tiny_model, describe
 from kvlab.engine.parts import EngineParts
 from kvlab.errors import InvalidArgumentError, LearnerPartError
 from kvlab.puzzles import puzzle
@@ -23,9 +23,10 @@ from kvlab.puzzles.solutions.decode_attention import decode_attention
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "puzzles"))
 from wrong_solutions import (attends_to_whole_blocks, caches_the_key_as_the_value_too,  # noqa: E402
-                             copies_every_written_block, copies_keys_only, drops_a_block_being_promoted,
-                             every_partition_from_block_zero, never_copies, promotes_past_the_last_token,
-                             releases_a_block_still_seen, uses_first_to_last)
+                             admits_whole_prompts_only, copies_every_written_block, copies_keys_only,
+                             drops_a_block_being_promoted, every_partition_from_block_zero, never_copies,
+                             preempts_the_oldest_waiting, promotes_past_the_last_token, releases_a_block_still_seen,
+                             uses_first_to_last)
 from wrong_solutions import CountsBlocksAsTokens, FirstOfEquals  # noqa: E402
 
 SOLUTIONS = {name: puzzle(name).solution() for name in PARTS}
@@ -185,8 +186,7 @@ def test_the_call_says_which_parts_fall_back_to_kvlabs(capsys):
     assert llm.parts.slot_mapping is SOLUTIONS["slot_mapping"] and llm.parts.decode_attention is None
     assert describe({}).endswith(f"kvlab's own parts (not given): {', '.join(PARTS)}")
     assert describe({"can_allocate": SOLUTIONS["can_allocate"]}).endswith(
-        "tier_promotion, kv_cost_router; with your can_allocate the pool keeps a watermark of free blocks at "
-        "admission "
+        "v1_step, kv_cost_router; with your can_allocate the pool keeps a watermark of free blocks at admission "
         "(kvlab.engine.parts.ADMISSION_WATERMARK)")
 
 
@@ -356,3 +356,47 @@ def test_a_learners_tier_promotion_needs_an_lru_offload_tier():
     with pytest.raises(InvalidArgumentError, match=r"order_tier \(a learner's tier_promotion\) needs an "
                                                     r"offload tier of its own"):
         KVCacheManager(4, 2, **EngineParts(tier_promotion=SOLUTIONS["tier_promotion"]).block_manager_options())
+
+
+def test_a_learners_preemption_preempts_the_newest_request_and_recomputes_it():
+    spy = Spy(SOLUTIONS["preemption"])
+    run = check_engine({"preemption": spy}, check=False)  # the puzzle's check would call it too
+    assert run.preemption.matches and run.preemption.abort_reasons == [None, None]
+    # 13 blocks of 8: the second took the last free one, the first needs one: the second is preempted.
+    assert ([7, 6], [True, False], 0, ([0], [1])) in spy.calls
+    assert all(len(call[0]) == 2 for call in spy.calls)  # asked only while both decode: none waits
+
+
+@pytest.mark.slow
+def test_a_wrong_preemption_is_named_where_the_scheduler_preempts():
+    # Three questions in 18 blocks: the first needs a block with none free and two requests behind it.
+    questions = (*QUESTIONS, "Say hello.")
+    with pytest.raises(LearnerPartError, match=r"^preemption\(blocks_held=\[7, 6, 5\], needs_block=\[True, False, "
+                                               r"True\], num_free_blocks=0\) returned \(\[0, 2\], \[1\]\), "
+                                               r"expected \(\[0, 1\], \[2\]\)"):
+        check_engine({"preemption": preempts_the_oldest_waiting}, questions=questions, check=False, num_blocks=18)
+
+
+@pytest.mark.parametrize("name", ["preemption", "v1_step"])
+def test_the_v1_schedulers_parts_are_refused_by_a_v0_engine(name):
+    with pytest.raises(InvalidArgumentError, match=rf"{name} is the V1 scheduler's .* scheduling is 'v0'"):
+        engine_with({name: SOLUTIONS[name]}, check=False, verbose=False, scheduling="v0",
+                    speculative_config=None, model=_tiny_model())
+
+
+@pytest.mark.slow
+def test_a_learners_v1_step_chunks_the_prompts_under_the_budget():
+    spy = Spy(SOLUTIONS["v1_step"])
+    run = check_engine({"v1_step": spy}, check=False)  # the puzzle's check would call it too
+    assert run.v1_step.matches and run.v1_step.abort_reasons == [None, None]
+    # 24 tokens a step, two seats: the first prompt (49 tokens) in chunks of 24, 24 and 1, the second's first
+    # chunk beside its last token.
+    assert [call[:4] for call in spy.calls[:3]] == [([], [49, 35], 24, 2), ([25], [35], 24, 2), ([1], [35], 24, 2)]
+    assert [call[-1] for call in spy.calls[:3]] == [([], [24]), ([24], []), ([1], [23])]
+
+
+@pytest.mark.slow
+def test_a_wrong_v1_step_is_named_where_the_scheduler_chunks():
+    with pytest.raises(LearnerPartError, match=r"^v1_step\(running=\[\], waiting=\[49, 35\], token_budget=24, "
+                                               r"max_num_seqs=2\) returned \(\[\], \[\]\), expected \(\[\], \[24\]\)"):
+        check_engine({"v1_step": admits_whole_prompts_only}, check=False, max_tokens=6)
