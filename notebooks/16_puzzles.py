@@ -584,15 +584,18 @@ check(all(report.passed for report in kvlabs.values()), "each of kvlab's own sol
 # %% [markdown]
 # ## 22. Capstone: your parts in a real engine
 #
-# Sixteen of the puzzles are parts of a serving engine. `kvlab.course.engine_with(parts)` plugs yours into a real
+# Nineteen of the puzzles are parts of a serving engine. `kvlab.course.engine_with(parts)` plugs yours into a real
 # `LLM` serving SmolLM2-135M-Instruct: your slot mapping decides where each new token's K/V is written, your
 # block hashes are what prefix caching looks blocks up by, your LRU picks which free block is reused, your
 # copy-on-write plan says which shared blocks a step copies before writing, your admission decides when a waiting
 # prompt is admitted (in a pool that keeps half its blocks free, so that the second prompt waits), your window
-# release frees a sliding-window model's blocks, your torch
-# attention reads the paged cache (decode steps split into partitions of two blocks that your split-K merge
-# combines), your n-gram proposer and rejection sampling run speculative decoding, and your Triton kernels
-# write the K/V, attend at decode, compute split-K's partitions and copy blocks.
+# release frees a sliding-window model's blocks, your tier promotion orders the offload tier after each admission,
+# your preemption picks the requests the V1 scheduler preempts when the pool is short, your V1 step splits each
+# step's token budget (prompts in chunks), your torch attention reads the paged cache (decode steps split into
+# partitions of two blocks that your split-K merge combines), your n-gram proposer and rejection sampling run
+# speculative decoding, your router places requests on a fleet of two engines, and your Triton kernels write the
+# K/V, attend at decode, compute split-K's partitions and copy blocks. `allocate_with_hits` is the one puzzle that
+# is not a part: its answer is the pool itself, which only kvlab's `allocate` may change.
 # `check_engine(parts)` grades each of your parts by its puzzle first, serves two chat prompts that share the
 # chat template's system prompt (so the second hits the first's blocks), with speculation on, and compares the
 # greedy tokens with Hugging Face's `generate`: they must be equal, token for token. If they are not, it serves
@@ -613,13 +616,14 @@ check(all(report.passed for report in kvlabs.values()), "each of kvlab's own sol
 # %%
 yours = {"slot_mapping": slot_mapping, "block_hashes": block_hashes, "lru_policy": MyLRU,
          "copy_on_write": plan_append, "can_allocate": can_allocate, "window_release": released_blocks,
-         "kv_cost_router": MyRouter,
+         "kv_cost_router": MyRouter, "tier_promotion": tier_promotion, "preemption": preemption,
+         "v1_step": v1_step,
          "decode_attention": decode_attention, "prefill_attention": prefill_attention, "ngram_proposer": propose,
          "rejection_sampling": verify, "split_k_merge": split_k_merge,
          "triton_reshape_and_cache": reshape_and_cache_kernel, "triton_decode_attention": decode_attention_kernel,
          "triton_split_k_decode": split_k_decode_kernel, "triton_copy_blocks": copy_blocks_kernel}
 solved = {name: code for name, code in yours.items() if reports.get(name)}  # passed its check above
-check(sorted(yours) == sorted(PARTS) and len(PARTS) == 16, "the engine takes sixteen of the puzzles as parts",
+check(sorted(yours) == sorted(PARTS) and len(PARTS) == 19, "the engine takes nineteen of the puzzles as parts",
       defaults=True)
 run = check_engine(solved)
 print(f"Greedy tokens equal to Hugging Face's on all {len(run.tokens)} prompts; prompt tokens from the prefix "
@@ -647,5 +651,5 @@ check(run.matches and run.cached_prompt_tokens[-1] > 0,
 #   slots that hold tokens.
 # * kvlab's seams (eviction policies, routers, proposers, schedulers) take your code as it is, so the
 #   studies of notebooks 08, 12 and 13 can measure your idea against kvlab's.
-# * Sixteen of your parts make a working paged engine: served by `check_engine`, they must give Hugging Face's
+# * Nineteen of your parts make a working paged engine: served by `check_engine`, they must give Hugging Face's
 #   greedy tokens exactly, and a wrong one is named by the tokens it changes.
