@@ -83,8 +83,10 @@ class V1Scheduler(Scheduler):
         step: no drafts, nothing swapped or waiting on a prefix-cache reset, kvlab's own first-come-first-served
         admission, one seat per sequence, no waiting prompt with a prefix hit; None elsewhere (and where the pool
         has no room for the spec's step: ``token_allocation`` says so)."""
+        if self.token_allocation is None:
+            return None
         candidates = list(self.waiting)[:self.max_num_seqs]
-        if (self.token_allocation is None or self.drafter is not None or self.swapped or self.prefix_reset_pending
+        if (self.drafter is not None or self.swapped or self.prefix_reset_pending
                 or self.admission is not None or self.waiting_order.policy != "fcfs"
                 or any(self._seats(seq) != 1 for seq in [*self.running, *candidates])
                 or any(self.manager.lookup(seq).num_tokens for seq in candidates)):

@@ -84,8 +84,8 @@ def test_only_what_keeps_the_step_keeps_the_promise():
 
 def test_a_subclass_promises_nothing_unless_it_opts_in():
     class Mine(V1Scheduler):
-        def _schedule_running(self, step, budget):
-            return super()._schedule_running(step, budget)
+        def _schedule_running(self, step, budget, planned=None):
+            return super()._schedule_running(step, budget, planned)
 
     class MineRepeats(Mine):
         repeats_plain_decode = True
