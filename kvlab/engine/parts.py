@@ -253,8 +253,7 @@ class EngineParts:
         free = manager.num_free_blocks
         expected = _preempted_by_recompute(held, needs, free)
         got = _call("preemption", self.preemption, list(held), list(needs), free)
-        answer = (tuple(list(part) for part in got)
-                  if isinstance(got, (tuple, list)) and len(got) == 2 and all(type(p) is list for p in got) else got)
+        answer = _pair_of_lists(got)
         if answer != expected:
             raise LearnerPartError(
                 f"preemption(blocks_held={held}, needs_block={needs}, num_free_blocks={free}) returned "
@@ -276,8 +275,7 @@ class EngineParts:
         if needed > manager.num_free_blocks:
             return None
         got = _call("v1_step", self.v1_step, list(left), list(prompts), budget, max_num_seqs)
-        answer = (tuple(list(part) for part in got)
-                  if isinstance(got, (tuple, list)) and len(got) == 2 and all(type(p) is list for p in got) else got)
+        answer = _pair_of_lists(got)
         if answer != expected:
             raise LearnerPartError(
                 f"v1_step(running={left}, waiting={prompts}, token_budget={budget}, max_num_seqs={max_num_seqs}) "
@@ -516,6 +514,14 @@ def _v1_step(running: list[int], waiting: list[int], budget: int, max_num_seqs: 
         admitted.append(min(prompt, budget))
         budget -= admitted[-1]
     return running_tokens, admitted
+
+
+def _pair_of_lists(got):
+    """``got`` as a tuple of its two lists where it is two lists (a list or a tuple of them), else unchanged:
+    the form a scheduler part's answer is compared in."""
+    if isinstance(got, (tuple, list)) and len(got) == 2 and all(type(part) is list for part in got):
+        return tuple(list(part) for part in got)
+    return got
 
 
 def _xxh64_block(parent, block: tuple) -> int:

@@ -27,7 +27,8 @@ from wrong_solutions import (attends_to_whole_blocks, caches_the_key_as_the_valu
                              drops_a_block_being_promoted, every_partition_from_block_zero, never_copies,
                              preempts_the_oldest_waiting, promotes_past_the_last_token, releases_a_block_still_seen,
                              uses_first_to_last)
-from wrong_solutions import CountsBlocksAsTokens, FirstOfEquals  # noqa: E402
+from wrong_solutions import (CountsBlocksAsTokens, FirstOfEquals, admits_strictly_above_watermark,  # noqa: E402
+                             admits_without_watermark)
 
 SOLUTIONS = {name: puzzle(name).solution() for name in PARTS}
 
@@ -203,20 +204,6 @@ def test_parts_are_checked_at_the_boundary():
         engine_with({"lru_policy": 3})
     with pytest.raises(InvalidArgumentError, match="parts must be a dict"):
         engine_with([SOLUTIONS["slot_mapping"]])
-
-
-def admits_without_watermark(num_tokens, bs, free, num_blocks, watermark):
-    """A plausible slip (as tests/puzzles/wrong_solutions.py's): the watermark is forgotten."""
-    needed = -(-num_tokens // bs)
-    return AllocStatus.NEVER if needed > num_blocks else AllocStatus.OK if needed <= free else AllocStatus.LATER
-
-
-def admits_strictly_above_watermark(num_tokens, bs, free, num_blocks, watermark):
-    """Another: a prompt leaving exactly the watermark's blocks free waits (> where kvlab has >=)."""
-    needed, kept = -(-num_tokens // bs), int(watermark * num_blocks)
-    if needed > num_blocks - kept:
-        return AllocStatus.NEVER
-    return AllocStatus.OK if free - needed > kept else AllocStatus.LATER
 
 
 class Spy:
