@@ -1,3 +1,8 @@
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 import kvlab
@@ -74,3 +79,13 @@ def test_block_benchmark_runs_on_a_few_requests(capsys):
     pool, blocks, us_per_block, hit_rate = last.split()
     assert pool == "2,000" and int(blocks.replace(",", "")) > 0
     assert float(us_per_block) > 0 and 0 <= float(hit_rate) <= 1
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly():
+    """``kvlab size ... | head -1``: the pipe's reader leaves before the output is written; no traceback."""
+    config = Path(__file__).parent / "sizing" / "configs" / "Qwen3-0.6B"
+    child = subprocess.Popen([sys.executable, "-m", "kvlab", "size", "--model", str(config)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child.stdout.close()  # long before the interpreter has started: every write meets a closed pipe
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 128 + signal.SIGPIPE and err == b""

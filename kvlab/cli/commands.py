@@ -9,6 +9,9 @@ not wait for torch, nor ``kvlab --help`` for anything.
 
 import argparse
 import importlib
+import os
+import signal
+import sys
 
 
 def dispatch(argv: list[str], *, prog: str, description: str, commands: dict[str, tuple[str, str]]) -> int:
@@ -22,4 +25,12 @@ def dispatch(argv: list[str], *, prog: str, description: str, commands: dict[str
             choices.add_parser(command, help=summary, add_help=False)
         parser.parse_args(argv)  # exits: the help (0), or an error naming the missing or unknown command (2)
     module, function = commands[argv[0]][1].split(":")
-    return getattr(importlib.import_module(module), function)(argv[1:])
+    try:
+        status = getattr(importlib.import_module(module), function)(argv[1:])
+        sys.stdout.flush()  # a reader that left shows here, not in the interpreter's own flush at exit
+        return status
+    except BrokenPipeError:
+        # The reader stopped reading (``kvlab size ... | head -1``): end quietly, as command-line tools do. stdout
+        # is pointed at devnull so the flush at exit cannot fail again (Python's docs, "Note on SIGPIPE").
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE  # what a shell reports for a command the broken pipe stopped
