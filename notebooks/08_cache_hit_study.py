@@ -491,7 +491,7 @@ by_unit.round(2)
 overlap_capacities = capacities[1:-1]
 model = EngineModel()
 both = pd.concat([cache_hit_study("mooncake_conversation", block_sizes=[TRACE_BS], capacities=overlap_capacities,
-                                  policies=["lru"], mode=mode, limit=LIMIT, engine=model)
+                                  policies=["lru"], mode=mode, limit=LIMIT, engine=model, jobs=-1)
                   for mode in ("sequential", "overlap")])
 fig, ax = plt.subplots(figsize=(8, 3.2))
 for mode, rows in both.groupby("mode"):

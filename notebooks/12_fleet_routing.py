@@ -174,10 +174,11 @@ print(f"Ceiling (one infinite cache): {ceiling:.1%} of prompt tokens.")
 # over the mean (1.0 is perfect).
 
 # %%
-def replay(replicas, capacities, routers=tuple(ROUTERS), settings=None):
-    """One row per replica count x capacity x router: a replay of the trace through that fleet."""
+def replay(replicas, capacities, routers=tuple(ROUTERS), settings=None, jobs=-1):
+    """One row per replica count x capacity x router: a replay of the trace through that fleet. The replays
+    share nothing, so ``jobs=-1`` runs one per core (joblib processes): the same rows, sooner."""
     return fleet_study(("mooncake_conversation", trace), block_sizes=[BS], capacities=capacities,
-                       replicas=replicas, routers=routers, settings=settings, progress=False, jobs=1)
+                       replicas=replicas, routers=routers, settings=settings, progress=False, jobs=jobs)
 
 
 fleet = replay([REPLICAS], [CAPACITY])
@@ -242,7 +243,7 @@ class CountingCacheAware(ROUTERS["cache_aware"]):
 
 
 CountingCacheAware.decisions = []
-counted = replay([REPLICAS], [CAPACITY], [CountingCacheAware])
+counted = replay([REPLICAS], [CAPACITY], [CountingCacheAware], jobs=1)
 decisions = pd.DataFrame(CountingCacheAware.decisions, columns=["rule", "rank", "gap"])
 rules = decisions.groupby("rule").agg(requests=("rank", "size"), to_the_busiest=("rank", lambda r: (r == 0).mean()))
 viz.check(counted["hit_rate_tokens"].iloc[0] == hits["cache_aware"], "the counting router should route exactly as "
