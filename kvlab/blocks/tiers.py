@@ -201,78 +201,75 @@ REUSE_THRESHOLD = 2
 
 
 class LRUOrder:
-    """The tier's hashes, least recently used first: the order of the tier index's own hash -> slot dict
-    (``PrefixIndex.cached``, insertion-ordered), so the tier's storing a hash files it as most recent and its
-    dropping a victim unfiles it, with no second dict to keep in step. A use moves a hash to the end by taking it
-    out and putting it back. The price: finding the oldest walks past the dict's deleted slots at its front, so
-    a batch ``make_room`` cannot take is halved (kvlab.blocks.tiers) rather than looped, and ``victim`` runs for
-    single blocks only."""
+    """The tier's hashes, least recently used first. A plain dict, not an OrderedDict: its insertions cost about
+    half as much, and a use moves a hash to the end by taking it out and putting it back. The price: ``victim``
+    walks past the dict's deleted slots at its front, so a batch ``make_room`` cannot take is halved
+    (kvlab.blocks.tiers) rather than looped, and ``victim`` runs for single blocks only."""
 
     split_batches = True  # the offload tier halves a batch make_room refuses instead of looping over it
 
-    def __init__(self, capacity: int, index: PrefixIndex):
-        self.index = index
+    def __init__(self, capacity: int):
+        self.entries: dict = {}
 
     def insert(self, block_hash) -> None:
-        pass  # the tier's index filed it last
+        self.entries[block_hash] = None
 
     def touch(self, hashes) -> None:
-        cached = self.index.cached
-        for block_hash in filter(cached.__contains__, reversed(hashes)):  # most hashes miss: filtered in C
-            cached[block_hash] = cached.pop(block_hash)
+        entries = self.entries
+        for block_hash in filter(entries.__contains__, reversed(hashes)):  # most hashes miss: filtered in C
+            entries[block_hash] = entries.pop(block_hash)
 
     def make_room(self, num_victims: int, hashes, resident, pinned=frozenset()) -> list | None:
         """What ``victim(pinned)`` for each of the last ``num_victims`` of ``hashes``, each followed by
-        ``insert`` of its hash, after ``insert`` of the others, would name, named at once: returns the victims in
-        order (the tier drops them and stores ``hashes`` after). None where that would drop an entry of this
-        batch or one of ``resident`` (hashes the batch skipped as held, which the one-by-one loop would store
-        again once dropped)."""
-        cached = self.index.cached
-        if num_victims > len(cached):
+        ``insert`` of its hash, after ``insert`` of the others, would do, done at once: returns the victims in
+        order. None, changing nothing, where that would drop an entry of this batch or one of ``resident``
+        (hashes the batch skipped as held, which the one-by-one loop would store again once dropped)."""
+        entries = self.entries
+        if num_victims > len(entries):
             return None
-        candidates = filterfalse(pinned.__contains__, cached) if pinned else cached
+        candidates = filterfalse(pinned.__contains__, entries) if pinned else entries
         victims = list(islice(candidates, num_victims))
         if len(victims) < num_victims or (resident and not resident.isdisjoint(victims)):
             return None
+        deque(map(entries.__delitem__, victims), 0)
+        entries.update(dict.fromkeys(hashes))
         return victims
 
     def victim(self, pinned) -> object:
-        """The entry to drop (never one of ``pinned``; the tier drops it), or None if every entry is pinned."""
-        return next(filterfalse(pinned.__contains__, self.index.cached), None)
+        """Remove and return the entry to drop (never one of ``pinned``), or None if every entry is pinned."""
+        entries = self.entries
+        for block_hash in entries:
+            if block_hash not in pinned:
+                del entries[block_hash]
+                return block_hash
+        return None
 
     def clear(self) -> None:
-        pass  # the tier's index forgets its entries
+        self.entries.clear()
 
     def reorder(self, hashes) -> None:
         """Keep the same entries in the order of ``hashes`` (least recently used first): a learner's order
         (``KVCacheManager(order_tier=...)``), which must hold exactly the resident hashes."""
-        cached = self.index.cached
-        if sorted(hashes) != sorted(cached):
+        if sorted(hashes) != sorted(self.entries):
             raise InvariantViolation("a reordered offload tier must hold the same hashes")
-        entries = [(block_hash, cached[block_hash]) for block_hash in hashes]
-        cached.clear()
-        cached.update(entries)
+        self.entries = dict.fromkeys(hashes)
 
     def resident(self) -> list:
-        return list(self.index.cached)
+        return list(self.entries)
 
     def check(self) -> None:
         pass
 
 
 class ARCOrder:
-    """T1 / T2 (resident hashes, least recent first) and their ghost lists B1 / B2, with T1's adaptive target.
-    Plain dicts, as in ``LRUOrder``: an OrderedDict's inserts cost several times a dict's, and its ghost lists take
-    one insert per offloaded block. Dropping the oldest entry walks past the deleted slots at a dict's front, so
-    ``make_room`` finds a batch's victims and ghost trims in one walk each, and the one-by-one ``victim`` (where
-    a batch cannot go at once) pays that walk per block."""
+    """T1 / T2 (resident hashes, least recent first) and their ghost lists B1 / B2, with T1's adaptive target."""
 
-    split_batches = False  # make_room refuses only batches that would drop their own entries: the loop takes them
+    split_batches = False  # OrderedDicts: ``victim`` is O(1), the one-by-one loop takes a batch make_room refuses
 
-    def __init__(self, capacity: int, index: PrefixIndex):  # index: the tier's, which LRUOrder orders; unused here
-        self.capacity = capacity  # of T1 + T2, and of each ghost list
+    def __init__(self, capacity: int):
+        self.capacity = capacity
         self.target_t1 = 0
-        self.t1, self.t2, self.b1, self.b2 = {}, {}, {}, {}
+        self.t1, self.t2, self.b1, self.b2 = OrderedDict(), OrderedDict(), OrderedDict(), OrderedDict()
 
     def insert(self, block_hash) -> None:
         self.t1[block_hash] = None
@@ -286,7 +283,7 @@ class ARCOrder:
                 del t1[block_hash]
                 t2[block_hash] = None
             elif block_hash in t2:
-                t2[block_hash] = t2.pop(block_hash)  # to the most recent end
+                t2.move_to_end(block_hash)
             elif block_hash in b1:
                 self.target_t1 = min(self.target_t1 + max(1, len(b2) // len(b1)), self.capacity)
             elif block_hash in b2:
@@ -294,10 +291,12 @@ class ARCOrder:
 
     def make_room(self, num_victims: int, hashes, resident, pinned=frozenset()) -> list | None:
         """As ``LRUOrder.make_room``. Victims come from T1 while T1 (which each insert grows) is at or above its
-        target, else from T2, never ``pinned``: the first ``target - len(T1)`` from T2, the rest from T1, since
-        an insert does not move the target. Done at once only where that is exact: every victim is an entry from
-        before the batch, and none is ``resident``."""
+        target, else from T2, never ``pinned``; done at once only where that is exact: no new hash is a ghost (an
+        insert would remove it from B1/B2 between two victims' appends), every victim is an entry from before
+        the batch, and none is ``resident``."""
         t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
+        if not (b1.keys().isdisjoint(hashes) and b2.keys().isdisjoint(hashes)):
+            return None
         length = len(t1) + len(hashes) - num_victims  # T1's length when the first victim is chosen
         from_t2 = min(num_victims, max(0, self.target_t1 - length))
         from_t1 = num_victims - from_t2
@@ -305,22 +304,11 @@ class ARCOrder:
         victims = list(islice(unpinned(t2), from_t2)) + list(islice(unpinned(t1), from_t1))
         if len(victims) < num_victims or (resident and not resident.isdisjoint(victims)):
             return None
-        deque(map(t2.__delitem__, victims[:from_t2]), 0)
-        deque(map(t1.__delitem__, victims[from_t2:]), 0)
-        if b1.keys().isdisjoint(hashes) and b2.keys().isdisjoint(hashes):
-            for ghosts, dropped in ((b2, victims[:from_t2]), (b1, victims[from_t2:])):
-                ghosts.update(dict.fromkeys(dropped))  # each append trims the oldest ghost past capacity
-                deque(map(ghosts.__delitem__, list(islice(ghosts, max(0, len(ghosts) - self.capacity)))), 0)
-        else:  # an insert takes a new hash out of its ghost list between two victims' appends: in order
-            first_victim = len(hashes) - num_victims
-            for i, block_hash in enumerate(hashes):
-                if i >= first_victim:
-                    ghosts = b2 if i - first_victim < from_t2 else b1
-                    ghosts[victims[i - first_victim]] = None
-                    if len(ghosts) > self.capacity:
-                        del ghosts[next(iter(ghosts))]
-                b1.pop(block_hash, None)
-                b2.pop(block_hash, None)
+        for resident_list, ghosts, dropped in ((t2, b2, victims[:from_t2]), (t1, b1, victims[from_t2:])):
+            deque(map(resident_list.__delitem__, dropped), 0)
+            ghosts.update(dict.fromkeys(dropped))
+            for _ in range(len(ghosts) - self.capacity):
+                ghosts.popitem(last=False)
         t1.update(dict.fromkeys(hashes))
         return victims
 
@@ -333,13 +321,13 @@ class ARCOrder:
                 return block_hash
         return self._drop_oldest(self.t2, self.b2, pinned)
 
-    def _drop_oldest(self, resident: dict, ghosts: dict, pinned):
+    def _drop_oldest(self, resident: OrderedDict, ghosts: OrderedDict, pinned):
         for block_hash in resident:
             if block_hash not in pinned:
                 del resident[block_hash]
                 ghosts[block_hash] = None
                 if len(ghosts) > self.capacity:  # only this ghost list grew, by one
-                    del ghosts[next(iter(ghosts))]
+                    ghosts.popitem(last=False)
                 return block_hash
         return None
 
@@ -352,7 +340,7 @@ class ARCOrder:
         return [*self.t1, *self.t2]
 
     def check(self) -> None:
-        if not self.t1.keys().isdisjoint(self.t2) or len(self.b1) > self.capacity or len(self.b2) > self.capacity \
+        if set(self.t1) & set(self.t2) or len(self.b1) > self.capacity or len(self.b2) > self.capacity \
                 or not 0 <= self.target_t1 <= self.capacity:
             raise InvariantViolation("the offload tier's ARC lists overlap, or a ghost list or the target is out "
                                      "of bounds")
@@ -436,7 +424,7 @@ class OffloadTier:
     def __init__(self, num_slots: int, ids: ContentIds, policy: str, admission: str):
         self.num_slots = num_slots
         self.index = PrefixIndex(num_slots, ids, name="CPU slot")
-        self.order = OFFLOAD_POLICIES[policy](num_slots, self.index)
+        self.order = OFFLOAD_POLICIES[policy](num_slots)
         self.filter = ReuseFilter(REUSE_ENTRIES_PER_SLOT * num_slots) if admission == "reused" else None
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out low slots first
         self.moves: list[tuple[str, int, int]] = []

@@ -7,7 +7,6 @@ from helpers import TierMoves, snapshot
 
 from kvlab import BlockManager, EvictionPolicy, InvalidArgumentError, OutOfBlocksError, Sequence
 from kvlab.blocks.events import BlockRemoved, BlockStored, CachedHashes
-from kvlab.blocks.prefix_cache import PrefixIndex
 from kvlab.blocks.tiers import ARCOrder, LRUOrder
 from kvlab.errors import EvictionPolicyError, InvariantViolation
 
@@ -150,7 +149,7 @@ def test_reused_admission_keeps_only_blocks_looked_up_twice():
 
 
 def test_arc_moves_a_second_hit_to_t2_and_adapts_its_target_on_ghost_hits():
-    arc = ARCOrder(2, PrefixIndex(2, name="CPU slot"))
+    arc = ARCOrder(capacity=2)
     arc.insert("a")
     arc.insert("b")
     arc.touch(["a"])                          # hit again: recent -> frequent
@@ -166,13 +165,13 @@ def test_arc_moves_a_second_hit_to_t2_and_adapts_its_target_on_ghost_hits():
     arc.check()
 
 
-def test_lru_names_the_least_recently_used_entry_but_never_a_pinned_one():
-    index = PrefixIndex(3, name="CPU slot")
-    lru = LRUOrder(3, index)
-    index.cached.update({"a": 0, "b": 1, "c": 2})  # the tier stored a, b, c: its index's order is the LRU order
+def test_lru_drops_the_least_recently_used_entry_but_never_a_pinned_one():
+    lru = LRUOrder(capacity=3)
+    for h in "abc":
+        lru.insert(h)
     lru.touch(["b", "a"])                     # a prompt's blocks, visited last to first: its first ends most recent
-    assert lru.resident() == ["c", "a", "b"] and index.cached == {"c": 2, "a": 0, "b": 1}
-    assert lru.victim(pinned=frozenset({"c"})) == "a" and lru.victim(pinned=frozenset("cab")) is None
+    assert lru.resident() == ["c", "a", "b"]
+    assert lru.victim(pinned=frozenset({"c"})) == "a" and lru.victim(pinned=frozenset("cb")) is None
 
 
 def test_tier_kv_events_carry_the_medium_and_rebuild_both_tiers():
