@@ -28,6 +28,7 @@ def replay_kvlab(token_lists, num_blocks: int, block_size: int, **tier) -> dict:
     """``tier``: BlockManager's offload-tier options (none: a single tier)."""
     manager = BlockManager(num_blocks, block_size, **tier)
     blocks = skipped = 0
+    gc.collect()  # an earlier replay's manager (reference cycles) must not be collected on this one's clock
     cpu_start = time.process_time()
     for tokens in token_lists:
         seq = Sequence(tokens, block_size)
@@ -60,6 +61,7 @@ def replay_nano(nano, token_lists, num_blocks: int, block_size: int) -> dict:
     sequence.Sequence.block_size = block_size
     manager = block_manager.BlockManager(num_blocks, block_size)
     blocks = skipped = 0
+    gc.collect()
     cpu_start = time.process_time()
     for tokens in token_lists:
         seq = sequence.Sequence(tokens)
@@ -100,17 +102,14 @@ def main(argv=None) -> int:
     header = f"{'pool blocks':>12} {'blocks':>10} {'kvlab us/block':>15} {'hit rate':>9}"
     print(header + (f" {'nano us/block':>14} {'nano/kvlab':>11}" if nano else ""))
     for pool in (int(p) for p in args.pools.split(",")):
-        gc.collect()
         runs = [replay_kvlab(token_lists, pool, args.block_size) for _ in range(args.repeat)]
         ours = min(runs, key=lambda r: r["us_per_block"])
         line = f"{pool:>12,} {ours['blocks']:>10,} {ours['us_per_block']:>15.3f} {ours['hit_rate']:>9.3f}"
         if nano:  # one run: at large pools nano-vllm takes minutes (its deque.remove is O(pool))
-            gc.collect()
             theirs = replay_nano(nano, token_lists, pool, args.block_size)
             line += f" {theirs['us_per_block']:>14.3f} {theirs['us_per_block'] / ours['us_per_block']:>10.1f}x"
         print(line)
         for tier in tiers:  # same run, same pool: the ratio to the single tier above
-            gc.collect()
             run = min((replay_kvlab(token_lists, pool, args.block_size, **tier) for _ in range(args.repeat)),
                       key=lambda r: r["us_per_block"])
             print(f"{'':>12} {'+ tier ' + tier['offload_policy'] + '/' + tier['offload_admission']:>22} "
