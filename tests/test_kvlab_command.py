@@ -1,11 +1,13 @@
 import signal
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
 import kvlab
+import kvlab.cli.commands
 import kvlab.device
 from kvlab.cli import main
 from kvlab.bench.__main__ import main as bench_main
@@ -89,3 +91,13 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly():
     child.stdout.close()  # long before the interpreter has started: every write meets a closed pipe
     _, err = child.communicate(timeout=120)
     assert child.returncode == 128 + signal.SIGPIPE and err == b""
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_still_an_error(monkeypatch):
+    """Only the reader of stdout leaving ends a command quietly; another broken pipe (a socket) is reported."""
+    def breaks(argv):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(kvlab.cli.commands.importlib, "import_module", lambda name: types.SimpleNamespace(main=breaks))
+    with pytest.raises(BrokenPipeError):
+        main(["size"])

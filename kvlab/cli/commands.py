@@ -10,6 +10,7 @@ not wait for torch, nor ``kvlab --help`` for anything.
 import argparse
 import importlib
 import os
+import select
 import signal
 import sys
 
@@ -30,7 +31,19 @@ def dispatch(argv: list[str], *, prog: str, description: str, commands: dict[str
         sys.stdout.flush()  # a reader that left shows here, not in the interpreter's own flush at exit
         return status
     except BrokenPipeError:
+        if not _reader_left(sys.stdout):
+            raise  # another pipe or socket broke (a Dask worker's): an error to report
         # The reader stopped reading (``kvlab size ... | head -1``): end quietly, as command-line tools do. stdout
         # is pointed at devnull so the flush at exit cannot fail again (Python's docs, "Note on SIGPIPE").
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE  # what a shell reports for a command the broken pipe stopped
+
+
+def _reader_left(stream) -> bool:
+    """Whether ``stream`` is a pipe whose reading end was closed: polling its writing end reports an error."""
+    try:
+        poller = select.poll()
+        poller.register(stream.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no file descriptor (a captured stream), or no poll here
+        return False
