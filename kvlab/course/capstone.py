@@ -163,12 +163,12 @@ def describe(parts: dict) -> str:
     offload tier)."""
     yours = [name for name in PARTS if name in parts]
     kvlabs = [name for name in PARTS if name not in parts]
-    watermark = ("; with your can_allocate the pool keeps a watermark of free blocks at admission "
-                 "(kvlab.engine.parts.ADMISSION_WATERMARK)" if "can_allocate" in parts else "")
+    notes = ("; with your can_allocate the pool keeps a watermark of free blocks at admission "
+             "(kvlab.engine.parts.ADMISSION_WATERMARK)" if "can_allocate" in parts else "")
     if "tier_promotion" in parts:
-        watermark += "; with your tier_promotion the engine has an LRU offload tier, kept in your answer's order"
+        notes += "; with your tier_promotion the engine has an LRU offload tier, kept in your answer's order"
     return (f"engine_with: your parts: {', '.join(yours) or 'none'}; kvlab's own parts (not given): "
-            f"{', '.join(kvlabs) or 'none'}{watermark}")
+            f"{', '.join(kvlabs) or 'none'}{notes}")
 
 
 @dataclass
