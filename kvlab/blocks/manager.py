@@ -425,9 +425,10 @@ class KVCacheManager:
         peak_blocks = sum(map(_peak_blocks, plans)) + num_cross
         if needed + num_cross > pool.num_free or peak_blocks > self._usable:
             self._refuse(seq, needed + num_cross, peak_blocks, len(plans))
-        # Out-of-window hits nobody holds go back to the free set, still cached, once the groups hold theirs.
-        unpinned = [block for plan in plans for block in plan.hits[:plan.first_live] if not pool.ref[block]] \
-            if several else ()
+        # Out-of-window hits and partial sources nobody holds go back to the free set, still cached, once the
+        # groups hold their live hits.
+        unpinned = [block for plan in plans for block in plan.hits[:plan.first_live] if not pool.ref[block]] + \
+            [block for block in hit.partial if not pool.ref[block]] if several else ()
         with pool.transaction() as txn:  # every group's policy calls first: if one raises, nothing changed
             txn.revive(revived)
             taken = []
@@ -436,7 +437,7 @@ class KVCacheManager:
                 if pool.hit_listener is not None:
                     txn.hits(plan.hits)
             if unpinned:
-                txn.add(unpinned, [pool.index.is_cached(block) for block in unpinned])
+                txn.add(unpinned, [pool.index.warm[block] for block in unpinned])
         if several:  # pinned while the groups take their blocks: one group's new blocks never evict another's hit
             pool.claim(pins, len(revived))
         cross = None
@@ -500,7 +501,9 @@ class KVCacheManager:
         if len(plans) == 1:
             plan = plans[0]
             return hit, plans, (), list(filterfalse(ref.__getitem__, plan.hits[plan.first_live:])), plan.needed_free
-        pins = [block for plan in plans for block in plan.hits]
+        # A partial hit's source blocks are pinned too: were one group's source handed to another group as a new
+        # block, the copies would read a block they also write (the copy kernels refuse a block that is both).
+        pins = [block for plan in plans for block in plan.hits] + list(hit.partial)
         revived = [block for block in pins if not ref[block]]
         fresh = sum(plan.live_blocks - len(plan.hits) + plan.first_live for plan in plans)
         return hit, plans, pins, revived, fresh + len(revived)

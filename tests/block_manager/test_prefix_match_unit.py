@@ -9,9 +9,10 @@ import random
 
 import pytest
 
-from kvlab import BlockManager, InvalidArgumentError, InvariantViolation, Sequence
+from kvlab import AllocStatus, BlockManager, InvalidArgumentError, InvariantViolation, Sequence
 from kvlab.blocks.kv_cache_groups import FullAttentionSpec
 from kvlab.blocks.manager import HybridBlockManager
+from test_stateful import StackPolicy
 
 
 def _run_and_free(manager, token_ids, block_size):
@@ -88,6 +89,27 @@ def test_a_hybrid_manager_hits_the_units_every_group_holds():
     admitted = manager.allocate(seq, hit=hit)
     assert len(admitted.copies) == 2
     manager.check_invariants()
+
+
+def test_no_group_is_handed_another_groups_partial_source():
+    """A stack policy reuses the last freed block first: group 1's partial source, freed last, would be group 0's
+    new block, and the copies a swap that no copy kernel can apply. The sources are pinned while groups take
+    their blocks, so every copy reads a block nobody writes, and it costs the pool those blocks at admission."""
+    for num_blocks, fits in ((6, False), (8, True)):
+        manager = HybridBlockManager(num_blocks, 4, groups=[FullAttentionSpec(), FullAttentionSpec()],
+                                     prefix_match_unit=1, eviction=StackPolicy())
+        _run_and_free(manager, list(range(10)), 4)
+        seq = Sequence(list(range(9)) + [50, 51], 4)
+        hit = manager.lookup(seq)
+        assert hit.num_tokens == 9 and None not in hit.partial
+        if not fits:  # 4 hits, 2 new blocks and the 2 sources they must not reuse
+            assert manager.can_allocate(seq, hit=hit) is not AllocStatus.OK
+            continue
+        copies = manager.allocate(seq, hit=hit).copies
+        sources, targets = {src for src, _ in copies}, {dst for _, dst in copies}
+        assert len(copies) == 2 and not sources & targets
+        assert sources == set(hit.partial)
+        manager.check_invariants()
 
 
 def test_a_stale_partial_hit_is_refused():

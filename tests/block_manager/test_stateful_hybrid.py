@@ -255,6 +255,8 @@ MACHINES = [
              hash_fn=lambda parent, ids: 7),
     _machine("HybridUserPolicy", FULL, W2, num_blocks=24, block_size=2, num_cpu_blocks=8, eviction=StackPolicy),
     _machine("HybridTwoFullUnits", FULL, FULL, num_blocks=32, block_size=4, num_cpu_blocks=16, prefix_match_unit=1),
+    _machine("HybridTwoFullUnitsStack", FULL, FULL, num_blocks=24, block_size=4, num_cpu_blocks=8, prefix_match_unit=1,
+             eviction=StackPolicy),
     _machine("HybridEagle", FULL, W3, num_blocks=24, block_size=2, num_cpu_blocks=8, use_eagle=True),
     _machine("HybridFailingPolicy", W2, FULL, num_blocks=24, block_size=2, num_cpu_blocks=8, faulty="policy"),
     _machine("HybridFailingHash", FULL, W3, num_blocks=24, block_size=2, num_cpu_blocks=8, faulty="hash_fn"),
