@@ -87,6 +87,9 @@ class SwapSpace:
     def _place(alloc, cross, blocks, on_cpu) -> None:
         """Point the table (and cross table) at ``blocks``, given in ``moving_*`` order."""
         num_live = len(alloc.table) - alloc.num_released
+        if alloc.forked_drafts:  # the blocks a fork sibling may seal, under their ids in the other pool
+            alloc.forked_drafts = frozenset(block for old, block in zip(alloc.table[alloc.num_released:], blocks)
+                                            if old in alloc.forked_drafts)
         alloc.table[alloc.num_released:] = blocks[:num_live]
         alloc.on_cpu = on_cpu
         if cross is not None:

@@ -266,6 +266,28 @@ def test_a_sealed_block_held_alone_leaves_the_cache_before_it_is_written(make):
 
 
 @MANAGERS
+def test_fork_siblings_with_drafts_swapped_out_and_in_keep_the_record_of_shared_blocks(make):
+    """Both siblings go to the CPU sharing the drafts' blocks and come back sharing them again under new ids: the
+    child seals one by accepting its drafts, which the parent, still holding drafts there, must know to be a
+    sibling's (its next step copies it), so the invariant checker follows the ids through the swaps."""
+    m = make(num_cpu_blocks=16)
+    parent = proposed(m, 5, n=4)
+    child = Sequence([])
+    m.fork(parent, child)
+    m.swap_out(child)
+    m.swap_out(parent)
+    m.swap_in(child)
+    verify(m, child, [7, 7, 7, 8, 8], 5)
+    m.swap_in(parent)
+    sealed = m.block_tables(child)[0][1]
+    assert m.is_cached(sealed) and m.block_tables(parent)[0][1] == sealed
+    m.check_invariants()
+    verify(m, parent, [7, 7, 7, 8, 8], 0, bonus=2)
+    assert sealed in [src for src, _ in m.append_slots(parent)]
+    m.check_invariants()
+
+
+@MANAGERS
 def test_siblings_accepting_the_same_drafts_share_the_sealed_block(make):
     m = make(kv_events=True)
     parent = proposed(m, 5, n=4)
