@@ -441,20 +441,34 @@ partial.round(2)
 # unit keeps the big block but stops losing the partial one: `BlockManager(..., prefix_match_unit=16)` (vLLM's
 # `hash_block_size`) also finds a cached block whose first 16-token units continue the prompt, and admission
 # copies that block into a new one (copy-on-write at admission: the `BlockCopies` that `allocate` returns) and
-# computes from the first unit that differs. Below, this section's Mooncake requests, replayed with their real
-# tokens one at a time through an LRU pool of 2^20 tokens (`kvlab.studies.sequential.unit_hit_rates`), by
-# prompt length: 528-token blocks, the same blocks at a 16-token unit, and 16-token blocks, the ceiling.
+# computes from the first unit that differs.
+#
+# The same holds when the groups of one model have different block sizes, as a hybrid model's do once each
+# group's page is sized to its own layers: `HybridBlockManager(..., group_block_sizes=[528, 16])` hashes every
+# prompt once, at 16 tokens, and merges 33 of those hashes into each 528-token block's (the chain hash of its
+# last 16 tokens names its whole prefix). With whole blocks a hit must be served by every group, so it comes in
+# steps of 528, the sizes' least common multiple, which is where vLLM aligns a hybrid hit
+# (`HybridKVCacheCoordinator` in `vllm/v1/core/kv_cache_coordinator.py`); matched at 16 tokens, the 528-token
+# group copies the first units of a block it holds (or whose first units a prompt wrote) into a new one, and the
+# hit comes in steps of 16.
+#
+# Below, this section's Mooncake requests, replayed with their real tokens one at a time through an LRU pool of
+# 2^20 tokens (`kvlab.studies.sequential.unit_hit_rates`), by prompt length: 528-token blocks, the same blocks
+# at a 16-token unit, 16-token blocks (the ceiling), then the hybrid model, a full-attention group of 528-token
+# blocks and a 1,024-token sliding-window group of 16-token blocks (2^20 tokens in each group), with whole
+# blocks and at a 16-token unit.
 
 # %%
-units = unit_hit_rates("mooncake_conversation", limit=LIMIT)
-units["config"] = [f"blocks of {b}" + (f", unit {u}" if u != b else "")
-                   for b, u in zip(units["block_size"], units["prefix_match_unit"])]
+HYBRID = (528, 16)
+units = unit_hit_rates("mooncake_conversation", limit=LIMIT,
+                       configs=[(528, None), (528, 16), (16, None), (HYBRID, None), (HYBRID, 16)])
+hybrid_whole, hybrid_unit = units["config"].unique()[3:]
 by_unit = units[units["requests"] > 0].pivot(index="prompt_tokens", columns="config", values="hit_rate")
-by_unit = by_unit.loc[[b for b in units["prompt_tokens"].unique() if b in by_unit.index],
-                      ["blocks of 528", "blocks of 528, unit 16", "blocks of 16"]]
-ax = by_unit.plot.bar(figsize=(8, 3.4), rot=0, color=["#bab0ac", "#f28e2b", "#4e79a7"])
+by_unit = by_unit.loc[[b for b in units["prompt_tokens"].unique() if b in by_unit.index], units["config"].unique()]
+ax = by_unit.plot.bar(figsize=(9, 3.6), rot=0, color=["#bab0ac", "#f28e2b", "#4e79a7", "#d4a6c8", "#b07aa1"])
 ax.set(xlabel="prompt tokens", ylabel="prompt tokens from cache (%)",
-       title="Mooncake, LRU pool of 2^20 tokens: a 528-token block matched at 16 tokens")
+       title="Mooncake, LRU pool of 2^20 tokens: 528-token blocks matched at 16 tokens")
+ax.legend(fontsize=8)
 ax.grid(alpha=0.3, axis="y")
 plt.show()
 viz.check(((by_unit["blocks of 528, unit 16"] >= 0.9 * by_unit["blocks of 16"])
@@ -468,6 +482,14 @@ print(f"Reading: matched at 16 tokens, the 528-token blocks hit {by_unit['blocks
       f"{by_unit['blocks of 16'].iloc[0]:.1f}%): the trace's shared 512-token opening never fills a 528-token "
       "block, but its 32 units match. The price is a copy of the partial block per hit, and a unit becomes "
       "findable only once the step that wrote it ran.")
+viz.check(((by_unit[hybrid_unit] >= 0.9 * by_unit["blocks of 16"])
+           & (by_unit[hybrid_unit] > 2 * by_unit[hybrid_whole])).all(),
+          "the hybrid model's groups of 528 and 16 tokens, matched at 16 tokens, should hit within 10% of 16-token "
+          "blocks and more than twice their whole-block rate in every length bucket",
+          defaults=(LIMIT, TRACE_BS) == (3000, 512))
+print(f"Reading: the hybrid model with whole blocks hits {by_unit[hybrid_whole].iloc[0]:.1f}% of the shortest "
+      f"prompts' tokens (a hit must be a multiple of 528 in both groups), and {by_unit[hybrid_unit].iloc[0]:.1f}% "
+      "matched at 16 tokens: hits no block size of 528 can give.")
 by_unit.round(2)
 
 # %% [markdown]

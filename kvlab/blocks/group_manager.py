@@ -148,8 +148,11 @@ class GroupManager:
 
     def __init__(self, spec, group: int, parts, sink):
         self.spec, self.group = spec, group
-        self.block_size, self.prefix_caching, self.hash_fn = parts.block_size, parts.enable_prefix_caching, \
-            parts.hash_fn
+        self.prefix_caching, self.hash_fn = parts.enable_prefix_caching, parts.hash_fn
+        # The group's blocks hold ``span`` of the sequence's blocks (at which prompts are hashed): 1 unless the
+        # manager's groups have different block sizes.
+        self.block_size = parts.group_block_sizes[group]
+        self.span = self.block_size // parts.block_size
         self.pool, self.swap, self.tier, self.sink = parts.pool, parts.swap, parts.tier, sink
         # None: kvlab's copy-on-write and release rules (plan_step); a learner's release only for a window
         self.plan_append = parts.plan_append
@@ -173,6 +176,30 @@ class GroupManager:
         return alloc
 
     # ---- the group's own questions ----------------------------------------------------------------------
+    def own_blocks(self, hashes: list, contents: list) -> tuple[list, list]:
+        """The group's full blocks' (hashes, bytes) from the sequence's (``span`` of them to a block): a block's
+        hash is the chain hash of its last sequence block, which names the whole prefix, its bytes theirs
+        joined (so a lookup still verifies every token and key)."""
+        span = self.span
+        if span == 1:
+            return hashes, contents
+        n = len(hashes) // span
+        return hashes[span - 1:n * span:span], [b"".join(contents[i * span:(i + 1) * span]) for i in range(n)]
+
+    def own_keys(self, keys: Optional[dict], i: int) -> bytes:
+        """The keys' bytes (``seq.key_bytes``) of the group's block ``i``: its sequence blocks' joined."""
+        if not keys:
+            return b""
+        span = self.span
+        return keys.get(i, b"") if span == 1 else b"".join(keys.get(j, b"") for j in range(i * span, (i + 1) * span))
+
+    def seals(self, seq, start: int, stop: int) -> tuple[list, list]:
+        """The (hashes, bytes) of the group's blocks ``start .. stop - 1``, hashed only if new."""
+        span = self.span
+        if span == 1:
+            return hashes_to_seal(seq, start, stop, self.block_size, self.hash_fn)
+        return self.own_blocks(*hashes_to_seal(seq, start * span, stop * span, self.block_size // span, self.hash_fn))
+
     def slot_mapping(self, seq, start: int, end: int) -> list[int]:
         """Cache slot (block_id * block_size + offset) of positions start..end-1; -1 where the sliding window
         released the block. Only positions with a slot can be asked for."""
@@ -197,7 +224,7 @@ class GroupManager:
         ``hit``'s tier hits and partial-block tokens, copied into the first new blocks): the first step computes
         the ``num_new_tokens`` tokens after them (None: the rest of the prompt)."""
         bs, spec, n, tier_hits = self.block_size, self.spec, seq.num_tokens, hit.tier_hits
-        cached = (len(hits) + len(tier_hits)) * bs + hit.num_partial_tokens
+        cached = hit.num_tokens  # this group's hits and tier hits, then the units of its partial block
         scheduled = n if num_new_tokens is None else cached + new_tokens(seq, num_new_tokens, cached)
         first_live = spec.first_live_block(cached, bs)  # the step's first query is the first uncached token
         live_blocks = -(-(scheduled + lookahead) // bs) - first_live
@@ -205,26 +232,27 @@ class GroupManager:
         # A chunk that fits is no use if the rest of the prompt never can: admission looks at the whole prompt.
         peak = live_blocks if scheduled >= n else max(live_blocks, spec.least_peak_blocks(scheduled, n, bs, lookahead))
         return AllocationPlan(hits, tier_hits, first_live, scheduled, live_blocks, live_blocks - hits_in_use, peak,
-                              -(-scheduled // bs) - len(hits), min(len(hit.hashes), scheduled // bs))
+                              -(-scheduled // bs) - len(hits), min(len(hit.hashes) // self.span, scheduled // bs))
 
     def admit(self, seq, plan, hashes, contents, new_blocks, num_revived: int, cross=None) -> None:
         """allocate's bookkeeping, once the policy handed out ``new_blocks`` and took ``num_revived`` of the
         plan's live hits out of the free set: pin the live hits, promote the tier hits, seal the prompt's blocks
         this step writes, and record the sequence (joining ``cross``, its request group's table, if any)."""
         pool, sink = self.pool, self.sink
+        if self.span > 1:
+            hashes, contents = self.own_blocks(hashes, contents)
         pool.claim(plan.hits[plan.first_live:], num_revived)
         if sink is not None:
             sink.looked_up(seq.seq_id, plan.hits, new_blocks)
         last_content = self._seal_prompt(plan, hashes, contents, new_blocks)
         if self.prefix_caching:
-            sealed_through(seq, plan.num_sealed)
+            sealed_through(seq, plan.num_sealed * self.span)
         if sink is not None:
             sink.allocated(seq.seq_id)
         # Hits outside the sliding window prove the chain but are not pinned: the table points at the null block.
         table = [NULL_BLOCK] * plan.first_live + plan.hits[plan.first_live:] + new_blocks
-        sealed = plan.num_sealed
-        alloc = Allocation(seq, table, sealed, hashes[sealed - 1] if sealed else None, last_content,
-                           plan.first_live, plan.scheduled, cross)
+        alloc = Allocation(seq, table, plan.num_sealed, hashes[plan.num_sealed - 1] if plan.num_sealed else None,
+                           last_content, plan.first_live, plan.scheduled, cross)
         if cross is not None:
             cross.members.add(alloc)
         self.records[seq.seq_id] = alloc
@@ -255,7 +283,7 @@ class GroupManager:
         alloc, index, bs = self.records[seq.seq_id], self.pool.index, self.block_size
         done = self.units_indexed.pop(seq.seq_id, 0) if leaving else self.units_indexed.get(seq.seq_id, 0)
         upto = min(seq.num_computed_tokens - seq.num_draft_tokens, seq.prefill_end) // index.unit * index.unit
-        if alloc.on_cpu or upto <= done:
+        if alloc.on_cpu or upto <= done or bs == index.unit:  # (a block of one unit has no partial entries)
             return
         if not leaving:
             self.units_indexed[seq.seq_id] = upto
@@ -263,7 +291,7 @@ class GroupManager:
         for i in range(done // bs, -(-upto // bs)):
             parent = content[table[i - 1]] if i else ROOT
             if parent >= ROOT:  # else the block before holds no sealed content (swapped back in): no chain
-                index.add_partial(table[i], self.group, parent, keys.get(i, b"") if keys else b"",
+                index.add_partial(table[i], self.group, parent, self.own_keys(keys, i),
                                   tokens[i * bs:min(upto, (i + 1) * bs)].tobytes())
 
     # ---- append_slots -----------------------------------------------------------------------------------
@@ -303,7 +331,7 @@ class GroupManager:
         alloc, plan, num_drafts = step
         stop = (plan.scheduled - num_drafts) // self.block_size
         if self.prefix_caching and stop > alloc.num_sealed:
-            return hashes_to_seal(alloc.seq, alloc.num_sealed, stop, self.block_size, self.hash_fn)
+            return self.seals(alloc.seq, alloc.num_sealed, stop)
         return None
 
     def apply_step(self, step, lookahead: int, taken, seals) -> list[tuple[int, int]]:
@@ -342,7 +370,7 @@ class GroupManager:
             if sink is not None:
                 sink.stored(pool.index, sealed, hashes, contents, alloc.last_hash)
             alloc.num_sealed, alloc.last_hash = stop, hashes[-1]
-            sealed_through(seq, alloc.num_sealed)
+            sealed_through(seq, alloc.num_sealed * self.span)
         alloc.num_slots = max(alloc.num_slots, plan.scheduled + lookahead)
         return pairs
 
@@ -351,7 +379,7 @@ class GroupManager:
         """(record, (hashes, contents) of the blocks that ``verified`` positions complete, or None)."""
         alloc, bs = self.gpu_record(seq), self.block_size
         if self.prefix_caching and verified // bs > alloc.num_sealed:
-            return alloc, hashes_to_seal(seq, alloc.num_sealed, verified // bs, bs, self.hash_fn)
+            return alloc, self.seals(seq, alloc.num_sealed, verified // bs)
         return alloc, None
 
     def accept(self, alloc, seals) -> None:
@@ -375,7 +403,7 @@ class GroupManager:
                                 hashes[i - 1] if i else alloc.last_hash)
             i = j
         alloc.num_sealed, alloc.last_hash = first + len(hashes), hashes[-1]
-        sealed_through(alloc.seq, alloc.num_sealed)
+        sealed_through(alloc.seq, alloc.num_sealed * self.span)
 
     # ---- free and fork ----------------------------------------------------------------------------------
     def plan_release(self, seq):
@@ -490,7 +518,9 @@ class GroupManager:
         if not alloc.num_sealed:
             return
         seq, bs, index = alloc.seq, self.block_size, self.pool.index
-        _, expected = block_hashes(seq.token_array, bs, 0, alloc.num_sealed, None, None, seq.key_bytes)
+        span = self.span
+        _, expected = self.own_blocks(*block_hashes(seq.token_array, bs // span, 0, alloc.num_sealed * span, None, None,
+                                                    seq.key_bytes))
         parent = ROOT if not alloc.num_released else None  # None: not known here, not checked
         for i in range(alloc.num_released, alloc.num_sealed):
             block = alloc.table[i]
@@ -514,7 +544,7 @@ class GroupManager:
             group, parent, suffix, held, _ = entry
             own = tokens[i * bs:i * bs + len(held) // 8].tobytes()
             before = index.content[alloc.table[i - 1]] if i else ROOT
-            if group != self.group or own != held or suffix != keys.get(i, b"") or parent != before:
+            if group != self.group or own != held or suffix != self.own_keys(keys, i) or parent != before:
                 _fail(f"sequence {seq.seq_id}: block {i} (GPU block {alloc.table[i]}) is findable by units that are "
                       "not the sequence's own tokens after its own prefix")
 

@@ -75,8 +75,9 @@ class PrefixHit(NamedTuple):
     num_external_tokens: int = 0  # KV a connector would load (disaggregated prefill): the seam, none today
     num_cut_tokens: int = 0    # cached in the first group but cut off by another group's hit (a hybrid model)
     num_eagle_tokens: int = 0  # the hit's last block, given up to be recomputed (``use_eagle``)
-    partial: tuple = ()  # per group: the block whose first units continue the hit (prefix_match_unit), or ()
-    num_partial_tokens: int = 0  # those units' tokens (in num_tokens): copied into a new block by allocate
+    partial: tuple = ()  # per group: the block whose first units continue the hit (prefix_match_unit; None for a
+    #                      group the hit does not cut, with groups of different block sizes), or ()
+    num_partial_tokens: int = 0  # the first group's units' tokens (in num_tokens): copied into a new block
 
 
 class Admitted(NamedTuple):
@@ -95,7 +96,8 @@ class Admitted(NamedTuple):
         """The partial hit's (src, dst) copies, each group's source block into its first new block (unless the
         policy handed out that very block: its units are in place). The whole block is copied: the positions
         after the hit's units are written by the sequence's own steps before anything reads them."""
-        return [(src, blocks[0]) for src, blocks in zip(self.partial, self.new_blocks) if src != blocks[0]]
+        return [(src, blocks[0]) for src, blocks in zip(self.partial, self.new_blocks)
+                if src is not None and src != blocks[0]]
 
 
 class BlockCopies(list):
@@ -123,13 +125,15 @@ class SharedParts(NamedTuple):
     prefix_match_unit: int  # tokens per unit of prefix matching (block_size: whole blocks only)
     plan_append: object     # a learner's copy-on-write plan (kvlab.engine.parts), or None: kvlab's
     plan_window_release: object  # a learner's sliding-window release (kvlab.engine.parts), or None: kvlab's
+    group_block_sizes: tuple  # each group's tokens per block: multiples of block_size (the sequences' blocks)
+    partial_hits: bool        # whether lookups also find a group's block by its first units (prefix_match_unit)
 
 
 def _shared_parts(num_blocks, block_size, *, num_cpu_blocks, watermark, enable_prefix_caching, sliding_window,
                   hash_fn, eviction, record_events, kv_events, groups=None, num_offload_blocks=0,
                   offload_policy="lru", offload_admission="always", kv_cache_metrics=None,
                   shared_tier=None, prefix_match_unit=None, use_eagle=False, plan_append=None,
-                  plan_window_release=None) -> SharedParts:
+                  plan_window_release=None, group_block_sizes=None) -> SharedParts:
     """Check a manager's settings (InvalidArgumentError says which is wrong) and build its shared parts."""
     block_size = check_block_size(block_size)
     num_blocks = check_int("num_blocks", num_blocks, 2 if sliding_window is not None else 1, MAX_BLOCKS)
@@ -159,7 +163,10 @@ def _shared_parts(num_blocks, block_size, *, num_cpu_blocks, watermark, enable_p
     if plan_window_release is not None and not callable(plan_window_release):
         raise InvalidArgumentError("plan_window_release must be callable as plan_window_release(block_table, "
                                    "num_released, first_query, window, block_size), or None")
-    unit = _check_prefix_match_unit(prefix_match_unit, block_size, sliding_window, num_offload_blocks or shared_tier,
+    sizes = _check_group_block_sizes(group_block_sizes, block_size, groups, use_eagle, kv_events)
+    window_sizes = [size for size, spec in zip(sizes, groups or [spec_for(sliding_window)])
+                    if spec.sliding_window is not None]
+    unit = _check_prefix_match_unit(prefix_match_unit, block_size, window_sizes, num_offload_blocks or shared_tier,
                                     use_eagle)
     eviction = make_policy(eviction)
     log = EventLog() if record_events else None
@@ -168,8 +175,9 @@ def _shared_parts(num_blocks, block_size, *, num_cpu_blocks, watermark, enable_p
     first_block = NULL_BLOCK + 1 if sliding_window is not None else 0
     ids, num_groups = shared_tier.index.ids if shared_tier is not None else None, len(groups) if groups else 1
     # one namespace per KV cache group; partial-block entries only with a unit finer than the block
-    index = PrefixIndex(num_blocks, ids, num_groups=num_groups) if unit == block_size else \
-        UnitPrefixIndex(num_blocks, unit, block_size, ids, num_groups)
+    partial_hits = prefix_match_unit is not None and unit < max(sizes)
+    index = UnitPrefixIndex(num_blocks, unit, sizes, ids, num_groups) if partial_hits else \
+        PrefixIndex(num_blocks, ids, num_groups=num_groups)
     pool = BlockPool(num_blocks, eviction, first_block, sink, index)
     tier = shared_tier if shared_tier is not None else make_tier(num_offload_blocks, pool.index, offload_policy,
                                                                  offload_admission)
@@ -179,22 +187,43 @@ def _shared_parts(num_blocks, block_size, *, num_cpu_blocks, watermark, enable_p
             tier.sink = sink
     return SharedParts(block_size, num_blocks, bool(enable_prefix_caching), hash_fn, pool, SwapSpace(num_cpu_blocks),
                        tier, num_blocks - first_block, int(watermark * num_blocks), sink,
-                       log.events if record_events else None, publisher, unit, plan_append, plan_window_release)
+                       log.events if record_events else None, publisher, unit, plan_append, plan_window_release,
+                       sizes, partial_hits and bool(enable_prefix_caching))
 
 
-def _check_prefix_match_unit(unit, block_size: int, sliding_window, offload, use_eagle) -> int:
+def _check_group_block_sizes(sizes, block_size: int, groups, use_eagle, kv_events) -> tuple:
+    """Each group's block size (None: ``block_size`` for every group), or InvalidArgumentError."""
+    num_groups = len(groups) if groups else 1
+    if sizes is None:
+        return (block_size,) * num_groups
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise InvalidArgumentError(f"group_block_sizes must be a list of block sizes, one per group, got {sizes!r}")
+    sizes = tuple(check_block_size(size) for size in sizes)
+    if not groups or len(sizes) != num_groups or any(size % block_size for size in sizes):
+        raise InvalidArgumentError(f"group_block_sizes needs groups=[...] and one block size per group, each a "
+                                   f"multiple of block_size {block_size} (the sequences' blocks, at which prompts are "
+                                   f"hashed); got {list(sizes)} for {num_groups} group(s)")
+    if len(set(sizes)) > 1 and (use_eagle or kv_events):
+        # EAGLE drops the hit's last block (whose?), and a KV event names one block size: refused, not guessed.
+        raise InvalidArgumentError(f"groups of different block sizes ({list(sizes)}) do not combine with use_eagle "
+                                   f"or kv_events yet; got use_eagle={use_eagle!r}, kv_events={kv_events!r}")
+    return sizes
+
+
+def _check_prefix_match_unit(unit, block_size: int, window_sizes, offload, use_eagle) -> int:
     """The unit of prefix matching (None: the block size), or InvalidArgumentError."""
     if unit is None:
         return block_size
     unit = check_int("prefix_match_unit", unit, 1, block_size)
     if block_size % unit:
         raise InvalidArgumentError(f"prefix_match_unit must divide block_size {block_size}, got {unit}")
-    if unit < block_size and (sliding_window is not None or offload or use_eagle):
+    if unit < block_size and (offload or use_eagle) or any(size > unit for size in window_sizes):
         # A window's released blocks, the tier's slots and EAGLE's dropped last block would each need their own
-        # rule for a partial block; refused rather than half-supported.
+        # rule for a partial block; refused rather than half-supported. (A window group whose blocks are one unit
+        # has no partial block.)
         raise InvalidArgumentError(f"prefix_match_unit={unit} (finer than the block) does not combine with a sliding "
-                                   "window, an offload tier or use_eagle yet; got "
-                                   f"sliding_window={sliding_window!r}, offload tier={bool(offload)}, "
+                                   "window whose blocks are larger than the unit, an offload tier or use_eagle yet; "
+                                   f"got sliding-window block sizes {window_sizes}, offload tier={bool(offload)}, "
                                    f"use_eagle={use_eagle!r}")
     return unit
 
@@ -262,7 +291,7 @@ class KVCacheManager:
                  offload_policy: str = "lru", offload_admission: str = "always",
                  kv_cache_metrics: Optional[KVCacheMetricsCollector] = None, shared_tier=None,
                  use_eagle: bool = False, prefix_match_unit: Optional[int] = None, groups=None, plan_append=None,
-                 plan_window_release=None, order_tier=None):
+                 plan_window_release=None, order_tier=None, group_block_sizes=None):
         if order_tier is not None and (not callable(order_tier) or offload_policy != "lru" or not num_offload_blocks):
             raise InvalidArgumentError(f"order_tier (a learner's tier_promotion) needs an offload tier of its own "
                                        f"(num_offload_blocks > 0) with offload_policy='lru', and must be callable; got "
@@ -284,7 +313,7 @@ class KVCacheManager:
                               offload_policy=offload_policy, offload_admission=offload_admission,
                               kv_cache_metrics=kv_cache_metrics, shared_tier=shared_tier,
                               prefix_match_unit=prefix_match_unit, use_eagle=use_eagle, plan_append=plan_append,
-                              plan_window_release=plan_window_release)
+                              plan_window_release=plan_window_release, group_block_sizes=group_block_sizes)
         self._setup(parts, [spec_for(sliding_window)] if groups is None else specs, use_eagle)
         if order_tier is not None:  # the course's seam wraps allocate: kvlab's own path stays as it is
             self._order_tier, self._allocate_unordered = order_tier, self.allocate
@@ -316,8 +345,14 @@ class KVCacheManager:
         # prefix_match_unit (vLLM's hash_block_size): with a unit finer than the block, lookups also find a
         # partial block. Decided once here, so the whole-block manager's calls run exactly as without it.
         self.prefix_match_unit = parts.prefix_match_unit
-        self._units = parts.prefix_match_unit < parts.block_size and parts.enable_prefix_caching
-        if self._units:
+        self._units = parts.partial_hits
+        # Groups of different block sizes (vLLM's hybrid allocator with a hash_block_size): each group's blocks are
+        # merged from the sequence's, and the hit every group serves is looked up by ``_lookup_mixed``.
+        self.group_block_sizes = parts.group_block_sizes
+        self._mixed = len(set(parts.group_block_sizes)) > 1
+        if self._mixed:
+            self.lookup = self._lookup_mixed
+        elif self._units:
             self.lookup = self._lookup_units
 
     # ---- the prefix lookup ------------------------------------------------------------------------------
@@ -381,6 +416,62 @@ class KVCacheManager:
                 units = least
             return hit
 
+    def _lookup_mixed(self, seq: Sequence) -> PrefixHit:
+        """``lookup`` when the groups' block sizes differ: each group's cached blocks under its own block size,
+        then the longest prefix every group serves. With whole blocks only, that is a multiple of every group's
+        block size (as vLLM aligns a hybrid hit to their least common multiple); with a ``prefix_match_unit``,
+        any whole number of units: a group whose block the hit cuts gets a new one, and the first units are
+        copied into it from the group's own cached block or from a block whose first units a prompt wrote. At
+        most all but the last token. Pure."""
+        with self._lock:
+            if not isinstance(seq, Sequence) or seq.block_size != self.block_size:
+                self._check_block_size(check_sequence(seq))
+            if not self.enable_prefix_caching or not seq.num_tokens or seq.token_array is None:
+                return KVCacheManager.lookup(self, seq)  # the empty hit, or the error
+            groups, n = self._groups, seq.num_tokens
+            hashes, contents = prompt_blocks(seq, self.block_size, self.hash_fn)
+            found = [group.find_hits(*group.own_blocks(hashes, contents), (n - 1) // group.block_size)[0]
+                     for group in groups]
+            unit = self.prefix_match_unit if self._units else 1
+            limit, queries = (n - 1) // unit * unit, {}
+            while True:  # every group's lookup is prefix-closed: cut to the least until all serve the same
+                served = [self._served(seq, group, hits, limit, queries) for group, hits in zip(groups, found)]
+                least = min(tokens for tokens, _ in served)
+                if least == limit:
+                    break
+                limit = least
+            hits = tuple(group_hits[:limit // group.block_size] for group, group_hits in zip(groups, found))
+            partial = tuple(slot for _, slot in served)
+            held = self._pool.index.content.__getitem__
+            first = groups[0].block_size
+            return PrefixHit(seq.seq_id, limit, hashes, contents, hits,
+                             tuple(tuple(map(held, group_hits)) for group_hits in hits), (), (),
+                             tuple(map(_generation, self._indexes)), 0, max(0, len(found[0]) * first - limit), 0,
+                             partial if any(slot is not None for slot in partial) else (),
+                             limit - len(hits[0]) * first)
+
+    def _served(self, seq, group, hits: list, limit: int, queries: dict) -> tuple[int, Optional[int]]:
+        """(the most tokens up to ``limit`` that ``group``, holding the prompt's first blocks in ``hits``, serves;
+        the block its partial block's units are copied from, or None). ``queries`` keeps each group's partial
+        query (its units' chain) for the next call."""
+        bs = group.block_size
+        if limit <= len(hits) * bs:
+            if limit % bs and self._units:  # the first units of a block the group holds whole
+                return limit, hits[limit // bs]
+            return limit // bs * bs, None
+        whole, unit, index = len(hits) * bs, self.prefix_match_unit, self._pool.index
+        if not self._units or bs == unit:
+            return whole, None
+        query = queries.get(group.group)
+        if query is None:  # the block after the hits: its keys, and its units up to all but the last token
+            most = min((seq.num_tokens - 1 - whole) // unit, bs // unit - 1) * unit
+            parent = index.content[hits[-1]] if hits else ROOT
+            suffix = group.own_keys(seq.key_bytes, len(hits))
+            token_bytes = memoryview(seq.token_array)[whole:whole + most].tobytes()
+            query = queries[group.group] = parent, suffix, token_bytes, index.unit_chain(parent, suffix, token_bytes)
+        units, slot = index.find_partial(group.group, *query, min((limit - whole) // unit, len(query[3])))
+        return whole + units * unit, slot
+
     def _partial_query(self, seq, hit, num_tokens: int) -> tuple[list, bytes, bytes]:
         """(each group's content id before the block after ``hit``'s whole blocks, that block's keys' bytes, its
         first ``num_tokens`` tokens' bytes): what a partial entry of that block is matched against."""
@@ -428,7 +519,7 @@ class KVCacheManager:
         # Out-of-window hits and partial sources nobody holds go back to the free set, still cached, once the
         # groups hold their live hits.
         unpinned = [block for plan in plans for block in plan.hits[:plan.first_live] if not pool.ref[block]] + \
-            [block for block in hit.partial if not pool.ref[block]] if several else ()
+            [block for block in hit.partial if block is not None and not pool.ref[block]] if several else ()
         with pool.transaction() as txn:  # every group's policy calls first: if one raises, nothing changed
             txn.revive(revived)
             taken = []
@@ -454,8 +545,8 @@ class KVCacheManager:
             self._tier.looked_up(seq.num_tokens, hit.hashes, len(plans[0].hits), len(hit.tier_hits),
                                  self.block_size, counted=not recomputing)
         if self.enable_prefix_caching:
-            self.stats.count_lookup(seq.num_tokens, len(hit.hashes), len(plans[0].hits), self.block_size,
-                                    recomputing, hit.num_partial_tokens)
+            self.stats.count_lookup(seq.num_tokens, len(hit.hashes) // self._groups[0].span, len(plans[0].hits),
+                                    self._groups[0].block_size, recomputing, hit.num_partial_tokens)  # its blocks
         seq.allocation = self._groups[0].records[seq.seq_id]
         return Admitted(hit.num_tokens, tuple(taken), self._tier.take_moves() if self._tier else [],
                         plans[0].scheduled, hit.partial)
@@ -503,7 +594,7 @@ class KVCacheManager:
             return hit, plans, (), list(filterfalse(ref.__getitem__, plan.hits[plan.first_live:])), plan.needed_free
         # A partial hit's source blocks are pinned too: were one group's source handed to another group as a new
         # block, the copies would read a block they also write (the copy kernels refuse a block that is both).
-        pins = [block for plan in plans for block in plan.hits] + list(hit.partial)
+        pins = [block for plan in plans for block in plan.hits] + [block for block in hit.partial if block is not None]
         revived = [block for block in pins if not ref[block]]
         fresh = sum(plan.live_blocks - len(plan.hits) + plan.first_live for plan in plans)
         return hit, plans, pins, revived, fresh + len(revived)
@@ -516,7 +607,10 @@ class KVCacheManager:
             stale = stale or tuple(map(held, blocks)) != content_ids
         if hit.tier_hits:
             stale = stale or tuple(map(self._tier.index.content.__getitem__, hit.tier_hits)) != hit.tier_content_ids
-        if hit.num_partial_tokens and not stale:
+        if self._mixed and not stale:  # groups of different block sizes: the partial blocks looked up again
+            fresh = self.lookup(seq)
+            stale = (fresh.num_tokens, fresh.hits, fresh.partial) != (hit.num_tokens, hit.hits, hit.partial)
+        elif hit.num_partial_tokens and not stale:
             parents, suffix, token_bytes = self._partial_query(seq, hit, hit.num_partial_tokens)
             index = self._pool.index
             stale = not all(index.holds(slot, g, parent, suffix, token_bytes)
@@ -816,8 +910,8 @@ class KVCacheManager:
         ``usable_blocks``."""
         n = check_int("num_tokens", num_tokens, 1)
         first = n if num_new_tokens is None else check_int("num_new_tokens", num_new_tokens, 1, n)
-        bs = self.block_size
-        return sum(max(-(-first // bs), least_peak_blocks(first, n, bs, group.spec, 0)) for group in self._groups)
+        return sum(max(-(-first // group.block_size), least_peak_blocks(first, n, group.block_size, group.spec, 0))
+                   for group in self._groups)
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """The prefix-cache counters of this run: a ``PrefixCacheStats`` of the lookups since the last call (or
@@ -1002,8 +1096,8 @@ class HybridBlockManager(BlockManager):
     def __init__(self, num_blocks: int, block_size: int = 16, *, groups, num_cpu_blocks: int = 0,
                  watermark: float = 0.0, enable_prefix_caching: bool = True, hash_fn=None, eviction="lru",
                  record_events: bool = False, kv_events: bool = False, use_eagle: bool = False,
-                 prefix_match_unit: Optional[int] = None):
+                 prefix_match_unit: Optional[int] = None, group_block_sizes=None):
         super().__init__(num_blocks, block_size, groups=groups, num_cpu_blocks=num_cpu_blocks, watermark=watermark,
                          enable_prefix_caching=enable_prefix_caching, hash_fn=hash_fn, eviction=eviction,
                          record_events=record_events, kv_events=kv_events, use_eagle=use_eagle,
-                         prefix_match_unit=prefix_match_unit)
+                         prefix_match_unit=prefix_match_unit, group_block_sizes=group_block_sizes)

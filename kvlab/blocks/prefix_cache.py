@@ -419,11 +419,12 @@ def _fail(message: str):
 
 class UnitPrefixIndex(PrefixIndex):
     """A ``PrefixIndex`` that also finds slots by their first k units of ``unit`` tokens (``add_partial``,
-    ``find_partial``); a slot's partial entries go when the slot is reused for new content (``evict``)."""
+    ``find_partial``); a slot's partial entries go when the slot is reused for new content (``evict``).
+    ``block_sizes``: each group's tokens per block (groups may differ)."""
 
-    def __init__(self, num_slots: int, unit: int, block_size: int, ids: Optional[ContentIds] = None,
+    def __init__(self, num_slots: int, unit: int, block_sizes: tuple, ids: Optional[ContentIds] = None,
                  num_groups: int = 1):
-        self.unit, self.units_per_block = unit, block_size // unit
+        self.unit, self.units_per_block = unit, [size // unit for size in block_sizes]
         super().__init__(num_slots, ids, num_groups=num_groups)
 
     def forget_all(self) -> None:
@@ -444,8 +445,9 @@ class UnitPrefixIndex(PrefixIndex):
 
     def add_partial(self, slot: int, group: int, parent: int, suffix: bytes, token_bytes: bytes) -> None:
         """``slot`` holds ``token_bytes`` (whole units) after content ``parent`` with keys ``suffix``: make it
-        findable by each of its first 1 .. units_per_block - 1 units (a longer entry replaces a shorter one)."""
-        token_bytes = token_bytes[:8 * self.unit * (self.units_per_block - 1)]
+        findable by each of its first 1 .. units_per_block[group] - 1 units (a longer entry replaces a shorter
+        one)."""
+        token_bytes = token_bytes[:8 * self.unit * (self.units_per_block[group] - 1)]
         old = self.partial_of.get(slot)
         if old is not None:
             if len(old[3]) >= len(token_bytes):
@@ -495,7 +497,8 @@ class UnitPrefixIndex(PrefixIndex):
         super().check()
         owners = {}
         for slot, (group, parent, suffix, token_bytes, owned) in self.partial_of.items():
-            if len(token_bytes) % (8 * self.unit) or len(token_bytes) >= 8 * self.unit * self.units_per_block:
+            if len(token_bytes) % (8 * self.unit) or \
+                    len(token_bytes) >= 8 * self.unit * self.units_per_block[group]:
                 _fail(f"{self.name} {slot}'s partial entry holds {len(token_bytes) // 8} tokens, not fewer than a "
                       f"block's worth of whole {self.unit}-token units")
             if not set(owned) <= set(self.unit_chain(parent, suffix, token_bytes)):

@@ -18,11 +18,13 @@ the rows against replays of the real tokens.
 """
 
 from dataclasses import dataclass
+import math
 
 import numpy as np
 import pandas as pd
 
-from kvlab.blocks.manager import BlockManager
+from kvlab.blocks.kv_cache_groups import FullAttentionSpec, SlidingWindowSpec
+from kvlab.blocks.manager import BlockManager, HybridBlockManager
 from kvlab.blocks.sequence import Sequence
 from kvlab.studies.traces import PromptTokens, load_trace
 
@@ -142,24 +144,37 @@ LENGTH_BUCKETS = (0, 528, 2048, 8192)
 
 
 def unit_hit_rates(trace="mooncake_synthetic", *, configs=((528, None), (528, 16), (16, None)),
-                   capacity_tokens: int = 1 << 20, limit: int | None = None) -> pd.DataFrame:
+                   capacity_tokens: int = 1 << 20, window: int = 1024, limit: int | None = None) -> pd.DataFrame:
     """Prefix-cache hit rate by prompt length for each ``(block_size, prefix_match_unit)`` of ``configs``
     (None: whole blocks), replaying ``trace``'s real prompt tokens one request at a time (lookup, allocate,
     free) on an LRU pool of ``capacity_tokens`` tokens. The default configs are vLLM issue #40696's: a 528-token
     block (a hybrid model's page), the same block matched at 16 tokens (vLLM's ``hash_block_size``, kvlab's
-    ``prefix_match_unit``), and 16-token blocks, the ceiling. One row per config and bucket (``LENGTH_BUCKETS``):
-    requests, prompt tokens, hit tokens, hit rate in percent. Compact prompts (``replay_sequential``) cannot
-    stand in here: a partial block's hit depends on its tokens."""
+    ``prefix_match_unit``), and 16-token blocks, the ceiling. A ``block_size`` of two sizes, ``(F, W)``, is a
+    hybrid model: a full-attention group of F-token blocks and a sliding-window group (``window`` tokens) of
+    W-token blocks (``group_block_sizes``), hashed at their greatest common divisor, with a pool of
+    ``capacity_tokens`` in each group. One row per config and bucket (``LENGTH_BUCKETS``): requests, prompt
+    tokens, hit tokens, hit rate in percent; ``config`` names it, and ``prefix_match_unit`` is the step its hits
+    come in (for a hybrid model with whole blocks, the least common multiple of its block sizes). Compact
+    prompts (``replay_sequential``) cannot stand in here: a partial block's hit depends on its tokens."""
     frame = load_trace(trace, limit)
     frame = frame.iloc[np.argsort(frame["timestamp"].to_numpy(), kind="stable")]
     prompts, lengths = PromptTokens(frame), frame["input_length"].to_numpy(np.int64)
     bucket = np.searchsorted(LENGTH_BUCKETS, lengths, side="right") - 1
     rows = []
     for block_size, unit in configs:
-        manager = BlockManager(max(1, capacity_tokens // block_size), block_size, prefix_match_unit=unit)
+        if isinstance(block_size, tuple):
+            manager = HybridBlockManager(sum(capacity_tokens // size for size in block_size), math.gcd(*block_size),
+                                         groups=[FullAttentionSpec(), SlidingWindowSpec(window)],
+                                         group_block_sizes=block_size, prefix_match_unit=unit)
+            config = f"hybrid: full attention in {block_size[0]}, window {window} in {block_size[1]}"
+            step = unit or math.lcm(*block_size)
+        else:
+            manager = BlockManager(max(1, capacity_tokens // block_size), block_size, prefix_match_unit=unit)
+            config, step = f"blocks of {block_size}", unit or block_size
+        config += f", unit {unit}" if unit else ""
         hit = np.zeros(len(frame), dtype=np.int64)
         for i in range(len(frame)):
-            seq = Sequence(prompts[i], block_size)
+            seq = Sequence(prompts[i], manager.block_size)
             if manager.can_allocate(seq).name == "NEVER":  # longer than the pool: computed elsewhere, no hit
                 continue
             hit[i] = manager.allocate(seq).num_cached_tokens
@@ -168,7 +183,7 @@ def unit_hit_rates(trace="mooncake_synthetic", *, configs=((528, None), (528, 16
             chosen = bucket == b
             high = LENGTH_BUCKETS[b + 1] if b + 1 < len(LENGTH_BUCKETS) else None
             tokens = int(lengths[chosen].sum())
-            rows.append(dict(block_size=block_size, prefix_match_unit=unit or block_size,
+            rows.append(dict(config=config, block_size=block_size, prefix_match_unit=step,
                              prompt_tokens=f"{low}-{high - 1}" if high else f">={low}", requests=int(chosen.sum()),
                              queried_tokens=tokens, hit_tokens=int(hit[chosen].sum()),
                              hit_rate=round(100 * hit[chosen].sum() / tokens, 2) if tokens else float("nan")))

@@ -86,7 +86,10 @@ class HybridMachine(PoolRules, RuleBasedStateMachine):
             config["hash_fn"] = self.faults.weak_hash
         self.manager = HybridBlockManager(**config)
         self.windows = [spec.sliding_window for spec in self.manager.groups]
-        self.gpu, self.cpu = {}, {}   # slot -> (group, value): every group's K/V in the one shared pool
+        self.sizes = self.manager.group_block_sizes
+        # (block, offset) -> (group, value): every group's K/V in the one shared pool, whose pages hold a group's
+        # block of its size (groups may differ: a slot number alone would be ambiguous)
+        self.gpu, self.cpu = {}, {}
         self.running, self.swapped = [], []
         self.written, self.reserved, self.first_query, self.drafts = {}, {}, {}, {}   # as in ManagerMachine
         self.history = []
@@ -95,17 +98,18 @@ class HybridMachine(PoolRules, RuleBasedStateMachine):
     def _step(self, seq, first_query, lookahead=0, end=None, drafts=()):
         """Write the step's tokens first_query..end-1 in every group (then the drafts'; and junk in lookahead
         slots), then check what each group's attention reads."""
-        n, bs = seq.num_tokens if end is None else end, self.manager.block_size
+        n = seq.num_tokens if end is None else end
         scheduled = n + len(drafts)
         assert self.manager.num_scheduled_tokens(seq) == scheduled
         values = kv_values(seq, drafts=drafts)
         for g, slots in enumerate(self.manager.slot_mappings(seq, first_query, scheduled + lookahead)):
             for p, slot in enumerate(slots, first_query):
                 assert slot >= 0, f"group {g}: position {p} of the step has no slot"
-                self.gpu[slot] = (g, values[p]) if p < scheduled else ("junk", next(_junk))
+                self.gpu[self._page(g, slot)] = (g, values[p]) if p < scheduled else ("junk", next(_junk))
         self.written[seq], self.first_query[seq] = n, first_query
         self.reserved[seq] = max(self.reserved.get(seq, 0), scheduled + lookahead)
-        assert all(len(table) * bs >= scheduled + lookahead for table in self.manager.block_tables(seq))
+        assert all(len(table) * bs >= scheduled + lookahead
+                   for table, bs in zip(self.manager.block_tables(seq), self.sizes))
         self._check_reads(seq)
 
     def _check_reads(self, seq):
@@ -118,11 +122,23 @@ class HybridMachine(PoolRules, RuleBasedStateMachine):
             for p, slot in enumerate(slots):
                 assert slot >= 0 or p < visible, f"seq {seq.seq_id} group {g}: position {p} released while visible"
                 if slot >= 0:
-                    assert self.gpu.get(slot) == (g, expected[p]), \
+                    assert self.gpu.get(self._page(g, slot)) == (g, expected[p]), \
                         f"seq {seq.seq_id} group {g} reads wrong K/V at position {p}"
 
     def _slots(self, seq, start, end):
         return self.manager.slot_mappings(seq, start, end)
+
+    def _page(self, group, slot):
+        return divmod(slot, self.sizes[group])
+
+    def _copy(self, src_cache, dst_cache, pairs):
+        """Apply the manager's (src, dst) block pairs, in order: each copies a whole page."""
+        for src, dst in pairs:
+            for offset in range(max(self.sizes)):
+                if (src, offset) in src_cache:
+                    dst_cache[dst, offset] = src_cache[src, offset]
+                else:
+                    dst_cache.pop((dst, offset), None)
 
     def _forget(self, seq):
         (self.running if seq in self.running else self.swapped).remove(seq)
@@ -257,6 +273,14 @@ MACHINES = [
     _machine("HybridTwoFullUnits", FULL, FULL, num_blocks=32, block_size=4, num_cpu_blocks=16, prefix_match_unit=1),
     _machine("HybridTwoFullUnitsStack", FULL, FULL, num_blocks=24, block_size=4, num_cpu_blocks=8, prefix_match_unit=1,
              eviction=StackPolicy),
+    # groups of different block sizes (hashed at block_size, each group's blocks merged from those)
+    _machine("HybridMixedSizes", FULL, W3, num_blocks=40, block_size=2, num_cpu_blocks=16, group_block_sizes=[6, 2]),
+    _machine("HybridMixedUnits", W3, FULL, FULL, num_blocks=48, block_size=2, num_cpu_blocks=16,
+             group_block_sizes=[2, 8, 4], prefix_match_unit=2),
+    _machine("HybridMixedUnitsStack", FULL, W2, num_blocks=32, block_size=2, num_cpu_blocks=8,
+             group_block_sizes=[6, 2], prefix_match_unit=2, eviction=StackPolicy),
+    _machine("HybridMixedFailingHash", FULL, FULL, num_blocks=32, block_size=2, num_cpu_blocks=8,
+             group_block_sizes=[4, 2], prefix_match_unit=1, faulty="hash_fn"),
     _machine("HybridEagle", FULL, W3, num_blocks=24, block_size=2, num_cpu_blocks=8, use_eagle=True),
     _machine("HybridFailingPolicy", W2, FULL, num_blocks=24, block_size=2, num_cpu_blocks=8, faulty="policy"),
     _machine("HybridFailingHash", FULL, W3, num_blocks=24, block_size=2, num_cpu_blocks=8, faulty="hash_fn"),

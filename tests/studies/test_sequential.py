@@ -159,3 +159,15 @@ def test_a_finer_prefix_match_unit_recovers_the_hits_a_528_token_block_loses():
         ["block_size", "prefix_match_unit", "prompt_tokens"])["hit_rate"]
     assert rates[528, 528, "528-2047"] == 0
     assert rates[528, 16, "528-2047"] == rates[16, 16, "528-2047"] > 40
+
+
+def test_a_hybrid_model_with_a_528_token_group_hits_at_16_tokens_only_with_a_unit():
+    """Groups of 528 and 16 tokens: whole-block hits come in steps of 528 (both groups must serve them), so the
+    528-2047 prompts hit nothing; matched at 16 tokens they hit as 16-token blocks do, in every bucket."""
+    rates = unit_hit_rates("mooncake_conversation", limit=300,
+                           configs=[((528, 16), None), ((528, 16), 16), (16, None)])
+    rates = rates[rates["requests"] > 0].set_index(["config", "prompt_tokens"])["hit_rate"].unstack("config")
+    whole, unit = "hybrid: full attention in 528, window 1024 in 16", \
+        "hybrid: full attention in 528, window 1024 in 16, unit 16"
+    assert rates.loc["528-2047", whole] == 0 and rates.loc["528-2047", unit] > 40
+    assert (rates[unit] >= 0.95 * rates["blocks of 16"]).all()
