@@ -191,7 +191,8 @@ def draw_block_tables(pool, seqs=(), ax=None, *, names=None, max_pool_boxes: int
             released = i < table.num_released
             fill_color, label = _cell_look(view, table, i, block)
             _box(ax, i, y, "white", f"table-{table.key}-{i}", edge=color, linewidth=1.2)
-            fill = table.tokens_in(i, bs) / bs
+            size = table.block_size or bs
+            fill = table.tokens_in(i, size) / size
             ax.add_patch(Rectangle((i + PAD, y + PAD), (1 - 2 * PAD) * fill, 1 - 2 * PAD, facecolor=fill_color,
                                    edgecolor="none", gid=f"fill-{table.key}-{i}"))
             dark = fill > 0.5 and fill_color != STATE_COLORS[WARM]

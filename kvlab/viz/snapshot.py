@@ -41,6 +41,7 @@ class TableView:
     name: str = ""         # the notebook's name for the sequence ("A", "chat"); drawings fall back to its id
     group: Optional[int] = None  # the KV cache group of a hybrid manager's table; None for a BlockManager's
     group_label: str = ""        # what the drawings call that group ("full", "window 8")
+    block_size: Optional[int] = None  # its group's tokens per block (None: the pool's)
 
     @property
     def display_name(self) -> str:
@@ -136,7 +137,10 @@ def snapshot(manager, seqs=(), label: str = "", *, names=None) -> PoolView:
     reuse_rank[free] = np.arange(len(free), dtype=np.int32)
     # A BlockManager's one table per sequence is unlabelled (group None); a hybrid manager's are per group.
     several = isinstance(manager, HybridBlockManager) or len(manager.groups) > 1
-    groups = list(enumerate(group_labels(manager.groups))) if several else [(None, "")]
+    labels = group_labels(manager.groups)
+    if len(set(manager.group_block_sizes)) > 1:
+        labels = [f"{label}, {size}-token blocks" for label, size in zip(labels, manager.group_block_sizes)]
+    groups = list(enumerate(labels)) if several else [(None, "")]
     tables = tuple(table for seq, name in zip(seqs, seq_names) for table in _tables(manager, seq, name, groups))
     cpu_refs = {b: manager.cpu_ref_count(b) for b in range(manager.num_cpu_blocks) if manager.cpu_ref_count(b)}
     return PoolView(n, manager.block_size, states, refs, cached, reuse_rank, tables,
@@ -152,7 +156,9 @@ def _tables(manager, seq: Sequence, name: str, groups: list) -> list[TableView]:
     blocks = manager.block_tables(seq) if allocated else [()] * len(groups)
     released = manager.num_released_blocks_per_group(seq) if allocated else [0] * len(groups)
     status = seq.status.name.lower()
-    return [TableView(seq.seq_id, status, seq.num_tokens, tuple(table), on_cpu, num_released, name, group, label)
+    sizes = manager.group_block_sizes  # groups may differ (group_block_sizes)
+    return [TableView(seq.seq_id, status, seq.num_tokens, tuple(table), on_cpu, num_released, name, group, label,
+                      sizes[group or 0])
             for table, num_released, (group, label) in zip(blocks, released, groups)]
 
 

@@ -144,3 +144,19 @@ def test_a_bad_argument_names_the_managers_allowed():
         draw_block_tables(m, [1, 2])
     with pytest.raises(InvalidArgumentError, match="snapshot"):
         draw_block_tables(snapshot(m, seqs), seqs)
+
+
+def test_groups_of_different_block_sizes_fill_their_blocks_by_their_own_size():
+    """A 12-token block and a 4-token block of a 10-token prompt: the full group's one block is 10/12 full, the
+    window group's last block 2/4; the labels name each group's block size."""
+    m = HybridBlockManager(16, BS, groups=[FullAttentionSpec(), SlidingWindowSpec(WINDOW)],
+                           group_block_sizes=[3 * BS, BS])
+    seq = Sequence(range(10), BS)
+    m.allocate(seq)
+    view = snapshot(m, [seq], names=["A"])
+    assert [(t.display_name, t.block_size) for t in view.tables] == [
+        ("A · full, 12-token blocks", 12), ("A · window 8, 4-token blocks", 4)]
+    fills = {gid: p.get_width() for gid, p in patches_by_gid(draw_block_tables(view)).items()
+             if gid.startswith("fill-")}
+    full, window = fills[f"fill-{seq.seq_id}g0-0"], fills[f"fill-{seq.seq_id}g1-2"]
+    assert full == pytest.approx(10 / 12 * fills[f"fill-{seq.seq_id}g1-0"]) and window == pytest.approx(full * 0.6)
