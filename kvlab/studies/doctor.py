@@ -60,6 +60,9 @@ class HitDoctor:
         if not isinstance(manager, KVCacheManager):
             raise InvalidArgumentError(f"a HitDoctor observes a KVCacheManager (or a BlockManager), got "
                                        f"{type(manager).__name__}")
+        if len(set(manager.group_block_sizes)) > 1:
+            raise InvalidArgumentError(f"a HitDoctor reads one block size; this manager's groups have "
+                                       f"{list(manager.group_block_sizes)} (group_block_sizes)")
         self.manager_block_size = manager.block_size
         self.block_size = self.manager_block_size if block_size is None else check_int("block_size", block_size, 1)
         self.hash_fn = manager.hash_fn

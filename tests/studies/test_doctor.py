@@ -122,6 +122,9 @@ def test_the_engine_view_tells_the_doctor_and_refuses_what_is_not_a_doctor():
         DoctorView(m, object())
     with pytest.raises(InvalidArgumentError, match="BlockManager"):
         HitDoctor(object())
+    with pytest.raises(InvalidArgumentError, match="one block size"):
+        HitDoctor(HybridBlockManager(16, BS, groups=[FullAttentionSpec(), FullAttentionSpec()],
+                                     group_block_sizes=[BS, 2 * BS]))
     doctor, seq = HitDoctor(m), Sequence(range(5), BS)
     with pytest.raises(InvalidArgumentError, match="lookup"):
         doctor.admitted(seq, m.lookup(Sequence(range(5), BS)))
