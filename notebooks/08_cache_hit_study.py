@@ -445,8 +445,8 @@ partial.round(2)
 #
 # The same holds when the groups of one model have different block sizes, as a hybrid model's do once each
 # group's page is sized to its own layers: `HybridBlockManager(..., group_block_sizes=[528, 16])` hashes every
-# prompt once, at 16 tokens, and merges 33 of those hashes into each 528-token block's (the chain hash of its
-# last 16 tokens names its whole prefix). With whole blocks a hit must be served by every group, so it comes in
+# prompt once, at 16 tokens, and a 528-token block's hash is every 33rd of those (the chain hash of its last 16
+# tokens names its whole prefix). With whole blocks a hit must be served by every group, so it comes in
 # steps of 528, the sizes' least common multiple, which is where vLLM aligns a hybrid hit
 # (`HybridKVCacheCoordinator` in `vllm/v1/core/kv_cache_coordinator.py`); matched at 16 tokens, the 528-token
 # group copies the first units of a block it holds (or whose first units a prompt wrote) into a new one, and the
