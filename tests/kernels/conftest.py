@@ -2,7 +2,10 @@
 slot mappings, and bitwise comparison. Everything lives on ``kvlab.device.DEVICE``, so the same tests run in
 the interpreter on CPU and compiled on a GPU."""
 
+import shutil
+import tempfile
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +16,26 @@ from kvlab.device import DEVICE
 #: stride but the last is unusual); "kv_major": stored [2, num_blocks, ...] and transposed, so the K/V
 #: stride exceeds the block stride.
 CACHE_LAYOUTS = ("contiguous", "padded", "kv_major")
+
+
+def pytest_collection_finish(session):
+    """Start the GPU compile checks (test_gpu_compile.py) once the session's tests are chosen, if they are among
+    them: they compile in subprocesses for about two minutes, on the core that the single-threaded tests run
+    before them leave idle, and their test collects the results."""
+    module = next((item.module for item in session.items if item.path.name == "test_gpu_compile.py"
+                   and "target_checks" in item.fixturenames), None)
+    if module is not None and not module.STARTED:
+        session.config.gpu_compile_dir = Path(tempfile.mkdtemp(prefix="kvlab-gpu-compile-"))
+        module.STARTED.update(module.start_checks(session.config.gpu_compile_dir))
+        session.config.gpu_compile_module = module
+
+
+def pytest_sessionfinish(session):
+    module = getattr(session.config, "gpu_compile_module", None)
+    if module is not None:
+        for check in module.STARTED.values():
+            check.stop()
+        shutil.rmtree(session.config.gpu_compile_dir, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
