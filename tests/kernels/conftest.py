@@ -24,7 +24,7 @@ def pytest_collection_finish(session):
     before them leave idle, and their test collects the results."""
     module = next((item.module for item in session.items if item.path.name == "test_gpu_compile.py"
                    and "target_checks" in item.fixturenames), None)
-    if module is not None and not module.STARTED:
+    if module is not None and not module.STARTED and not session.config.option.collectonly:
         session.config.gpu_compile_dir = Path(tempfile.mkdtemp(prefix="kvlab-gpu-compile-"))
         module.STARTED.update(module.start_checks(session.config.gpu_compile_dir))
         session.config.gpu_compile_module = module
