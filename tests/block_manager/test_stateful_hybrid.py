@@ -281,6 +281,8 @@ MACHINES = [
              group_block_sizes=[6, 2], prefix_match_unit=2, eviction=StackPolicy),
     _machine("HybridMixedFailingHash", FULL, FULL, num_blocks=32, block_size=2, num_cpu_blocks=8,
              group_block_sizes=[4, 2], prefix_match_unit=1, faulty="hash_fn"),
+    _machine("HybridMixedFailingPolicy", FULL, FULL, num_blocks=32, block_size=2, num_cpu_blocks=8,
+             group_block_sizes=[2, 4], prefix_match_unit=1, faulty="policy"),
     _machine("HybridEagle", FULL, W3, num_blocks=24, block_size=2, num_cpu_blocks=8, use_eagle=True),
     _machine("HybridFailingPolicy", W2, FULL, num_blocks=24, block_size=2, num_cpu_blocks=8, faulty="policy"),
     _machine("HybridFailingHash", FULL, W3, num_blocks=24, block_size=2, num_cpu_blocks=8, faulty="hash_fn"),
