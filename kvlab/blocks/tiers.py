@@ -2,7 +2,7 @@
 cached blocks (offload at GPU eviction, promote on a GPU miss) with its replacement and admission policies.
 """
 
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from itertools import compress, filterfalse, islice, repeat
 from typing import Optional
 
@@ -196,69 +196,65 @@ class SwapSpace:
 #               at GPU eviction, so it counts every full block of every prompt ``allocate`` looks up (a block
 #               hit on the GPU was reused too).
 #
-# Every call but ``LRUOrder.victim`` (see there) is O(1) per hash; ``make_room`` takes a batch of GPU evictions at
-# once (kvlab.blocks.tiers). ``touch`` takes the hashes in prompt order and visits them last to
-# first, as vLLM does, so a prompt's first block ends up most recently used.
+# Both keep their lists in plain dicts (a use moves a hash to the end by taking it out and putting it back): a
+# batch goes through them in C. Every call but ``victim`` is O(1) per hash; ``victim`` walks past a dict's deleted
+# slots at its front, so it runs for single blocks only: ``make_room`` takes a batch of GPU evictions at once, and
+# a batch it refuses is halved. ``touch`` takes the hashes in prompt order and visits them last to first, as vLLM
+# does, so a prompt's first block ends up most recently used.
 
 REUSE_THRESHOLD = 2
 
 
 class LRUOrder:
-    """The tier's hashes, least recently used first. A plain dict, not an OrderedDict: its insertions cost about
-    half as much, and a use moves a hash to the end by taking it out and putting it back. The price: ``victim``
-    walks past the dict's deleted slots at its front, so a batch ``make_room`` cannot take is halved
-    (kvlab.blocks.tiers) rather than looped, and ``victim`` runs for single blocks only."""
+    """The tier's hashes, least recently used first: the order of the tier index's own hash -> slot map
+    (``index.cached``), so recency costs no second map. The tier inserts an entry there (at the end: most recent)
+    and pops a victim from there, so ``insert`` has nothing to do and ``victim`` / ``make_room`` only choose;
+    a use moves a hash to the end by taking it out and putting it back."""
 
-    split_batches = True  # the offload tier halves a batch make_room refuses instead of looping over it
-
-    def __init__(self, capacity: int):
-        self.entries: dict = {}
+    def __init__(self, capacity: int, index):
+        self.index = index  # read for its current map: ``forget_all`` replaces it
 
     def insert(self, block_hash) -> None:
-        self.entries[block_hash] = None
+        pass  # the tier's insertion into ``index.cached`` made it the most recent
 
     def touch(self, hashes) -> None:
-        entries = self.entries
+        entries = self.index.cached
         for block_hash in filter(entries.__contains__, reversed(hashes)):  # most hashes miss: filtered in C
             entries[block_hash] = entries.pop(block_hash)
 
     def make_room(self, num_victims: int, hashes, resident, pinned=frozenset()) -> list | None:
-        """What ``victim(pinned)`` for each of the last ``num_victims`` of ``hashes``, each followed by
-        ``insert`` of its hash, after ``insert`` of the others, would do, done at once: returns the victims in
-        order. None, changing nothing, where that would drop an entry of this batch or one of ``resident``
-        (hashes the batch skipped as held, which the one-by-one loop would store again once dropped)."""
-        entries = self.entries
+        """The victims ``victim(pinned)`` would name for each of the last ``num_victims`` of ``hashes``, each
+        followed by the insertion of its hash, after the insertion of the others: the tier pops them and inserts
+        ``hashes``. None where that would drop an entry of this batch or one of ``resident`` (hashes the batch
+        skipped as held, which the one-by-one loop would store again once dropped)."""
+        entries = self.index.cached
         if num_victims > len(entries):
             return None
         candidates = filterfalse(pinned.__contains__, entries) if pinned else entries
         victims = list(islice(candidates, num_victims))
         if len(victims) < num_victims or (resident and not resident.isdisjoint(victims)):
             return None
-        deque(map(entries.__delitem__, victims), 0)
-        entries.update(dict.fromkeys(hashes))
         return victims
 
     def victim(self, pinned) -> object:
-        """Remove and return the entry to drop (never one of ``pinned``), or None if every entry is pinned."""
-        entries = self.entries
-        for block_hash in entries:
-            if block_hash not in pinned:
-                del entries[block_hash]
-                return block_hash
-        return None
+        """The entry to drop (never one of ``pinned``; the tier pops it), or None if every entry is pinned."""
+        return next(filterfalse(pinned.__contains__, self.index.cached), None)
 
     def clear(self) -> None:
-        self.entries.clear()
+        pass  # ``index.forget_all`` emptied the order
 
     def reorder(self, hashes) -> None:
         """Keep the same entries in the order of ``hashes`` (least recently used first): a learner's order
         (``KVCacheManager(order_tier=...)``), which must hold exactly the resident hashes."""
-        if sorted(hashes) != sorted(self.entries):
+        entries = self.index.cached
+        if sorted(hashes) != sorted(entries):
             raise InvariantViolation("a reordered offload tier must hold the same hashes")
-        self.entries = dict.fromkeys(hashes)
+        slots = [entries[block_hash] for block_hash in hashes]
+        entries.clear()  # the same map, reordered in place: it is the index's
+        entries.update(zip(hashes, slots))
 
     def resident(self) -> list:
-        return list(self.entries)
+        return list(self.index.cached)
 
     def check(self) -> None:
         pass
@@ -267,12 +263,10 @@ class LRUOrder:
 class ARCOrder:
     """T1 / T2 (resident hashes, least recent first) and their ghost lists B1 / B2, with T1's adaptive target."""
 
-    split_batches = False  # OrderedDicts: ``victim`` is O(1), the one-by-one loop takes a batch make_room refuses
-
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, index=None):  # ``index``: LRUOrder's; ARC keeps lists of its own
         self.capacity = capacity
         self.target_t1 = 0
-        self.t1, self.t2, self.b1, self.b2 = OrderedDict(), OrderedDict(), OrderedDict(), OrderedDict()
+        self.t1, self.t2, self.b1, self.b2 = {}, {}, {}, {}
 
     def insert(self, block_hash) -> None:
         self.t1[block_hash] = None
@@ -281,22 +275,25 @@ class ARCOrder:
 
     def touch(self, hashes) -> None:
         t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
-        for block_hash in reversed(hashes):
+        asked = set(hashes)  # most hashes are in no list: the four lists are intersected with them in C first
+        known = (t1.keys() & asked) | (t2.keys() & asked) | (b1.keys() & asked) | (b2.keys() & asked)
+        for block_hash in filter(known.__contains__, reversed(hashes)):
             if block_hash in t1:
                 del t1[block_hash]
                 t2[block_hash] = None
             elif block_hash in t2:
-                t2.move_to_end(block_hash)
+                t2[block_hash] = t2.pop(block_hash)
             elif block_hash in b1:
                 self.target_t1 = min(self.target_t1 + max(1, len(b2) // len(b1)), self.capacity)
             elif block_hash in b2:
                 self.target_t1 = max(self.target_t1 - max(1, len(b1) // len(b2)), 0)
 
     def make_room(self, num_victims: int, hashes, resident, pinned=frozenset()) -> list | None:
-        """As ``LRUOrder.make_room``. Victims come from T1 while T1 (which each insert grows) is at or above its
-        target, else from T2, never ``pinned``; done at once only where that is exact: no new hash is a ghost (an
-        insert would remove it from B1/B2 between two victims' appends), every victim is an entry from before
-        the batch, and none is ``resident``."""
+        """As ``LRUOrder.make_room``, and it moves the victims to their ghost lists and ``hashes`` into T1 itself.
+        Victims come from T1 while T1 (which each insert grows) is at or above its target, else from T2, never
+        ``pinned``; done at once only where that is exact: no new hash is a ghost (an insert would remove it
+        from B1/B2 between two victims' appends), every victim is an entry from before the batch, and none is
+        ``resident``."""
         t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
         if not (b1.keys().isdisjoint(hashes) and b2.keys().isdisjoint(hashes)):
             return None
@@ -310,8 +307,8 @@ class ARCOrder:
         for resident_list, ghosts, dropped in ((t2, b2, victims[:from_t2]), (t1, b1, victims[from_t2:])):
             deque(map(resident_list.__delitem__, dropped), 0)
             ghosts.update(dict.fromkeys(dropped))
-            for _ in range(len(ghosts) - self.capacity):
-                ghosts.popitem(last=False)
+            if len(ghosts) > self.capacity:  # the oldest ghosts go, as one popped per victim would
+                deque(map(ghosts.__delitem__, list(islice(ghosts, len(ghosts) - self.capacity))), 0)
         t1.update(dict.fromkeys(hashes))
         return victims
 
@@ -324,15 +321,14 @@ class ARCOrder:
                 return block_hash
         return self._drop_oldest(self.t2, self.b2, pinned)
 
-    def _drop_oldest(self, resident: OrderedDict, ghosts: OrderedDict, pinned):
-        for block_hash in resident:
-            if block_hash not in pinned:
-                del resident[block_hash]
-                ghosts[block_hash] = None
-                if len(ghosts) > self.capacity:  # only this ghost list grew, by one
-                    ghosts.popitem(last=False)
-                return block_hash
-        return None
+    def _drop_oldest(self, resident: dict, ghosts: dict, pinned):
+        block_hash = next(filterfalse(pinned.__contains__, resident), None)
+        if block_hash is not None:
+            del resident[block_hash]
+            ghosts[block_hash] = None
+            if len(ghosts) > self.capacity:  # only this ghost list grew, by one
+                del ghosts[next(iter(ghosts))]
+        return block_hash
 
     def clear(self) -> None:
         for part in (self.t1, self.t2, self.b1, self.b2):
@@ -343,7 +339,7 @@ class ARCOrder:
         return [*self.t1, *self.t2]
 
     def check(self) -> None:
-        if set(self.t1) & set(self.t2) or len(self.b1) > self.capacity or len(self.b2) > self.capacity \
+        if not self.t1.keys().isdisjoint(self.t2) or len(self.b1) > self.capacity or len(self.b2) > self.capacity \
                 or not 0 <= self.target_t1 <= self.capacity:
             raise InvariantViolation("the offload tier's ARC lists overlap, or a ghost list or the target is out "
                                      "of bounds")
@@ -354,25 +350,53 @@ OFFLOAD_ADMISSIONS = ("always", "reused")
 
 
 class ReuseFilter:
-    """How often each recent hash was looked up, in an LRU table of at most ``max_entries``."""
+    """How often each recent hash was looked up, in an LRU table of at most ``max_entries`` (a plain dict, least
+    recent first), and the set of those looked up at least ``REUSE_THRESHOLD`` times: what the tier admits."""
 
     def __init__(self, max_entries: int):
         self.max_entries = max_entries
-        self.counts: OrderedDict = OrderedDict()
+        self.counts: dict = {}
+        self.reused: set = set()
 
     def record(self, hashes) -> None:
+        """Count each of ``hashes`` in order: a known hash moves to the end, one more; a new one goes at the end
+        with 1, dropping the least recent entry when the table is full."""
         counts = self.counts
+        known = counts.keys() & hashes
+        # At most this many entries go (fewer if a new hash repeats), the least recent first. Unless one of them
+        # is a hash of this batch (the loop would drop it before its turn, then count it anew) or the batch
+        # would drop its own, the loop's result is reached at once, in C: each hash popped and put back last
+        # with one more (a repeat pops what its first occurrence put back), then the oldest entries dropped.
+        most_dropped = len(counts) + len(hashes) - len(known) - self.max_entries
+        if most_dropped > 0 and (most_dropped > len(counts) or not known.isdisjoint(islice(counts, most_dropped))):
+            self._record_one_by_one(hashes)
+            return
+        num_before = len(counts)
+        counts.update(zip(hashes, map((1).__add__, map(counts.pop, hashes, repeat(0)))))
+        if len(counts) - num_before != len(hashes) - len(known):  # a hash repeats: a new one may be reused now
+            known = set(hashes)
+        if len(counts) > self.max_entries:
+            dropped = list(islice(counts, len(counts) - self.max_entries))
+            deque(map(counts.__delitem__, dropped), 0)
+            self.reused.difference_update(dropped)
+        self.reused.update(block_hash for block_hash in known if counts[block_hash] >= REUSE_THRESHOLD)
+
+    def _record_one_by_one(self, hashes) -> None:
+        counts, reused = self.counts, self.reused
         for block_hash in hashes:
             if block_hash in counts:
-                counts.move_to_end(block_hash)
-                counts[block_hash] += 1
+                counts[block_hash] = counts.pop(block_hash) + 1
+                if counts[block_hash] >= REUSE_THRESHOLD:
+                    reused.add(block_hash)
             else:
                 if len(counts) >= self.max_entries:
-                    counts.popitem(last=False)
-                counts[block_hash] = 1
+                    oldest = next(iter(counts))
+                    del counts[oldest]
+                    reused.discard(oldest)
+                counts[block_hash] = 1  # never reused yet: REUSE_THRESHOLD is 2
 
     def admits(self, block_hash) -> bool:
-        return self.counts.get(block_hash, 0) >= REUSE_THRESHOLD
+        return block_hash in self.reused
 
 
 def check_offload_options(policy: str, admission: str) -> None:
@@ -407,7 +431,7 @@ def check_offload_options(policy: str, admission: str) -> None:
 # Speed: a GPU eviction hands the tier a batch of blocks, and ``offer`` takes it at once where the policy can name
 # every victim up front (``make_room``): admission, victims, slots, the index's fields and the moves are whole-list
 # operations, mostly in C. Where it cannot (a batch that would drop its own entries, an ARC ghost among the new
-# hashes), the batch is taken block by block (LRU: halved first); both give the same state, moves and reports
+# hashes), the batch is halved until it is (down to single blocks); both give the same state, moves and reports
 # (``tests/block_manager/test_offload_tier_at_once.py``).
 #
 # A *shared* tier (``make_shared_tier``; Mooncake's global store) serves several managers, a fleet's replicas:
@@ -427,7 +451,7 @@ class OffloadTier:
     def __init__(self, num_slots: int, ids: ContentIds, policy: str, admission: str):
         self.num_slots = num_slots
         self.index = PrefixIndex(num_slots, ids, name="CPU slot")
-        self.order = OFFLOAD_POLICIES[policy](num_slots)
+        self.order = OFFLOAD_POLICIES[policy](num_slots, self.index)
         self.filter = ReuseFilter(REUSE_ENTRIES_PER_SLOT * num_slots) if admission == "reused" else None
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out low slots first
         self.moves: list[tuple[str, int, int]] = []
@@ -463,10 +487,11 @@ class OffloadTier:
         hash the tier holds already is not stored twice (one slot per hash, like the GPU index)."""
         if self._offer_at_once(evicted):
             return
-        if len(evicted.slots) == 1 or not self.order.split_batches:
+        if len(evicted.slots) == 1:
             self._offer_one_by_one(evicted)
             return
-        # Each half on its own, in order, is the same as the loop over the whole: most of it goes at once still.
+        # Each half on its own, in order, is the same as the loop over the whole: most of it goes at once still,
+        # and ``victim`` (which walks past a dict's deleted slots) runs for single blocks only.
         half = len(evicted.slots) // 2
         self.offer(Evicted(*(column[:half] for column in evicted)))
         self.offer(Evicted(*(column[half:] for column in evicted)))
@@ -484,9 +509,10 @@ class OffloadTier:
         if held or self.filter is not None:
             if self.filter is None:
                 keep = [h not in cached for h in hashes]
-            else:  # ReuseFilter.admits, inlined: it runs for every block the GPU evicts
-                counts = self.filter.counts
-                keep = [h not in cached and counts.get(h, 0) >= REUSE_THRESHOLD for h in hashes]
+            else:
+                keep = list(map(self.filter.reused.__contains__, hashes))  # ReuseFilter.admits, in C
+                if held:
+                    keep = [admitted and h not in cached for admitted, h in zip(keep, hashes)]
                 if not any(keep):
                     return True
             gpus, hashes, contents, cids, parents = (list(compress(column, keep))
@@ -500,15 +526,21 @@ class OffloadTier:
             return False
         slots = free[len(free) - from_free:][::-1]  # what free.pop() would hand out, in that order
         del free[len(free) - from_free:]
-        registered = index.registered
-        for slot in slots:  # a victim's slot is registered already: cached again below
-            registered[slot] = True
         if victims:
             slots += map(cached.pop, victims)
             index.generation += 1  # a lookup's tier hits may be gone
         hash_of, content_of, parent_of, bytes_of = index.hash, index.content, index.parent_content, index.block_bytes
-        for slot, h, cid, parent, content in zip(slots, hashes, cids, parents, contents):
-            hash_of[slot], content_of[slot], parent_of[slot], bytes_of[slot] = h, cid, parent, content
+        first, end = slots[0], slots[0] + count
+        if slots[-1] == end - 1 and slots == list(range(first, end)):
+            # One run of slots, the usual case: the tier fills its slots in order and an LRU tier drops them in
+            # the order it filled them, until hits reorder it. Stored as slices, in C.
+            hash_of[first:end], content_of[first:end], parent_of[first:end] = hashes, cids, parents
+            bytes_of[first:end], index.registered[first:end] = contents, repeat(True, count)
+        else:
+            registered = index.registered
+            for slot, h, cid, parent, content in zip(slots, hashes, cids, parents, contents):
+                hash_of[slot], content_of[slot], parent_of[slot], bytes_of[slot] = h, cid, parent, content
+                registered[slot] = True
         cached.update(zip(hashes, slots))
         self.moves.extend(zip(repeat("offload"), gpus, slots))
         self.stats.offloaded_blocks += count

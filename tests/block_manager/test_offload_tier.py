@@ -2,12 +2,16 @@
 is promoted with a CPU -> GPU copy, verified like a GPU hit; failed calls change nothing; ARC and the reuse filter
 behave as vLLM's; KV events carry the medium; counters per tier."""
 
+import random
+from collections import OrderedDict
+
 import pytest
 from helpers import TierMoves, snapshot
 
 from kvlab import BlockManager, EvictionPolicy, InvalidArgumentError, OutOfBlocksError, Sequence
 from kvlab.blocks.events import BlockRemoved, BlockStored, CachedHashes
-from kvlab.blocks.tiers import ARCOrder, LRUOrder
+from kvlab.blocks.prefix_cache import PrefixIndex
+from kvlab.blocks.tiers import REUSE_THRESHOLD, ARCOrder, LRUOrder, ReuseFilter
 from kvlab.errors import EvictionPolicyError, InvariantViolation
 
 SYSTEM = [1, 2, 3, 4, 5, 6]  # a shared system prompt: three blocks of 2
@@ -166,12 +170,15 @@ def test_arc_moves_a_second_hit_to_t2_and_adapts_its_target_on_ghost_hits():
 
 
 def test_lru_drops_the_least_recently_used_entry_but_never_a_pinned_one():
-    lru = LRUOrder(capacity=3)
-    for h in "abc":
-        lru.insert(h)
+    index = PrefixIndex(3, name="CPU slot")
+    lru = LRUOrder(capacity=3, index=index)   # the order of the tier index's own map: the tier inserts and pops
+    for slot, h in enumerate("abc"):
+        index.cached[h] = slot
     lru.touch(["b", "a"])                     # a prompt's blocks, visited last to first: its first ends most recent
-    assert lru.resident() == ["c", "a", "b"]
-    assert lru.victim(pinned=frozenset({"c"})) == "a" and lru.victim(pinned=frozenset("cb")) is None
+    assert lru.resident() == ["c", "a", "b"] and index.cached == {"c": 2, "a": 0, "b": 1}
+    assert lru.victim(pinned=frozenset({"c"})) == "a" and lru.victim(pinned=frozenset("cab")) is None
+    lru.reorder(["b", "c", "a"])              # a learner's order: the same map, slots kept
+    assert list(index.cached.items()) == [("b", 1), ("c", 2), ("a", 0)]
 
 
 def test_tier_kv_events_carry_the_medium_and_rebuild_both_tiers():
@@ -241,3 +248,26 @@ def test_without_a_tier_nothing_changes():
     m.free(first)
     evict_everything(m)
     assert tier_moves.take() == [] and m.tier_stats is None and m.num_evictions == 3
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_reuse_filter_counts_as_vllms_lru_table(seed):
+    """Its whole-batch path (and the loop it falls back to) against an OrderedDict table as vLLM's
+    FilterReusedOffloadingManager keeps it: full tables, repeated hashes within a batch, old hashes near the front."""
+    rng = random.Random(seed)
+    table, reference = ReuseFilter(max_entries=rng.choice([1, 3, 8])), OrderedDict()
+    for _ in range(200):
+        hashes = [rng.randrange(12) for _ in range(rng.randrange(0, 10))]
+        if rng.random() < 0.7:
+            hashes = list(dict.fromkeys(hashes))  # a prompt's chained hashes are distinct but for collisions
+        table.record(hashes)
+        for h in hashes:
+            if h in reference:
+                reference.move_to_end(h)
+                reference[h] += 1
+            else:
+                if len(reference) >= table.max_entries:
+                    reference.popitem(last=False)
+                reference[h] = 1
+        assert list(table.counts.items()) == list(reference.items())
+        assert table.reused == {h for h, count in reference.items() if count >= REUSE_THRESHOLD}
