@@ -360,17 +360,20 @@ class ReuseFilter:
 
     def record(self, hashes) -> None:
         """Count each of ``hashes`` in order: a known hash moves to the end, one more; a new one goes at the end
-        with 1, dropping the least recent entry when the table is full."""
+        with 1, dropping the least recent entry when the table is full (vLLM's loop), done at once in C."""
         counts = self.counts
         known = counts.keys() & hashes
-        # At most this many entries go (fewer if a new hash repeats), the least recent first. Unless one of them
-        # is a hash of this batch (the loop would drop it before its turn, then count it anew) or the batch
-        # would drop its own, the loop's result is reached at once, in C: each hash popped and put back last
-        # with one more (a repeat pops what its first occurrence put back), then the oldest entries dropped.
+        # At most this many entries go (fewer if a new hash repeats), the least recent first. Where one of them is
+        # a hash of this batch (the loop would drop it before its turn, then count it anew), each half is
+        # recorded in turn, which is the same as the whole; a single hash always goes at once.
         most_dropped = len(counts) + len(hashes) - len(known) - self.max_entries
         if most_dropped > 0 and (most_dropped > len(counts) or not known.isdisjoint(islice(counts, most_dropped))):
-            self._record_one_by_one(hashes)
+            half = len(hashes) // 2
+            self.record(hashes[:half])
+            self.record(hashes[half:])
             return
+        # Each hash popped and put back last with one more (a repeat pops what its first occurrence put back),
+        # then the oldest entries dropped: none is a hash of this batch, which all moved to the end.
         num_before = len(counts)
         counts.update(zip(hashes, map((1).__add__, map(counts.pop, hashes, repeat(0)))))
         if len(counts) - num_before != len(hashes) - len(known):  # a hash repeats: a new one may be reused now
@@ -380,20 +383,6 @@ class ReuseFilter:
             deque(map(counts.__delitem__, dropped), 0)
             self.reused.difference_update(dropped)
         self.reused.update(block_hash for block_hash in known if counts[block_hash] >= REUSE_THRESHOLD)
-
-    def _record_one_by_one(self, hashes) -> None:
-        counts, reused = self.counts, self.reused
-        for block_hash in hashes:
-            if block_hash in counts:
-                counts[block_hash] = counts.pop(block_hash) + 1
-                if counts[block_hash] >= REUSE_THRESHOLD:
-                    reused.add(block_hash)
-            else:
-                if len(counts) >= self.max_entries:
-                    oldest = next(iter(counts))
-                    del counts[oldest]
-                    reused.discard(oldest)
-                counts[block_hash] = 1  # never reused yet: REUSE_THRESHOLD is 2
 
     def admits(self, block_hash) -> bool:
         return block_hash in self.reused

@@ -252,7 +252,7 @@ def test_without_a_tier_nothing_changes():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_the_reuse_filter_counts_as_vllms_lru_table(seed):
-    """Its whole-batch path (and the loop it falls back to) against an OrderedDict table as vLLM's
+    """Its whole-batch path (and the halves it splits a batch into) against an OrderedDict table as vLLM's
     FilterReusedOffloadingManager keeps it: full tables, repeated hashes within a batch, old hashes near the front."""
     rng = random.Random(seed)
     table, reference = ReuseFilter(max_entries=rng.choice([1, 3, 8])), OrderedDict()
