@@ -275,8 +275,8 @@ class ARCOrder:
 
     def touch(self, hashes) -> None:
         t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
-        asked = set(hashes)  # most hashes are in no list: the four lists are intersected with them in C first
-        known = (t1.keys() & asked) | (t2.keys() & asked) | (b1.keys() & asked) | (b2.keys() & asked)
+        # Most hashes are in no list: the four are intersected with them in C first.
+        known = (t1.keys() & hashes) | (t2.keys() & hashes) | (b1.keys() & hashes) | (b2.keys() & hashes)
         for block_hash in filter(known.__contains__, reversed(hashes)):
             if block_hash in t1:
                 del t1[block_hash]
