@@ -40,6 +40,9 @@ def replay_kvlab(token_lists, num_blocks: int, block_size: int, **tier) -> dict:
         manager.free(seq)
         blocks += seq.num_blocks
     cpu = time.process_time() - cpu_start
+    if not blocks:
+        raise SystemExit(f"--pools: no request of the {len(token_lists)} replayed fits a pool of {num_blocks} blocks "
+                         f"of {block_size} tokens; give larger pools")
     return dict(blocks=blocks, skipped=skipped, us_per_block=cpu / blocks * 1e6, hit_rate=manager.stats.hit_rate)
 
 
