@@ -196,7 +196,7 @@ class SwapSpace:
 #               at GPU eviction, so it counts every full block of every prompt ``allocate`` looks up (a block
 #               hit on the GPU was reused too).
 #
-# Both keep their lists in plain dicts (a use moves a hash to the end by taking it out and putting it back): a
+# The policies keep their lists in plain dicts (a use moves a hash to the end by taking it out and putting it back): a
 # batch goes through them in C. Every call but ``victim`` is O(1) per hash; ``victim`` walks past a dict's deleted
 # slots at its front, so it runs for single blocks only: ``make_room`` takes a batch of GPU evictions at once, and
 # a batch it refuses is halved. ``touch`` takes the hashes in prompt order and visits them last to first, as vLLM
