@@ -108,11 +108,14 @@ OFFLOAD, PROMOTE = "#e15759", "#59a14f"                 # arrow colours: GPU -> 
 # * **D**: another new prompt. The tier is full, so its replacement policy drops an entry to take in B's first
 #   block; blocks the tier already holds (a promoted block keeps its CPU copy) are not copied again.
 #
-# Each call returns the copies it made (`allocate(seq).tier_moves`): `("offload", gpu_block, cpu_slot)` and
-# `("promote", cpu_slot, gpu_block)`, in the order an engine must apply them, before the step's forward pass.
-# Each panel shows the pool right after one `allocate` (blue: in use; orange: free but cached), the tier
-# under it, and that call's copies as arrows (red: offload, green: promote). The labels name each block's
-# content by the request and block index that first computed it (`A0` is A's first block).
+# Each call returns the copies it made (`allocate(seq).tier_moves`) in batches of one kind,
+# `TierMove("offload", gpu_blocks, cpu_slots)` and `TierMove("promote", cpu_slots, gpu_blocks)` (`sources[i]` is
+# copied to `targets[i]`), in the order an engine must apply them, before the step's forward pass. An engine copies
+# a batch in one launch, as vLLM's offloading worker takes each transfer as a (source blocks, destination blocks)
+# pair (`TransferSpec` in `vllm/v1/kv_offload/worker/worker.py`). Each panel shows the pool right after one
+# `allocate` (blue: in use; orange: free but cached), the tier under it, and that call's copies, one arrow per
+# block (red: offload, green: promote). The labels name each block's content by the request and block index that
+# first computed it (`A0` is A's first block).
 
 # %%
 SYSTEM = list(range(100, 108))                 # two blocks of 4
@@ -126,7 +129,8 @@ steps = []
 for name, tokens in PROMPTS.items():
     before = [content.get(m.block_hash(b)) for b in range(m.num_blocks)]  # GPU contents before the call
     seq = Sequence(tokens, BS)
-    moves = m.allocate(seq).tier_moves
+    moves = [(kind, src, dst) for kind, sources, targets in m.allocate(seq).tier_moves  # one per block copied
+             for src, dst in zip(sources, targets)]
     for kind, src, dst in moves:               # an offload reads the GPU block before this call rewrote it
         if kind == "offload":
             tier[dst] = before[src]

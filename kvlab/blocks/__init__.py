@@ -15,15 +15,15 @@
     sequence.py         Sequence: a request's tokens, its keys (salt, adapter, images) and its progress
     tiers.py            the CPU tiers: the swap space and the offload tier of cached blocks (LRU, ARC)
     events.py           the event sink, the teaching Event log, vLLM's KV events and residency metrics
-    records.py          AllocStatus, Event, PrefixCacheStats, TierHitStats: the values calls hand out
+    records.py          AllocStatus, Event, TierMove, PrefixCacheStats, TierHitStats: the values calls hand out
     vllm_v0.py          BlockSpaceManager: vLLM V0's extra calls over a BlockManager
 """
 
 from kvlab.blocks.eviction import POLICIES, EvictionPolicy
 from kvlab.blocks.manager import Admitted, BlockCopies, BlockManager, HybridBlockManager, KVCacheManager, PrefixHit
-from kvlab.blocks.records import AllocStatus, Event, PrefixCacheStats
+from kvlab.blocks.records import AllocStatus, Event, PrefixCacheStats, TierMove
 from kvlab.blocks.sequence import Sequence, SequenceStatus
 
 __all__ = ["Admitted", "AllocStatus", "BlockCopies", "BlockManager", "Event", "EvictionPolicy",
            "HybridBlockManager", "KVCacheManager", "POLICIES", "PrefixCacheStats", "PrefixHit", "Sequence",
-           "SequenceStatus"]
+           "SequenceStatus", "TierMove"]

@@ -82,7 +82,8 @@ class PrefixHit(NamedTuple):
 
 class Admitted(NamedTuple):
     """What ``allocate`` did: the tokens hit, each group's new blocks, the offload tier's copies to apply
-    before the step's forward pass (``("promote", cpu_slot, gpu_block)``, ``("offload", gpu_block, cpu_slot)``),
+    before the step's forward pass (``TierMove("offload", gpu_blocks, cpu_slots)``, ``TierMove("promote", cpu_slots,
+    gpu_blocks)``, in order),
     the positions with slots now (the sequence's ``num_computed_tokens`` once scheduled: the hit and the first
     chunk) and a partial-block hit's source blocks (``prefix_match_unit``; ``copies`` to apply before the pass)."""
     num_cached_tokens: int

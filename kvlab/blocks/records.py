@@ -1,4 +1,5 @@
-"""Small value types the block manager hands out: admission answers, events and prefix-cache counters."""
+"""Small value types the block manager hands out: admission answers, events, the offload tier's copies and
+prefix-cache counters."""
 
 import enum
 from dataclasses import astuple, dataclass
@@ -24,6 +25,14 @@ class Event(NamedTuple):
     seq_id: Optional[int] = None
     block_id: Optional[int] = None
     other: Optional[int] = None
+
+
+class TierMove(NamedTuple):
+    """One batch of the offload tier's copies, in order: ``sources[i]`` is copied to ``targets[i]``. "offload":
+    GPU blocks to CPU slots; "promote": CPU slots to GPU blocks."""
+    kind: str
+    sources: list[int]
+    targets: list[int]
 
 
 @dataclass

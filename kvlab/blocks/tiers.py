@@ -7,7 +7,7 @@ from itertools import compress, filterfalse, islice, repeat
 from typing import Optional
 
 from kvlab.blocks.prefix_cache import ContentIds, Evicted, InternedContentIds, PrefixIndex, ROOT
-from kvlab.blocks.records import AllocStatus, TierHitStats
+from kvlab.blocks.records import AllocStatus, TierHitStats, TierMove
 from kvlab.errors import InvalidArgumentError, InvariantViolation, OutOfBlocksError
 from kvlab.validation import check_int
 
@@ -410,12 +410,15 @@ def check_offload_options(policy: str, admission: str) -> None:
 # checked against its bytes (tokens and keys) and the exact prefix before it, like a GPU hit, and the blocks
 # sealed after a promoted one chain to it.
 #
-# Copies are data for the engine: ``moves`` lists ``("offload", gpu_block, cpu_slot)`` and ``("promote", cpu_slot,
-# gpu_block)`` in the order made; the manager's call that made them returns them (``Admitted.tier_moves``,
-# ``BlockCopies.tier_moves``) and the queue is empty between calls. Applying them in that
-# order, before the moves the same call returns (copy-on-write, swap-in) and before the step's forward pass, is
-# always right: an offload reads a GPU block before anything of the call writes it, and a slot being promoted
-# by a call is never the victim of that call's offloads (``pinned``).
+# Copies are data for the engine: ``moves`` lists ``TierMove``s, batches of copies of one kind (GPU block -> CPU slot
+# for "offload", CPU slot -> GPU block for "promote", as vLLM's offloading worker takes a (source spec, destination
+# spec) pair of block lists per transfer); consecutive copies of one kind share a batch, so a call's batches do not
+# depend on how the tier split its work. The manager's call that made them returns them (``Admitted.tier_moves``,
+# ``BlockCopies.tier_moves``) and the list is empty between calls. Applying the copies in that order, before the
+# moves the same call returns (copy-on-write, swap-in) and before the step's forward pass, is always right: an
+# offload reads a GPU block before anything of the call writes it, and a slot being promoted by a call is never
+# the victim of that call's offloads (``pinned``). Within a batch a slot may be written twice (a tier smaller than
+# the batch reuses its slots): the later copy wins, so apply them in order (the engine's ``BlockMoves`` does).
 #
 # Speed: a GPU eviction hands the tier a batch of blocks, and ``offer`` takes it at once where the policy can name
 # every victim up front (``make_room``): admission, victims, slots, the index's fields and the moves are whole-list
@@ -443,7 +446,7 @@ class OffloadTier:
         self.order = OFFLOAD_POLICIES[policy](num_slots, self.index)
         self.filter = ReuseFilter(REUSE_ENTRIES_PER_SLOT * num_slots) if admission == "reused" else None
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out low slots first
-        self.moves: list[tuple[str, int, int]] = []
+        self.moves: list[TierMove] = []
         self.pinned: frozenset = frozenset()  # hashes the current call promotes: never its offloads' victims
         self.sink = None  # the manager's EventSink, None when nobody listens
         self.stats = TierHitStats()
@@ -531,7 +534,7 @@ class OffloadTier:
                 hash_of[slot], content_of[slot], parent_of[slot], bytes_of[slot] = h, cid, parent, content
                 registered[slot] = True
         cached.update(zip(hashes, slots))
-        self.moves.extend(zip(repeat("offload"), gpus, slots))
+        self._record("offload", gpus, slots)
         self.stats.offloaded_blocks += count
         sink = self.sink
         if sink is not None:
@@ -543,7 +546,7 @@ class OffloadTier:
 
     def _offer_one_by_one(self, evicted: Evicted) -> None:
         index, order, sink, admission, free = self.index, self.order, self.sink, self.filter, self._free
-        cached, moves, before = index.cached, self.moves, len(self.moves)
+        cached, sources, targets = index.cached, [], []
         # PrefixIndex.put of one entry, inlined: this loop runs for every block the GPU evicts.
         hash_of, content_of, parent_of, bytes_of = index.hash, index.content, index.parent_content, index.block_bytes
         registered = index.registered
@@ -564,10 +567,12 @@ class OffloadTier:
             cached[h] = slot
             registered[slot] = True
             order.insert(h)
-            moves.append(("offload", gpu, slot))
+            sources.append(gpu)
+            targets.append(slot)
             if sink is not None:
                 sink.offloaded(gpu, slot, h, content)
-        self.stats.offloaded_blocks += len(moves) - before
+        self._record("offload", sources, targets)
+        self.stats.offloaded_blocks += len(sources)
 
     def promote(self, pool, slots: list[int], blocks: list[int]) -> int:
         """Fill the fresh GPU ``blocks`` (popped by the caller's transaction) with the entries of ``slots``:
@@ -582,12 +587,23 @@ class OffloadTier:
             self.pinned = frozenset()
         pool.index.put(blocks, hashes, [index.block_bytes[s] for s in slots], [index.content[s] for s in slots],
                        [index.parent_content[s] for s in slots])
-        self.moves.extend(("promote", slot, block) for slot, block in zip(slots, blocks))
+        self._record("promote", slots, blocks)
         if self.sink is not None:
             self.sink.promoted(slots, blocks)
         return index.content[slots[-1]]
 
-    def take_moves(self) -> list[tuple[str, int, int]]:
+    def _record(self, kind: str, sources, targets) -> None:
+        """Copies to make, after those recorded before: they join the last batch if it is of the same kind."""
+        if not sources:
+            return
+        moves = self.moves
+        if moves and moves[-1].kind == kind:
+            moves[-1].sources.extend(sources)
+            moves[-1].targets.extend(targets)
+        else:
+            moves.append(TierMove(kind, list(sources), list(targets)))  # copies: the caller may keep its lists
+
+    def take_moves(self) -> list[TierMove]:
         moves, self.moves = self.moves, []
         return moves
 

@@ -184,9 +184,10 @@ class StepBuilder(_EntriesView):
             self.moves.add("copy", admitted.copies)
 
     def record_tier_moves(self, tier_moves) -> None:
-        """The offload tier's copies a manager call returned, in order (``Admitted.tier_moves`` of ``allocate``)."""
-        for kind, src, dst in tier_moves:
-            self.moves.add(kind, [(src, dst)])
+        """The offload tier's copies a manager call returned, batches in order (``Admitted.tier_moves`` of
+        ``allocate``: ``TierMove``s)."""
+        for kind, sources, targets in tier_moves:
+            self.moves.add(kind, zip(sources, targets))
 
     def add(self, manager, seq: Sequence, start: int, *, prefill: bool, drafts: tuple[int, ...] = ()) -> SeqStep:
         """Put ``seq`` in the step from position ``start`` to its progress counter, its slots already given by

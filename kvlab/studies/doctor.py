@@ -225,9 +225,9 @@ class HitDoctor:
     def _follow_tier(self, seq, hashes, tier_moves) -> None:
         """Which hashes the offload tier ever took in (its moves name GPU blocks)."""
         gpu_hash = self._gpu_hash
-        for move, gpu_block, _ in tier_moves:
-            if move == "offload" and gpu_block in gpu_hash:
-                self._offloaded.add(gpu_hash[gpu_block])
+        for move in tier_moves:
+            if move.kind == "offload":
+                self._offloaded.update(gpu_hash[block] for block in move.sources if block in gpu_hash)
         gpu_hash.update(zip(self.manager.block_tables(seq)[0], hashes))
 
 

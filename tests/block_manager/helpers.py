@@ -28,7 +28,8 @@ def grow(manager: BlockManager, seq: Sequence, tokens) -> list:
 
 class TierMoves:
     """The offload tier's copies that ``manager``'s calls return (``Admitted.tier_moves``, ``BlockCopies.tier_moves``),
-    collected in order, so a test reads them in batches with ``take()``."""
+    collected in order, so a test reads them with ``take()``: one ``(kind, source, target)`` per block copied (or
+    the ``TierMove`` batches the calls returned, with ``batches=True``)."""
 
     def __init__(self, manager):
         self.moves = []
@@ -42,6 +43,8 @@ class TierMoves:
             return result
         return recorded
 
-    def take(self) -> list:
+    def take(self, batches: bool = False) -> list:
         moves, self.moves = self.moves, []
-        return moves
+        if batches:
+            return moves
+        return [(kind, src, dst) for kind, sources, targets in moves for src, dst in zip(sources, targets)]

@@ -10,6 +10,7 @@ from helpers import TierMoves, snapshot
 
 from kvlab import BlockManager, EvictionPolicy, InvalidArgumentError, OutOfBlocksError, Sequence
 from kvlab.blocks.events import BlockRemoved, BlockStored, CachedHashes
+from kvlab.blocks import TierMove
 from kvlab.blocks.prefix_cache import PrefixIndex
 from kvlab.blocks.tiers import REUSE_THRESHOLD, ARCOrder, LRUOrder, ReuseFilter
 from kvlab.errors import EvictionPolicyError, InvariantViolation
@@ -54,6 +55,22 @@ def test_an_evicted_prompt_is_offloaded_then_promoted_back_with_copies_in_order(
     assert third.block_table[:3] == again.block_table[:3]
     assert "promote" not in {kind for kind, _, _ in tier_moves.take()}
     assert m.tier_stats.gpu_hit_blocks == 3
+
+
+def test_a_call_returns_its_tier_copies_in_batches_one_per_run_of_a_kind():
+    m = BlockManager(5, block_size=2, num_offload_blocks=4)
+    first = Sequence(SYSTEM + [8], 2)
+    m.allocate(first)
+    m.free(first)
+    other = Sequence([7] * 9, 2)
+    assert m.allocate(other).tier_moves == [TierMove("offload", [2, 1, 0], [0, 1, 2])]  # the LRU order of free
+    m.free(other)
+    moves = m.allocate(Sequence(SYSTEM + [9], 2)).tier_moves
+    # Room for the promotions offloads two of other's blocks; the tier's one unpinned slot takes both in turn (the
+    # later copy wins: applied in order); the last offload reuses a slot just promoted from.
+    assert moves == [TierMove("offload", [1, 2], [3, 3]), TierMove("promote", [2, 1, 0], [0, 1, 2]),
+                     TierMove("offload", [3], [0])]
+    m.check_invariants()
 
 
 def test_a_tier_hit_is_verified_like_a_gpu_hit_bytes_keys_and_parent():
@@ -112,7 +129,8 @@ class FailingOnPop(EvictionPolicy):
 
 def _tier_state(m):
     tier = m._tier
-    return (list(tier.index.cached.items()), tier.order.resident(), tier.num_free, list(tier.moves),
+    return (list(tier.index.cached.items()), tier.order.resident(), tier.num_free,
+            [(move.kind, list(move.sources), list(move.targets)) for move in tier.moves],
             vars(m.tier_stats).copy())
 
 

@@ -1,5 +1,6 @@
 """The offload tier's whole-batch path (``OffloadTier._offer_at_once``) against its one-by-one loop: on random
-workloads, every call leaves both tiers in the same state, with the same moves and the same events."""
+workloads, every call leaves both tiers in the same state, with the same moves (in the same batches) and the
+same events."""
 
 import random
 
@@ -17,7 +18,7 @@ def tier_state(m, moves):
               order.target_t1) if hasattr(order, "t1") else (order.resident(),)
     return (list(index.cached.items()), index.hash, index.content, index.parent_content, index.block_bytes,
             index.registered, tier._free, policy, list(tier.filter.counts.items()) if tier.filter else None,
-            vars(tier.stats), moves.take(), [(e.kind, e.block_id, e.other) for e in m.events])
+            vars(tier.stats), moves.take(batches=True), [(e.kind, e.block_id, e.other) for e in m.events])
 
 
 def one_by_one(self, evicted):

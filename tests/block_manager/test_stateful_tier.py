@@ -29,12 +29,16 @@ class TierMachine(ManagerMachine):
         self.tier_moves = TierMoves(self.manager)  # the tier's copies each call returns
 
     def _apply_tier_moves(self):
-        for kind, src, dst in self.tier_moves.take():
+        batches = self.tier_moves.take(batches=True)
+        # Each batch is one kind's copies in order, consecutive copies of one kind always in one batch.
+        assert all(a.kind != b.kind for a, b in zip(batches, batches[1:])), batches
+        for kind, sources, targets in batches:
+            assert sources and len(sources) == len(targets), (sources, targets)
             if kind == "offload":
-                PoolRules._copy(self, self.gpu, self.tier, [(src, dst)])
+                PoolRules._copy(self, self.gpu, self.tier, zip(sources, targets))
             else:
                 assert kind == "promote", kind
-                PoolRules._copy(self, self.tier, self.gpu, [(src, dst)])
+                PoolRules._copy(self, self.tier, self.gpu, zip(sources, targets))
 
     def _allocate(self, token_ids, data=None, **keys):
         self.prompts.append((list(token_ids), keys))

@@ -11,7 +11,8 @@ import pytest
 from engine_helpers import BLOCK_SIZE, hf_greedy, make_llm, save_tiny_model
 from kvlab.blocks.sequence import Sequence
 from kvlab.engine import SamplingParams
-from kvlab.engine.step import SeqStep
+from kvlab.blocks import TierMove
+from kvlab.engine.step import SeqStep, StepBuilder
 
 QUERIES = ("num_scheduled_tokens", "get_block_table", "slot_mapping", "block_tables", "slot_mappings")
 
@@ -158,3 +159,13 @@ def test_the_runner_tables_follow_a_sliding_window(tmp_path):
     window = [spec.sliding_window for spec in llm.block_manager.groups].index(8)
     window_edits = [entry.table_edits[window] for step in steps for entry in step.entries]
     assert sum(checked) > 10 and any(edit.blocks[:1] == (0,) and edit.start > 0 for edit in window_edits)
+
+
+def test_a_step_applies_the_tier_batches_in_order_never_writing_a_block_twice_in_one_launch():
+    # A tier smaller than a batch reuses a slot within it (the later copy wins): two launches, in order.
+    step = StepBuilder("prefill")
+    step.record_tier_moves([TierMove("offload", [1, 2], [3, 3]), TierMove("promote", [2, 1, 0], [0, 1, 2]),
+                            TierMove("offload", [3], [0])])
+    assert [(kind, pairs) for kind, pairs, _, _ in step.moves.rounds] == [
+        ("offload", [(1, 3)]), ("offload", [(2, 3)]), ("promote", [(2, 0), (1, 1), (0, 2)]), ("offload", [(3, 0)])]
+    assert step.moves.counts["offload"] == 3 and step.moves.counts["promote"] == 3
