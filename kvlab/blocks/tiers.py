@@ -306,10 +306,10 @@ class ARCOrder:
             return None
         for resident_list, ghosts, dropped in ((t2, b2, victims[:from_t2]), (t1, b1, victims[from_t2:])):
             deque(map(resident_list.__delitem__, dropped), 0)
-            ghosts.update(dict.fromkeys(dropped))
+            ghosts.update(zip(dropped, repeat(None)))  # no temporary dict: one insertion per hash
             if len(ghosts) > self.capacity:  # the oldest ghosts go, as one popped per victim would
                 deque(map(ghosts.__delitem__, list(islice(ghosts, len(ghosts) - self.capacity))), 0)
-        t1.update(dict.fromkeys(hashes))
+        t1.update(zip(hashes, repeat(None)))
         return victims
 
     def victim(self, pinned) -> object:
