@@ -48,7 +48,7 @@ from kvlab.blocks.group_manager import NULL_BLOCK, CrossTable, GroupManager, che
     least_peak_blocks
 from kvlab.blocks.kv_cache_groups import check_group_specs, spec_for
 from kvlab.blocks.prefix_cache import ROOT, PrefixIndex, UnitPrefixIndex, prompt_blocks
-from kvlab.blocks.records import AllocStatus, PrefixCacheStats
+from kvlab.blocks.records import AllocStatus, PrefixCacheStats, TierMove
 from kvlab.blocks.sequence import Sequence, SequenceStatus, check_block_size, copy_tokens
 from kvlab.blocks.tiers import SwapSpace, check_offload_options, is_shared, make_tier
 from kvlab.errors import InvalidArgumentError, InvariantViolation, OutOfBlocksError, SequenceStateError
@@ -88,7 +88,7 @@ class Admitted(NamedTuple):
     chunk) and a partial-block hit's source blocks (``prefix_match_unit``; ``copies`` to apply before the pass)."""
     num_cached_tokens: int
     new_blocks: tuple
-    tier_moves: list
+    tier_moves: list[TierMove]
     num_computed_tokens: int
     partial: tuple = ()  # per group: the block the partial hit's units are copied from, or ()
 
