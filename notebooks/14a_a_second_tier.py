@@ -110,7 +110,7 @@ OFFLOAD, PROMOTE = "#e15759", "#59a14f"                 # arrow colours: GPU -> 
 #
 # Each call returns the copies it made (`allocate(seq).tier_moves`) in batches of one kind,
 # `TierMove("offload", gpu_blocks, cpu_slots)` and `TierMove("promote", cpu_slots, gpu_blocks)` (`sources[i]` is
-# copied to `targets[i]`), in the order an engine must apply them, before the step's forward pass. An engine copies
+# copied to `targets[i]`), in the order an engine must apply them, before the step's forward pass. An engine can copy
 # a batch in one launch, as vLLM's offloading worker takes each transfer as a (source blocks, destination blocks)
 # pair (`TransferSpec` in `vllm/v1/kv_offload/worker/worker.py`). Each panel shows the pool right after one
 # `allocate` (blue: in use; orange: free but cached), the tier under it, and that call's copies, one arrow per
