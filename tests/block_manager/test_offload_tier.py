@@ -9,8 +9,8 @@ import pytest
 from helpers import TierMoves, snapshot
 
 from kvlab import BlockManager, EvictionPolicy, InvalidArgumentError, OutOfBlocksError, Sequence
-from kvlab.blocks.events import BlockRemoved, BlockStored, CachedHashes
 from kvlab.blocks import TierMove
+from kvlab.blocks.events import BlockRemoved, BlockStored, CachedHashes
 from kvlab.blocks.prefix_cache import PrefixIndex
 from kvlab.blocks.tiers import REUSE_THRESHOLD, ARCOrder, LRUOrder, ReuseFilter
 from kvlab.errors import EvictionPolicyError, InvariantViolation

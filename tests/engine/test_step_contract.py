@@ -9,9 +9,9 @@ import random
 import pytest
 
 from engine_helpers import BLOCK_SIZE, hf_greedy, make_llm, save_tiny_model
+from kvlab.blocks import TierMove
 from kvlab.blocks.sequence import Sequence
 from kvlab.engine import SamplingParams
-from kvlab.blocks import TierMove
 from kvlab.engine.step import SeqStep, StepBuilder
 
 QUERIES = ("num_scheduled_tokens", "get_block_table", "slot_mapping", "block_tables", "slot_mappings")
