@@ -521,19 +521,15 @@ class OffloadTier:
         if victims:
             slots += map(cached.pop, victims)
             index.generation += 1  # a lookup's tier hits may be gone
-        hash_of, content_of, parent_of, bytes_of = index.hash, index.content, index.parent_content, index.block_bytes
         first, end = slots[0], slots[0] + count
         if slots[-1] == end - 1 and slots == list(range(first, end)):
             # One run of slots, the usual case: the tier fills its slots in order and an LRU tier drops them in
             # the order it filled them, until hits reorder it. Stored as slices, in C.
-            hash_of[first:end], content_of[first:end], parent_of[first:end] = hashes, cids, parents
-            bytes_of[first:end], index.registered[first:end] = contents, repeat(True, count)
+            index.hash[first:end], index.content[first:end], index.parent_content[first:end] = hashes, cids, parents
+            index.block_bytes[first:end], index.registered[first:end] = contents, repeat(True, count)
+            cached.update(zip(hashes, slots))
         else:
-            registered = index.registered
-            for slot, h, cid, parent, content in zip(slots, hashes, cids, parents, contents):
-                hash_of[slot], content_of[slot], parent_of[slot], bytes_of[slot] = h, cid, parent, content
-                registered[slot] = True
-        cached.update(zip(hashes, slots))
+            index.put(slots, hashes, contents, cids, parents)  # registers each: none is held (skipped above)
         self._record("offload", gpus, slots)
         self.stats.offloaded_blocks += count
         sink = self.sink
