@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from itertools import groupby
 from typing import NamedTuple, Optional
 
-from kvlab.blocks.prefix_cache import ROOT, UnitPrefixIndex, block_hashes, hashes_to_seal, sealed_through
+from kvlab.blocks.prefix_cache import NO_CONTENT, ROOT, UnitPrefixIndex, block_hashes, hashes_to_seal, sealed_through
 from kvlab.blocks.sequence import Sequence
 from kvlab.errors import InvalidArgumentError, InvariantViolation, SequenceStateError
 from kvlab.validation import check_int
@@ -534,7 +534,10 @@ class GroupManager:
 
     def _check_partial(self, alloc) -> None:
         """Every partial entry of a block this sequence holds is a run of the sequence's own tokens in that
-        block, after the content of the block before it: else a partial hit would copy someone else's K/V."""
+        block, after the content of the block before it: else a partial hit would copy someone else's K/V. A block
+        before it that holds no sealed content (swapped back in, so not re-registered) does not name the prefix:
+        then the block's own sealed parent does (another sequence sharing the block indexed its units after it), or,
+        the block unsealed too, the parent is not checked (as in ``_check_sealed``)."""
         seq, bs, index = alloc.seq, self.block_size, self.pool.index
         tokens, keys = memoryview(seq.token_array), seq.key_bytes or {}
         for i in range(alloc.num_released, len(alloc.table)):
@@ -544,7 +547,10 @@ class GroupManager:
             group, parent, suffix, held, _ = entry
             own = tokens[i * bs:i * bs + len(held) // 8].tobytes()
             before = index.content[alloc.table[i - 1]] if i else ROOT
-            if group != self.group or own != held or suffix != self.own_keys(keys, i) or parent != before:
+            if before == NO_CONTENT:
+                before = index.parent_content[alloc.table[i]]
+            if group != self.group or own != held or suffix != self.own_keys(keys, i) or \
+                    before not in (NO_CONTENT, parent):
                 _fail(f"sequence {seq.seq_id}: block {i} (GPU block {alloc.table[i]}) is findable by units that are "
                       "not the sequence's own tokens after its own prefix")
 

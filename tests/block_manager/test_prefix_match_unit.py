@@ -141,6 +141,36 @@ def test_the_invariant_checker_reads_partial_entries():
         manager.check_invariants()
 
 
+def test_units_indexed_after_a_block_swapped_back_in_chain_after_its_content():
+    """A sequence swapped back in holds its blocks again without sealed content (not re-registered), yet the block
+    it seals next chains after its prefix's content. Another sequence that hits that block indexes its units after
+    the same content: sound (a hit copies the right K/V), and the checker, which finds no content in the block
+    before, checks the entry's parent against the block's own sealed parent instead."""
+    manager = BlockManager(24, 4, num_cpu_blocks=12, prefix_match_unit=1)
+    first = Sequence([1, 2, 3, 1, 2], 4)
+    manager.allocate(first)
+    manager.swap_out(first)
+    manager.swap_in(first)
+    for token in (0, 0, 0, 5):  # seals [2, 0, 0, 0] after the swapped-in [1, 2, 3, 1]
+        first.append_token(token)
+        manager.append_slots(first)
+    second = Sequence([1, 2, 3, 1, 2, 0, 0, 0, 9], 4)
+    manager.allocate(second)
+    shared = first.block_table[1]
+    assert second.num_cached_tokens == 8 and second.block_table[1] == shared
+    second.append_token(4)
+    manager.append_slots(second)  # indexes the units of second's blocks, the shared one included
+    manager.check_invariants()
+    third = Sequence([1, 2, 3, 1, 2, 0, 7], 4)
+    hit = manager.lookup(third)
+    assert (hit.num_tokens, hit.partial) == (6, (shared,))  # [2, 0] found in the shared block, after [1, 2, 3, 1]
+    index = manager._pool.index
+    group, parent, suffix, held, owned = index.partial_of[shared]
+    index.partial_of[shared] = (group, parent + 1, suffix, held, owned)  # after another prefix than the block's
+    with pytest.raises(InvariantViolation, match=f"sequence {first.seq_id}: block 1"):
+        manager.check_invariants()
+
+
 @pytest.mark.parametrize("options, match", [
     (dict(block_size=8, prefix_match_unit=3), "must divide"),
     (dict(block_size=8, prefix_match_unit=16), "prefix_match_unit"),
