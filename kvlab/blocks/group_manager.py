@@ -547,7 +547,7 @@ class GroupManager:
             group, parent, suffix, held, _ = entry
             own = tokens[i * bs:i * bs + len(held) // 8].tobytes()
             before = index.content[alloc.table[i - 1]] if i else ROOT
-            if before == NO_CONTENT:
+            if before == NO_CONTENT and index.content[alloc.table[i]] > ROOT:  # (unsealed, its parent_content is stale)
                 before = index.parent_content[alloc.table[i]]
             if group != self.group or own != held or suffix != self.own_keys(keys, i) or \
                     before not in (NO_CONTENT, parent):
